@@ -1,0 +1,199 @@
+"""The draft model: one prefill plus a short greedy look-ahead, with query/key capture.
+
+The draft runs its normal SDPA attention. A function registered in transformers' attention
+registry wraps SDPA and, while a capture is active, records each layer's post-RoPE prompt
+keys (at prefill) and the post-RoPE query of the newest token (at prefill and at every
+look-ahead step). No N×N matrix is ever built: scoring needs only the L query rows per
+layer and head.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import scoring
+from .config import DraftConfig
+from .types import TokenScores
+
+__all__ = ["CAPTURE_ATTENTION", "DraftCapture", "DraftModel"]
+
+CAPTURE_ATTENTION = "specprefill_sdpa"  # name of our entry in transformers' attention registry
+
+
+@dataclass(frozen=True)
+class DraftCapture:
+    """Post-RoPE tensors recorded during one draft run, one entry per layer."""
+
+    queries: tuple[torch.Tensor, ...]  # per layer (heads, lookahead, head_dim)
+    keys: tuple[torch.Tensor, ...]  # per layer (kv_heads, n_prompt, head_dim)
+    scaling: tuple[float, ...]  # per layer softmax scale
+    lookahead_token_ids: tuple[int, ...]  # the L - 1 greedy tokens the draft produced
+
+
+class _Recorder:
+    def __init__(self, n_prompt: int) -> None:
+        self.n_prompt = n_prompt
+        self.queries: dict[int, list[torch.Tensor]] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        self.scaling: dict[int, float] = {}
+
+    def record(self, module: Any, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+        # query (batch=1, heads, q_len, head_dim); key (1, kv_heads, cached + q_len, head_dim)
+        layer = int(module.layer_idx)
+        if layer not in self.keys:
+            self.keys[layer] = key[0, :, : self.n_prompt].detach()
+            self.scaling[layer] = float(scaling if scaling is not None else module.scaling)
+            self.queries[layer] = []
+        self.queries[layer].append(query[0, :, -1:].detach())
+
+    def capture(self, lookahead_ids: list[int]) -> DraftCapture:
+        layers = sorted(self.keys)
+        if not layers:
+            raise RuntimeError(
+                f"no attention was captured: the draft must use attn_implementation={CAPTURE_ATTENTION!r}"
+            )
+        return DraftCapture(
+            queries=tuple(torch.cat(self.queries[i], dim=1) for i in layers),
+            keys=tuple(self.keys[i] for i in layers),
+            scaling=tuple(self.scaling[i] for i in layers),
+            lookahead_token_ids=tuple(lookahead_ids),
+        )
+
+
+_RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
+    "specprefill_recorder", default=None
+)
+
+
+def _capture_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    recorder = _RECORDER.get()
+    if recorder is not None:
+        recorder.record(module, query, key, kwargs.get("scaling"))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
+    AttentionMaskInterface.register(CAPTURE_ATTENTION, sdpa_mask)
+
+
+@contextmanager
+def _recording(recorder: _Recorder) -> Iterator[None]:
+    token = _RECORDER.set(recorder)
+    try:
+        yield
+    finally:
+        _RECORDER.reset(token)
+
+
+class DraftModel:
+    """A small causal LM that scores prompt tokens for SpecPrefill.
+
+    Works with any transformers decoder whose attention modules carry ``layer_idx`` and go
+    through the attention registry (Llama, Qwen2, Mistral, ... families). The model is switched
+    to the capturing SDPA wrapper, which behaves exactly like SDPA outside a capture.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, config: DraftConfig | None = None) -> None:
+        _register()
+        model.set_attn_implementation(CAPTURE_ATTENTION)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config or DraftConfig()
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str, config: DraftConfig | None = None, *,
+        dtype: torch.dtype = torch.float32, device: str = "cpu",
+    ) -> DraftModel:
+        """Load a draft by packaged short name, HF directory or GGUF path (see ``models``)."""
+        from .models import load_model
+
+        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
+        return cls(model, tokenizer, config)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.inference_mode()
+    def capture(self, token_ids: torch.Tensor, lookahead: int | None = None) -> DraftCapture:
+        """Prefill ``token_ids`` (n_prompt,) and greedily decode ``lookahead - 1`` tokens,
+        recording post-RoPE queries of the last prompt token and each look-ahead token."""
+        lookahead = self.config.lookahead if lookahead is None else lookahead
+        n = int(token_ids.numel())
+        if n == 0:
+            raise ValueError("cannot score an empty prompt")
+        if n + lookahead - 1 > self.max_context:
+            raise ValueError(
+                f"prompt of {n} tokens plus {lookahead - 1} look-ahead tokens exceeds the draft "
+                f"model's window of {self.max_context}: shorten the context or use a draft "
+                "with a longer window"
+            )
+        recorder = _Recorder(n)
+        ids = token_ids.to(self.device, torch.int64).reshape(1, n)
+        lookahead_ids: list[int] = []
+        with _recording(recorder):
+            out = self.model(
+                input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1
+            )
+            cache = out.past_key_values
+            for step in range(lookahead - 1):
+                token = int(out.logits[0, -1].argmax())
+                lookahead_ids.append(token)
+                out = self.model(
+                    input_ids=torch.tensor([[token]], device=self.device),
+                    attention_mask=torch.ones(1, n + step + 1, dtype=torch.int64, device=self.device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+        return recorder.capture(lookahead_ids)
+
+    def _layer_indices(self, n_layers: int) -> list[int]:
+        layers = self.config.layers
+        if layers == "all":
+            return list(range(n_layers))
+        if layers == "upper_half":
+            return list(range(n_layers // 2, n_layers))
+        bad = [i for i in layers if i >= n_layers]
+        if bad:
+            raise ValueError(f"draft has {n_layers} layers; layer indices {bad} do not exist")
+        return sorted(set(layers))
+
+    @torch.inference_mode()
+    def score(self, token_ids: torch.Tensor) -> TokenScores:
+        """Importance of every prompt token, (n_prompt,) float32 on the CPU."""
+        start = time.perf_counter()
+        cap = self.capture(token_ids)
+        per_layer = torch.stack(
+            [
+                scoring.layer_maxima(cap.queries[i], cap.keys[i], cap.scaling[i], self.config.pool_kernel)
+                for i in self._layer_indices(len(cap.keys))
+            ]
+        )  # (layers, lookahead, n_prompt)
+        scores = scoring.importance(per_layer).cpu()
+        return TokenScores(
+            scores=scores,
+            lookahead_token_ids=cap.lookahead_token_ids,
+            seconds=time.perf_counter() - start,
+        )

@@ -1,0 +1,156 @@
+"""Segments → chat-templated text → token ids with segment map, protected mask and offsets.
+
+The user message is laid out as::
+
+    Context:
+    [1]
+    <passage 1>
+
+    [2]
+    <passage 2>
+
+    Question: <question>
+
+Passage headers, separators and the chat template's own text are *template* tokens
+(segment index -1) and are always kept; so are the question, the instructions (by default)
+and the last few tokens. Only passage/context text is prunable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .types import AssembledPrompt, Passage, Segment, SegmentKind
+
+__all__ = ["build_segments", "assemble", "render"]
+
+
+def build_segments(
+    question: str, passages: Sequence[Passage | str], instructions: str | None = None
+) -> tuple[Segment, ...]:
+    """The segments of a RAG prompt: instructions, passages in order, then the question."""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("the question is empty: pass the user's question as a non-empty string")
+    items = [p if isinstance(p, Passage) else Passage(text=p) for p in passages]
+    if not any(p.text.strip() for p in items):
+        raise ValueError(
+            "the context is empty: pass at least one non-empty passage "
+            "(did the retriever return nothing?)"
+        )
+    segments: list[Segment] = []
+    if instructions and instructions.strip():
+        segments.append(Segment(SegmentKind.INSTRUCTIONS, instructions.strip()))
+    for number, p in enumerate(items, start=1):
+        if p.text.strip():
+            pid = p.id if p.id is not None else str(number)
+            segments.append(Segment(SegmentKind.PASSAGE, p.text.strip(), pid, p.metadata))
+    segments.append(Segment(SegmentKind.QUESTION, question.strip()))
+    return tuple(segments)
+
+
+def _user_content(segments: Sequence[Segment]) -> tuple[str, list[tuple[int, int, int]]]:
+    """User message text and (segment index, start, end) character spans inside it."""
+    parts: list[str] = []
+    spans: list[tuple[int, int, int]] = []
+    length = 0
+
+    def add(text: str, segment: int | None = None) -> None:
+        nonlocal length
+        if segment is not None:
+            spans.append((segment, length, length + len(text)))
+        parts.append(text)
+        length += len(text)
+
+    context = [i for i, s in enumerate(segments) if s.prunable]
+    if context:
+        add("Context:\n")
+        for number, i in enumerate(context, start=1):
+            if segments[i].kind is SegmentKind.PASSAGE:
+                add(f"[{number}]\n")
+            add(segments[i].text, i)
+            add("\n\n")
+    for i, s in enumerate(segments):
+        if s.kind is SegmentKind.QUESTION:
+            add("Question: ")
+            add(s.text, i)
+    return "".join(parts).rstrip("\n"), spans
+
+
+def render(tokenizer: Any, segments: Sequence[Segment]) -> tuple[str, list[tuple[int, int, int]], bool]:
+    """Full prompt text, segment character spans in it, and whether a chat template was used."""
+    user, user_spans = _user_content(segments)
+    system = "\n\n".join(s.text for s in segments if s.kind is SegmentKind.INSTRUCTIONS)
+    system_index = [i for i, s in enumerate(segments) if s.kind is SegmentKind.INSTRUCTIONS]
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": user}]
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        chat = True
+    else:
+        text = f"{system}\n\n{user}\nAnswer:" if system else f"{user}\nAnswer:"
+        chat = False
+    spans: list[tuple[int, int, int]] = []
+    if system:
+        at = text.find(system)
+        if at < 0:
+            raise ValueError("the chat template rewrote the instructions; cannot locate them")
+        # Several instruction segments are joined; only the first gets a precise span.
+        spans.append((system_index[0], at, at + len(system)))
+    at = text.find(user)
+    if at < 0:
+        raise ValueError("the chat template rewrote the user message; cannot locate segments")
+    spans.extend((i, at + a, at + b) for i, a, b in user_spans)
+    return text, spans, chat
+
+
+def assemble(
+    tokenizer: Any,
+    segments: Sequence[Segment],
+    *,
+    protect_instructions: bool = True,
+    protect_tail_tokens: int = 8,
+) -> AssembledPrompt:
+    """Render ``segments`` with the tokenizer's chat template and tokenize with bookkeeping.
+
+    Needs a fast tokenizer (character offsets). Template tokens, the question, the
+    instructions (unless ``protect_instructions`` is False) and the last
+    ``protect_tail_tokens`` tokens are marked protected.
+    """
+    segments = tuple(segments)
+    if not any(s.text.strip() for s in segments):
+        raise ValueError("the prompt is empty: pass a question and at least one passage")
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; "
+            "load the fast one (AutoTokenizer.from_pretrained(..., use_fast=True))"
+        )
+    text, spans, chat = render(tokenizer, segments)
+    encoded = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
+    token_ids = torch.tensor(encoded["input_ids"], dtype=torch.int64)
+    offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.int64).reshape(-1, 2)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    segment_index = torch.full_like(token_ids, -1)
+    for index, a, b in spans:
+        inside = (starts >= a) & (ends <= b) & (ends > starts)
+        segment_index[inside] = index
+    protected = segment_index < 0
+    for index, segment in enumerate(segments):
+        keep = segment.kind is SegmentKind.QUESTION or (
+            segment.kind is SegmentKind.INSTRUCTIONS and protect_instructions
+        )
+        if keep:
+            protected |= segment_index == index
+    if protect_tail_tokens:
+        protected[-protect_tail_tokens:] = True
+    return AssembledPrompt(
+        text=text,
+        token_ids=token_ids,
+        segment_index=segment_index,
+        protected=protected,
+        offsets=offsets,
+        segments=segments,
+    )

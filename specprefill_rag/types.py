@@ -1,0 +1,159 @@
+"""Typed values that flow through the pipeline: prompt segments, plans and results.
+
+Data flow: ``Segment`` list → ``AssembledPrompt`` → ``TokenScores`` → ``PrefillPlan`` →
+backend → ``GenerationResult``. Everything here is plain data; no model code.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+class SegmentKind(str, enum.Enum):
+    """What a piece of the prompt is; decides whether selection may prune it."""
+
+    INSTRUCTIONS = "instructions"  # system prompt: protected by default
+    PASSAGE = "passage"  # a retrieved passage: prunable
+    CONTEXT = "context"  # free-form context without passage structure: prunable
+    QUESTION = "question"  # the user query: always protected
+
+
+@dataclass(frozen=True)
+class Passage:
+    """A retrieved passage: its text, a stable id and free-form metadata (source, score, ...)."""
+
+    text: str
+    id: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One logical piece of a RAG prompt, before the chat template is applied."""
+
+    kind: SegmentKind
+    text: str
+    id: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+
+    @property
+    def prunable(self) -> bool:
+        return self.kind in (SegmentKind.PASSAGE, SegmentKind.CONTEXT)
+
+
+@dataclass(frozen=True)
+class AssembledPrompt:
+    """A rendered, tokenized prompt with per-token bookkeeping.
+
+    ``segment_index[i]`` is the index into ``segments`` of the segment token ``i`` belongs to,
+    or -1 for template text (role markers, special tokens, separators). ``protected[i]`` is True
+    for tokens selection must keep. ``offsets[i]`` is the (start, end) character span of token
+    ``i`` in ``text``.
+    """
+
+    text: str
+    token_ids: torch.Tensor  # (n_prompt,) int64
+    segment_index: torch.Tensor  # (n_prompt,) int64, -1 = template
+    protected: torch.Tensor  # (n_prompt,) bool
+    offsets: torch.Tensor  # (n_prompt, 2) int64, character offsets into text
+    segments: tuple[Segment, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """Draft-model importance of every prompt token (higher = more useful to the answer)."""
+
+    scores: torch.Tensor  # (n_prompt,) float32
+    lookahead_token_ids: tuple[int, ...]  # the draft's greedy look-ahead tokens
+    seconds: float  # wall time of draft prefill + look-ahead + scoring
+
+
+@dataclass(frozen=True)
+class KeptSpan:
+    """How much of one prompt segment the main model prefills."""
+
+    segment_index: int
+    kind: SegmentKind
+    id: str | None
+    n_tokens: int
+    n_kept: int
+    ranges: tuple[tuple[int, int], ...]  # kept [start, end) token ranges, original positions
+
+    @property
+    def keep_ratio(self) -> float:
+        return self.n_kept / self.n_tokens if self.n_tokens else 1.0
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """What the main model prefills: token ids at (possibly non-contiguous) position ids.
+
+    Decoding continues at ``next_position`` (the original prompt length), so the t-th
+    generated token sits at ``next_position + t`` whatever was dropped.
+    """
+
+    token_ids: torch.Tensor  # (n_kept,) int64
+    position_ids: torch.Tensor  # (n_kept,) int64, strictly increasing
+    next_position: int  # position of the first generated token
+    n_prompt: int  # tokens in the full prompt
+    kept_spans: tuple[KeptSpan, ...]  # one per segment (template text not listed)
+    speculated: bool  # False when the prompt was prefilled whole (full mode, or too short)
+
+    @property
+    def n_kept(self) -> int:
+        return int(self.token_ids.numel())
+
+    @property
+    def keep_ratio(self) -> float:
+        return self.n_kept / self.n_prompt if self.n_prompt else 1.0
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Wall-clock breakdown of one request, in seconds (``None`` where a stage did not run)."""
+
+    assemble_s: float
+    draft_s: float | None  # draft prefill + look-ahead + scoring
+    selection_s: float | None
+    prefill_s: float  # main-model prefill up to the first token's logits
+    ttft_s: float  # request start → first generated token
+    decode_s: float  # first token → last token
+    total_s: float
+    decode_tokens_per_s: float | None  # None when fewer than two tokens were generated
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The answer and everything needed to judge it: counts, kept spans, timings."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    prompt_tokens: int
+    prefilled_tokens: int
+    plan: PrefillPlan
+    timings: Timings
+
+    @property
+    def keep_ratio(self) -> float:
+        return self.plan.keep_ratio
+
+    @property
+    def kept_spans(self) -> tuple[KeptSpan, ...]:
+        return self.plan.kept_spans
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)

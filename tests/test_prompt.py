@@ -1,0 +1,78 @@
+"""Prompt assembly: segment map, protected mask, offsets, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from specprefill_rag.prompt import assemble, build_segments
+from specprefill_rag.types import Passage, SegmentKind
+
+
+def test_segments_map_back_to_their_text(tokenizer):
+    segments = build_segments(
+        "what is the passkey?",
+        [Passage("The grass is green. The sky is blue.", id="doc-a"), "The passkey is 48213."],
+        "Answer the question using the context.",
+    )
+    prompt = assemble(tokenizer, segments, protect_tail_tokens=3)
+    assert [s.kind for s in segments] == [
+        SegmentKind.INSTRUCTIONS, SegmentKind.PASSAGE, SegmentKind.PASSAGE, SegmentKind.QUESTION
+    ]
+    assert segments[1].id == "doc-a" and segments[2].id == "2"
+    assert prompt.text.startswith("<|im_start|>system\nAnswer the question")
+    assert prompt.text.endswith("Question: what is the passkey?<|im_end|>\n<|im_start|>assistant\n")
+    n = prompt.n_tokens
+    assert prompt.token_ids.shape == prompt.segment_index.shape == prompt.protected.shape == (n,)
+    assert prompt.offsets.shape == (n, 2)
+    for index, segment in enumerate(segments):
+        ids = prompt.token_ids[prompt.segment_index == index]
+        assert tokenizer.decode(ids).strip() in segment.text
+        assert len(tokenizer.decode(ids).strip()) >= len(segment.text) - 2  # at most an edge token lost
+    # Offsets point into the rendered text.
+    for i in range(n):
+        a, b = prompt.offsets[i].tolist()
+        if prompt.segment_index[i] >= 0:
+            assert prompt.text[a:b] in segments[int(prompt.segment_index[i])].text
+
+
+def test_protected_mask(tokenizer):
+    segments = build_segments("what is the passkey?", ["The passkey is 48213. " * 5], "Be concise.")
+    prompt = assemble(tokenizer, segments, protect_tail_tokens=2)
+    seg, prot = prompt.segment_index, prompt.protected
+    assert prot[seg == -1].all()  # template text and special tokens
+    assert prot[seg == 0].all()  # instructions
+    assert prot[seg == 2].all()  # question
+    assert not prot[seg == 1].any()  # the passage is prunable
+    assert prot[-2:].all()
+    unprotected = assemble(tokenizer, segments, protect_instructions=False, protect_tail_tokens=0)
+    assert not unprotected.protected[unprotected.segment_index == 0].any()
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert prot[prompt.token_ids == im_start].all()
+
+
+def test_plain_prompt_without_chat_template(tokenizer):
+    plain = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer)
+    plain.chat_template = None
+    prompt = assemble(plain, build_segments("what?", ["some context here"], None))
+    assert prompt.text == "Context:\n[1]\nsome context here\n\nQuestion: what?\nAnswer:"
+    assert (prompt.segment_index == 0).any() and (prompt.segment_index == 1).any()
+
+
+def test_bad_input_messages(tokenizer):
+    with pytest.raises(ValueError, match="question is empty"):
+        build_segments("   ", ["context"])
+    with pytest.raises(ValueError, match="context is empty"):
+        build_segments("what?", [])
+    with pytest.raises(ValueError, match="context is empty"):
+        build_segments("what?", ["", "  "])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        assemble(tokenizer, [])
+
+
+def test_slow_tokenizer_is_rejected(tokenizer):
+    class Slow:
+        is_fast = False
+        chat_template = None
+
+    with pytest.raises(ValueError, match="slow tokenizer"):
+        assemble(Slow(), build_segments("q?", ["c"]))

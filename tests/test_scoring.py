@@ -1,0 +1,126 @@
+"""Draft capture and scoring against an eager-attention reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_model
+
+from specprefill_rag import scoring
+from specprefill_rag.config import DraftConfig
+from specprefill_rag.draft import DraftModel
+
+
+def eager_reference_rows(model, ids: torch.Tensor, lookahead_ids: tuple[int, ...]) -> list[torch.Tensor]:
+    """Per layer (heads, L, n): eager attention of the last prompt token and the look-ahead
+    tokens, restricted to prompt keys and renormalised (= softmax over prompt keys only)."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    n = ids.numel()
+    full = torch.cat([ids, torch.tensor(lookahead_ids, dtype=torch.int64)]).reshape(1, -1)
+    with torch.no_grad():
+        out = eager(input_ids=full, output_attentions=True)
+    rows = []
+    for attn in out.attentions:  # (1, heads, total, total)
+        a = attn[0, :, n - 1 :, :n].double()
+        rows.append((a / a.sum(-1, keepdim=True)).float())
+    return rows
+
+
+@pytest.mark.parametrize("lookahead", [1, 4])
+def test_captured_rows_match_eager_reference(family, tokenizer, lookahead):
+    model = make_model(family, len(tokenizer))
+    draft = DraftModel(model, tokenizer, DraftConfig(lookahead=lookahead))
+    ids = torch.randint(0, len(tokenizer), (57,), generator=torch.Generator().manual_seed(1))
+    cap = draft.capture(ids)
+    assert len(cap.lookahead_token_ids) == lookahead - 1
+    reference = eager_reference_rows(model, ids, cap.lookahead_token_ids)
+    assert len(cap.queries) == len(reference) == model.config.num_hidden_layers
+    for layer, ref in enumerate(reference):
+        q, k = cap.queries[layer], cap.keys[layer]
+        assert q.shape == (4, lookahead, 16) and k.shape == (2, 57, 16)  # GQA: 4 query, 2 kv heads
+        rows = scoring.attention_rows(q, k, cap.scaling[layer])
+        assert rows.shape == (4, lookahead, 57)
+        torch.testing.assert_close(rows, ref, atol=1e-4, rtol=0)
+
+
+def test_capture_leaves_model_outputs_unchanged(family, tokenizer):
+    model = make_model(family, len(tokenizer))
+    ids = torch.randint(0, len(tokenizer), (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = model(ids).logits
+    draft = DraftModel(model, tokenizer)
+    draft.capture(ids[0])
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
+
+
+def test_lookahead_tokens_are_greedy_continuation(tokenizer):
+    model = make_model("llama", len(tokenizer))
+    ids = torch.randint(0, len(tokenizer), (30,), generator=torch.Generator().manual_seed(3))
+    cap = DraftModel(model, tokenizer, DraftConfig(lookahead=5)).capture(ids)
+    expected = model.generate(ids.reshape(1, -1), max_new_tokens=4, do_sample=False,
+                              attention_mask=torch.ones(1, 30, dtype=torch.int64))[0, 30:]
+    assert list(cap.lookahead_token_ids) == expected.tolist()
+
+
+def test_attention_rows_gqa_equals_repeated_keys():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 3, 8, generator=g)
+    k = torch.randn(2, 11, 8, generator=g)
+    rows = scoring.attention_rows(q, k, 0.35)
+    k_rep = k.repeat_interleave(3, dim=0)  # head h uses kv head h // 3
+    ref = torch.softmax(torch.einsum("hld,hnd->hln", q, k_rep) * 0.35, dim=-1)
+    torch.testing.assert_close(rows, ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(rows.sum(-1), torch.ones(6, 3))
+
+
+def test_attention_rows_rejects_mismatched_heads():
+    with pytest.raises(ValueError, match="do not fit"):
+        scoring.attention_rows(torch.randn(5, 1, 8), torch.randn(2, 4, 8), 1.0)
+
+
+def test_pool_rows_is_centered_moving_average():
+    rows = torch.zeros(1, 1, 20)
+    rows[0, 0, 10] = 13.0
+    pooled = scoring.pool_rows(rows, 13)
+    assert pooled.shape == rows.shape
+    assert torch.allclose(pooled[0, 0, 4:17], torch.ones(13))
+    assert pooled[0, 0, :4].abs().sum() == 0 and pooled[0, 0, 17:].abs().sum() == 0
+    assert torch.equal(scoring.pool_rows(rows, 1), rows)
+
+
+def test_importance_is_mean_over_lookahead_of_max_over_layers():
+    per_layer = torch.tensor(
+        [[[0.1, 0.9, 0.0], [0.3, 0.1, 0.6]],
+         [[0.5, 0.2, 0.3], [0.2, 0.2, 0.6]]]
+    )  # (layers=2, lookahead=2, n=3)
+    expected = torch.tensor([(0.5 + 0.3) / 2, (0.9 + 0.2) / 2, (0.3 + 0.6) / 2])
+    torch.testing.assert_close(scoring.importance(per_layer), expected)
+    with pytest.raises(ValueError, match="layers, lookahead, n_prompt"):
+        scoring.importance(torch.zeros(0, 1, 3))
+
+
+def test_score_uses_chosen_layers(tokenizer):
+    model = make_model("qwen2", len(tokenizer), layers=4)
+    ids = torch.randint(0, len(tokenizer), (64,), generator=torch.Generator().manual_seed(4))
+    all_layers = DraftModel(model, tokenizer, DraftConfig(lookahead=2)).score(ids)
+    cap = DraftModel(model, tokenizer, DraftConfig(lookahead=2)).capture(ids)
+    upper = DraftModel(model, tokenizer, DraftConfig(lookahead=2, layers="upper_half")).score(ids)
+    per_layer = torch.stack([scoring.layer_maxima(cap.queries[i], cap.keys[i], cap.scaling[i], 13) for i in range(4)])
+    torch.testing.assert_close(all_layers.scores, scoring.importance(per_layer))
+    torch.testing.assert_close(upper.scores, scoring.importance(per_layer[2:]))
+    assert all_layers.scores.shape == (64,) and all_layers.scores.dtype == torch.float32
+    with pytest.raises(ValueError, match="do not exist"):
+        DraftModel(model, tokenizer, DraftConfig(layers=(7,))).score(ids)
+
+
+def test_draft_rejects_empty_and_too_long_prompts(tokenizer):
+    draft = DraftModel(make_model("llama", len(tokenizer)), tokenizer)
+    with pytest.raises(ValueError, match="empty prompt"):
+        draft.score(torch.tensor([], dtype=torch.int64))
+    with pytest.raises(ValueError, match="window of 2048"):
+        draft.score(torch.zeros(2045, dtype=torch.int64))

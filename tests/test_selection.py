@@ -1,0 +1,139 @@
+"""Selection: chunks, budgets, protected spans, plans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specprefill_rag.config import SelectionConfig
+from specprefill_rag.selection import chunk_bounds, full_plan, plan_from_indices, select
+from specprefill_rag.types import AssembledPrompt, Segment, SegmentKind
+
+
+def layout(*parts: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment index, length, protected) parts → segment_index, protected tensors."""
+    seg = torch.cat([torch.full((n,), s, dtype=torch.int64) for s, n, _ in parts])
+    prot = torch.cat([torch.full((n,), p, dtype=torch.bool) for _, n, p in parts])
+    return seg, prot
+
+
+def test_chunk_bounds_cut_at_size_segments_and_protected_tokens():
+    seg, prot = layout((-1, 3, True), (0, 70, False), (1, 10, False), (-1, 2, True), (2, 5, False))
+    bounds = chunk_bounds(seg, ~prot, 32).tolist()
+    assert bounds == [[3, 35], [35, 67], [67, 73], [73, 83], [85, 90]]
+
+
+def test_chunk_bounds_empty_when_nothing_prunable():
+    seg, prot = layout((-1, 10, True))
+    assert chunk_bounds(seg, ~prot, 4).shape == (0, 2)
+
+
+def test_select_keeps_protected_and_best_chunks_within_budget():
+    seg, prot = layout((-1, 4, True), (0, 64, False), (1, 64, False), (2, 4, True))
+    scores = torch.zeros(136)
+    scores[4 + 32 : 4 + 64] = 1.0  # second chunk of passage 0
+    scores[68:100] = 0.5  # first chunk of passage 1
+    config = SelectionConfig(keep_rate=0.25, min_prompt_tokens=0)  # budget 34: 8 protected + 1 chunk
+    kept = select(scores, prot, seg, config)
+    expected = list(range(4)) + list(range(36, 68)) + list(range(132, 136))
+    assert kept.tolist() == expected
+    # A larger budget takes the next best chunk whole (rounding up to chunks).
+    kept = select(scores, prot, seg, SelectionConfig(keep_rate=0.35, min_prompt_tokens=0))
+    assert kept.tolist() == list(range(4)) + list(range(36, 100)) + list(range(132, 136))
+
+
+def test_protected_tokens_are_kept_even_past_the_budget():
+    seg, prot = layout((0, 50, False), (1, 40, True))
+    kept = select(torch.rand(90), prot, seg, SelectionConfig(token_budget=10, min_prompt_tokens=0))
+    assert set(range(50, 90)) <= set(kept.tolist())
+    assert len(kept) == 40  # budget 10 < 40 protected: nothing else
+
+
+def test_token_budget_and_clamps():
+    seg, prot = layout((0, 208, False))
+    scores = torch.arange(208, dtype=torch.float32)  # later chunks score higher
+    kept = select(scores, prot, seg, SelectionConfig(token_budget=64, chunk_size=16, min_prompt_tokens=0))
+    assert kept.tolist() == list(range(144, 208))
+    kept = select(scores, prot, seg, SelectionConfig(keep_rate=0.01, min_keep_tokens=32, chunk_size=16, min_prompt_tokens=0))
+    assert kept.tolist() == list(range(176, 208))
+    kept = select(scores, prot, seg, SelectionConfig(keep_rate=0.9, max_keep_tokens=16, chunk_size=16, min_prompt_tokens=0))
+    assert kept.tolist() == list(range(192, 208))
+
+
+def test_short_prompts_are_kept_whole():
+    seg, prot = layout((0, 100, False))
+    kept = select(torch.rand(100), prot, seg, SelectionConfig(keep_rate=0.1, min_prompt_tokens=101))
+    assert kept.tolist() == list(range(100))
+
+
+def test_ties_prefer_earlier_chunks():
+    seg, prot = layout((0, 64, False))
+    kept = select(torch.ones(64), prot, seg, SelectionConfig(token_budget=32, min_prompt_tokens=0))
+    assert kept.tolist() == list(range(32))
+
+
+def test_select_rejects_mismatched_lengths():
+    seg, prot = layout((0, 10, False))
+    with pytest.raises(ValueError, match="one entry per prompt token"):
+        select(torch.rand(9), prot, seg, SelectionConfig())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"keep_rate": 0.0}, "keep_rate must be in"),
+        ({"keep_rate": 1.5}, "keep_rate must be in"),
+        ({"keep_rate": float("nan")}, "keep_rate must be in"),
+        ({"token_budget": 0}, "token_budget"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"positions": "shifted"}, "positions"),
+        ({"min_keep_tokens": 10, "max_keep_tokens": 5}, "max_keep_tokens"),
+    ],
+)
+def test_selection_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SelectionConfig(**kwargs)
+
+
+def make_prompt() -> AssembledPrompt:
+    segments = (
+        Segment(SegmentKind.PASSAGE, "a", "p1"),
+        Segment(SegmentKind.PASSAGE, "b", "p2"),
+        Segment(SegmentKind.QUESTION, "q"),
+    )
+    seg = torch.tensor([-1, 0, 0, 0, 0, 1, 1, 1, -1, 2, 2, -1])
+    return AssembledPrompt(
+        text="", token_ids=torch.arange(100, 112), segment_index=seg,
+        protected=(seg < 0) | (seg == 2), offsets=torch.zeros(12, 2, dtype=torch.int64), segments=segments,
+    )
+
+
+def test_plan_keeps_original_positions_and_reports_spans():
+    prompt = make_prompt()
+    kept = torch.tensor([0, 2, 3, 7, 8, 9, 10, 11])
+    plan = plan_from_indices(prompt, kept)
+    assert plan.token_ids.tolist() == [100, 102, 103, 107, 108, 109, 110, 111]
+    assert plan.position_ids.tolist() == kept.tolist()
+    assert plan.next_position == 12 and plan.n_prompt == 12 and plan.speculated
+    assert plan.keep_ratio == pytest.approx(8 / 12)
+    p1, p2, q = plan.kept_spans
+    assert (p1.id, p1.n_tokens, p1.n_kept, p1.ranges) == ("p1", 4, 2, ((2, 4),))
+    assert (p2.n_kept, p2.ranges, p2.keep_ratio) == (1, ((7, 8),), pytest.approx(1 / 3))
+    assert q.kind is SegmentKind.QUESTION and q.keep_ratio == 1.0
+
+
+def test_contiguous_positions_ablation():
+    plan = plan_from_indices(make_prompt(), torch.tensor([0, 5, 9, 10, 11]), contiguous_positions=True)
+    assert plan.position_ids.tolist() == [0, 1, 2, 3, 4]
+    assert plan.next_position == 5
+
+
+def test_full_plan_and_bad_indices():
+    plan = full_plan(make_prompt())
+    assert plan.position_ids.tolist() == list(range(12)) and not plan.speculated
+    with pytest.raises(ValueError, match="strictly increasing"):
+        plan_from_indices(make_prompt(), torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="lie in"):
+        plan_from_indices(make_prompt(), torch.tensor([5, 12]))
+    with pytest.raises(ValueError, match="at least one"):
+        plan_from_indices(make_prompt(), torch.tensor([], dtype=torch.int64))
