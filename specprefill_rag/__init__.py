@@ -1,0 +1,51 @@
+"""specprefill-rag: Speculative Prefill for retrieval-augmented generation.
+
+A small draft model scores which prompt tokens matter for the answer; the main model
+prefills only the best chunks, at their original position ids, and decodes from there.
+"""
+
+from .backends import Backend, BackendCapabilities, BackendError, available_backends, create_backend, register_backend
+from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
+from .draft import DraftModel
+from .engine import AsyncTextStream, PlannedPrompt, SpecPrefillEngine, TextStream
+from .types import (
+    AssembledPrompt,
+    GenerationResult,
+    KeptSpan,
+    Passage,
+    PrefillPlan,
+    Segment,
+    SegmentKind,
+    Timings,
+    TokenScores,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AssembledPrompt",
+    "AsyncTextStream",
+    "Backend",
+    "BackendCapabilities",
+    "BackendError",
+    "DraftConfig",
+    "DraftModel",
+    "GenerationConfig",
+    "GenerationResult",
+    "KeptSpan",
+    "Passage",
+    "PlannedPrompt",
+    "PrefillPlan",
+    "Segment",
+    "SegmentKind",
+    "SelectionConfig",
+    "SpecPrefillConfig",
+    "SpecPrefillEngine",
+    "TextStream",
+    "Timings",
+    "TokenScores",
+    "__version__",
+    "available_backends",
+    "create_backend",
+    "register_backend",
+]

@@ -1,0 +1,57 @@
+"""Main-model backends, found by name.
+
+Backends are imported only when asked for, so optional dependencies (vLLM, an HTTP client)
+are needed only by those who use them. Third parties add theirs with ``register_backend``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from .base import Backend, BackendCapabilities, BackendError
+
+__all__ = [
+    "Backend",
+    "BackendCapabilities",
+    "BackendError",
+    "available_backends",
+    "create_backend",
+    "register_backend",
+]
+
+# name -> "module:factory" (imported lazily) or a factory callable
+_REGISTRY: dict[str, str | Callable[..., Backend]] = {
+    "transformers": "specprefill_rag.backends.transformers:TransformersBackend.from_pretrained",
+}
+
+
+def register_backend(name: str, factory: str | Callable[..., Backend]) -> None:
+    """Make ``create_backend(name, ...)`` call ``factory`` (a callable or "module:attr")."""
+    _REGISTRY[name] = factory
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _resolve(name: str) -> Callable[..., Backend]:
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown backend {name!r}; available: {', '.join(available_backends())}"
+        ) from None
+    if callable(factory):
+        return factory
+    module_name, _, attr = factory.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+def create_backend(name: str, /, *args: Any, **kwargs: Any) -> Backend:
+    """Build the backend registered as ``name``; arguments go to its factory."""
+    return _resolve(name)(*args, **kwargs)

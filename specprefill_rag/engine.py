@@ -1,0 +1,315 @@
+"""SpecPrefillEngine: assemble → score (draft) → select → prefill + decode (backend).
+
+The same engine runs the full-prefill baseline (``mode="full"``), so SpecPrefill and full
+prefill can be compared side by side on one backend. Every entry point has a streaming and
+an async form; all return or end in a typed ``GenerationResult``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from . import prompt as prompt_lib
+from . import selection as selection_lib
+from .backends import Backend, create_backend
+from .config import GenerationConfig, SelectionConfig, SpecPrefillConfig
+from .detokenize import IncrementalDecoder
+from .draft import DraftModel
+from .types import AssembledPrompt, GenerationResult, Passage, PrefillPlan, Segment, Timings, TokenScores
+
+__all__ = ["AsyncTextStream", "Mode", "PlannedPrompt", "SpecPrefillEngine", "TextStream"]
+
+Mode = Literal["specprefill", "full"]
+PromptInput = str | Sequence[Segment]
+
+
+@dataclass(frozen=True)
+class PlannedPrompt:
+    """A prompt with its plan and the time spent getting there."""
+
+    prompt: AssembledPrompt
+    plan: PrefillPlan
+    scores: TokenScores | None  # None when the draft did not run
+    assemble_s: float
+    selection_s: float | None
+
+
+class TextStream(Iterator[str]):
+    """Text deltas of one answer; ``result`` holds the ``GenerationResult`` once exhausted."""
+
+    def __init__(self, run: Generator[str, None, GenerationResult]) -> None:
+        self._run = run
+        self.result: GenerationResult | None = None
+
+    def __next__(self) -> str:
+        try:
+            return next(self._run)
+        except StopIteration as stop:
+            self.result = stop.value
+            raise StopIteration from None
+
+    def close(self) -> None:
+        """Stop generating (the backend stops decoding)."""
+        self._run.close()
+
+
+class AsyncTextStream(AsyncIterator[str]):
+    """Async view of a ``TextStream``: each step runs in a worker thread, never on the loop."""
+
+    _DONE = object()
+
+    def __init__(self, stream: TextStream) -> None:
+        self._stream = stream
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._stream.result
+
+    async def __anext__(self) -> str:
+        item = await asyncio.to_thread(next, self._stream, self._DONE)
+        if item is self._DONE:
+            raise StopAsyncIteration
+        return item  # type: ignore[return-value]
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self._stream.close)
+
+
+def _check_tokenizers(draft: Any, main: Any) -> None:
+    if draft is main:
+        return
+    same = type(draft).__name__ == type(main).__name__ and len(draft) == len(main)
+    if same:
+        same = draft.get_vocab() == main.get_vocab()
+    if not same:
+        raise ValueError(
+            f"the draft tokenizer ({type(draft).__name__}, {len(draft)} tokens) differs from the "
+            f"main model's ({type(main).__name__}, {len(main)} tokens). SpecPrefill scores the "
+            "main model's tokens, so the draft must share its tokenizer: use a draft of the same "
+            "family (e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct)"
+        )
+
+
+class SpecPrefillEngine:
+    """Answers RAG questions with a draft-selected prefill on a main-model backend.
+
+    ``draft`` may be None: the engine then serves only ``mode="full"``.
+    """
+
+    def __init__(
+        self, backend: Backend, draft: DraftModel | None = None, config: SpecPrefillConfig | None = None
+    ) -> None:
+        self.backend = backend
+        self.draft = draft
+        self.config = config or SpecPrefillConfig()
+        self.tokenizer = backend.tokenizer
+        if draft is not None:
+            _check_tokenizers(draft.tokenizer, self.tokenizer)
+            if self.config.draft != draft.config:
+                draft.config = self.config.draft
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        main: str,
+        draft: str | None = None,
+        *,
+        backend: str = "transformers",
+        config: SpecPrefillConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        **backend_kwargs: Any,
+    ) -> SpecPrefillEngine:
+        """Build an engine from model names (packaged short names, HF directories, GGUF files)."""
+        config = config or SpecPrefillConfig()
+        if backend == "transformers":
+            backend_kwargs = {"dtype": dtype, "device": device, **backend_kwargs}
+        main_backend = create_backend(backend, main, **backend_kwargs)
+        draft_model = (
+            DraftModel.from_pretrained(draft, config.draft, dtype=dtype, device=device) if draft else None
+        )
+        return cls(main_backend, draft_model, config)
+
+    # -- building blocks -------------------------------------------------------------------
+
+    def assemble(
+        self, question: PromptInput, passages: Sequence[Passage | str] = (), *, instructions: str | None = None
+    ) -> AssembledPrompt:
+        """Render and tokenize a prompt; a list of ``Segment`` is taken as is."""
+        if isinstance(question, str):
+            instructions = self.config.instructions if instructions is None else instructions
+            segments = prompt_lib.build_segments(question, passages, instructions)
+        else:
+            if passages or instructions is not None:
+                raise ValueError("pass either segments, or a question with passages and instructions")
+            segments = tuple(question)
+        sel = self.config.selection
+        prompt = prompt_lib.assemble(
+            self.tokenizer,
+            segments,
+            protect_instructions=sel.protect_instructions,
+            protect_tail_tokens=sel.protect_tail_tokens,
+        )
+        window = self.backend.max_context
+        if prompt.n_tokens >= window:
+            raise ValueError(
+                f"the prompt has {prompt.n_tokens} tokens but the main model's window is {window}: "
+                "retrieve fewer or shorter passages"
+            )
+        return prompt
+
+    def score(self, prompt: AssembledPrompt) -> TokenScores:
+        """Draft importance of every token of ``prompt``."""
+        if self.draft is None:
+            raise ValueError("this engine has no draft model: pass draft=... or use mode='full'")
+        return self.draft.score(prompt.token_ids)
+
+    def plan(
+        self,
+        prompt: AssembledPrompt,
+        *,
+        mode: Mode = "specprefill",
+        selection: SelectionConfig | None = None,
+        scores: TokenScores | None = None,
+    ) -> tuple[PrefillPlan, TokenScores | None]:
+        """The prefill plan for ``prompt`` (reuses ``scores`` when given, e.g. across keep rates)."""
+        if mode not in ("specprefill", "full"):
+            raise ValueError(f"mode must be 'specprefill' or 'full', got {mode!r}")
+        sel = selection or self.config.selection
+        n = prompt.n_tokens
+        if mode == "full" or n < sel.min_prompt_tokens or sel.budget(n) >= n:
+            return selection_lib.full_plan(prompt), scores
+        scores = scores or self.score(prompt)
+        kept = selection_lib.select(scores.scores, prompt.protected, prompt.segment_index, sel)
+        plan = selection_lib.plan_from_indices(
+            prompt, kept, contiguous_positions=sel.positions == "contiguous"
+        )
+        return plan, scores
+
+    # -- generation ------------------------------------------------------------------------
+
+    def run_plan(
+        self, planned: PlannedPrompt, generation: GenerationConfig | None = None, *, started: float | None = None
+    ) -> Generator[str, None, GenerationResult]:
+        """Prefill and decode a planned prompt; yields text deltas, returns the result."""
+        gen = generation or self.config.generation
+        started = time.perf_counter() if started is None else started
+        plan = planned.plan
+        decoder = IncrementalDecoder(self.tokenizer, gen.stop)
+        limit = min(gen.max_new_tokens, self.backend.max_context - plan.next_position)
+        prefill_start = time.perf_counter()
+        first: float | None = None
+        tokens = self.backend.stream_tokens(plan, gen)
+        try:
+            for token in tokens:
+                if first is None:
+                    first = time.perf_counter()
+                delta = decoder.push(token)
+                if delta:
+                    yield delta
+                if decoder.stopped:
+                    break
+        finally:
+            tokens.close()
+        rest = decoder.finish()
+        if rest:
+            yield rest
+        end = time.perf_counter()
+        first = end if first is None else first
+        n_generated = len(decoder.token_ids)
+        timings = Timings(
+            assemble_s=planned.assemble_s,
+            draft_s=planned.scores.seconds if planned.scores is not None else None,
+            selection_s=planned.selection_s,
+            prefill_s=first - prefill_start,
+            ttft_s=first - started,
+            decode_s=end - first,
+            total_s=end - started,
+            decode_tokens_per_s=(n_generated - 1) / (end - first) if n_generated > 1 and end > first else None,
+        )
+        finish = "stop" if decoder.stopped or n_generated < limit else "length"
+        return GenerationResult(
+            text=decoder.text,
+            token_ids=decoder.token_ids,
+            finish_reason=finish,
+            prompt_tokens=plan.n_prompt,
+            prefilled_tokens=plan.n_kept,
+            plan=plan,
+            timings=timings,
+        )
+
+    def stream(
+        self,
+        question: PromptInput,
+        passages: Sequence[Passage | str] = (),
+        *,
+        instructions: str | None = None,
+        mode: Mode = "specprefill",
+        keep_rate: float | None = None,
+        selection: SelectionConfig | None = None,
+        generation: GenerationConfig | None = None,
+    ) -> TextStream:
+        """Stream the answer as text deltas; ``.result`` is set once the stream ends.
+
+        Bad input (empty question or context, prompt over the window, keep rate out of
+        range) raises ``ValueError`` here, before any model runs.
+        """
+        started = time.perf_counter()
+        if keep_rate is not None:
+            SelectionConfig(keep_rate=keep_rate)  # validates before any work
+        planned_prompt = self.assemble(question, passages, instructions=instructions)
+
+        def run() -> Generator[str, None, GenerationResult]:
+            assembled = time.perf_counter()
+            sel = selection or self.config.selection
+            if keep_rate is not None:
+                sel = dataclasses.replace(sel, keep_rate=keep_rate, token_budget=None)
+            plan, scores = self.plan(planned_prompt, mode=mode, selection=sel)
+            selection_s = None
+            if scores is not None:
+                selection_s = time.perf_counter() - assembled - scores.seconds
+            planned = PlannedPrompt(planned_prompt, plan, scores, assembled - started, selection_s)
+            return (yield from self.run_plan(planned, generation, started=started))
+
+        return TextStream(run())
+
+    def generate(
+        self,
+        question: PromptInput,
+        passages: Sequence[Passage | str] = (),
+        *,
+        instructions: str | None = None,
+        mode: Mode = "specprefill",
+        keep_rate: float | None = None,
+        selection: SelectionConfig | None = None,
+        generation: GenerationConfig | None = None,
+    ) -> GenerationResult:
+        """Answer ``question`` from ``passages`` (or answer a list of ``Segment``).
+
+        ``mode="full"`` prefills the whole prompt (the baseline); ``keep_rate`` overrides the
+        configured keep rate for this call.
+        """
+        stream = self.stream(
+            question, passages, instructions=instructions, mode=mode,
+            keep_rate=keep_rate, selection=selection, generation=generation,
+        )
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    async def agenerate(self, *args: Any, **kwargs: Any) -> GenerationResult:
+        """``generate`` in a worker thread, so the event loop stays free."""
+        return await asyncio.to_thread(self.generate, *args, **kwargs)
+
+    async def astream(self, *args: Any, **kwargs: Any) -> AsyncTextStream:
+        """``stream`` as an async iterator of text deltas (``.result`` once exhausted)."""
+        stream = await asyncio.to_thread(self.stream, *args, **kwargs)
+        return AsyncTextStream(stream)
