@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast clean-venv
+.PHONY: setup demo test test-fast lint clean-venv
 
 setup: $(STAMP)
 
@@ -25,8 +25,12 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/specprefill-rag demo
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q -ra
+
+lint: $(STAMP)
+	$(PY) -m ruff check specprefill_rag tests
+	$(PY) -m mypy specprefill_rag
 
 # Unit tests only (tiny random models, no downloads).
 test-fast: $(STAMP)

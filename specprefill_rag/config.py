@@ -13,6 +13,8 @@ from typing import Literal
 LayerChoice = Literal["all", "upper_half"]
 PositionMode = Literal["original", "contiguous"]
 
+__all__ = ["DraftConfig", "GenerationConfig", "LayerChoice", "PositionMode", "SelectionConfig", "SpecPrefillConfig"]
+
 
 def _check(condition: bool, message: str) -> None:
     if not condition:

@@ -56,5 +56,7 @@ def layer_maxima(
 def importance(per_layer: torch.Tensor) -> torch.Tensor:
     """(layers, lookahead, n_prompt) layer maxima → (n_prompt,) importance score per token."""
     if per_layer.ndim != 3 or per_layer.shape[0] == 0 or per_layer.shape[1] == 0:
-        raise ValueError(f"expected (layers, lookahead, n_prompt) with layers, lookahead > 0, got {tuple(per_layer.shape)}")
+        raise ValueError(
+            f"expected (layers, lookahead, n_prompt) with layers, lookahead > 0, got {tuple(per_layer.shape)}"
+        )
     return per_layer.amax(dim=0).mean(dim=0)

@@ -26,7 +26,7 @@ def chunk_bounds(segment_index: torch.Tensor, prunable: torch.Tensor, chunk_size
     seg = segment_index.tolist()
     ok = prunable.tolist()
     start = -1
-    for i, (s, p) in enumerate(zip(seg, ok)):
+    for i, (s, p) in enumerate(zip(seg, ok, strict=True)):
         if start >= 0 and (not p or s != seg[start] or i - start == chunk_size):
             bounds.append((start, i))
             start = -1
@@ -108,7 +108,7 @@ def plan_from_indices(
     spans = []
     for index, segment in enumerate(prompt.segments):
         n_tokens = int((prompt.segment_index == index).sum())
-        mine = [k for k, s in zip(kept_list, kept_segments) if s == index]
+        mine = [k for k, s in zip(kept_list, kept_segments, strict=True) if s == index]
         spans.append(
             KeptSpan(
                 segment_index=index,

@@ -14,10 +14,22 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "AssembledPrompt",
+    "GenerationResult",
+    "KeptSpan",
+    "Passage",
+    "PrefillPlan",
+    "Segment",
+    "SegmentKind",
+    "Timings",
+    "TokenScores",
+]
+
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
-class SegmentKind(str, enum.Enum):
+class SegmentKind(enum.StrEnum):
     """What a piece of the prompt is; decides whether selection may prune it."""
 
     INSTRUCTIONS = "instructions"  # system prompt: protected by default

@@ -120,7 +120,8 @@ async def test_async_does_not_block_the_loop(engine):
 
 def test_contiguous_positions_ablation_changes_only_positions(engine):
     original = engine.generate(QUESTION, PASSAGES)
-    ablation = engine.generate(QUESTION, PASSAGES, selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=64, positions="contiguous"))
+    contiguous = SelectionConfig(keep_rate=0.3, min_prompt_tokens=64, positions="contiguous")
+    ablation = engine.generate(QUESTION, PASSAGES, selection=contiguous)
     assert torch.equal(ablation.plan.token_ids, original.plan.token_ids)
     assert ablation.plan.position_ids.tolist() == list(range(ablation.plan.n_kept))
     assert ablation.plan.next_position == ablation.plan.n_kept

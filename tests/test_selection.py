@@ -54,9 +54,11 @@ def test_token_budget_and_clamps():
     scores = torch.arange(208, dtype=torch.float32)  # later chunks score higher
     kept = select(scores, prot, seg, SelectionConfig(token_budget=64, chunk_size=16, min_prompt_tokens=0))
     assert kept.tolist() == list(range(144, 208))
-    kept = select(scores, prot, seg, SelectionConfig(keep_rate=0.01, min_keep_tokens=32, chunk_size=16, min_prompt_tokens=0))
+    config = SelectionConfig(keep_rate=0.01, min_keep_tokens=32, chunk_size=16, min_prompt_tokens=0)
+    kept = select(scores, prot, seg, config)
     assert kept.tolist() == list(range(176, 208))
-    kept = select(scores, prot, seg, SelectionConfig(keep_rate=0.9, max_keep_tokens=16, chunk_size=16, min_prompt_tokens=0))
+    config = SelectionConfig(keep_rate=0.9, max_keep_tokens=16, chunk_size=16, min_prompt_tokens=0)
+    kept = select(scores, prot, seg, config)
     assert kept.tolist() == list(range(192, 208))
 
 

@@ -1,0 +1,49 @@
+"""Every public package exports exactly what its __all__ says."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PACKAGES = [
+    "specprefill_rag",
+    "specprefill_rag.backends",
+    "specprefill_rag.config",
+    "specprefill_rag.draft",
+    "specprefill_rag.engine",
+    "specprefill_rag.models",
+    "specprefill_rag.prompt",
+    "specprefill_rag.retrieval",
+    "specprefill_rag.scoring",
+    "specprefill_rag.selection",
+    "specprefill_rag.types",
+]
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_all_names_resolve(name):
+    module = importlib.import_module(name)
+    assert module.__all__, name
+    for symbol in module.__all__:
+        assert hasattr(module, symbol), f"{name}.{symbol}"
+
+
+def test_top_level_api():
+    import specprefill_rag as sp
+
+    for symbol in ("SpecPrefillEngine", "DraftModel", "Passage", "SelectionConfig", "GenerationResult"):
+        assert symbol in sp.__all__
+    assert sp.__version__
+
+
+def test_library_imports_no_optional_dependencies():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, specprefill_rag, specprefill_rag.engine, specprefill_rag.retrieval;"
+        "print(sorted(m for m in ('sentence_transformers', 'vllm', 'gguf') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
