@@ -4,10 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# The web example's own venv: Gradio needs starlette>=1.0.1, which the core venv cannot take
+# (vLLM pins fastapi<0.137).
+WEB_VENV := .venv-web
+WEB_STAMP := $(WEB_VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast lint clean-venv
+.PHONY: setup demo test test-fast lint web web-setup chat clean-venv
 
 setup: $(STAMP)
 
@@ -25,16 +29,28 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/specprefill-rag demo
 
-test: lint
+test: lint $(WEB_STAMP)
 	$(PY) -m pytest -q -ra
 
 lint: $(STAMP)
-	$(PY) -m ruff check specprefill_rag tests
-	$(PY) -m mypy specprefill_rag
+	$(PY) -m ruff check specprefill_rag tests examples
+	$(PY) -m mypy specprefill_rag examples
+
+web-setup: $(WEB_STAMP)
+$(WEB_STAMP): pyproject.toml examples/chatbot_web/requirements.txt examples/chatbot_web/constraints.txt \
+		examples/chatbot_web/setup_venv.sh
+	PYTHON=$(PYTHON) bash examples/chatbot_web/setup_venv.sh
+
+# The example chatbots (see examples/README.md).
+web: $(WEB_STAMP)
+	$(WEB_VENV)/bin/python -m examples.chatbot_web
+
+chat: $(STAMP)
+	$(PY) -m examples.chatbot_cli
 
 # Unit tests only (tiny random models, no downloads).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not real_model"
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(WEB_VENV)

@@ -1,0 +1,1 @@
+"""Runnable examples (run from the repository root: ``python -m examples.chatbot_cli``, ...)."""

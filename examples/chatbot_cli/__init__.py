@@ -1,0 +1,1 @@
+"""Terminal chat (``python -m examples.chatbot_cli``)."""

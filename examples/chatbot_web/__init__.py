@@ -1,0 +1,1 @@
+"""Gradio web chat with kept-token highlighting (``python -m examples.chatbot_web``)."""
