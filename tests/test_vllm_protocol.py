@@ -1,0 +1,95 @@
+"""The plugin's wire format and validation rules (pure Python: no vLLM, no server)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specprefill_rag.backends.vllm_server import request_body
+from specprefill_rag.config import GenerationConfig
+from specprefill_rag.types import PrefillPlan
+from specprefill_rag.vllm_plugin import (
+    NEXT_POSITION_KEY,
+    POSITIONS_KEY,
+    PlanError,
+    UnsupportedVLLMError,
+    check_vllm_version,
+    parse_plan,
+    plan_salt,
+    plan_to_xargs,
+)
+from specprefill_rag.vllm_plugin.patches import remap_positions
+
+
+def xargs(positions, next_position):
+    return {POSITIONS_KEY: positions, NEXT_POSITION_KEY: next_position}
+
+
+def test_no_plan_is_none():
+    assert parse_plan(None, prompt_len=3, max_tokens=4, max_len=100) is None
+    assert parse_plan({"other": 1}, prompt_len=3, max_tokens=4, max_len=100) is None
+
+
+def test_valid_plan():
+    plan = parse_plan(xargs([0, 5, 9], 20), prompt_len=3, max_tokens=4, max_len=100)
+    assert plan is not None and plan.positions == (0, 5, 9) and plan.next_position == 20
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({POSITIONS_KEY: [0, 1, 2]}, "needs both"),
+        (xargs("0,1,2", 20), "must be a list of integers, got str"),
+        (xargs([0, 1.5, 2], 20), "must be a list of integers"),
+        (xargs([0, True, 2], 20), "must be a list of integers"),
+        (xargs([0, 1, 2], "20"), "specprefill_next_position must be an integer"),
+        (xargs([0, 1], 20), "has 2 entries but the prompt has 3 tokens"),
+        (xargs([-1, 1, 2], 20), "must be >= 0"),
+        (xargs([0, 2, 1], 20), "must be sorted ascending: 1 follows 2"),
+        (xargs([0, 2, 2], 20), "duplicate position 2"),
+        (xargs([0, 1, 30], 20), "must be greater than the last prompt position"),
+        (xargs([0, 1, 2], 100), "must be below the model's maximum length of 100"),
+        (xargs([0, 1, 2], 98), r"\+ max_tokens \(4\) exceeds the model's maximum length of 100"),
+    ],
+)
+def test_bad_plans(extra, message):
+    with pytest.raises(PlanError, match=message):
+        parse_plan(extra, prompt_len=3, max_tokens=4, max_len=100)
+
+
+def test_remap_positions():
+    kept = torch.tensor([0, 4, 7, 9])
+    # a chunk of the prompt, then the whole prompt + two generated tokens, then one decode step
+    assert remap_positions(torch.tensor([1, 2]), kept, 20).tolist() == [4, 7]
+    assert remap_positions(torch.arange(6), kept, 20).tolist() == [0, 4, 7, 9, 20, 21]
+    assert remap_positions(torch.tensor([7]), kept, 20).tolist() == [23]
+
+
+def test_salt_depends_on_positions_only():
+    assert plan_salt([0, 4, 7], 10) == plan_salt([0, 4, 7], 10)
+    assert plan_salt([0, 4, 7], 10) != plan_salt([0, 5, 7], 10)
+    assert plan_salt([0, 4, 7], 10) != plan_salt([0, 4, 7], 11)
+    assert len(plan_salt(list(range(8000)), 8000)) <= 128
+
+
+def test_version_gate(monkeypatch):
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.0+cpu")
+    monkeypatch.delenv("SPECPREFILL_VLLM_ALLOW_UNTESTED", raising=False)
+    with pytest.raises(UnsupportedVLLMError, match="supports vLLM 0.32.0, but vLLM 0.31.1 is installed"):
+        check_vllm_version("0.31.1")
+    monkeypatch.setenv("SPECPREFILL_VLLM_ALLOW_UNTESTED", "1")
+    check_vllm_version("0.31.1")
+
+
+def test_request_body_sends_plan_only_when_positions_differ():
+    ids = torch.arange(100, 110)
+    full = PrefillPlan(ids, torch.arange(10), 10, 10, (), False)
+    body = request_body(full, GenerationConfig(max_new_tokens=5), model="m", max_tokens=5, logprobs=True, stream=True)
+    assert "vllm_xargs" not in body and "cache_salt" not in body
+    assert body["prompt"] == ids.tolist() and body["logprobs"] == 0 and body["return_token_ids"]
+    kept = [0, 1, 5, 6, 20]
+    sparse = PrefillPlan(ids[:5], torch.tensor(kept), 30, 30, (), True)
+    body = request_body(sparse, GenerationConfig(), model="m", max_tokens=5, logprobs=False, stream=True)
+    assert body["vllm_xargs"] == plan_to_xargs(kept, 30)
+    assert body["cache_salt"] == plan_salt(kept, 30)

