@@ -1,0 +1,349 @@
+"""``ChatSpecPrefill``: a LangChain chat model over a ``SpecPrefillEngine``.
+
+A translation layer only: LangChain messages become prompt segments, the engine does the
+work, and its ``GenerationResult`` becomes an ``AIMessage`` with usage and SpecPrefill
+metadata. How messages map to segments (see docs/integrations.md):
+
+- system messages → the instructions (protected); without one, ``instructions`` if set;
+- the last human message → the question (protected);
+- every other turn → a prunable context segment ``"<Role>: <text>"`` with id ``turn-<i>``;
+- ``passages=[Document | Passage | str, ...]`` passed to ``invoke``/``stream`` (or ``bind``)
+  → one prunable passage segment each, with the document's id (else its 1-based number).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeAlias
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field, model_validator
+from specprefill_rag import (
+    BackendError,
+    GenerationConfig,
+    GenerationResult,
+    Passage,
+    Segment,
+    SegmentKind,
+    SpecPrefillEngine,
+)
+
+__all__ = ["ChatSpecPrefill", "messages_to_segments", "result_metadata"]
+
+logger = logging.getLogger(__name__)
+
+PassageLike: TypeAlias = Document | Passage | str
+_ROLES = {"human": "User", "ai": "Assistant", "system": "System", "tool": "Tool", "function": "Tool"}
+
+
+def _to_passage(item: PassageLike, number: int) -> Passage:
+    if isinstance(item, Passage):
+        return item
+    if isinstance(item, Document):
+        pid = item.id if item.id is not None else str(number)
+        return Passage(text=item.page_content, id=pid, metadata=dict(item.metadata))
+    if isinstance(item, str):
+        return Passage(text=item, id=str(number))
+    raise TypeError(f"passages must be Documents, Passages or strings, got {type(item).__name__}")
+
+
+def messages_to_segments(
+    messages: Sequence[BaseMessage],
+    passages: Sequence[PassageLike] = (),
+    *,
+    default_instructions: str | None = None,
+) -> list[Segment]:
+    """Engine segments for a chat turn (the mapping in the module docstring)."""
+    if not messages:
+        raise ValueError("no messages: pass at least one message with the question")
+    system = [m.text.strip() for m in messages if isinstance(m, SystemMessage) and m.text.strip()]
+    turns = [m for m in messages if not isinstance(m, SystemMessage)]
+    if not turns:
+        raise ValueError("only system messages were given: add a human message with the question")
+    humans = [i for i, m in enumerate(turns) if isinstance(m, HumanMessage)]
+    question_at = humans[-1] if humans else len(turns) - 1
+    question = turns[question_at].text.strip()
+    if not question:
+        raise ValueError("the last human message is empty: pass the user's question as text")
+    segments: list[Segment] = []
+    instructions = "\n\n".join(system) or default_instructions
+    if instructions:
+        segments.append(Segment(SegmentKind.INSTRUCTIONS, instructions))
+    for i, message in enumerate(turns):
+        text = message.text.strip()
+        if i != question_at and text:
+            role = _ROLES.get(message.type, message.type.capitalize())
+            segments.append(Segment(SegmentKind.CONTEXT, f"{role}: {text}", f"turn-{i}"))
+    for number, item in enumerate(passages, start=1):
+        passage = _to_passage(item, number)
+        if passage.text.strip():
+            segments.append(Segment(SegmentKind.PASSAGE, passage.text.strip(), passage.id, passage.metadata))
+    segments.append(Segment(SegmentKind.QUESTION, question))
+    return segments
+
+
+def result_metadata(result: GenerationResult) -> dict[str, Any]:
+    """JSON-friendly SpecPrefill facts of one answer: counts, keep ratio, timings, kept spans."""
+    return {
+        "finish_reason": result.finish_reason,
+        "speculated": result.plan.speculated,
+        "prompt_tokens": result.prompt_tokens,
+        "prefilled_tokens": result.prefilled_tokens,
+        "keep_ratio": result.keep_ratio,
+        "timings": dataclasses.asdict(result.timings),
+        "kept_spans": [
+            {
+                "id": span.id,
+                "kind": str(span.kind),
+                "n_tokens": span.n_tokens,
+                "n_kept": span.n_kept,
+                "keep_ratio": span.keep_ratio,
+                "ranges": [list(r) for r in span.ranges],
+            }
+            for span in result.kept_spans
+        ],
+    }
+
+
+class ChatSpecPrefill(BaseChatModel):
+    """Chat model whose prompts are prefilled with Speculative Prefill.
+
+    Pass a ready ``engine`` (shares loaded models), or ``model`` (and optionally
+    ``draft_model``) to have one built on first use with ``SpecPrefillEngine.from_pretrained``.
+
+    Example:
+        ```python
+        from langchain_specprefill import ChatSpecPrefill
+
+        llm = ChatSpecPrefill(model="smollm2-135m-instruct", draft_model="smollm2-135m-instruct")
+        llm.invoke("Who runs the station?", passages=docs)
+        ```
+    """
+
+    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
+
+    engine: SpecPrefillEngine | None = Field(default=None, exclude=True, description="A ready engine.")
+    model_name: str | None = Field(default=None, alias="model", description="Main model (name, dir or GGUF).")
+    draft_model: str | None = Field(default=None, description="Draft model; None serves mode='full' only.")
+    backend: str = Field(default="transformers", description="Main-model backend, by registry name.")
+    mode: Literal["specprefill", "full"] = Field(default="specprefill", description="'full' = baseline.")
+    keep_rate: float | None = Field(default=None, description="Fraction of prompt tokens prefilled.")
+    instructions: str | None = Field(default=None, description="System text used when no system message.")
+    temperature: float | None = Field(default=None, description="0 = greedy; None = engine default.")
+    max_tokens: int | None = Field(default=None, description="Max generated tokens; None = engine default.")
+    top_p: float | None = Field(default=None, description="Nucleus sampling mass; None = engine default.")
+    seed: int | None = Field(default=None, description="Sampling seed.")
+    stop: list[str] | None = Field(default=None, description="Stop strings (text is cut before them).")
+    timeout: float | None = Field(default=None, description="Seconds per request, checked between tokens.")
+    max_retries: int = Field(default=2, description="Retries on BackendError before the first token.")
+    streaming: bool = Field(default=False, description="invoke() streams internally (callbacks see tokens).")
+
+    @model_validator(mode="after")
+    def _check_source(self) -> ChatSpecPrefill:
+        if self.engine is None and not self.model_name:
+            raise ValueError("pass engine=SpecPrefillEngine(...) or model='<name, dir or GGUF>'")
+        if self.model_name is None and self.engine is not None:
+            self.model_name = self.engine.backend.model_name
+        return self
+
+    # -- LangChain metadata ---------------------------------------------------------------
+
+    @property
+    def _llm_type(self) -> str:
+        return "specprefill"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "draft_model": self.draft_model,
+            "backend": self.backend,
+            "mode": self.mode,
+            "keep_rate": self.keep_rate,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="specprefill",
+            ls_model_name=str(kwargs.get("model") or self.model_name),
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        stop = stop if stop is not None else self.stop
+        if stop:
+            params["ls_stop"] = stop
+        return params
+
+    # -- translation ----------------------------------------------------------------------
+
+    def _get_engine(self) -> SpecPrefillEngine:
+        if self.engine is None:
+            assert self.model_name is not None
+            logger.info("loading SpecPrefill engine: main=%s draft=%s", self.model_name, self.draft_model)
+            self.engine = SpecPrefillEngine.from_pretrained(self.model_name, self.draft_model, backend=self.backend)
+        return self.engine
+
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments for ``engine.stream`` from messages, fields and per-call kwargs."""
+        model = kwargs.pop("model", None)
+        if model is not None and model != self.model_name:
+            raise ValueError(
+                f"ChatSpecPrefill serves one engine ({self.model_name}); a per-call model "
+                f"override ({model!r}) is not supported: build another ChatSpecPrefill"
+            )
+        engine = self._get_engine()
+        passages = kwargs.pop("passages", None) or ()
+        default = engine.config.instructions if passages else None
+        segments = messages_to_segments(messages, passages, default_instructions=self.instructions or default)
+        base = engine.config.generation
+        changes: dict[str, Any] = {}
+        for field, value in (
+            ("temperature", kwargs.pop("temperature", self.temperature)),
+            ("max_new_tokens", kwargs.pop("max_tokens", self.max_tokens)),
+            ("top_p", kwargs.pop("top_p", self.top_p)),
+            ("seed", kwargs.pop("seed", self.seed)),
+        ):
+            if value is not None:
+                changes[field] = value
+        stop = stop if stop is not None else self.stop
+        if stop is not None:
+            changes["stop"] = tuple(s for s in stop if s)
+        mode = kwargs.pop("mode", self.mode)
+        keep_rate = kwargs.pop("keep_rate", self.keep_rate)
+        if kwargs:
+            raise TypeError(f"unexpected arguments for ChatSpecPrefill: {sorted(kwargs)}")
+        generation: GenerationConfig = dataclasses.replace(base, **changes)
+        return {"question": segments, "mode": mode, "keep_rate": keep_rate, "generation": generation}
+
+    def _final_chunk(self, result: GenerationResult) -> ChatGenerationChunk:
+        usage = UsageMetadata(
+            input_tokens=result.prompt_tokens,
+            output_tokens=result.generated_tokens,
+            total_tokens=result.prompt_tokens + result.generated_tokens,
+        )
+        metadata = {"model_name": self.model_name, **result_metadata(result)}
+        message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
+
+    def _check_timeout(self, started: float) -> None:
+        if self.timeout is not None and time.monotonic() - started > self.timeout:
+            raise TimeoutError(f"ChatSpecPrefill: no answer within timeout={self.timeout}s")
+
+    def _retry(self, attempt: int, error: BackendError) -> None:
+        if attempt >= self.max_retries:
+            raise error
+        logger.warning("backend error (attempt %d of %d): %s", attempt + 1, self.max_retries + 1, error)
+
+    # -- LangChain entry points -----------------------------------------------------------
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        request = self._request(messages, stop, kwargs)
+        engine = self._get_engine()
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            stream = engine.stream(**request)
+            yielded = False
+            try:
+                for delta in stream:
+                    yielded = True
+                    self._check_timeout(started)
+                    chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                    if run_manager:
+                        run_manager.on_llm_new_token(delta, chunk=chunk)
+                    yield chunk
+                break
+            except BackendError as error:
+                if yielded:
+                    raise
+                self._retry(attempt, error)
+                attempt += 1
+            finally:
+                stream.close()
+        assert stream.result is not None
+        yield self._final_chunk(stream.result)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        request = self._request(messages, stop, kwargs)
+        engine = self._get_engine()
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            stream = await engine.astream(**request)
+            yielded = False
+            try:
+                async for delta in stream:
+                    yielded = True
+                    self._check_timeout(started)
+                    chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                    if run_manager:
+                        await run_manager.on_llm_new_token(delta, chunk=chunk)
+                    yield chunk
+                break
+            except BackendError as error:
+                if yielded:
+                    raise
+                self._retry(attempt, error)
+                attempt += 1
+            finally:
+                await stream.aclose()
+        assert stream.result is not None
+        yield self._final_chunk(stream.result)
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        chunks = list(self._stream(messages, stop, run_manager if self.streaming else None, **kwargs))
+        return _chat_result(chunks)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        stream = self._astream(messages, stop, run_manager if self.streaming else None, **kwargs)
+        return _chat_result([chunk async for chunk in stream])
+
+
+def _chat_result(chunks: Sequence[ChatGenerationChunk]) -> ChatResult:
+    """One ``AIMessage`` from the streamed chunks (the last carries usage and metadata)."""
+    final = chunks[-1]
+    text = "".join(str(c.message.content) for c in chunks)
+    last: Mapping[str, Any] = final.message.response_metadata
+    message = AIMessage(
+        content=text,
+        usage_metadata=getattr(final.message, "usage_metadata", None),
+        response_metadata=dict(last),
+    )
+    return ChatResult(generations=[ChatGeneration(message=message, generation_info=final.generation_info)])

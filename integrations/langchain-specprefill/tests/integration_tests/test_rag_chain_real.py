@@ -1,0 +1,48 @@
+"""The RAG runnable end to end: InMemoryVectorStore (MiniLM) → ChatSpecPrefill on SmolLM2-135M."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.documents import Document
+from langchain_core.vectorstores import InMemoryVectorStore
+from lc_helpers import MiniLMEmbeddings, smollm_engine
+from specprefill_rag.retrieval import demo_documents, demo_questions, split_passages
+
+from langchain_specprefill import ChatSpecPrefill, create_specprefill_rag_chain
+
+pytestmark = pytest.mark.real_model
+
+# SmolLM2-135M answers this demo question reliably; the fact appears in one document only.
+QUESTION = next(q for q in demo_questions() if q.answer == "14 March 1991")
+
+
+@pytest.fixture(scope="module")
+def chain():
+    passages = split_passages(demo_documents())
+    documents = [Document(p.text, id=p.id, metadata=dict(p.metadata)) for p in passages]
+    store = InMemoryVectorStore(MiniLMEmbeddings())
+    store.add_documents(documents)
+    llm = ChatSpecPrefill(engine=smollm_engine(), max_tokens=24)
+    return create_specprefill_rag_chain(store.as_retriever(search_kwargs={"k": 4}), llm)
+
+
+def test_documents_arrive_as_passages_and_answer_is_grounded(chain):
+    out = chain.invoke(QUESTION.question)
+    ids = [d.id for d in out["documents"]]
+    assert len(ids) == 4 and any(d.metadata["source"] == QUESTION.source for d in out["documents"])
+    spans = out["kept_spans"]
+    assert [s["id"] for s in spans if s["kind"] == "passage"] == ids  # one segment per document
+    question = [s for s in spans if s["kind"] == "question"]
+    assert len(question) == 1 and question[0]["keep_ratio"] == 1.0  # the question is protected
+    meta = out["response_metadata"]
+    assert meta["speculated"] and meta["keep_ratio"] < 0.9
+    assert meta["prefilled_tokens"] < meta["prompt_tokens"]
+    assert "1991" in out["answer"], out["answer"]
+
+
+def test_stream_yields_answer_deltas(chain):
+    parts = list(chain.stream({"question": QUESTION.question}))
+    deltas = [p["answer"] for p in parts if p.get("answer")]
+    assert len(deltas) > 1
+    assert "1991" in "".join(deltas)
+    assert any("kept_spans" in p for p in parts)

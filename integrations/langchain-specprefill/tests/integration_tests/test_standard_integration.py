@@ -1,0 +1,28 @@
+"""LangChain's standard integration suite for ChatSpecPrefill on real SmolLM2-135M (draft = main)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from lc_helpers import smollm_engine
+
+from langchain_specprefill import ChatSpecPrefill
+
+pytestmark = pytest.mark.real_model
+
+
+class TestChatSpecPrefillIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatSpecPrefill]:
+        return ChatSpecPrefill
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        # max_tokens stays small: the suite makes ~25 calls on a 2-core CPU.
+        return {"engine": smollm_engine(), "max_tokens": 8}
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False  # one engine per instance: loaded weights cannot be swapped per call

@@ -1,0 +1,137 @@
+"""ChatSpecPrefill on a tiny random engine: message mapping, metadata, streaming, async, errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
+from lc_helpers import tiny_engine
+from specprefill_rag import SegmentKind
+
+import langchain_specprefill
+from langchain_specprefill import ChatSpecPrefill, messages_to_segments
+
+DOCS = [
+    Document("The sky is blue. " * 20, id="sky"),
+    Document("The passkey is 48213. " * 6, id="key"),
+    Document("The sky is blue and the passkey is 48213. " * 10),
+]
+
+
+def test_public_api():
+    assert set(langchain_specprefill.__all__) >= {"ChatSpecPrefill", "create_specprefill_rag_chain"}
+    for name in langchain_specprefill.__all__:
+        assert hasattr(langchain_specprefill, name)
+
+
+def test_messages_map_to_segments():
+    messages = [
+        SystemMessage("Be brief."),
+        HumanMessage("hello"),
+        AIMessage("hi there"),
+        HumanMessage("what is the passkey?"),
+    ]
+    segments = messages_to_segments(messages, DOCS)
+    assert [(s.kind, s.id) for s in segments] == [
+        (SegmentKind.INSTRUCTIONS, None),
+        (SegmentKind.CONTEXT, "turn-0"),
+        (SegmentKind.CONTEXT, "turn-1"),
+        (SegmentKind.PASSAGE, "sky"),
+        (SegmentKind.PASSAGE, "key"),
+        (SegmentKind.PASSAGE, "3"),
+        (SegmentKind.QUESTION, None),
+    ]
+    assert segments[1].text == "User: hello" and segments[2].text == "Assistant: hi there"
+    assert segments[-1].text == "what is the passkey?"
+    with pytest.raises(ValueError, match="no messages"):
+        messages_to_segments([])
+    with pytest.raises(ValueError, match="only system messages"):
+        messages_to_segments([SystemMessage("x")])
+
+
+def test_needs_engine_or_model():
+    with pytest.raises(ValueError, match="engine=SpecPrefillEngine"):
+        ChatSpecPrefill()
+    assert ChatSpecPrefill(engine=tiny_engine()).model_name == "tiny-llama"
+
+
+def test_invoke_with_passages_reports_spans_and_usage():
+    llm = ChatSpecPrefill(engine=tiny_engine(), max_tokens=3)
+    message = llm.invoke("what is the passkey?", passages=DOCS)
+    meta = message.response_metadata
+    assert meta["model_name"] == "tiny-llama" and meta["speculated"]
+    assert 0 < meta["keep_ratio"] < 1 and meta["prefilled_tokens"] < meta["prompt_tokens"]
+    spans = {s["kind"]: s for s in meta["kept_spans"]}
+    assert spans["question"]["keep_ratio"] == 1.0
+    assert [s["id"] for s in meta["kept_spans"] if s["kind"] == "passage"] == ["sky", "key", "3"]
+    assert meta["timings"]["draft_s"] > 0 and meta["timings"]["ttft_s"] > 0
+    usage = message.usage_metadata
+    assert usage["input_tokens"] == meta["prompt_tokens"] and usage["output_tokens"] == 3
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+def test_stream_matches_invoke_and_full_mode_is_baseline():
+    llm = ChatSpecPrefill(engine=tiny_engine(), max_tokens=3)
+    chunks = list(llm.stream("what is the passkey?", passages=DOCS))
+    assert all(isinstance(c, AIMessageChunk) for c in chunks) and chunks[-1].chunk_position == "last"
+    full = sum(chunks[1:], chunks[0])
+    assert full.text == llm.invoke("what is the passkey?", passages=DOCS).text
+    baseline = llm.invoke("what is the passkey?", passages=DOCS, mode="full")
+    assert baseline.response_metadata["keep_ratio"] == 1.0
+    assert not baseline.response_metadata["speculated"]
+
+
+async def test_async_matches_sync_and_keeps_the_loop_free():
+    llm = ChatSpecPrefill(engine=tiny_engine(), max_tokens=3)
+    sync = llm.invoke("what is the passkey?", passages=DOCS)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(ticker())
+    result = await llm.ainvoke("what is the passkey?", passages=DOCS)
+    chunks = [c async for c in llm.astream("what is the passkey?", passages=DOCS)]
+    task.cancel()
+    assert result.text == sync.text == "".join(c.text for c in chunks)
+    assert ticks > 3
+
+
+def test_standard_params_reach_the_engine():
+    llm = ChatSpecPrefill(engine=tiny_engine(), max_tokens=2, stop=["never"])
+    assert llm.invoke("hello").usage_metadata["output_tokens"] <= 2
+    assert llm.invoke("hello", max_tokens=1).usage_metadata["output_tokens"] == 1
+    ls = llm._get_ls_params()
+    assert ls["ls_max_tokens"] == 2 and ls["ls_stop"] == ["never"] and ls["ls_provider"] == "specprefill"
+    with pytest.raises(ValueError, match="per-call model"):
+        llm.invoke("hello", model="other")
+    with pytest.raises(TypeError, match="unexpected arguments"):
+        llm.invoke("hello", bogus=1)
+
+
+def test_timeout_stops_generation():
+    llm = ChatSpecPrefill(engine=tiny_engine(), max_tokens=4, timeout=0.0)
+    with pytest.raises(TimeoutError, match="timeout"):
+        llm.invoke("hello")
+
+
+def test_rag_chain_keeps_documents_as_passages():
+    from langchain_core.runnables import RunnableLambda
+
+    from langchain_specprefill import create_specprefill_rag_chain
+
+    retriever = RunnableLambda(lambda question: DOCS)
+    chain = create_specprefill_rag_chain(retriever, ChatSpecPrefill(engine=tiny_engine(), max_tokens=3))
+    out = chain.invoke({"question": "what is the passkey?"})
+    assert [d.id for d in out["documents"]] == ["sky", "key", "3"]
+    assert [s["id"] for s in out["kept_spans"] if s["kind"] == "passage"] == ["sky", "key", "3"]
+    assert out["response_metadata"]["speculated"] and isinstance(out["answer"], str)
+    parts = list(chain.stream("what is the passkey?"))
+    assert "".join(p.get("answer", "") for p in parts) == out["answer"]
+    with pytest.raises(ValueError, match="takes a question"):
+        chain.invoke({"q": "x"})

@@ -1,0 +1,413 @@
+"""``SpecPrefillLLM``: a LlamaIndex ``CustomLLM`` over a ``SpecPrefillEngine``.
+
+A translation layer only. Query engines call ``predict(template, context_str=..., query_str=...)``;
+those two slots reach the engine as separate segments (passages + protected question), so
+selection is passage-aware and reported per source node. The passage rule (docs/integrations.md):
+
+- with ``PassageIdPostprocessor`` in the query engine, each node's LLM text starts with a
+  ``passage_id: <node id>`` metadata line; ``context_str`` is cut at those lines and every
+  passage keeps its node id (the marker line itself is not sent to the model);
+- without it, ``context_str`` is cut at blank lines (LlamaIndex joins node texts with
+  ``"\\n\\n"``), and passages are numbered 1, 2, ...
+
+The template's own wording is replaced by the engine's RAG layout (instructions =
+``system_prompt``, else ``instructions``, else the engine's). Any other call (``complete``,
+other templates, templates with an output parser) sends the whole prompt as one prunable
+context segment whose last tokens are protected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, Literal
+
+import llama_index.core.instrumentation as instrument
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.instrumentation.events.llm import LLMPredictEndEvent, LLMPredictStartEvent
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.core.types import TokenAsyncGen, TokenGen
+from specprefill_rag import GenerationConfig, GenerationResult, Passage, Segment, SegmentKind, SpecPrefillEngine
+
+__all__ = ["PassageIdPostprocessor", "SpecPrefillLLM", "split_context"]
+
+logger = logging.getLogger(__name__)
+dispatcher = instrument.get_dispatcher(__name__)
+
+DEFAULT_PASSAGE_ID_KEY = "passage_id"
+_ROLES = {MessageRole.USER: "User", MessageRole.ASSISTANT: "Assistant", MessageRole.TOOL: "Tool"}
+
+
+def split_context(context_str: str, id_key: str = DEFAULT_PASSAGE_ID_KEY) -> list[Passage]:
+    """Passages of a query engine's ``context_str`` (the rule in the module docstring)."""
+    marker = re.compile(rf"^{re.escape(id_key)}: *(\S+?) *$", re.MULTILINE)
+    marks = list(marker.finditer(context_str))
+    if not marks:
+        blocks = (b.strip() for b in re.split(r"\n\s*\n", context_str))
+        return [Passage(text=b) for b in blocks if b]
+    passages = []
+    head = context_str[: marks[0].start()].strip()
+    if head:  # text before the first node (a repacked chunk that starts mid-node)
+        passages.append(Passage(text=head))
+    ends = [m.start() for m in marks[1:]] + [len(context_str)]
+    for mark, end in zip(marks, ends, strict=True):
+        text = context_str[mark.end() : end].strip()
+        if text:
+            passages.append(Passage(text=text, id=mark.group(1)))
+    return passages
+
+
+class PassageIdPostprocessor(BaseNodePostprocessor):
+    """Puts each node's id first in its LLM-visible metadata, so ``SpecPrefillLLM`` can cut
+    ``context_str`` back into nodes and report kept spans per node id. Nodes are copied."""
+
+    id_key: str = Field(default=DEFAULT_PASSAGE_ID_KEY, description="Metadata key of the marker line.")
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "PassageIdPostprocessor"
+
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        marked = []
+        for item in nodes:
+            node = item.node
+            metadata = {self.id_key: node.node_id, **{k: v for k, v in node.metadata.items() if k != self.id_key}}
+            excluded = [k for k in node.excluded_llm_metadata_keys if k != self.id_key]
+            copy = node.model_copy(update={"metadata": metadata, "excluded_llm_metadata_keys": excluded})
+            marked.append(NodeWithScore(node=copy, score=item.score))
+        return marked
+
+
+def _result_kwargs(result: GenerationResult, model_name: str) -> dict[str, Any]:
+    """JSON-friendly SpecPrefill facts of one answer: counts, keep ratio, timings, kept spans."""
+    return {
+        "model_name": model_name,
+        "finish_reason": result.finish_reason,
+        "speculated": result.plan.speculated,
+        "prompt_tokens": result.prompt_tokens,
+        "prefilled_tokens": result.prefilled_tokens,
+        "generated_tokens": result.generated_tokens,
+        "keep_ratio": result.keep_ratio,
+        "timings": dataclasses.asdict(result.timings),
+        "kept_spans": [
+            {
+                "id": span.id,
+                "kind": str(span.kind),
+                "n_tokens": span.n_tokens,
+                "n_kept": span.n_kept,
+                "keep_ratio": span.keep_ratio,
+                "ranges": [list(r) for r in span.ranges],
+            }
+            for span in result.kept_spans
+        ],
+    }
+
+
+class SpecPrefillLLM(CustomLLM):
+    """LlamaIndex LLM whose prompts are prefilled with Speculative Prefill.
+
+    Pass a ready ``engine`` (shares loaded models), or ``model_name`` (and optionally
+    ``draft_model``) to have one built on first use with ``SpecPrefillEngine.from_pretrained``.
+    ``CompletionResponse.additional_kwargs`` holds timings, keep ratio and kept spans.
+    """
+
+    model_name: str | None = Field(default=None, description="Main model (packaged name, HF dir or GGUF).")
+    draft_model: str | None = Field(default=None, description="Draft model; None serves mode='full' only.")
+    backend: str = Field(default="transformers", description="Main-model backend, by registry name.")
+    mode: Literal["specprefill", "full"] = Field(default="specprefill", description="'full' = the baseline.")
+    keep_rate: float | None = Field(default=None, description="Fraction of prompt tokens prefilled.")
+    instructions: str | None = Field(
+        default=None, description="Instructions for query-engine calls without system_prompt; None = engine's."
+    )
+    max_new_tokens: int | None = Field(default=None, description="Max generated tokens; None = engine default.")
+    temperature: float | None = Field(default=None, description="0 = greedy; None = engine default.")
+    passage_id_key: str = Field(
+        default=DEFAULT_PASSAGE_ID_KEY, description="Metadata key marking node starts in context_str."
+    )
+
+    _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
+
+    def __init__(self, engine: SpecPrefillEngine | None = None, **kwargs: Any) -> None:
+        if engine is not None and kwargs.get("model_name") is None:
+            kwargs["model_name"] = engine.backend.model_name
+        super().__init__(**kwargs)
+        if engine is None and not self.model_name:
+            raise ValueError("pass engine=SpecPrefillEngine(...) or model_name='<name, dir or GGUF>'")
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SpecPrefillLLM"
+
+    @property
+    def engine(self) -> SpecPrefillEngine:
+        """The engine (built from ``model_name``/``draft_model`` on first use)."""
+        if self._engine is None:
+            assert self.model_name is not None
+            logger.info("loading SpecPrefill engine: main=%s draft=%s", self.model_name, self.draft_model)
+            self._engine = SpecPrefillEngine.from_pretrained(self.model_name, self.draft_model, backend=self.backend)
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        engine = self.engine
+        return LLMMetadata(
+            context_window=engine.backend.max_context,
+            num_output=self.max_new_tokens or engine.config.generation.max_new_tokens,
+            model_name=str(self.model_name),
+            is_chat_model=False,
+        )
+
+    # -- translation ----------------------------------------------------------------------
+
+    def _instructions(self, rag: bool) -> list[Segment]:
+        """``system_prompt``; for query-engine calls without one, ``instructions`` or the engine's."""
+        text = self.system_prompt or ((self.instructions or self.engine.config.instructions) if rag else None)
+        return [Segment(SegmentKind.INSTRUCTIONS, text.strip())] if text and text.strip() else []
+
+    def _rag_segments(self, prompt: BasePromptTemplate, prompt_args: dict[str, Any]) -> list[Segment] | None:
+        """Segments for a query-engine template call, or None when it is not one."""
+        if self.output_parser is not None or prompt.output_parser is not None:
+            return None  # the parser's format instructions live in the template text
+        args = {**prompt.kwargs, **prompt_args}
+        context, question = args.get("context_str"), args.get("query_str")
+        if not isinstance(context, str) or not isinstance(question, str) or not question.strip():
+            return None
+        passages = [
+            Segment(SegmentKind.PASSAGE, p.text, p.id if p.id is not None else str(n))
+            for n, p in enumerate(split_context(context, self.passage_id_key), start=1)
+        ]
+        if not passages:
+            return None
+        return [*self._instructions(rag=True), *passages, Segment(SegmentKind.QUESTION, question.strip())]
+
+    def _prompt_segments(self, prompt: str) -> list[Segment]:
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
+        return [*self._instructions(rag=False), Segment(SegmentKind.CONTEXT, prompt)]
+
+    def _chat_segments(self, messages: Sequence[ChatMessage]) -> list[Segment]:
+        """System → instructions; last user message → question; other turns → prunable context."""
+        system = [m.content.strip() for m in messages if m.role == MessageRole.SYSTEM and m.content]
+        turns = [m for m in messages if m.role != MessageRole.SYSTEM]
+        if not turns:
+            raise ValueError("no user message: pass the question as a user message")
+        users = [i for i, m in enumerate(turns) if m.role == MessageRole.USER]
+        question_at = users[-1] if users else len(turns) - 1
+        question = (turns[question_at].content or "").strip()
+        if not question:
+            raise ValueError("the last user message is empty")
+        instructions = "\n\n".join(system) or self.system_prompt
+        segments = [Segment(SegmentKind.INSTRUCTIONS, instructions)] if instructions else []
+        for i, message in enumerate(turns):
+            text = (message.content or "").strip()
+            if i != question_at and text:
+                role = _ROLES.get(message.role, str(message.role.value).capitalize())
+                segments.append(Segment(SegmentKind.CONTEXT, f"{role}: {text}", f"turn-{i}"))
+        segments.append(Segment(SegmentKind.QUESTION, question))
+        return segments
+
+    def _request(self, segments: list[Segment], kwargs: dict[str, Any]) -> dict[str, Any]:
+        kwargs = dict(kwargs)
+        kwargs.pop("formatted", None)
+        changes: dict[str, Any] = {}
+        for field, value in (
+            ("max_new_tokens", kwargs.pop("max_new_tokens", self.max_new_tokens)),
+            ("temperature", kwargs.pop("temperature", self.temperature)),
+        ):
+            if value is not None:
+                changes[field] = value
+        stop = kwargs.pop("stop", None)
+        if stop:
+            changes["stop"] = tuple(stop)
+        mode = kwargs.pop("mode", self.mode)
+        keep_rate = kwargs.pop("keep_rate", self.keep_rate)
+        if kwargs:
+            raise TypeError(f"unexpected arguments for SpecPrefillLLM: {sorted(kwargs)}")
+        generation: GenerationConfig = dataclasses.replace(self.engine.config.generation, **changes)
+        return {"question": segments, "mode": mode, "keep_rate": keep_rate, "generation": generation}
+
+    def _response(self, result: GenerationResult) -> CompletionResponse:
+        return CompletionResponse(text=result.text, additional_kwargs=_result_kwargs(result, str(self.model_name)))
+
+    def _run(self, segments: list[Segment], kwargs: dict[str, Any]) -> CompletionResponse:
+        return self._response(self.engine.generate(**self._request(segments, kwargs)))
+
+    async def _arun(self, segments: list[Segment], kwargs: dict[str, Any]) -> CompletionResponse:
+        return self._response(await self.engine.agenerate(**self._request(segments, kwargs)))
+
+    def _run_stream(self, segments: list[Segment], kwargs: dict[str, Any]) -> CompletionResponseGen:
+        stream = self.engine.stream(**self._request(segments, kwargs))
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            try:
+                for delta in stream:
+                    text += delta
+                    yield CompletionResponse(text=text, delta=delta)
+            finally:
+                stream.close()
+            assert stream.result is not None
+            final = self._response(stream.result)
+            yield CompletionResponse(text=text, delta="", additional_kwargs=final.additional_kwargs)
+
+        return gen()
+
+    async def _arun_stream(self, segments: list[Segment], kwargs: dict[str, Any]) -> CompletionResponseAsyncGen:
+        stream = await self.engine.astream(**self._request(segments, kwargs))
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            try:
+                async for delta in stream:
+                    text += delta
+                    yield CompletionResponse(text=text, delta=delta)
+            finally:
+                await stream.aclose()
+            assert stream.result is not None
+            final = self._response(stream.result)
+            yield CompletionResponse(text=text, delta="", additional_kwargs=final.additional_kwargs)
+
+        return gen()
+
+    # -- completion -----------------------------------------------------------------------
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._run(self._prompt_segments(prompt), kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._run_stream(self._prompt_segments(prompt), kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await self._arun(self._prompt_segments(prompt), kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        return await self._arun_stream(self._prompt_segments(prompt), kwargs)
+
+    # The RAG path: ``prompt`` (first argument) is the rendered template, shown to callbacks.
+    @llm_completion_callback()
+    def _complete_segments(self, prompt: str, segments: list[Segment]) -> CompletionResponse:
+        return self._run(segments, {})
+
+    @llm_completion_callback()
+    def _stream_segments(self, prompt: str, segments: list[Segment]) -> CompletionResponseGen:
+        return self._run_stream(segments, {})
+
+    @llm_completion_callback()
+    async def _acomplete_segments(self, prompt: str, segments: list[Segment]) -> CompletionResponse:
+        return await self._arun(segments, {})
+
+    @llm_completion_callback()
+    async def _astream_segments(self, prompt: str, segments: list[Segment]) -> CompletionResponseAsyncGen:
+        return await self._arun_stream(segments, {})
+
+    # -- chat -----------------------------------------------------------------------------
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        response = self._run(self._chat_segments(messages), kwargs)
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
+            additional_kwargs=response.additional_kwargs,
+        )
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        completions = self._run_stream(self._chat_segments(messages), kwargs)
+
+        def gen() -> ChatResponseGen:
+            for r in completions:
+                message = ChatMessage(role=MessageRole.ASSISTANT, content=r.text)
+                yield ChatResponse(message=message, delta=r.delta, additional_kwargs=r.additional_kwargs)
+
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        response = await self._arun(self._chat_segments(messages), kwargs)
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
+            additional_kwargs=response.additional_kwargs,
+        )
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        completions = await self._arun_stream(self._chat_segments(messages), kwargs)
+
+        async def gen() -> ChatResponseAsyncGen:
+            async for r in completions:
+                message = ChatMessage(role=MessageRole.ASSISTANT, content=r.text)
+                yield ChatResponse(message=message, delta=r.delta, additional_kwargs=r.additional_kwargs)
+
+        return gen()
+
+    # -- query-engine templates (predict / stream) ----------------------------------------
+
+    @dispatcher.span
+    def predict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        segments = self._rag_segments(prompt, prompt_args)
+        if segments is None:
+            return super().predict(prompt, **prompt_args)
+        dispatcher.event(LLMPredictStartEvent(template=prompt, template_args=prompt_args))
+        output = self._complete_segments(self._get_prompt(prompt, **prompt_args), segments).text
+        dispatcher.event(LLMPredictEndEvent(output=output))
+        return output
+
+    @dispatcher.span
+    def stream(self, prompt: BasePromptTemplate, **prompt_args: Any) -> TokenGen:
+        segments = self._rag_segments(prompt, prompt_args)
+        if segments is None:
+            return super().stream(prompt, **prompt_args)
+        dispatcher.event(LLMPredictStartEvent(template=prompt, template_args=prompt_args))
+        responses = self._stream_segments(self._get_prompt(prompt, **prompt_args), segments)
+        return (r.delta for r in responses if r.delta)
+
+    @dispatcher.span
+    async def apredict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        segments = self._rag_segments(prompt, prompt_args)
+        if segments is None:
+            return await super().apredict(prompt, **prompt_args)
+        dispatcher.event(LLMPredictStartEvent(template=prompt, template_args=prompt_args))
+        response = await self._acomplete_segments(self._get_prompt(prompt, **prompt_args), segments)
+        dispatcher.event(LLMPredictEndEvent(output=response.text))
+        return response.text
+
+    @dispatcher.span
+    async def astream(self, prompt: BasePromptTemplate, **prompt_args: Any) -> TokenAsyncGen:
+        segments = self._rag_segments(prompt, prompt_args)
+        if segments is None:
+            return await super().astream(prompt, **prompt_args)
+        dispatcher.event(LLMPredictStartEvent(template=prompt, template_args=prompt_args))
+        responses = await self._astream_segments(self._get_prompt(prompt, **prompt_args), segments)
+
+        async def gen() -> AsyncGenerator[str, None]:
+            async for r in responses:
+                if r.delta:
+                    yield r.delta
+
+        return gen()

@@ -1,0 +1,137 @@
+"""SpecPrefillLLM on a tiny random engine: segments, metadata, streaming, async, query engines."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from li_helpers import CompletionRecorder, tiny_engine
+from llama_index.core import Document, MockEmbedding, VectorStoreIndex
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.llms import CustomLLM
+from llama_index.core.prompts import PromptTemplate
+
+import llama_index.llms.specprefill as package
+from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM, split_context
+
+QA = PromptTemplate("Context:\n{context_str}\nQuery: {query_str}\nAnswer: ")
+CONTEXT = "The sky is blue. " * 20 + "\n\n" + "The passkey is 48213. " * 8
+
+
+@pytest.fixture
+def recorder():
+    handler = CompletionRecorder()
+    root = get_dispatcher()
+    root.add_event_handler(handler)
+    yield handler
+    root.event_handlers.remove(handler)
+
+
+def test_public_api():
+    assert package.__all__ == ["PassageIdPostprocessor", "SpecPrefillLLM", "split_context"]
+    assert issubclass(SpecPrefillLLM, CustomLLM)
+
+
+def test_split_context_rules():
+    marked = "passage_id: a\nsource: x.md\n\nFirst.\n\nStill first.\n\npassage_id: b\n\nSecond."
+    assert [(p.id, p.text) for p in split_context(marked)] == [
+        ("a", "source: x.md\n\nFirst.\n\nStill first."),
+        ("b", "Second."),
+    ]
+    assert [(p.id, p.text) for p in split_context("One.\n\n\nTwo.\n  \nThree.")] == [
+        (None, "One."),
+        (None, "Two."),
+        (None, "Three."),
+    ]
+
+
+def test_metadata_comes_from_the_engine():
+    llm = SpecPrefillLLM(engine=tiny_engine(), max_new_tokens=3)
+    meta = llm.metadata
+    assert meta.model_name == "tiny-llama" and meta.context_window == 4096 and meta.num_output == 3
+    with pytest.raises(ValueError, match="engine=SpecPrefillEngine"):
+        SpecPrefillLLM()
+
+
+def test_complete_sends_one_prunable_context(recorder):
+    llm = SpecPrefillLLM(engine=tiny_engine())
+    response = llm.complete(CONTEXT)
+    kw = response.additional_kwargs
+    assert [s["kind"] for s in kw["kept_spans"]] == ["context"]
+    assert kw["speculated"] and kw["prefilled_tokens"] < kw["prompt_tokens"]
+    assert kw["timings"]["draft_s"] > 0 and kw["model_name"] == "tiny-llama"
+    assert recorder.responses[-1].additional_kwargs == kw  # instrumentation sees the metadata
+    deltas = list(llm.stream_complete(CONTEXT))
+    assert "".join(d.delta for d in deltas) == response.text == deltas[-1].text
+    assert deltas[-1].additional_kwargs["kept_spans"] == kw["kept_spans"]
+
+
+def test_predict_with_context_and_query_protects_the_question(recorder):
+    llm = SpecPrefillLLM(engine=tiny_engine())
+    text = llm.predict(QA.partial_format(query_str="what is the passkey?"), context_str=CONTEXT)
+    kw = recorder.responses[-1].additional_kwargs
+    spans = kw["kept_spans"]
+    assert [(s["kind"], s["id"]) for s in spans] == [
+        ("instructions", None), ("passage", "1"), ("passage", "2"), ("question", None),
+    ]
+    assert spans[-1]["keep_ratio"] == 1.0 and spans[0]["keep_ratio"] == 1.0
+    assert kw["keep_ratio"] < 1.0
+    assert "".join(llm.stream(QA, context_str=CONTEXT, query_str="what is the passkey?")) == text
+    # A template without both slots is sent whole, as one context segment.
+    llm.predict(PromptTemplate("Summarise: {text}"), text=CONTEXT)
+    assert [s["kind"] for s in recorder.responses[-1].additional_kwargs["kept_spans"]] == ["context"]
+
+
+def test_chat_maps_roles():
+    llm = SpecPrefillLLM(engine=tiny_engine())
+    messages = [
+        ChatMessage(role=MessageRole.SYSTEM, content="Be brief."),
+        ChatMessage(role=MessageRole.USER, content="hello"),
+        ChatMessage(role=MessageRole.ASSISTANT, content="hi"),
+        ChatMessage(role=MessageRole.USER, content="what is the passkey?"),
+    ]
+    response = llm.chat(messages)
+    assert [(s["kind"], s["id"]) for s in response.additional_kwargs["kept_spans"]] == [
+        ("instructions", None), ("context", "turn-0"), ("context", "turn-1"), ("question", None),
+    ]
+    chunks = list(llm.stream_chat(messages))
+    assert chunks[-1].message.content == response.message.content
+
+
+async def test_async_variants_match_and_do_not_block():
+    llm = SpecPrefillLLM(engine=tiny_engine())
+    sync = llm.complete(CONTEXT).text
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(ticker())
+    assert (await llm.acomplete(CONTEXT)).text == sync
+    assert "".join([r.delta async for r in await llm.astream_complete(CONTEXT)]) == sync
+    chat = await llm.achat([ChatMessage(role=MessageRole.USER, content=CONTEXT)])
+    streamed = [r async for r in await llm.astream_chat([ChatMessage(role=MessageRole.USER, content=CONTEXT)])]
+    answer = await llm.apredict(QA, context_str=CONTEXT, query_str="what is the passkey?")
+    tokens = [t async for t in await llm.astream(QA, context_str=CONTEXT, query_str="what is the passkey?")]
+    task.cancel()
+    assert streamed[-1].message.content == chat.message.content
+    assert "".join(tokens) == answer
+    assert ticks > 5
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_query_engine_passages_are_nodes(recorder, marked):
+    docs = [Document(text="The sky is blue. " * 30), Document(text="The passkey is 48213. " * 20)]
+    index = VectorStoreIndex.from_documents(docs, embed_model=MockEmbedding(embed_dim=8))
+    llm = SpecPrefillLLM(engine=tiny_engine())
+    post = [PassageIdPostprocessor()] if marked else []
+    response = index.as_query_engine(llm=llm, similarity_top_k=2, node_postprocessors=post).query("passkey?")
+    spans = recorder.responses[-1].additional_kwargs["kept_spans"]
+    passage_ids = [s["id"] for s in spans if s["kind"] == "passage"]
+    node_ids = [n.node.node_id for n in response.source_nodes]
+    assert passage_ids == (node_ids if marked else ["1", "2"])
+    assert spans[-1]["kind"] == "question" and spans[-1]["keep_ratio"] == 1.0
