@@ -116,7 +116,7 @@ def test_seeded_sampling_reproduces(backend):
 
 def test_registry():
     assert "transformers" in available_backends()
-    with pytest.raises(ValueError, match="unknown backend 'nope'; available: transformers"):
+    with pytest.raises(ValueError, match="unknown backend 'nope'; available: transformers, vllm_offline, vllm_server"):
         create_backend("nope")
 
 
