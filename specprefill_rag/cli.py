@@ -26,7 +26,7 @@ DEMO_INSTRUCTIONS = (
 def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: int, max_new_tokens: int) -> None:
     add = parser.add_argument
     add("--main", default=DEFAULT_MAIN, help="main model: packaged short name, HF directory or .gguf (%(default)s)")
-    add("--draft", default=DEFAULT_DRAFT, help="draft model, same tokenizer as the main model (%(default)s)")
+    add("--draft", default=DEFAULT_DRAFT, help="draft model; another tokenizer is mapped (%(default)s)")
     add("--keep-rate", type=float, default=keep_rate, help="fraction of prompt tokens prefilled (%(default)s)")
     add("--top-k", type=int, default=top_k, help="passages retrieved (default: %(default)s)")
     add("--max-new-tokens", type=int, default=max_new_tokens, help="answer length limit (default: %(default)s)")

@@ -12,8 +12,17 @@ from typing import Literal
 
 LayerChoice = Literal["all", "upper_half"]
 PositionMode = Literal["original", "contiguous"]
+TokenizerMapping = Literal["auto", "same", "offsets"]
 
-__all__ = ["DraftConfig", "GenerationConfig", "LayerChoice", "PositionMode", "SelectionConfig", "SpecPrefillConfig"]
+__all__ = [
+    "DraftConfig",
+    "GenerationConfig",
+    "LayerChoice",
+    "PositionMode",
+    "SelectionConfig",
+    "SpecPrefillConfig",
+    "TokenizerMapping",
+]
 
 
 def _check(condition: bool, message: str) -> None:
@@ -28,6 +37,11 @@ class DraftConfig:
     lookahead: int = 8  # L: queries of the last prompt token + (L - 1) greedy draft tokens
     pool_kernel: int = 13  # tokens; odd width of the average pool along the prompt
     layers: LayerChoice | tuple[int, ...] = "all"  # draft layers whose attention is aggregated
+    # How draft scores reach the main model's tokens: "same" demands the main tokenizer (scores
+    # are read index by index); "offsets" renders the prompt with the draft's own tokenizer and
+    # maps scores through character offsets (any draft family); "auto" = "same" when the
+    # tokenizers are identical, else "offsets".
+    tokenizer_mapping: TokenizerMapping = "auto"
 
     def __post_init__(self) -> None:
         _check(self.lookahead >= 1, f"lookahead must be >= 1, got {self.lookahead}")
@@ -43,6 +57,10 @@ class DraftConfig:
                 self.layers in ("all", "upper_half"),
                 f"layers must be 'all', 'upper_half' or a tuple of indices, got {self.layers!r}",
             )
+        _check(
+            self.tokenizer_mapping in ("auto", "same", "offsets"),
+            f"tokenizer_mapping must be 'auto', 'same' or 'offsets', got {self.tokenizer_mapping!r}",
+        )
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 
 from . import prompt as prompt_lib
 from . import selection as selection_lib
+from . import tokenmap
 from .backends import Backend, create_backend
 from .config import GenerationConfig, SelectionConfig, SpecPrefillConfig
 from .detokenize import IncrementalDecoder
@@ -25,6 +27,8 @@ from .draft import DraftModel
 from .types import AssembledPrompt, GenerationResult, Passage, PrefillPlan, Segment, Timings, TokenScores
 
 __all__ = ["AsyncTextStream", "Mode", "PlannedPrompt", "SpecPrefillEngine", "TextStream"]
+
+logger = logging.getLogger(__name__)
 
 Mode = Literal["specprefill", "full"]
 PromptInput = str | Sequence[Segment]
@@ -82,25 +86,47 @@ class AsyncTextStream(AsyncIterator[str]):
         await asyncio.to_thread(self._stream.close)
 
 
-def _check_tokenizers(draft: Any, main: Any) -> None:
+def _same_tokenizer(draft: Any, main: Any) -> bool:
     if draft is main:
-        return
+        return True
     same = type(draft).__name__ == type(main).__name__ and len(draft) == len(main)
-    if same:
-        same = draft.get_vocab() == main.get_vocab()
-    if not same:
-        raise ValueError(
-            f"the draft tokenizer ({type(draft).__name__}, {len(draft)} tokens) differs from the "
-            f"main model's ({type(main).__name__}, {len(main)} tokens). SpecPrefill scores the "
-            "main model's tokens, so the draft must share its tokenizer: use a draft of the same "
-            "family (e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct)"
-        )
+    return same and draft.get_vocab() == main.get_vocab()
+
+
+def _tokenizer_error(draft: Any, main: Any) -> ValueError:
+    return ValueError(
+        f"the draft tokenizer ({type(draft).__name__}, {len(draft)} tokens) differs from the "
+        f"main model's ({type(main).__name__}, {len(main)} tokens). With "
+        "DraftConfig(tokenizer_mapping='same') the draft must share the main model's tokenizer: use a "
+        "draft of the same family (e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct), "
+        "or tokenizer_mapping='auto' to map scores through character offsets"
+    )
+
+
+def _needs_mapping(draft: Any, main: Any, mode: str) -> bool:
+    """Whether draft scores must be mapped onto main tokens (see ``tokenmap``); checks the pair."""
+    same = _same_tokenizer(draft, main)
+    if mode == "same" or (mode == "auto" and same):
+        if not same:
+            raise _tokenizer_error(draft, main)
+        return False
+    for role, tok in (("draft", draft), ("main", main)):
+        if not getattr(tok, "is_fast", False):
+            raise ValueError(
+                f"the {role} tokenizer ({type(tok).__name__}) is a slow tokenizer without character "
+                "offsets, which mapping scores between two tokenizers needs: load the fast one "
+                "(AutoTokenizer.from_pretrained(..., use_fast=True)) or use a draft with the main "
+                "model's tokenizer"
+            )
+    return True
 
 
 class SpecPrefillEngine:
     """Answers RAG questions with a draft-selected prefill on a main-model backend.
 
-    ``draft`` may be None: the engine then serves only ``mode="full"``.
+    ``draft`` may be None: the engine then serves only ``mode="full"``. A draft with another
+    tokenizer scores its own rendering of the prompt; its scores reach the main tokens through
+    character offsets (``DraftConfig.tokenizer_mapping``, docs/cross-family.md).
     """
 
     def __init__(
@@ -110,8 +136,10 @@ class SpecPrefillEngine:
         self.draft = draft
         self.config = config or SpecPrefillConfig()
         self.tokenizer = backend.tokenizer
+        self.maps_tokens = False  # True: the draft has its own tokenizer (scores mapped by offsets)
         if draft is not None:
-            _check_tokenizers(draft.tokenizer, self.tokenizer)
+            mode = self.config.draft.tokenizer_mapping
+            self.maps_tokens = _needs_mapping(draft.tokenizer, self.tokenizer, mode)
             if self.config.draft != draft.config:
                 draft.config = self.config.draft
 
@@ -132,9 +160,15 @@ class SpecPrefillEngine:
         if backend == "transformers":
             backend_kwargs = {"dtype": dtype, "device": device, **backend_kwargs}
         main_backend = create_backend(backend, main, **backend_kwargs)
-        draft_model = (
-            DraftModel.from_pretrained(draft, config.draft, dtype=dtype, device=device) if draft else None
-        )
+        from .backends.transformers import TransformersBackend
+
+        if draft and draft == main and isinstance(main_backend, TransformersBackend):
+            # Self-drafting: one set of weights serves both roles (the capture is inert outside scoring).
+            draft_model: DraftModel | None = DraftModel(main_backend.model, main_backend.tokenizer, config.draft)
+        elif draft:
+            draft_model = DraftModel.from_pretrained(draft, config.draft, dtype=dtype, device=device)
+        else:
+            draft_model = None
         return cls(main_backend, draft_model, config)
 
     # -- building blocks -------------------------------------------------------------------
@@ -169,7 +203,30 @@ class SpecPrefillEngine:
         """Draft importance of every token of ``prompt``."""
         if self.draft is None:
             raise ValueError("this engine has no draft model: pass draft=... or use mode='full'")
-        return self.draft.score(prompt.token_ids)
+        if not self.maps_tokens:
+            return self.draft.score(prompt.token_ids)
+        return self._score_mapped(self.draft, prompt)
+
+    def _score_mapped(self, draft: DraftModel, prompt: AssembledPrompt) -> TokenScores:
+        """Score the draft's own rendering of the same segments; map onto ``prompt``'s tokens."""
+        start = time.perf_counter()
+        main_text, main_spans, _ = prompt_lib.render(self.tokenizer, prompt.segments)
+        if main_text != prompt.text:
+            raise ValueError(
+                "the prompt was not rendered by this engine's main tokenizer: build it with engine.assemble"
+            )
+        draft_prompt = prompt_lib.assemble(draft.tokenizer, prompt.segments, protect_tail_tokens=0)
+        _, draft_spans, _ = prompt_lib.render(draft.tokenizer, prompt.segments)
+        # The draft's own window applies to the draft's own token count (checked in capture).
+        drafted = draft.score(draft_prompt.token_ids)
+        scores = tokenmap.map_scores(drafted.scores, draft_prompt, draft_spans, prompt, main_spans)
+        logger.debug(
+            "mapped %d draft tokens onto %d main tokens in %.3f s",
+            draft_prompt.n_tokens, prompt.n_tokens, time.perf_counter() - start - drafted.seconds,
+        )
+        return TokenScores(
+            scores=scores, lookahead_token_ids=drafted.lookahead_token_ids, seconds=time.perf_counter() - start
+        )
 
     def plan(
         self,

@@ -171,7 +171,7 @@ def test_engine_without_draft_serves_full_mode_only(tokenizer):
         engine.generate(QUESTION, PASSAGES)
 
 
-def test_mismatched_tokenizers_are_rejected(tokenizer):
+def _word_level_draft():
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -179,10 +179,28 @@ def test_mismatched_tokenizers_are_rejected(tokenizer):
     other.pre_tokenizer = pre_tokenizers.Whitespace()
     other.train_from_iterator(["a b c d"], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
     other_tok = PreTrainedTokenizerFast(tokenizer_object=other)
-    draft = DraftModel(make_model("llama", len(other_tok)), other_tok)
+    return DraftModel(make_model("llama", len(other_tok)), other_tok)
+
+
+def test_mismatched_tokenizers_are_rejected_in_same_mode(tokenizer):
     main = TransformersBackend(make_model("qwen2", len(tokenizer)), tokenizer)
-    with pytest.raises(ValueError, match="draft must share its tokenizer"):
-        SpecPrefillEngine(main, draft)
+    config = SpecPrefillConfig(draft=DraftConfig(tokenizer_mapping="same"))
+    with pytest.raises(ValueError, match="draft must share the main model's tokenizer"):
+        SpecPrefillEngine(main, _word_level_draft(), config)
+
+
+def test_mismatched_tokenizers_are_mapped_in_auto_mode(tokenizer):
+    main = TransformersBackend(make_model("qwen2", len(tokenizer)), tokenizer)
+    config = SpecPrefillConfig(
+        draft=DraftConfig(lookahead=2),
+        selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=64),
+        generation=GenerationConfig(max_new_tokens=2),
+    )
+    engine = SpecPrefillEngine(main, _word_level_draft(), config)
+    assert engine.maps_tokens
+    result = engine.generate(QUESTION, PASSAGES)
+    assert result.plan.speculated and result.prefilled_tokens < 0.5 * result.prompt_tokens
+    assert {s.kind: s for s in result.kept_spans}[SegmentKind.QUESTION].keep_ratio == 1.0
 
 
 def test_incremental_decoder_holds_back_partial_stop(tokenizer):

@@ -1,0 +1,257 @@
+"""Cross-family drafts side by side: TTFT and answers, full prefill vs SpecPrefill per draft.
+
+Default: main Qwen2.5-Coder-1.5B; drafts SmolLM2-135M (another family: scores mapped through
+character offsets) and Qwen2.5-Coder-0.5B (same tokenizer: direct path); a passkey needle
+prompt plus demo-collection questions (retrieved top-k passages); keep 10% and 20%.
+
+For every prompt the modes run back to back (full, then each draft), so load on a shared
+machine hits them alike. The draft scores a prompt once; each keep rate then prefills its own
+plan, and its TTFT is draft + selection + main prefill to the first token. Run:
+
+    .venv/bin/python benchmarks/cross_family.py            # table on stdout, JSON in benchmarks/results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from specprefill_rag import (  # noqa: E402
+    DraftConfig,
+    DraftModel,
+    GenerationConfig,
+    Passage,
+    PlannedPrompt,
+    SelectionConfig,
+    SpecPrefillConfig,
+    SpecPrefillEngine,
+    TextStream,
+)
+from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
+from specprefill_rag.models import load_model  # noqa: E402
+
+PASSKEY = "68413"
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = f"The pass key is {PASSKEY}. Remember it. {PASSKEY} is the pass key. "
+INSTRUCTIONS = "Answer the question in one short sentence, using only the context."
+
+
+def needle_case(n_passages: int, repeats: int) -> dict[str, Any]:
+    passages = []
+    for i in range(n_passages):
+        text = FILLER * repeats
+        if i == (2 * n_passages) // 3:
+            text = FILLER * (repeats // 2) + NEEDLE + FILLER * (repeats // 2)
+        passages.append(Passage(text, id=f"p{i}"))
+    question = "What is the pass key? Answer with the number only."
+    return {"name": "needle", "question": question, "passages": passages, "answer": PASSKEY, "evidence": NEEDLE}
+
+
+def demo_cases(n: int, top_k: int) -> list[dict[str, Any]]:
+    from specprefill_rag.retrieval import Retriever, demo_documents, demo_questions
+
+    retriever = Retriever.from_documents(demo_documents())
+    cases = []
+    for q in demo_questions()[:n]:
+        cases.append(
+            {
+                "name": q.source.removesuffix(".md"),
+                "question": q.question,
+                "passages": retriever.retrieve(q.question, top_k=top_k),
+                "answer": q.answer,
+                "evidence": q.answer,
+            }
+        )
+    return cases
+
+
+def correct(text: str, answer: str) -> bool:
+    norm = lambda s: " ".join(s.lower().replace(",", "").split())  # noqa: E731
+    return norm(answer) in norm(text)
+
+
+def evidence_kept(prompt: Any, plan: Any, evidence: str) -> float | None:
+    """Fraction of the main tokens over the first occurrence of ``evidence`` that were prefilled."""
+    at = prompt.text.find(evidence)
+    if at < 0:
+        return None
+    offsets = prompt.offsets
+    over = ((offsets[:, 0] < at + len(evidence)) & (offsets[:, 1] > at)).nonzero().flatten()
+    kept = torch.isin(over, plan.position_ids)
+    return float(kept.float().mean())
+
+
+def run(engine: SpecPrefillEngine, planned: PlannedPrompt, gen: GenerationConfig) -> Any:
+    stream = TextStream(engine.run_plan(planned, gen))
+    for _ in stream:
+        pass
+    assert stream.result is not None
+    return stream.result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--main", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--drafts", nargs="+", default=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+    parser.add_argument("--keep-rates", nargs="+", type=float, default=[0.1, 0.2])
+    parser.add_argument("--questions", type=int, default=3, help="demo questions (0 = needle only)")
+    parser.add_argument("--top-k", type=int, default=10, help="passages retrieved per demo question")
+    parser.add_argument("--needle-passages", type=int, default=8)
+    parser.add_argument("--needle-repeats", type=int, default=8, help="filler sentences per needle passage")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/cross_family-<time>.json)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    cases = [needle_case(args.needle_passages, args.needle_repeats)]
+    if args.questions:
+        cases += demo_cases(args.questions, args.top_k)
+    config = SpecPrefillConfig(
+        draft=DraftConfig(),
+        selection=SelectionConfig(keep_rate=args.keep_rates[0]),
+        generation=GenerationConfig(max_new_tokens=args.max_new_tokens),
+        instructions=INSTRUCTIONS,
+    )
+    model, tokenizer = load_model(args.main)
+    backend = TransformersBackend(model, tokenizer, name=args.main)
+    engines = {}
+    for name in args.drafts:
+        draft, draft_tok = load_model(name)
+        engines[name] = SpecPrefillEngine(backend, DraftModel(draft, draft_tok), config)
+    full_engine = next(iter(engines.values()))
+    print(f"main {args.main}; drafts {args.drafts}; torch threads {torch.get_num_threads()}", flush=True)
+    for engine in engines.values():  # warm-up: first calls pay one-off costs
+        engine.generate(
+            "Warm-up?",
+            ["Warm-up context. " * 60],
+            keep_rate=0.5,
+            selection=SelectionConfig(keep_rate=0.5, min_prompt_tokens=16),
+            generation=GenerationConfig(max_new_tokens=2),
+        )
+
+    rows: list[dict[str, Any]] = []
+    for case in cases:
+        prompt = full_engine.assemble(case["question"], case["passages"])
+        base = {"case": case["name"], "n_prompt": prompt.n_tokens}
+        full_plan, _ = full_engine.plan(prompt, mode="full")
+        result = run(full_engine, PlannedPrompt(prompt, full_plan, None, 0.0, None), config.generation)
+        full_ttft = result.timings.ttft_s
+        rows.append(
+            {
+                **base,
+                "mode": "full",
+                "draft": None,
+                "keep_rate": 1.0,
+                "ttft_s": full_ttft,
+                "draft_s": None,
+                "prefill_s": result.timings.prefill_s,
+                "prefilled": result.prefilled_tokens,
+                "speedup": 1.0,
+                "correct": correct(result.text, case["answer"]),
+                "evidence_kept": 1.0,
+                "answer": result.text.strip(),
+            }
+        )
+        print(f"{case['name']}: {prompt.n_tokens} tokens, full TTFT {full_ttft:.1f} s", flush=True)
+        for name, engine in engines.items():
+            scores = engine.score(prompt)
+            for keep in args.keep_rates:
+                t0 = time.perf_counter()
+                sel = dataclasses.replace(config.selection, keep_rate=keep)
+                plan, _ = engine.plan(prompt, selection=sel, scores=scores)
+                selection_s = time.perf_counter() - t0
+                result = run(engine, PlannedPrompt(prompt, plan, scores, 0.0, selection_s), config.generation)
+                ttft = scores.seconds + selection_s + result.timings.ttft_s
+                rows.append(
+                    {
+                        **base,
+                        "mode": "specprefill",
+                        "draft": name,
+                        "keep_rate": keep,
+                        "ttft_s": ttft,
+                        "draft_s": scores.seconds,
+                        "prefill_s": result.timings.prefill_s,
+                        "prefilled": result.prefilled_tokens,
+                        "speedup": full_ttft / ttft,
+                        "correct": correct(result.text, case["answer"]),
+                        "evidence_kept": evidence_kept(prompt, plan, case["evidence"]),
+                        "maps_tokens": engine.maps_tokens,
+                        "answer": result.text.strip(),
+                    }
+                )
+                print(
+                    f"  {name} keep {keep:.0%}: TTFT {ttft:.1f} s (draft {scores.seconds:.1f} s) "
+                    f"x{full_ttft / ttft:.2f} correct={rows[-1]['correct']}",
+                    flush=True,
+                )
+
+    print(
+        "\n| case | tokens | mode | draft | keep | TTFT s | draft s | main prefill s | speedup | correct "
+        "| evidence kept |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ev = "—" if r["evidence_kept"] is None else f"{r['evidence_kept']:.0%}"
+        draft_s = "—" if r["draft_s"] is None else f"{r['draft_s']:.1f}"
+        print(
+            f"| {r['case']} | {r['n_prompt']} | {r['mode']} | {r['draft'] or '—'} | {r['keep_rate']:.0%} | "
+            f"{r['ttft_s']:.1f} | {draft_s} | {r['prefill_s']:.1f} | {r['speedup']:.2f}x | "
+            f"{'yes' if r['correct'] else 'no'} | {ev} |"
+        )
+    summary = []
+    print("\n| draft | keep | total TTFT speedup | correct | r = draft / full prefill |")
+    print("|---|---|---|---|---|")
+    full_rows = [r for r in rows if r["mode"] == "full"]
+    full_total = sum(r["ttft_s"] for r in full_rows)
+    print(f"| full | 100% | 1.00x | {sum(r['correct'] for r in full_rows)}/{len(full_rows)} | — |")
+    for name in engines:
+        for keep in args.keep_rates:
+            mine = [r for r in rows if r["draft"] == name and r["keep_rate"] == keep]
+            s = {
+                "draft": name,
+                "keep_rate": keep,
+                "speedup": full_total / sum(r["ttft_s"] for r in mine),
+                "correct": sum(r["correct"] for r in mine),
+                "n": len(mine),
+                "r": sum(r["draft_s"] for r in mine) / sum(r["prefill_s"] for r in full_rows),
+            }
+            summary.append(s)
+            print(f"| {name} | {keep:.0%} | {s['speedup']:.2f}x | {s['correct']}/{s['n']} | {s['r']:.2f} |")
+
+    out = (
+        Path(args.out)
+        if args.out
+        else (Path(__file__).parent / "results" / f"cross_family-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "main": args.main,
+        "drafts": args.drafts,
+        "keep_rates": args.keep_rates,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_average": os.getloadavg(),
+        "command": " ".join(sys.argv),
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
