@@ -25,7 +25,9 @@ import torch
 
 from .types import AssembledPrompt, Passage, Segment, SegmentKind
 
-__all__ = ["build_segments", "assemble", "render"]
+__all__ = ["build_segments", "chat_segments", "assemble", "render"]
+
+_ROLE_NAMES = {"user": "User", "human": "User", "assistant": "Assistant", "ai": "Assistant", "tool": "Tool"}
 
 
 def build_segments(
@@ -48,6 +50,47 @@ def build_segments(
             pid = p.id if p.id is not None else str(number)
             segments.append(Segment(SegmentKind.PASSAGE, p.text.strip(), pid, p.metadata))
     segments.append(Segment(SegmentKind.QUESTION, question.strip()))
+    return tuple(segments)
+
+
+def chat_segments(
+    turns: Sequence[tuple[str, str]],
+    passages: Sequence[Passage | str] = (),
+    *,
+    instructions: str | None = None,
+) -> tuple[Segment, ...]:
+    """Segments for a chat given as (role, text) turns, oldest first.
+
+    System turns become the instructions (else ``instructions``); the last user turn is the
+    protected question; every other turn becomes a prunable context segment "User: ..." /
+    "Assistant: ..." with id ``turn-<i>`` (a long history is what SpecPrefill trims); passages
+    follow the history. Roles: "system", "user"/"human", "assistant"/"ai", others as named.
+    """
+    if not turns:
+        raise ValueError("no messages: pass at least one message with the question")
+    system = [text.strip() for role, text in turns if role == "system" and text.strip()]
+    history = [(role, text) for role, text in turns if role != "system"]
+    if not history:
+        raise ValueError("only system messages were given: add a user message with the question")
+    users = [i for i, (role, _) in enumerate(history) if role in ("user", "human")]
+    question_at = users[-1] if users else len(history) - 1
+    question = history[question_at][1].strip()
+    if not question:
+        raise ValueError("the last user message is empty: pass the user's question as text")
+    segments: list[Segment] = []
+    joined = "\n\n".join(system) or instructions
+    if joined:
+        segments.append(Segment(SegmentKind.INSTRUCTIONS, joined))
+    for i, (role, text) in enumerate(history):
+        if i != question_at and text.strip():
+            name = _ROLE_NAMES.get(role, role.capitalize())
+            segments.append(Segment(SegmentKind.CONTEXT, f"{name}: {text.strip()}", f"turn-{i}"))
+    for number, item in enumerate(passages, start=1):
+        p = item if isinstance(item, Passage) else Passage(text=item)
+        if p.text.strip():
+            pid = p.id if p.id is not None else str(number)
+            segments.append(Segment(SegmentKind.PASSAGE, p.text.strip(), pid, p.metadata))
+    segments.append(Segment(SegmentKind.QUESTION, question))
     return tuple(segments)
 
 

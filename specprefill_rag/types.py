@@ -6,6 +6,7 @@ backend → ``GenerationResult``. Everything here is plain data; no model code.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -169,3 +170,26 @@ class GenerationResult:
     @property
     def generated_tokens(self) -> int:
         return len(self.token_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly facts of this answer (no tensors): counts, keep ratio, timings, spans."""
+        return {
+            "finish_reason": self.finish_reason,
+            "speculated": self.plan.speculated,
+            "prompt_tokens": self.prompt_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "generated_tokens": self.generated_tokens,
+            "keep_ratio": self.keep_ratio,
+            "timings": dataclasses.asdict(self.timings),
+            "kept_spans": [
+                {
+                    "id": span.id,
+                    "kind": str(span.kind),
+                    "n_tokens": span.n_tokens,
+                    "n_kept": span.n_kept,
+                    "keep_ratio": span.keep_ratio,
+                    "ranges": [list(r) for r in span.ranges],
+                }
+                for span in self.kept_spans
+            ],
+        }

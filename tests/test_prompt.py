@@ -76,3 +76,31 @@ def test_slow_tokenizer_is_rejected(tokenizer):
 
     with pytest.raises(ValueError, match="slow tokenizer"):
         assemble(Slow(), build_segments("q?", ["c"]))
+
+
+def test_chat_segments_map_turns():
+    from specprefill_rag.prompt import chat_segments
+
+    segments = chat_segments(
+        [("system", "Be brief."), ("user", "hello"), ("assistant", "hi there"), ("user", "what is the passkey?")],
+        [Passage("The sky is blue.", id="sky"), "The passkey is 48213."],
+        instructions="unused: a system turn wins",
+    )
+    assert [(s.kind, s.id) for s in segments] == [
+        (SegmentKind.INSTRUCTIONS, None),
+        (SegmentKind.CONTEXT, "turn-0"),
+        (SegmentKind.CONTEXT, "turn-1"),
+        (SegmentKind.PASSAGE, "sky"),
+        (SegmentKind.PASSAGE, "2"),
+        (SegmentKind.QUESTION, None),
+    ]
+    assert segments[0].text == "Be brief."
+    assert segments[1].text == "User: hello" and segments[2].text == "Assistant: hi there"
+    assert segments[-1].text == "what is the passkey?"
+    assert chat_segments([("user", "q?")], instructions="Answer.")[0].text == "Answer."
+    with pytest.raises(ValueError, match="no messages"):
+        chat_segments([])
+    with pytest.raises(ValueError, match="only system messages"):
+        chat_segments([("system", "x")])
+    with pytest.raises(ValueError, match="last user message is empty"):
+        chat_segments([("user", "  ")])

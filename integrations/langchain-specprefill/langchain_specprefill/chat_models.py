@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeAlias
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, model_validator
@@ -32,16 +32,15 @@ from specprefill_rag import (
     GenerationResult,
     Passage,
     Segment,
-    SegmentKind,
     SpecPrefillEngine,
 )
+from specprefill_rag.prompt import chat_segments
 
 __all__ = ["ChatSpecPrefill", "messages_to_segments", "result_metadata"]
 
 logger = logging.getLogger(__name__)
 
 PassageLike: TypeAlias = Document | Passage | str
-_ROLES = {"human": "User", "ai": "Assistant", "system": "System", "tool": "Tool", "function": "Tool"}
 
 
 def _to_passage(item: PassageLike, number: int) -> Passage:
@@ -62,55 +61,14 @@ def messages_to_segments(
     default_instructions: str | None = None,
 ) -> list[Segment]:
     """Engine segments for a chat turn (the mapping in the module docstring)."""
-    if not messages:
-        raise ValueError("no messages: pass at least one message with the question")
-    system = [m.text.strip() for m in messages if isinstance(m, SystemMessage) and m.text.strip()]
-    turns = [m for m in messages if not isinstance(m, SystemMessage)]
-    if not turns:
-        raise ValueError("only system messages were given: add a human message with the question")
-    humans = [i for i, m in enumerate(turns) if isinstance(m, HumanMessage)]
-    question_at = humans[-1] if humans else len(turns) - 1
-    question = turns[question_at].text.strip()
-    if not question:
-        raise ValueError("the last human message is empty: pass the user's question as text")
-    segments: list[Segment] = []
-    instructions = "\n\n".join(system) or default_instructions
-    if instructions:
-        segments.append(Segment(SegmentKind.INSTRUCTIONS, instructions))
-    for i, message in enumerate(turns):
-        text = message.text.strip()
-        if i != question_at and text:
-            role = _ROLES.get(message.type, message.type.capitalize())
-            segments.append(Segment(SegmentKind.CONTEXT, f"{role}: {text}", f"turn-{i}"))
-    for number, item in enumerate(passages, start=1):
-        passage = _to_passage(item, number)
-        if passage.text.strip():
-            segments.append(Segment(SegmentKind.PASSAGE, passage.text.strip(), passage.id, passage.metadata))
-    segments.append(Segment(SegmentKind.QUESTION, question))
-    return segments
+    turns = [(m.type, m.text) for m in messages]
+    items = [_to_passage(item, number) for number, item in enumerate(passages, start=1)]
+    return list(chat_segments(turns, items, instructions=default_instructions))
 
 
 def result_metadata(result: GenerationResult) -> dict[str, Any]:
     """JSON-friendly SpecPrefill facts of one answer: counts, keep ratio, timings, kept spans."""
-    return {
-        "finish_reason": result.finish_reason,
-        "speculated": result.plan.speculated,
-        "prompt_tokens": result.prompt_tokens,
-        "prefilled_tokens": result.prefilled_tokens,
-        "keep_ratio": result.keep_ratio,
-        "timings": dataclasses.asdict(result.timings),
-        "kept_spans": [
-            {
-                "id": span.id,
-                "kind": str(span.kind),
-                "n_tokens": span.n_tokens,
-                "n_kept": span.n_kept,
-                "keep_ratio": span.keep_ratio,
-                "ranges": [list(r) for r in span.ranges],
-            }
-            for span in result.kept_spans
-        ],
-    }
+    return result.to_dict()
 
 
 class ChatSpecPrefill(BaseChatModel):

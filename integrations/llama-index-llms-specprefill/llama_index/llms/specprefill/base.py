@@ -45,6 +45,7 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import TokenAsyncGen, TokenGen
 from specprefill_rag import GenerationConfig, GenerationResult, Passage, Segment, SegmentKind, SpecPrefillEngine
+from specprefill_rag.prompt import chat_segments
 
 __all__ = ["PassageIdPostprocessor", "SpecPrefillLLM", "split_context"]
 
@@ -52,7 +53,6 @@ logger = logging.getLogger(__name__)
 dispatcher = instrument.get_dispatcher(__name__)
 
 DEFAULT_PASSAGE_ID_KEY = "passage_id"
-_ROLES = {MessageRole.USER: "User", MessageRole.ASSISTANT: "Assistant", MessageRole.TOOL: "Tool"}
 
 
 def split_context(context_str: str, id_key: str = DEFAULT_PASSAGE_ID_KEY) -> list[Passage]:
@@ -99,27 +99,7 @@ class PassageIdPostprocessor(BaseNodePostprocessor):
 
 def _result_kwargs(result: GenerationResult, model_name: str) -> dict[str, Any]:
     """JSON-friendly SpecPrefill facts of one answer: counts, keep ratio, timings, kept spans."""
-    return {
-        "model_name": model_name,
-        "finish_reason": result.finish_reason,
-        "speculated": result.plan.speculated,
-        "prompt_tokens": result.prompt_tokens,
-        "prefilled_tokens": result.prefilled_tokens,
-        "generated_tokens": result.generated_tokens,
-        "keep_ratio": result.keep_ratio,
-        "timings": dataclasses.asdict(result.timings),
-        "kept_spans": [
-            {
-                "id": span.id,
-                "kind": str(span.kind),
-                "n_tokens": span.n_tokens,
-                "n_kept": span.n_kept,
-                "keep_ratio": span.keep_ratio,
-                "ranges": [list(r) for r in span.ranges],
-            }
-            for span in result.kept_spans
-        ],
-    }
+    return {"model_name": model_name, **result.to_dict()}
 
 
 class SpecPrefillLLM(CustomLLM):
@@ -207,24 +187,8 @@ class SpecPrefillLLM(CustomLLM):
 
     def _chat_segments(self, messages: Sequence[ChatMessage]) -> list[Segment]:
         """System → instructions; last user message → question; other turns → prunable context."""
-        system = [m.content.strip() for m in messages if m.role == MessageRole.SYSTEM and m.content]
-        turns = [m for m in messages if m.role != MessageRole.SYSTEM]
-        if not turns:
-            raise ValueError("no user message: pass the question as a user message")
-        users = [i for i, m in enumerate(turns) if m.role == MessageRole.USER]
-        question_at = users[-1] if users else len(turns) - 1
-        question = (turns[question_at].content or "").strip()
-        if not question:
-            raise ValueError("the last user message is empty")
-        instructions = "\n\n".join(system) or self.system_prompt
-        segments = [Segment(SegmentKind.INSTRUCTIONS, instructions)] if instructions else []
-        for i, message in enumerate(turns):
-            text = (message.content or "").strip()
-            if i != question_at and text:
-                role = _ROLES.get(message.role, str(message.role.value).capitalize())
-                segments.append(Segment(SegmentKind.CONTEXT, f"{role}: {text}", f"turn-{i}"))
-        segments.append(Segment(SegmentKind.QUESTION, question))
-        return segments
+        turns = [(str(m.role.value), m.content or "") for m in messages]
+        return list(chat_segments(turns, instructions=self.system_prompt))
 
     def _request(self, segments: list[Segment], kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(kwargs)
