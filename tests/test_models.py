@@ -28,11 +28,7 @@ from specprefill_rag.models import (  # noqa: E402
     load_tokenizer,
     resolve_model_dir,
 )
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from specprefill_rag.testing import CHATML
 
 
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:

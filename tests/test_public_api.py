@@ -18,6 +18,7 @@ PACKAGES = [
     "specprefill_rag.scoring",
     "specprefill_rag.selection",
     "specprefill_rag.types",
+    "specprefill_rag.testing",
     "specprefill_rag.vllm_plugin",
     "specprefill_rag.server",
     "specprefill_rag.backends.vllm_server",

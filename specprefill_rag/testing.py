@@ -1,0 +1,104 @@
+"""Tiny in-memory tokenizers, models and engines for tests: no files, no downloads.
+
+The tokenizer is a byte-level BPE trained on a few sentences, with a ChatML chat template; the
+models are Llama/Qwen2 decoders with seeded random weights built from configs. Used by this
+repository's tests and the integrations' tests; handy for testing code built on the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .config import SpecPrefillConfig
+from .draft import DraftModel
+from .engine import SpecPrefillEngine
+
+__all__ = ["CHATML", "tiny_engine", "tiny_model", "tiny_tokenizer"]
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = (
+    "The passkey is 48213. The sky is blue. Question: context user assistant",
+    "The quick brown fox jumps over the lazy dog. Answer the question using the context.",
+)
+
+
+def tiny_tokenizer(corpus: Sequence[str] = _CORPUS, *, vocab_size: int = 300) -> Any:
+    """A fast byte-level BPE tokenizer trained on ``corpus``, with a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, show_progress=False, special_tokens=_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(list(corpus) * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def tiny_model(
+    family: str,
+    vocab_size: int,
+    *,
+    seed: int = 0,
+    layers: int = 3,
+    hidden_size: int = 64,
+    max_position_embeddings: int = 2048,
+    qk_scale: float = 1.0,
+    eos_token_id: int | None = None,
+) -> Any:
+    """A random ``"llama"`` or ``"qwen2"`` causal LM (4 query heads, 2 KV heads: GQA) in eval mode.
+
+    ``qk_scale`` multiplies the q/k projections: above 1 the attention is sharper than the
+    default init's nearly uniform rows, which makes scoring tests meaningful.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings, eos_token_id=eos_token_id,
+        tie_word_embeddings=False, rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model: Any
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(f"family must be 'llama' or 'qwen2', got {family!r}")
+    if qk_scale != 1.0:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    parameter.mul_(qk_scale)
+    return model.eval()
+
+
+def tiny_engine(
+    config: SpecPrefillConfig | None = None, *, max_position_embeddings: int = 2048, name: str = "tiny-llama"
+) -> SpecPrefillEngine:
+    """A 2-layer random Llama serving as its own draft, on the transformers backend."""
+    from .backends.transformers import TransformersBackend
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(
+        "llama", len(tokenizer), layers=2, hidden_size=32, max_position_embeddings=max_position_embeddings
+    )
+    backend = TransformersBackend(model, tokenizer, name=name)
+    return SpecPrefillEngine(backend, DraftModel(model, tokenizer), config)
