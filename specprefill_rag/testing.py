@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .config import SpecPrefillConfig
+from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
 from .draft import DraftModel
 from .engine import SpecPrefillEngine
 
@@ -93,9 +93,18 @@ def tiny_model(
 def tiny_engine(
     config: SpecPrefillConfig | None = None, *, max_position_embeddings: int = 2048, name: str = "tiny-llama"
 ) -> SpecPrefillEngine:
-    """A 2-layer random Llama serving as its own draft, on the transformers backend."""
+    """A 2-layer random Llama serving as its own draft, on the transformers backend.
+
+    Without ``config``: a 2-query look-ahead, keep rate 0.3 over 8-token chunks from 32-token
+    prompts on, and 4 generated tokens, so tests stay fast.
+    """
     from .backends.transformers import TransformersBackend
 
+    config = config or SpecPrefillConfig(
+        draft=DraftConfig(lookahead=2),
+        selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=32, chunk_size=8),
+        generation=GenerationConfig(max_new_tokens=4),
+    )
     tokenizer = tiny_tokenizer()
     model = tiny_model(
         "llama", len(tokenizer), layers=2, hidden_size=32, max_position_embeddings=max_position_embeddings

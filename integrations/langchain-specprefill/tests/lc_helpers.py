@@ -10,15 +10,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from langchain_core.embeddings import Embeddings  # noqa: E402
 from specprefill_rag import (  # noqa: E402
-    DraftConfig,
-    DraftModel,
-    GenerationConfig,
     SelectionConfig,
     SpecPrefillConfig,
     SpecPrefillEngine,
     testing,
 )
-from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
 
 SMOLLM = "smollm2-135m-instruct"
 
@@ -26,22 +22,14 @@ SMOLLM = "smollm2-135m-instruct"
 @functools.lru_cache(maxsize=1)
 def tiny_engine() -> SpecPrefillEngine:
     """A 2-layer random Llama as draft and main, with a small trained BPE tokenizer."""
-    spec = SpecPrefillConfig(
-        draft=DraftConfig(lookahead=2),
-        selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=32, chunk_size=8),
-        generation=GenerationConfig(max_new_tokens=4),
-    )
-    return testing.tiny_engine(spec, max_position_embeddings=2048)
+    return testing.tiny_engine(max_position_embeddings=2048)
 
 
 @functools.lru_cache(maxsize=1)
 def smollm_engine() -> SpecPrefillEngine:
     """Real SmolLM2-135M-Instruct; one set of weights serves as draft and main."""
-    from specprefill_rag.models import load_model
-
-    model, tokenizer = load_model(SMOLLM)
     spec = SpecPrefillConfig(selection=SelectionConfig(keep_rate=0.5, min_prompt_tokens=128))
-    return SpecPrefillEngine(TransformersBackend(model, tokenizer, name=SMOLLM), DraftModel(model, tokenizer), spec)
+    return SpecPrefillEngine.from_pretrained(SMOLLM, SMOLLM, config=spec)
 
 
 class MiniLMEmbeddings(Embeddings):
