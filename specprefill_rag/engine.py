@@ -210,16 +210,12 @@ class SpecPrefillEngine:
     def _score_mapped(self, draft: DraftModel, prompt: AssembledPrompt) -> TokenScores:
         """Score the draft's own rendering of the same segments; map onto ``prompt``'s tokens."""
         start = time.perf_counter()
-        main_text, main_spans, _ = prompt_lib.render(self.tokenizer, prompt.segments)
-        if main_text != prompt.text:
-            raise ValueError(
-                "the prompt was not rendered by this engine's main tokenizer: build it with engine.assemble"
-            )
+        if not prompt.segment_spans:
+            raise ValueError("the prompt carries no segment spans: build it with engine.assemble")
         draft_prompt = prompt_lib.assemble(draft.tokenizer, prompt.segments, protect_tail_tokens=0)
-        _, draft_spans, _ = prompt_lib.render(draft.tokenizer, prompt.segments)
         # The draft's own window applies to the draft's own token count (checked in capture).
         drafted = draft.score(draft_prompt.token_ids)
-        scores = tokenmap.map_scores(drafted.scores, draft_prompt, draft_spans, prompt, main_spans)
+        scores = tokenmap.map_scores(drafted.scores, draft_prompt, prompt)
         logger.debug(
             "mapped %d draft tokens onto %d main tokens in %.3f s",
             draft_prompt.n_tokens, prompt.n_tokens, time.perf_counter() - start - drafted.seconds,

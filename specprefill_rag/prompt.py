@@ -196,4 +196,5 @@ def assemble(
         protected=protected,
         offsets=offsets,
         segments=segments,
+        segment_spans=tuple(spans),
     )

@@ -120,11 +120,9 @@ def content_intervals(
     return intervals[order], owner[order]
 
 
-def _check_aligned(
-    draft: AssembledPrompt, draft_spans: Sequence[SegmentSpan], main: AssembledPrompt, main_spans: Sequence[SegmentSpan]
-) -> None:
-    d = {s: (a, b) for s, a, b in draft_spans}
-    m = {s: (a, b) for s, a, b in main_spans}
+def _check_aligned(draft: AssembledPrompt, main: AssembledPrompt) -> None:
+    d = {s: (a, b) for s, a, b in draft.segment_spans}
+    m = {s: (a, b) for s, a, b in main.segment_spans}
     if d.keys() != m.keys():
         raise ValueError(
             f"cannot align the draft and main prompts: segments {sorted(d)} in the draft's text, "
@@ -140,28 +138,22 @@ def _check_aligned(
             )
 
 
-def map_scores(
-    draft_scores: torch.Tensor,
-    draft: AssembledPrompt,
-    draft_spans: Sequence[SegmentSpan],
-    main: AssembledPrompt,
-    main_spans: Sequence[SegmentSpan],
-) -> torch.Tensor:
+def map_scores(draft_scores: torch.Tensor, draft: AssembledPrompt, main: AssembledPrompt) -> torch.Tensor:
     """Scores of the draft's tokens (n_draft,) → scores of the main prompt's tokens (n_main,).
 
-    ``draft`` and ``main`` are the same segments rendered by each tokenizer; ``*_spans`` are
-    the segments' character spans in each text (``prompt.render``). The rule is in the module
+    ``draft`` and ``main`` are the same segments assembled with each tokenizer; each carries its
+    segments' character spans (``AssembledPrompt.segment_spans``). The rule is in the module
     docstring. Raises ``ValueError`` when a segment's text differs between the two renderings.
     """
     if draft_scores.numel() != draft.n_tokens:
         raise ValueError(f"{draft_scores.numel()} draft scores for a draft prompt of {draft.n_tokens} tokens")
-    _check_aligned(draft, draft_spans, main, main_spans)
+    _check_aligned(draft, main)
     bases: dict[int, int] = {}
     position = 0
-    for segment, a, b in sorted(main_spans):
+    for segment, a, b in sorted(main.segment_spans):
         bases[segment] = position
         position += (b - a) + _GAP
-    src, owner = content_intervals(draft.offsets, draft_spans, bases)
+    src, owner = content_intervals(draft.offsets, draft.segment_spans, bases)
     out = torch.zeros(main.n_tokens, dtype=torch.float32)
     index = main.segment_index
     mapped = (index >= 0).nonzero().flatten()
@@ -173,7 +165,7 @@ def map_scores(
             "(does the draft tokenizer report character offsets?)"
         )
     shift = torch.zeros(int(index.max()) + 1, dtype=torch.int64)
-    for segment, a, _ in main_spans:
+    for segment, a, _ in main.segment_spans:
         if segment < shift.numel():
             shift[segment] = bases[segment] - a
     dst = main.offsets[mapped] + shift[index[mapped]].unsqueeze(1)  # (n_mapped, 2) content axis

@@ -78,6 +78,7 @@ class AssembledPrompt:
     protected: torch.Tensor  # (n_prompt,) bool
     offsets: torch.Tensor  # (n_prompt, 2) int64, character offsets into text
     segments: tuple[Segment, ...]
+    segment_spans: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def n_tokens(self) -> int:

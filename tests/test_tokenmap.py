@@ -25,6 +25,7 @@ def prompt(text, offsets, segments, spans):
     return AssembledPrompt(
         text=text, token_ids=torch.arange(offsets.shape[0]), segment_index=index,
         protected=index < 0, offsets=offsets, segments=tuple(segments),
+        segment_spans=tuple(spans),
     )
 
 
@@ -69,7 +70,7 @@ def test_multibyte_characters_share_their_span():
     draft = prompt(text, [[0, 1], [1, 3], [2, 3], [2, 3], [3, 5]], segs, [(0, 0, 5)])
     main = prompt(text, [[0, 1], [1, 2], [2, 3], [3, 5]], segs, [(0, 0, 5)])
     scores = torch.tensor([0.1, 0.2, 0.9, 0.3, 0.4])
-    mapped = map_scores(scores, draft, [(0, 0, 5)], main, [(0, 0, 5)])
+    mapped = map_scores(scores, draft, main)
     assert torch.allclose(mapped, torch.tensor([0.1, 0.2, 0.9, 0.4]))
 
 
@@ -89,7 +90,7 @@ def test_segments_map_by_relative_offsets_and_template_gets_zero():
     main = prompt(m_text, [[0, 12], [12, 16], [16, 17], [17, 20], [20, 31], [31, 33], [33, 39], [39, 49]],
                   segs, m_spans)
     d_scores = torch.tensor([9.0, 9.0, 9.0, 0.1, 0.2, 0.3, 9.0, 0.5, 9.0])
-    mapped = map_scores(d_scores, draft, d_spans, main, m_spans)
+    mapped = map_scores(d_scores, draft, main)
     # " green blue" (one main token) overlaps " green" and " blue": max 0.3. Template → 0.
     assert mapped.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.1, 0.3, 0.0, 0.5, 0.0])
 
@@ -101,7 +102,7 @@ def test_draft_token_crossing_a_segment_boundary_is_clipped():
     draft = prompt(text, [[0, 2], [2, 7], [7, 8]], segs, spans)  # " what" starts in the template
     main = prompt(text, [[0, 1], [1, 2], [2, 3], [3, 5], [5, 7], [7, 8]], segs, spans)
     assert int(draft.segment_index[1]) == -1  # the draft itself counts it as template
-    mapped = map_scores(torch.tensor([5.0, 0.7, 5.0]), draft, spans, main, spans)
+    mapped = map_scores(torch.tensor([5.0, 0.7, 5.0]), draft, main)
     assert mapped.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.7, 0.7, 0.0])
 
 
@@ -111,7 +112,7 @@ def test_whitespace_merges_fall_back_to_the_nearest_draft_token():
     spans = [(0, 0, len(text))]
     draft = prompt(text, [[0, 3], [5, 8], [10, 15]], segs, spans)  # words only
     main = prompt(text, [[0, 3], [3, 5], [5, 8], [8, 10], [10, 15]], segs, spans)
-    mapped = map_scores(torch.tensor([0.2, 0.5, 0.1]), draft, spans, main, spans)
+    mapped = map_scores(torch.tensor([0.2, 0.5, 0.1]), draft, main)
     # "  " touches both neighbours (gap 0) → the higher; "\n\n" likewise.
     assert mapped.tolist() == pytest.approx([0.2, 0.5, 0.5, 0.5, 0.1])
 
@@ -122,7 +123,7 @@ def test_a_segment_without_draft_tokens_borrows_from_the_nearest_segment():
     spans = [(0, 0, 2), (1, 3, 5)]
     draft = prompt(text, [[0, 2], [2, 3]], segs, spans)  # nothing over "cd"
     main = prompt(text, [[0, 2], [2, 3], [3, 5]], segs, spans)
-    mapped = map_scores(torch.tensor([0.4, 9.0]), draft, spans, main, spans)
+    mapped = map_scores(torch.tensor([0.4, 9.0]), draft, main)
     assert mapped.tolist() == pytest.approx([0.4, 0.0, 0.4])
 
 
@@ -133,7 +134,7 @@ def test_empty_segment_and_special_tokens():
     # Added special tokens outside the text have (0, 0) offsets and are never mapped.
     draft = prompt(text, [[0, 0], [0, 5], [5, 7], [7, 13], [13, 18], [0, 0]], segs, spans)
     main = prompt(text, [[0, 5], [5, 13], [13, 18]], segs, spans)
-    mapped = map_scores(torch.tensor([9.0, 9.0, 0.3, 0.6, 9.0, 9.0]), draft, spans, main, spans)
+    mapped = map_scores(torch.tensor([9.0, 9.0, 0.3, 0.6, 9.0, 9.0]), draft, main)
     assert mapped.tolist() == pytest.approx([0.0, 0.6, 0.0])
 
 
@@ -149,11 +150,11 @@ def test_misaligned_texts_are_rejected():
     draft = prompt("abc", [[0, 3]], segs, [(0, 0, 3)])
     main = prompt("ABC", [[0, 3]], segs, [(0, 0, 3)])
     with pytest.raises(ValueError, match="cannot align.*segment 0 reads differently"):
-        map_scores(torch.ones(1), draft, [(0, 0, 3)], main, [(0, 0, 3)])
+        map_scores(torch.ones(1), draft, main)
     with pytest.raises(ValueError, match=r"cannot align.*segments \[\]"):
-        map_scores(torch.ones(1), draft, [], main, [(0, 0, 3)])
+        map_scores(torch.ones(1), prompt("abc", [[0, 3]], segs, []), main)
     with pytest.raises(ValueError, match="2 draft scores"):
-        map_scores(torch.ones(2), draft, [(0, 0, 3)], main, [(0, 0, 3)])
+        map_scores(torch.ones(2), draft, main)
 
 
 def test_mapping_30k_tokens_is_vectorised():
@@ -167,7 +168,7 @@ def test_mapping_30k_tokens_is_vectorised():
     main = prompt(text, torch.stack([m_ends - 3, m_ends], 1).tolist(), segs, spans)
     scores = torch.rand(n)
     start = time.perf_counter()
-    mapped = map_scores(scores, draft, spans, main, spans)
+    mapped = map_scores(scores, draft, main)
     assert time.perf_counter() - start < 3.0  # a Python loop over tokens would take far longer
     assert mapped.shape == (main.n_tokens,)
     # Main token [3i, 3i+3) overlaps draft tokens 3i // 4 .. (3i + 2) // 4.
