@@ -51,7 +51,9 @@ class _Recorder:
             self.keys[layer] = key[0, :, : self.n_prompt].detach()
             self.scaling[layer] = float(scaling if scaling is not None else module.scaling)
             self.queries[layer] = []
-        self.queries[layer].append(query[0, :, -1:].detach())
+        # clone: a view of the last row would keep the whole prefill query tensor alive
+        # (heads × n_prompt × head_dim per layer) until scoring ends.
+        self.queries[layer].append(query[0, :, -1:].clone())
 
     def capture(self, lookahead_ids: list[int]) -> DraftCapture:
         layers = sorted(self.keys)

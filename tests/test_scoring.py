@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from conftest import make_model
 
 from specprefill_rag import scoring
 from specprefill_rag.config import DraftConfig
-from specprefill_rag.draft import DraftModel
+from specprefill_rag.draft import DraftModel, _Recorder
 
 
 def eager_reference_rows(model, ids: torch.Tensor, lookahead_ids: tuple[int, ...]) -> list[torch.Tensor]:
@@ -124,3 +125,18 @@ def test_draft_rejects_empty_and_too_long_prompts(tokenizer):
         draft.score(torch.tensor([], dtype=torch.int64))
     with pytest.raises(ValueError, match="window of 2048"):
         draft.score(torch.zeros(2045, dtype=torch.int64))
+
+
+def test_recorder_keeps_only_the_last_query_row():
+    # A view of the last row would pin the whole prefill query (heads × n × dim per layer)
+    # in memory through the look-ahead; the recorder must hold a copy of one row.
+    module = SimpleNamespace(layer_idx=0, scaling=0.125)
+    recorder = _Recorder(n_prompt=300)
+    query, key = torch.randn(1, 4, 300, 16), torch.randn(1, 2, 300, 16)
+    recorder.record(module, query, key, None)
+    recorder.record(module, torch.randn(1, 4, 1, 16), torch.randn(1, 2, 301, 16), None)
+    kept = recorder.queries[0]
+    assert [q.shape for q in kept] == [(4, 1, 16), (4, 1, 16)]
+    assert kept[0].untyped_storage().nbytes() == 4 * 16 * query.element_size()
+    assert torch.equal(kept[0], query[0, :, -1:])
+    assert recorder.keys[0].shape == (2, 300, 16) and recorder.scaling[0] == 0.125
