@@ -1,7 +1,9 @@
 """Tiny in-memory tokenizers, models and engines for tests: no files, no downloads.
 
-The tokenizer is a byte-level BPE trained on a few sentences, with a ChatML chat template; the
-models are Llama/Qwen2 decoders with seeded random weights built from configs. Used by this
+The tokenizer is a byte-level BPE trained on a few sentences, with a ChatML chat template (a
+second one, ``tiny_inst_tokenizer``, is a Metaspace BPE with Llama-2-style ``[INST]`` markers:
+a draft "from another family"); the models are Llama/Qwen2 decoders with seeded random weights
+built from configs. Used by this
 repository's tests and the integrations' tests; handy for testing code built on the engine.
 """
 
@@ -16,11 +18,16 @@ from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillC
 from .draft import DraftModel
 from .engine import SpecPrefillEngine
 
-__all__ = ["CHATML", "tiny_engine", "tiny_model", "tiny_tokenizer"]
+__all__ = ["CHATML", "INST_TEMPLATE", "tiny_engine", "tiny_inst_tokenizer", "tiny_model", "tiny_tokenizer"]
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Llama-2-style markers: a draft with this template renders the same segments at other places.
+INST_TEMPLATE = (
+    "<s>{% for m in messages %}{% if m['role'] == 'system' %}[SYS] {{ m['content'] }} [/SYS]\n"
+    "{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}"
 )
 _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _CORPUS = (
@@ -47,6 +54,24 @@ def tiny_tokenizer(corpus: Sequence[str] = _CORPUS, *, vocab_size: int = 300) ->
         additional_special_tokens=["<|im_start|>"],
     )
     tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def tiny_inst_tokenizer(corpus: Sequence[str] = _CORPUS, *, vocab_size: int = 260) -> Any:
+    """Another family's tokenizer: a Metaspace BPE with its own special tokens and ``[INST]`` template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, show_progress=False, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:?![]\n"),
+    )
+    tok.train_from_iterator(list(corpus) * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", bos_token="<s>")
+    tokenizer.chat_template = INST_TEMPLATE
     return tokenizer
 
 
@@ -91,10 +116,16 @@ def tiny_model(
 
 
 def tiny_engine(
-    config: SpecPrefillConfig | None = None, *, max_position_embeddings: int = 2048, name: str = "tiny-llama"
+    config: SpecPrefillConfig | None = None,
+    *,
+    max_position_embeddings: int = 2048,
+    name: str = "tiny-llama",
+    cross_family: bool = False,
 ) -> SpecPrefillEngine:
     """A 2-layer random Llama serving as its own draft, on the transformers backend.
 
+    ``cross_family=True``: the draft is instead another random Llama with ``tiny_inst_tokenizer``,
+    so its scores reach the main tokens through character offsets (``engine.maps_tokens``).
     Without ``config``: a 2-query look-ahead, keep rate 0.3 over 8-token chunks from 32-token
     prompts on, and 4 generated tokens, so tests stay fast.
     """
@@ -110,4 +141,11 @@ def tiny_engine(
         "llama", len(tokenizer), layers=2, hidden_size=32, max_position_embeddings=max_position_embeddings
     )
     backend = TransformersBackend(model, tokenizer, name=name)
-    return SpecPrefillEngine(backend, DraftModel(model, tokenizer), config)
+    if not cross_family:
+        return SpecPrefillEngine(backend, DraftModel(model, tokenizer), config)
+    draft_tokenizer = tiny_inst_tokenizer()
+    draft = tiny_model(
+        "llama", len(draft_tokenizer), seed=1, layers=2, hidden_size=32,
+        max_position_embeddings=max_position_embeddings,
+    )
+    return SpecPrefillEngine(backend, DraftModel(draft, draft_tokenizer), config)

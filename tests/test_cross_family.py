@@ -16,33 +16,10 @@ from specprefill_rag import (
     SpecPrefillConfig,
     SpecPrefillEngine,
     prompt,
+    testing,
     tokenmap,
 )
 from specprefill_rag.backends.transformers import TransformersBackend
-
-# Llama-2-style markers: the draft renders the same segments at other character positions.
-INST_TEMPLATE = (
-    "<s>{% for m in messages %}{% if m['role'] == 'system' %}[SYS] {{ m['content'] }} [/SYS]\n"
-    "{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}"
-)
-
-
-def make_other_tokenizer():
-    """A Metaspace BPE with a smaller vocabulary and its own special tokens and template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(
-        vocab_size=260, show_progress=False, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:?![]\n"),
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", bos_token="<s>")
-    fast.chat_template = INST_TEMPLATE
-    return fast
 
 
 def make_engine(main_tok, draft_tok, *, mapping="auto", keep_rate=0.3, draft_window=2048):
@@ -59,7 +36,7 @@ def make_engine(main_tok, draft_tok, *, mapping="auto", keep_rate=0.3, draft_win
 
 @pytest.fixture(scope="module")
 def tokenizers():
-    return make_tokenizer(), make_other_tokenizer()
+    return make_tokenizer(), testing.tiny_inst_tokenizer(CORPUS)
 
 
 def test_cross_family_draft_runs_and_protects_the_question(tokenizers, monkeypatch):

@@ -26,6 +26,12 @@ def tiny_engine() -> SpecPrefillEngine:
 
 
 @functools.lru_cache(maxsize=1)
+def tiny_cross_family_engine() -> SpecPrefillEngine:
+    """The tiny engine with a draft from "another family" (own tokenizer and chat template)."""
+    return testing.tiny_engine(max_position_embeddings=2048, cross_family=True)
+
+
+@functools.lru_cache(maxsize=1)
 def smollm_engine() -> SpecPrefillEngine:
     """Real SmolLM2-135M-Instruct; one set of weights serves as draft and main."""
     spec = SpecPrefillConfig(selection=SelectionConfig(keep_rate=0.5, min_prompt_tokens=128))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from li_helpers import CompletionRecorder, tiny_engine
+from li_helpers import CompletionRecorder, tiny_cross_family_engine, tiny_engine
 from llama_index.core import Document, MockEmbedding, VectorStoreIndex
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms import CustomLLM
 from llama_index.core.prompts import PromptTemplate
+from specprefill_rag import tokenmap
 
 import llama_index.llms.specprefill as package
 from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM, split_context
@@ -81,6 +82,30 @@ def test_predict_with_context_and_query_protects_the_question(recorder):
     # A template without both slots is sent whole, as one context segment.
     llm.predict(PromptTemplate("Summarise: {text}"), text=CONTEXT)
     assert [s["kind"] for s in recorder.responses[-1].additional_kwargs["kept_spans"]] == ["context"]
+
+
+def test_cross_family_draft_scores_through_character_offsets(recorder, monkeypatch):
+    engine = tiny_cross_family_engine()
+    assert engine.maps_tokens
+    mapped: list[tuple[int, int]] = []
+    original = tokenmap.map_scores
+
+    def spy(draft_scores, draft, main):
+        mapped.append((draft.n_tokens, main.n_tokens))
+        return original(draft_scores, draft, main)
+
+    monkeypatch.setattr(tokenmap, "map_scores", spy)
+    llm = SpecPrefillLLM(engine=engine)
+    text = llm.predict(QA.partial_format(query_str="what is the passkey?"), context_str=CONTEXT)
+    kw = recorder.responses[-1].additional_kwargs
+    # The draft read its own rendering (another token count); its scores reached the main prompt.
+    assert len(mapped) == 1 and mapped[0][1] == kw["prompt_tokens"] and mapped[0][0] != mapped[0][1]
+    assert kw["speculated"] and kw["prefilled_tokens"] < kw["prompt_tokens"]
+    spans = kw["kept_spans"]
+    assert [s["kind"] for s in spans] == ["instructions", "passage", "passage", "question"]
+    assert spans[-1]["keep_ratio"] == 1.0
+    assert "".join(llm.stream(QA, context_str=CONTEXT, query_str="what is the passkey?")) == text
+    assert recorder.responses[-1].additional_kwargs["kept_spans"] == spans
 
 
 def test_chat_maps_roles():

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
-from lc_helpers import tiny_engine
-from specprefill_rag import SegmentKind
+from lc_helpers import tiny_cross_family_engine, tiny_engine
+from specprefill_rag import SegmentKind, tokenmap
 
 import langchain_specprefill
 from langchain_specprefill import ChatSpecPrefill, messages_to_segments
@@ -81,6 +81,30 @@ def test_stream_matches_invoke_and_full_mode_is_baseline():
     baseline = llm.invoke("what is the passkey?", passages=DOCS, mode="full")
     assert baseline.response_metadata["keep_ratio"] == 1.0
     assert not baseline.response_metadata["speculated"]
+
+
+def test_cross_family_draft_scores_through_character_offsets(monkeypatch):
+    engine = tiny_cross_family_engine()
+    assert engine.maps_tokens
+    mapped: list[tuple[int, int]] = []
+    original = tokenmap.map_scores
+
+    def spy(draft_scores, draft, main):
+        mapped.append((draft.n_tokens, main.n_tokens))
+        return original(draft_scores, draft, main)
+
+    monkeypatch.setattr(tokenmap, "map_scores", spy)
+    llm = ChatSpecPrefill(engine=engine, max_tokens=3)
+    message = llm.invoke("what is the passkey?", passages=DOCS)
+    meta = message.response_metadata
+    # The draft read its own rendering (another token count); its scores reached the main prompt.
+    assert len(mapped) == 1 and mapped[0][1] == meta["prompt_tokens"] and mapped[0][0] != mapped[0][1]
+    assert meta["speculated"] and meta["prefilled_tokens"] < meta["prompt_tokens"]
+    spans = {s["kind"]: s for s in meta["kept_spans"]}
+    assert spans["question"]["keep_ratio"] == 1.0
+    chunks = list(llm.stream("what is the passkey?", passages=DOCS))
+    assert sum(chunks[1:], chunks[0]).text == message.text
+    assert len(mapped) == 2
 
 
 async def test_async_matches_sync_and_keeps_the_loop_free():
