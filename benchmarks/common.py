@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -19,12 +20,17 @@ from typing import Any
 
 import torch
 
+from specprefill_rag.cli import DEFAULT_DRAFT, DEFAULT_MAIN
+
 __all__ = [
+    "DEFAULT_DRAFT",
+    "DEFAULT_MAIN",
     "RESULTS_DIR",
     "command_line",
     "essay_text",
     "machine_info",
     "median",
+    "result_name",
     "tiny_engine",
     "write_results",
 ]
@@ -77,6 +83,40 @@ def machine_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def result_name(
+    benchmark: str,
+    *,
+    main: str = DEFAULT_MAIN,
+    draft: str = DEFAULT_DRAFT,
+    backends: Sequence[str] = ("transformers",),
+    tiny: bool = False,
+    quick: bool = False,
+) -> str:
+    """File stem under ``benchmarks/results/``; only the default models and backend get the plain name.
+
+    ``ttft``, ``ttft_vllm_server``, ``quality_quick``, ``quality_draft-smollm2-135m-instruct``, ...:
+    a run with another draft, main model or backend never overwrites the default results.
+    """
+    if tiny:
+        return f"{benchmark}_tiny"
+    parts = [benchmark]
+    if quick:
+        parts.append("quick")
+    if main != DEFAULT_MAIN:
+        parts.append(f"main-{_slug(main)}")
+    if draft != DEFAULT_DRAFT:
+        parts.append(f"draft-{_slug(draft)}")
+    if list(backends) != ["transformers"]:
+        parts.append("-".join(backends))
+    return "_".join(parts)
+
+
+def _slug(model: str) -> str:
+    """A model name, directory or GGUF path as a file-name piece."""
+    name = Path(model.rstrip("/")).name
+    return re.sub(r"[^A-Za-z0-9.]+", "-", name.removesuffix(".gguf")).strip("-").lower() or "model"
 
 
 def write_results(name: str, payload: dict[str, Any], out: str | Path | None = None) -> Path:

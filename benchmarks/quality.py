@@ -50,10 +50,18 @@ from tqdm.auto import tqdm
 if __package__ in (None, ""):  # `python benchmarks/quality.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import command_line, data_file, essay_text, machine_info, tiny_engine, write_results
+from benchmarks.common import (
+    DEFAULT_DRAFT,
+    DEFAULT_MAIN,
+    command_line,
+    data_file,
+    essay_text,
+    machine_info,
+    result_name,
+    tiny_engine,
+    write_results,
+)
 
-DEFAULT_MAIN = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 METHODS = ("specprefill", "contiguous", "random", "llmlingua")
 INSTRUCTIONS = (
     "Answer the question using only the documents in the context. "
@@ -522,7 +530,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; scores mean nothing)")
-    p.add_argument("--out", default=None)
+    p.add_argument(
+        "--out",
+        default=None,
+        help="result JSON (default benchmarks/results/quality.json, quality_quick.json; another draft or "
+        "main model gets its own file: quality_draft-NAME.json, ...)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.n_hotpotqa, args.n_squad, args.squad_tokens = 1, 1, 768
@@ -556,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rows: list[dict[str, Any]] = []
     per_example = 1 + len(args.keep_rates) * len(args.methods)
-    name = "quality_tiny" if args.tiny else ("quality_quick" if args.quick else "quality")
+    name = result_name("quality", main=args.main, draft=args.draft, tiny=args.tiny, quick=args.quick)
     payload: dict[str, Any] = {
         "benchmark": "quality",
         "command": command,

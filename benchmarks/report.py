@@ -2,8 +2,11 @@
 
     specprefill-rag bench report          # or: python -m benchmarks.report
 
-Reads ttft.json, gpu_ttft.json, quality.json / quality_quick.json (whichever exist), writes
-docs/benchmarks.md and docs/images/bench_*.png. The page is generated: edit this file, not it.
+Reads every result file there: ttft.json and its variants (ttft_vllm_server.json,
+ttft_draft-NAME.json, ...), gpu_ttft.json, quality.json (or quality_quick.json) and quality runs
+with another draft (quality_draft-NAME.json, compared with the default draft's); the
+``*_tiny.json`` files of ``--tiny`` smoke runs are skipped. Writes docs/benchmarks.md and docs/images/bench_*.png. The
+page is generated: edit this file, not it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,21 @@ METHOD_LABELS = {
 def load(results: Path, name: str) -> dict[str, Any] | None:
     path = results / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def load_all(results: Path, benchmark: str) -> list[tuple[str, dict[str, Any]]]:
+    """(file stem, data) of every ``benchmark*.json`` but the smoke runs' ``*_tiny.json``, plain name first."""
+    found = []
+    for path in sorted(results.glob(f"{benchmark}*.json")):
+        if not path.stem.endswith("_tiny"):
+            found.append((path.stem, json.loads(path.read_text())))
+    return sorted(found, key=lambda item: item[0] != benchmark)
+
+
+def pair(data: dict[str, Any]) -> str:
+    """'draft → main' of a result file."""
+    models = data.get("models", {})
+    return f"{models.get('draft', '?')} → {models.get('main', '?')}"
 
 
 def _ok(ratio: float | None, target: float, higher_is_better: bool) -> str:
@@ -295,17 +313,21 @@ def plot_quality(data: dict[str, Any], path: Path) -> bool:
 # -- headline --------------------------------------------------------------------------------
 
 
-def headline(ttft: dict[str, Any] | None, quality: dict[str, Any] | None) -> list[str]:
+def headline(
+    ttfts: list[tuple[str, dict[str, Any]]],
+    quality: dict[str, Any] | None,
+    other_quality: Sequence[tuple[str, dict[str, Any]]] = (),
+) -> list[str]:
     out = ["## Headline", ""]
-    if ttft:
+    for _, ttft in ttfts:
         for run in ttft.get("runs", []):
             if run.get("status") == "skipped":
                 continue
             for row in run["lengths"]:
                 for c in row["cells"]:
-                    if c["keep_rate"] in (0.1, 0.3):
+                    if c["keep_rate"] in (0.1, 0.3) and row["n_tokens"] >= 2048:
                         out.append(
-                            f"- {run['backend']}, {row['n_tokens']} tokens, keep {c['keep_rate']:.0%}: "
+                            f"- {pair(ttft)}, {run['backend']}, {row['n_tokens']} tokens, keep {c['keep_rate']:.0%}: "
                             f"speedup **{c['speedup']:.2f}×**, ideal {c['ideal']:.2f}×, efficiency "
                             f"**{c['efficiency']:.2f}**"
                         )
@@ -323,13 +345,67 @@ def headline(ttft: dict[str, Any] | None, quality: dict[str, Any] | None) -> lis
                     f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}: SpecPrefill {m} {e[m]:.2f}, "
                     f"retention vs full **{ret}** (LongLLMLingua: {lret})"
                 )
+    for _, other in other_quality:
+        for e in other["summary"]:
+            if e["method"] == "specprefill" and e["keep_rate"] in (0.1, 0.3):
+                m = e["metric"]
+                ret = "–" if e["retention_vs_full"] is None else f"{e['retention_vs_full']:.2f}"
+                out.append(
+                    f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}, draft {other['models']['draft']}: "
+                    f"SpecPrefill {m} {e[m]:.2f}, retention vs full **{ret}**"
+                )
     return out + [""]
 
 
+def cross_draft_section(quality: dict[str, Any] | None, others: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """SpecPrefill with another draft next to the default draft, same main model and examples."""
+    out = ["## Drafts from another family (quality)", ""]
+    base = {(e["task"], e["method"], e["keep_rate"]): e for e in (quality or {}).get("summary", [])}
+    for stem, data in others:
+        s = data["settings"]
+        out += [f"### {pair(data)} (`benchmarks/results/{stem}.json`)", ""] + meta_lines(data)
+        out.append(
+            f"- examples: {data.get('done') or data.get('counts')} (planned {data.get('counts')}), seed "
+            f"{s['seed']}, the same selection rules as the default run, so the same examples where the counts agree"
+        )
+        default_draft = (quality or {}).get("models", {}).get("draft", "default draft")
+        out += [
+            "",
+            f"| task | keep | n | full prompt | SpecPrefill, draft {data['models']['draft']} "
+            f"| SpecPrefill, draft {default_draft} | LongLLMLingua ({default_draft}) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        rows = {(e["task"], e["method"], e["keep_rate"]): e for e in data["summary"]}
+        for (task, method, keep), e in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][2] or 0.0)):
+            if method != "specprefill":
+                continue
+            m = e["metric"]
+            full = rows.get((task, "full", None))
+
+            def cell(entry: dict[str, Any] | None, m: str = m) -> str:
+                return "–" if entry is None else f"{entry[m]:.2f} (n={entry['n']})"
+
+            out.append(
+                f"| {task} | {keep:.0%} | {e['n']} | {cell(full)} | **{e[m]:.2f}** "
+                f"| {cell(base.get((task, 'specprefill', keep)))} | {cell(base.get((task, 'llmlingua', keep)))} |"
+            )
+        out += [
+            "",
+            "Metric: F1 (HotpotQA, SQuAD) or accuracy (needle). The last two columns come from the default "
+            "quality run (`benchmarks/results/quality.json`); the full-prompt column is re-measured in this run "
+            "(same main model, so it matches the default run's where the examples agree).",
+            "",
+        ]
+    return out
+
+
 def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) -> Path:
-    ttft = load(results, "ttft")
+    ttfts = load_all(results, "ttft")
     gpu = load(results, "gpu_ttft")
-    quality = load(results, "quality") or load(results, "quality_quick")
+    qualities = load_all(results, "quality")
+    primary = next((name for name in ("quality", "quality_quick") if any(n == name for n, _ in qualities)), None)
+    quality = next((d for n, d in qualities if n == primary), None)
+    other_quality = [(n, d) for n, d in qualities if not n.startswith("quality_quick") and n != primary]
     images.mkdir(parents=True, exist_ok=True)
     rel = Path("images")
     lines = [
@@ -354,14 +430,14 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
         "```",
         "",
     ]
-    lines += headline(ttft, quality)
+    lines += headline(ttfts, quality, other_quality)
     notes = results / "notes.md"
     if notes.exists():
         lines += ["## Notes on these runs", "", notes.read_text().strip(), ""]
-    datasets = [(label, d) for label, d in (("CPU, transformers", ttft), ("GPU", gpu)) if d]
-    if ttft:
-        lines += ttft_section(ttft, "Time to first token: Qwen2.5-Coder 0.5B → 1.5B (CPU)")
-    else:
+    datasets = [(f"CPU, {pair(d)}", d) for _, d in ttfts] + ([("GPU", gpu)] if gpu else [])
+    for stem, ttft in ttfts:
+        lines += ttft_section(ttft, f"Time to first token: {pair(ttft)} (CPU, `benchmarks/results/{stem}.json`)")
+    if not ttfts:
         lines += ["## Time to first token", "", "Not measured yet: run `make bench-ttft`.", ""]
     if plot_ttft(datasets, images / "bench_ttft_speedup.png"):
         lines += [
@@ -409,6 +485,8 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
         ]
     else:
         lines += ["## Answer quality", "", "Not measured yet: run `make bench-quality`.", ""]
+    if other_quality:
+        lines += cross_draft_section(quality, other_quality)
     lines += [
         "## Install and reproduce",
         "",

@@ -38,10 +38,18 @@ from tqdm.auto import tqdm
 if __package__ in (None, ""):  # `python benchmarks/ttft.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import command_line, essay_text, machine_info, median, tiny_engine, write_results
+from benchmarks.common import (
+    DEFAULT_DRAFT,
+    DEFAULT_MAIN,
+    command_line,
+    essay_text,
+    machine_info,
+    median,
+    result_name,
+    tiny_engine,
+    write_results,
+)
 
-DEFAULT_MAIN = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 QUESTION = "According to these essays, what should the founders of a startup do first, and why?"
 PASSAGE_TOKENS = 256  # tokens per synthetic passage
 TARGETS = {"efficiency": 0.85, "capture_overhead": 1.10, "memory": 1.15}
@@ -402,7 +410,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-capture-breakdown", action="store_true", help="skip the capture-without-look-ahead runs")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; numbers mean nothing)")
-    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/ttft.json, ttft_tiny.json)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="result JSON (default benchmarks/results/ttft.json; another draft, main model or backend "
+        "gets its own file: ttft_draft-NAME.json, ttft_vllm_server.json, ...)",
+    )
     p.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -442,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": [],
         "memory": None,
     }
-    name = "ttft_tiny" if args.tiny else "ttft"
+    name = result_name("ttft", main=args.main, draft=args.draft, backends=args.backend, tiny=args.tiny)
     if not args.no_memory:
         print(
             f"Peak memory at {memory_length} tokens: plain draft forward vs scoring (fresh subprocesses) ...",

@@ -217,8 +217,42 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
             }
         )
     )
+    # Another backend and another draft get their own files and sections; smoke runs are left out.
+    ttft_data = json.loads((results / "ttft.json").read_text())
+    server = {**ttft_data, "models": {"main": "m", "draft": "served-draft"}}
+    (results / "ttft_vllm_server.json").write_text(json.dumps(server))
+    (results / "ttft_tiny.json").write_text(json.dumps({**ttft_data, "models": {"main": "m", "draft": "smoke"}}))
+    other = [
+        {"task": "needle", "method": "full", "keep_rate": None, "acc": 1.0, "prefilled": 100, "n_prompt": 100},
+        {"task": "needle", "method": "specprefill", "keep_rate": 0.3, "acc": 0.0, "prefilled": 30, "n_prompt": 100},
+    ]
+    (results / "quality_draft-small.json").write_text(
+        json.dumps(
+            {
+                "models": {"main": "m", "draft": "small"},
+                "machine": {},
+                "settings": {"seed": 0, "keep_rates": [0.3], "max_new_tokens": 8},
+                "counts": {"needle": 1},
+                "summary": quality.summarize(other),
+            }
+        )
+    )
     doc = report.render(results, tmp_path / "benchmarks.md", tmp_path / "images")
     text = doc.read_text()
     assert "| needle | SpecPrefill | 30% |" in text and "efficiency" in text
+    assert "served-draft → m" in text and "smoke" not in text
+    assert "## Drafts from another family" in text
+    assert "| needle | 30% | 1 | 1.00 (n=1) | **0.00** | 1.00 (n=1) | – |" in text
     assert (tmp_path / "images" / "bench_ttft_speedup.png").stat().st_size > 0
     assert (tmp_path / "images" / "bench_quality.png").stat().st_size > 0
+
+
+def test_result_names_keep_other_configurations_apart() -> None:
+    from benchmarks.common import result_name
+
+    assert result_name("ttft") == "ttft"
+    assert result_name("ttft", backends=["vllm_server"]) == "ttft_vllm_server"
+    assert result_name("ttft", backends=["transformers", "vllm_server"]) == "ttft_transformers-vllm_server"
+    assert result_name("quality", draft="smollm2-135m-instruct") == "quality_draft-smollm2-135m-instruct"
+    assert result_name("quality", quick=True, main="/m/My Model.gguf") == "quality_quick_main-my-model"
+    assert result_name("quality", draft="x", tiny=True) == "quality_tiny"
