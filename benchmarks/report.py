@@ -172,6 +172,8 @@ def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]
             f"memory added by the run itself: {plain['delta_bytes'] / 2**20:.0f} MiB vs "
             f"{score['delta_bytes'] / 2**20:.0f} MiB ({mem['delta_ratio']:.2f}×)."
         )
+        if data.get("memory_command"):
+            line += f" Measured separately: `{data['memory_command']}`."
         out += [line, ""]
     elif mem:
         out += [f"**Memory:** not measured ({mem['error']})", ""]
@@ -425,6 +427,12 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
         "make bench-ttft      # specprefill-rag bench ttft     → benchmarks/results/ttft.json",
         "make bench-quality   # specprefill-rag bench quality  → benchmarks/results/quality.json",
         "specprefill-rag bench quality --quick                 # → benchmarks/results/quality_quick.json",
+        "# the main model served by vLLM (start it first: specprefill-rag serve qwen2.5-coder-1.5b-instruct)",
+        "specprefill-rag bench ttft --backend vllm_server --server-url http://127.0.0.1:8000",
+        "#                                                      → benchmarks/results/ttft_vllm_server.json",
+        "# a draft from another family (docs/cross-family.md)",
+        "specprefill-rag bench ttft --draft smollm2-135m-instruct     # → ttft_draft-smollm2-135m-instruct.json",
+        "specprefill-rag bench quality --draft smollm2-135m-instruct  # → quality_draft-smollm2-135m-instruct.json",
         "python benchmarks/gpu_ttft.py   # one GPU, Llama-3.2-1B → Llama-3.1-8B shapes, random bf16 weights",
         "specprefill-rag bench report    # regenerates this page and docs/images/bench_*.png",
         "```",

@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # `python benchmarks/ttft.py`
 from benchmarks.common import (
     DEFAULT_DRAFT,
     DEFAULT_MAIN,
+    RESULTS_DIR,
     command_line,
     essay_text,
     machine_info,
@@ -385,6 +386,15 @@ def print_length(row: dict[str, Any]) -> None:
         )
 
 
+def replace_memory(name: str, payload: dict[str, Any], command: str, out: str | None) -> int:
+    """``--memory-only``: put the new memory entry into the existing result file (or a new one)."""
+    path = Path(out) if out else RESULTS_DIR / f"{name}.json"
+    data = json.loads(path.read_text()) if path.exists() else payload
+    data.update(memory=payload["memory"], memory_command=command)
+    print(f"\nwrote {write_results(name, data, out)}")
+    return 0
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="specprefill-rag bench ttft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -407,6 +417,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument(
         "--memory-length", type=int, default=None, help="prompt length of the memory runs (default: longest)"
+    )
+    p.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="only the peak-memory subprocesses; their result replaces the memory entry of the existing result file",
     )
     p.add_argument("--no-capture-breakdown", action="store_true", help="skip the capture-without-look-ahead runs")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; numbers mean nothing)")
@@ -456,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "memory": None,
     }
     name = result_name("ttft", main=args.main, draft=args.draft, backends=args.backend, tiny=args.tiny)
-    if not args.no_memory:
+    if not args.no_memory or args.memory_only:
         print(
             f"Peak memory at {memory_length} tokens: plain draft forward vs scoring (fresh subprocesses) ...",
             flush=True,
@@ -471,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
         payload["memory"] = memory
+    if args.memory_only:
+        return replace_memory(name, payload, command, args.out)
     runs: list[dict[str, Any]] = []
 
     def save(partial: dict[str, Any]) -> None:

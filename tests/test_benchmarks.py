@@ -136,6 +136,11 @@ def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
     assert cell["speedup"] > 0 and cell["ideal"] == pytest.approx(1 / (row["r"] + 0.3))
     assert cell["efficiency"] == pytest.approx(cell["speedup"] / cell["ideal"])
     assert server["status"] == "skipped" and server["reason"]  # no --server-url: said so, not crashed
+    # --memory-only re-measures memory into the same file and leaves the runs alone.
+    assert ttft.main(["--tiny", "--lengths", "192", "--memory-only", "--out", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert again["runs"] == data["runs"] and again["created_utc"] == data["created_utc"]
+    assert again["memory"]["peak_ratio"] > 0 and "--memory-only" in again["memory_command"]
 
 
 @needs_data
