@@ -151,11 +151,11 @@ def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]
     mem = data.get("memory")
     if mem and "error" not in mem:
         plain, score = mem["plain"], mem["score"]
-        src = (
-            "process RSS sampled by psutil, each run in a fresh subprocess"
-            if mem["source"] == "rss"
-            else "torch.cuda.max_memory_allocated"
-        )
+        src = {
+            "rss": "process RSS sampled by psutil, each run in a fresh subprocess",
+            "heap": "draft weights + the peak of what the run allocated, from glibc malloc statistics sampled "
+            "every millisecond, each run in a fresh subprocess",
+        }.get(mem["source"], "torch.cuda.max_memory_allocated")
         line = f"**Memory** at {mem['length']} tokens ({src}): "
         if "peak_bytes" in plain:
             line += (
@@ -172,6 +172,11 @@ def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]
             f"memory added by the run itself: {plain['delta_bytes'] / 2**20:.0f} MiB vs "
             f"{score['delta_bytes'] / 2**20:.0f} MiB ({mem['delta_ratio']:.2f}×)."
         )
+        if "rss_peak_bytes" in plain and mem["source"] != "rss":
+            line += (
+                f" Process RSS, for reference: {plain['rss_peak_bytes'] / 2**20:.0f} MiB vs "
+                f"{score['rss_peak_bytes'] / 2**20:.0f} MiB."
+            )
         if data.get("memory_command"):
             line += f" Measured separately: `{data['memory_command']}`."
         out += [line, ""]

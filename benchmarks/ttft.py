@@ -12,7 +12,9 @@ no look-ahead. Reported per cell (medians over repetitions):
 Per length: capture overhead = draft scoring (prefill + look-ahead + scoring) / plain draft
 forward, and hook-only overhead = capture without look-ahead / plain draft forward. At the
 longest length, peak memory of scoring vs a plain draft forward, each measured in a fresh
-subprocess (RSS sampled by psutil on CPU; torch.cuda.max_memory_allocated on GPU).
+subprocess: on GPU torch.cuda.max_memory_allocated; on CPU the same quantity, the weights plus
+the peak of what the run allocated (glibc malloc statistics sampled every millisecond; process
+RSS is recorded beside it, and used where glibc is missing).
 
     specprefill-rag bench ttft --lengths 1024 2048 --keep-rates 0.1 0.3 --reps 1
     python -m benchmarks.ttft --tiny --lengths 256 --reps 1          # smoke run, random models
@@ -21,6 +23,7 @@ subprocess (RSS sampled by psutil on CPU; torch.cuda.max_memory_allocated on GPU
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -122,32 +125,65 @@ def generation_config() -> Any:
 # -- memory (one fresh subprocess per measurement) -------------------------------------------
 
 
-class _PeakRSS:
-    """Samples this process's RSS in a thread; ``peak`` is the highest seen."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")
+    ]
 
-    def __init__(self, interval_s: float = 0.002) -> None:
+
+def _heap_reader() -> Any:
+    """A function returning the bytes malloc has handed out and not freed (glibc), or None elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+
+    def in_use() -> int:
+        info = mallinfo2()
+        return int(info.uordblks + info.hblkhd)  # arena chunks in use + mmap-ed chunks (large tensors)
+
+    return in_use
+
+
+class _PeakMemory:
+    """Samples this process's heap in use (glibc malloc, where torch's CPU tensors live) and its RSS
+    in a thread; ``heap_peak`` / ``rss_peak`` are the highest seen. The heap figure counts what was
+    allocated, like CUDA's allocator statistics; RSS also moves with the page cache and mmap-ed
+    weight files, so it is kept only for reference."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
         import psutil
 
         self._proc = psutil.Process()
+        self._heap = _heap_reader()
         self._interval = interval_s
         self._stop = threading.Event()
-        self.baseline = self._proc.memory_info().rss
-        self.peak = self.baseline
+        self.rss_baseline = self.rss_peak = self._proc.memory_info().rss
+        self.heap_baseline = self.heap_peak = self._heap() if self._heap else None
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.rss_peak = max(self.rss_peak, self._proc.memory_info().rss)
+        if self._heap and self.heap_peak is not None:
+            self.heap_peak = max(self.heap_peak, self._heap())
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._sample()
             time.sleep(self._interval)
 
-    def __enter__(self) -> _PeakRSS:
+    def __enter__(self) -> _PeakMemory:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
+        self._sample()
 
 
 def memory_child(kind: str, draft_name: str, length: int, tiny: bool, device: str) -> dict[str, Any]:
@@ -171,7 +207,7 @@ def memory_child(kind: str, draft_name: str, length: int, tiny: bool, device: st
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    with _PeakRSS() as rss:
+    with _PeakMemory() as mem:
         start = time.perf_counter()
         if kind == "plain":
             plain_forward_s(draft.model, ids)
@@ -179,10 +215,15 @@ def memory_child(kind: str, draft_name: str, length: int, tiny: bool, device: st
             draft.score(ids)
         seconds = time.perf_counter() - start
     out: dict[str, Any] = {"kind": kind, "length": length, "seconds": seconds}
+    out.update(rss_peak_bytes=mem.rss_peak, rss_baseline_bytes=mem.rss_baseline)
     if on_gpu:
         out.update(peak_bytes=torch.cuda.max_memory_allocated(), baseline_bytes=before, source="cuda")
+    elif mem.heap_peak is not None and mem.heap_baseline is not None:
+        # Like CUDA's statistics: the weights, plus the most the run had allocated at once.
+        weights = sum(t.nbytes for t in (*draft.model.parameters(), *draft.model.buffers()))
+        out.update(peak_bytes=weights + mem.heap_peak - mem.heap_baseline, baseline_bytes=weights, source="heap")
     else:
-        out.update(peak_bytes=rss.peak, baseline_bytes=rss.baseline, source="rss")
+        out.update(peak_bytes=mem.rss_peak, baseline_bytes=mem.rss_baseline, source="rss")
     out["delta_bytes"] = out["peak_bytes"] - out["baseline_bytes"]
     return out
 
@@ -253,11 +294,20 @@ def build_engine(args: argparse.Namespace, backend: str) -> Any:
     return SpecPrefillEngine(main, draft, config)
 
 
+def draft_token_ids(engine: Any, prompt: Any) -> torch.Tensor:
+    """The prompt as the draft reads it: the main tokens, or its own rendering for a cross-family draft."""
+    from specprefill_rag import prompt as prompt_lib
+
+    if not engine.maps_tokens:
+        return prompt.token_ids
+    return prompt_lib.assemble(engine.draft.tokenizer, prompt.segments).token_ids
+
+
 def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> dict[str, Any]:
     from specprefill_rag import SelectionConfig
 
     passages, n_tokens = build_passages(engine, target)
-    ids = engine.assemble(QUESTION, passages).token_ids
+    ids = draft_token_ids(engine, engine.assemble(QUESTION, passages))
     gen = generation_config()
     full: list[dict[str, float]] = []
     spec: dict[float, list[dict[str, float]]] = {k: [] for k in args.keep_rates}

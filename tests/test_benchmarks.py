@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import quality
 
@@ -149,6 +151,20 @@ def test_ttft_memory_child_measures_a_peak() -> None:
 
     row = ttft.memory_child("score", "unused", 128, tiny=True, device="cpu")
     assert row["peak_bytes"] >= row["baseline_bytes"] > 0
+    assert row["source"] == ("heap" if ttft._heap_reader() else "rss") and row["rss_peak_bytes"] > 0
+
+
+def test_peak_memory_sees_a_short_lived_tensor() -> None:
+    from benchmarks import ttft
+
+    if ttft._heap_reader() is None:
+        pytest.skip("no glibc mallinfo2 here: the CPU memory figure falls back to RSS")
+    size = 64 * 2**20
+    with ttft._PeakMemory() as mem:
+        block = torch.ones(size // 4)
+        time.sleep(0.05)
+        del block
+    assert mem.heap_peak - mem.heap_baseline >= size
 
 
 @needs_data
@@ -261,3 +277,17 @@ def test_result_names_keep_other_configurations_apart() -> None:
     assert result_name("quality", draft="smollm2-135m-instruct") == "quality_draft-smollm2-135m-instruct"
     assert result_name("quality", quick=True, main="/m/My Model.gguf") == "quality_quick_main-my-model"
     assert result_name("quality", draft="x", tiny=True) == "quality_tiny"
+
+
+def test_ttft_plain_draft_forward_reads_the_drafts_own_tokens() -> None:
+    from benchmarks import ttft
+    from specprefill_rag import testing
+
+    engine = testing.tiny_engine(cross_family=True)
+    prompt = engine.assemble("what is the passkey?", ["The passkey is 48213. " * 8])
+    ids = ttft.draft_token_ids(engine, prompt)
+    assert engine.maps_tokens and ids.numel() != prompt.n_tokens
+    assert int(ids.max()) < engine.draft.model.config.vocab_size
+    assert ttft.plain_forward_s(engine.draft.model, ids) > 0
+    same = testing.tiny_engine()
+    assert torch.equal(ttft.draft_token_ids(same, prompt), prompt.token_ids)

@@ -17,13 +17,17 @@ QUESTION = next(q for q in demo_questions() if q.answer == "14 March 1991")
 
 
 @pytest.fixture(scope="module")
-def chain():
+def retriever():
     passages = split_passages(demo_documents())
     documents = [Document(p.text, id=p.id, metadata=dict(p.metadata)) for p in passages]
     store = InMemoryVectorStore(MiniLMEmbeddings())
     store.add_documents(documents)
-    llm = ChatSpecPrefill(engine=smollm_engine(), max_tokens=24)
-    return create_specprefill_rag_chain(store.as_retriever(search_kwargs={"k": 4}), llm)
+    return store.as_retriever(search_kwargs={"k": 4})
+
+
+@pytest.fixture(scope="module")
+def chain(retriever):
+    return create_specprefill_rag_chain(retriever, ChatSpecPrefill(engine=smollm_engine(), max_tokens=24))
 
 
 def test_documents_arrive_as_passages_and_answer_is_grounded(chain):
@@ -46,3 +50,17 @@ def test_stream_yields_answer_deltas(chain):
     assert len(deltas) > 1
     assert "1991" in "".join(deltas)
     assert any("kept_spans" in p for p in parts)
+
+
+def test_cross_family_draft_by_name(retriever):
+    # What a user writes: a Qwen main model scored by SmolLM2 (another tokenizer and template).
+    llm = ChatSpecPrefill(
+        model="qwen2.5-coder-0.5b-instruct", draft_model="smollm2-135m-instruct", keep_rate=0.3, max_tokens=24
+    )
+    out = create_specprefill_rag_chain(retriever, llm).invoke(QUESTION.question)
+    assert llm.engine is not None and llm.engine.maps_tokens
+    meta = out["response_metadata"]
+    assert meta["speculated"] and meta["keep_ratio"] < 0.5
+    question = [s for s in out["kept_spans"] if s["kind"] == "question"]
+    assert question[0]["keep_ratio"] == 1.0
+    assert "1991" in out["answer"], out["answer"]
