@@ -320,6 +320,10 @@ def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> 
         shift = rep % len(items)
         for what, keep in items[shift:] + items[:shift]:
             bar.set_postfix_str(f"{target} tok, rep {rep + 1}, {what}{'' if keep is None else f' {keep:.0%}'}")
+            if hasattr(engine.backend, "cache_salt"):
+                # vLLM's prefix cache would serve a repeated prompt from memory: every request gets a
+                # salt of its own, so each prefill is measured cold.
+                engine.backend.cache_salt = f"bench-{target}-{rep}-{what}-{keep}-{time.time_ns()}"
             if what == "full":
                 res = engine.generate(QUESTION, passages, mode="full", generation=gen)
                 full.append({"ttft_s": res.timings.ttft_s, "prefill_s": res.timings.prefill_s})

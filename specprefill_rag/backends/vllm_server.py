@@ -46,9 +46,20 @@ class TokenStep:
 
 
 def request_body(
-    plan: PrefillPlan, generation: GenerationConfig, *, model: str, max_tokens: int, logprobs: bool, stream: bool
+    plan: PrefillPlan,
+    generation: GenerationConfig,
+    *,
+    model: str,
+    max_tokens: int,
+    logprobs: bool,
+    stream: bool,
+    cache_salt: str | None = None,
 ) -> dict[str, Any]:
-    """The ``/v1/completions`` JSON for a plan (stop strings are applied client side)."""
+    """The ``/v1/completions`` JSON for a plan (stop strings are applied client side).
+
+    ``cache_salt`` is vLLM's own per-request prefix-cache salt (requests share cached blocks only
+    when their salts are equal); a plan's position salt is appended to it, as the plugin does.
+    """
     positions = plan.position_ids.tolist()
     body: dict[str, Any] = {
         "model": model,
@@ -66,9 +77,12 @@ def request_body(
         body["seed"] = generation.seed
     if logprobs:
         body["logprobs"] = 0  # the sampled token's own log-probability only
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     if not is_contiguous(positions, plan.next_position):
         body["vllm_xargs"] = plan_to_xargs(positions, plan.next_position)
-        body["cache_salt"] = plan_salt(positions, plan.next_position)
+        salt = plan_salt(positions, plan.next_position)
+        body["cache_salt"] = salt if cache_salt is None else f"{cache_salt}-{salt}"
     return body
 
 
@@ -90,6 +104,7 @@ class VLLMServerBackend:
         read_timeout: float = 300.0,  # seconds without any byte from the server
         connect_retries: int = 3,  # extra attempts when the connection is refused or times out
         retry_backoff: float = 0.5,  # seconds before the first retry, doubled each time
+        cache_salt: str | None = None,  # vLLM prefix-cache salt sent with every request (None: shared cache)
     ) -> None:
         parsed = urllib.parse.urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -101,6 +116,9 @@ class VLLMServerBackend:
         self._tokenizer = tokenizer
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.connect_retries, self.retry_backoff = connect_retries, retry_backoff
+        # Public: requests share prefix-cache blocks only with requests of the same salt (tenants,
+        # or a benchmark that must measure cold prefills); may be changed between requests.
+        self.cache_salt = cache_salt
         self.eos_token_ids = eos_token_ids or frozenset(
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
@@ -252,7 +270,7 @@ class VLLMServerBackend:
             return
         self.check_plan(plan, max_tokens)
         body = request_body(plan, generation, model=self.model_name, max_tokens=max_tokens,
-                            logprobs=logprobs, stream=True)
+                            logprobs=logprobs, stream=True, cache_salt=self.cache_salt)
         conn, response = self._send("POST", "/v1/completions", body)
         try:
             for event in self._events(response):
