@@ -366,14 +366,19 @@ def headline(
 
 def cross_draft_section(quality: dict[str, Any] | None, others: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """SpecPrefill with another draft next to the default draft, same main model and examples."""
+    from benchmarks.quality import summarize
+
     out = ["## Drafts from another family (quality)", ""]
-    base = {(e["task"], e["method"], e["keep_rate"]): e for e in (quality or {}).get("summary", [])}
     for stem, data in others:
+        # The default draft's rows on exactly the examples this run answered.
+        ids = {(r["task"], r["id"]) for r in data.get("rows", [])}
+        matched = [r for r in (quality or {}).get("rows", []) if (r["task"], r["id"]) in ids]
+        base = {(e["task"], e["method"], e["keep_rate"]): e for e in summarize(matched)} if matched else {}
         s = data["settings"]
         out += [f"### {pair(data)} (`benchmarks/results/{stem}.json`)", ""] + meta_lines(data)
         out.append(
             f"- examples: {data.get('done') or data.get('counts')} (planned {data.get('counts')}), seed "
-            f"{s['seed']}, the same selection rules as the default run, so the same examples where the counts agree"
+            f"{s['seed']}; the default draft's columns are recomputed on the same examples (matched by id)"
         )
         default_draft = (quality or {}).get("models", {}).get("draft", "default draft")
         out += [
@@ -399,8 +404,8 @@ def cross_draft_section(quality: dict[str, Any] | None, others: list[tuple[str, 
         out += [
             "",
             "Metric: F1 (HotpotQA, SQuAD) or accuracy (needle). The last two columns come from the default "
-            "quality run (`benchmarks/results/quality.json`); the full-prompt column is re-measured in this run "
-            "(same main model, so it matches the default run's where the examples agree).",
+            "quality run (`benchmarks/results/quality.json`), restricted to the examples of this run; the "
+            "full-prompt column is re-measured in this run with the same main model.",
             "",
         ]
     return out

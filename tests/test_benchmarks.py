@@ -219,12 +219,14 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
         )
         == 0
     )
-    summary = quality.summarize(
-        [
-            {"task": "needle", "method": "full", "keep_rate": None, "acc": 1.0, "prefilled": 100, "n_prompt": 100},
-            {"task": "needle", "method": "specprefill", "keep_rate": 0.3, "acc": 1.0, "prefilled": 30, "n_prompt": 100},
-        ]
-    )
+    def row(example: str, method: str, keep: float | None, acc: float) -> dict[str, object]:
+        n = 30 if keep else 100
+        return {"task": "needle", "id": example, "method": method, "keep_rate": keep, "acc": acc, "prefilled": n,
+                "n_prompt": 100, "prediction": "x", "answers": ["y"]}
+
+    rows = [row("a", "full", None, 1.0), row("a", "specprefill", 0.3, 1.0),
+            row("b", "full", None, 0.0), row("b", "specprefill", 0.3, 0.0)]
+    summary = quality.summarize(rows)
     (results / "quality_quick.json").write_text(
         json.dumps(
             {
@@ -233,8 +235,9 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
                 "models": {"main": "m", "draft": "d"},
                 "machine": {},
                 "settings": {"seed": 0, "keep_rates": [0.3], "max_new_tokens": 8},
-                "counts": {"needle": 1},
+                "counts": {"needle": 2},
                 "summary": summary,
+                "rows": rows,
             }
         )
     )
@@ -243,10 +246,7 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
     server = {**ttft_data, "models": {"main": "m", "draft": "served-draft"}}
     (results / "ttft_vllm_server.json").write_text(json.dumps(server))
     (results / "ttft_tiny.json").write_text(json.dumps({**ttft_data, "models": {"main": "m", "draft": "smoke"}}))
-    other = [
-        {"task": "needle", "method": "full", "keep_rate": None, "acc": 1.0, "prefilled": 100, "n_prompt": 100},
-        {"task": "needle", "method": "specprefill", "keep_rate": 0.3, "acc": 0.0, "prefilled": 30, "n_prompt": 100},
-    ]
+    other = [row("a", "full", None, 1.0), row("a", "specprefill", 0.3, 0.0)]  # example a only
     (results / "quality_draft-small.json").write_text(
         json.dumps(
             {
@@ -255,6 +255,7 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
                 "settings": {"seed": 0, "keep_rates": [0.3], "max_new_tokens": 8},
                 "counts": {"needle": 1},
                 "summary": quality.summarize(other),
+                "rows": other,
             }
         )
     )
