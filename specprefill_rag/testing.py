@@ -3,8 +3,8 @@
 The tokenizer is a byte-level BPE trained on a few sentences, with a ChatML chat template (a
 second one, ``tiny_inst_tokenizer``, is a Metaspace BPE with Llama-2-style ``[INST]`` markers:
 a draft "from another family"); the models are Llama/Qwen2 decoders with seeded random weights
-built from configs. Used by this
-repository's tests and the integrations' tests; handy for testing code built on the engine.
+built from configs. Used by this repository's tests and the integrations' tests; handy for
+testing code built on the engine.
 """
 
 from __future__ import annotations
