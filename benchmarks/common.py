@@ -31,6 +31,7 @@ __all__ = [
     "machine_info",
     "median",
     "result_name",
+    "ttft_cell",
     "tiny_engine",
     "write_results",
 ]
@@ -83,6 +84,23 @@ def machine_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def ttft_cell(keep: float, rows: list[dict[str, Any]], ttft_full: float, r: float) -> dict[str, Any]:
+    """One TTFT table cell: medians of the SpecPrefill runs at ``keep``, speedup, ideal 1/(r+k), efficiency."""
+    ttft_spec = median([x["ttft_s"] for x in rows])
+    speedup = ttft_full / ttft_spec
+    ideal = 1.0 / (r + keep)
+    return {
+        "keep_rate": keep,
+        "ttft_full_s": ttft_full,
+        "ttft_spec_s": ttft_spec,
+        "speedup": speedup,
+        **{key: median([x[key] for x in rows]) for key in ("draft_s", "selection_s", "prefill_s", "keep_ratio")},
+        "ideal": ideal,
+        "efficiency": speedup / ideal,
+        "raw": rows,
+    }
 
 
 def result_name(

@@ -36,7 +36,7 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/gpu_ttft.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine_info, write_results
+from benchmarks.common import machine_info, ttft_cell, write_results
 
 # Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B).
 LLAMA_3_2_1B: dict[str, Any] = dict(
@@ -234,26 +234,7 @@ def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: i
     med = statistics.median
     main_plain, draft_plain = med(full), med(plain)
     r = draft_plain / main_plain
-    cells: list[dict[str, Any]] = []
-    for keep, rows in spec.items():
-        ttft_spec = med([x["ttft_s"] for x in rows])
-        speedup = main_plain / ttft_spec
-        ideal = 1.0 / (r + keep)
-        cells.append(
-            {
-                "keep_rate": keep,
-                "ttft_full_s": main_plain,
-                "ttft_spec_s": ttft_spec,
-                "speedup": speedup,
-                "draft_s": med([x["draft_s"] for x in rows]),
-                "selection_s": med([x["selection_s"] for x in rows]),
-                "prefill_s": med([x["prefill_s"] for x in rows]),
-                "keep_ratio": med([x["keep_ratio"] for x in rows]),
-                "ideal": ideal,
-                "efficiency": speedup / ideal,
-                "raw": rows,
-            }
-        )
+    cells = [ttft_cell(keep, rows, main_plain, r) for keep, rows in spec.items()]
     scoring = med([x["draft_s"] for rows in spec.values() for x in rows])
     row = {
         "target_tokens": n,

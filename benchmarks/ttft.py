@@ -51,6 +51,7 @@ from benchmarks.common import (
     median,
     result_name,
     tiny_engine,
+    ttft_cell,
     write_results,
 )
 
@@ -350,27 +351,7 @@ def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> 
     draft_plain = median(plain)
     r = draft_plain / main_plain
     ttft_full = median([f["ttft_s"] for f in full])
-    cells = []
-    for keep in args.keep_rates:
-        rows = spec[keep]
-        ttft_spec = median([x["ttft_s"] for x in rows])
-        speedup = ttft_full / ttft_spec
-        ideal = 1.0 / (r + keep)
-        cells.append(
-            {
-                "keep_rate": keep,
-                "ttft_full_s": ttft_full,
-                "ttft_spec_s": ttft_spec,
-                "speedup": speedup,
-                "draft_s": median([x["draft_s"] for x in rows]),
-                "selection_s": median([x["selection_s"] for x in rows]),
-                "prefill_s": median([x["prefill_s"] for x in rows]),
-                "keep_ratio": median([x["keep_ratio"] for x in rows]),
-                "ideal": ideal,
-                "efficiency": speedup / ideal,
-                "raw": rows,
-            }
-        )
+    cells = [ttft_cell(keep, spec[keep], ttft_full, r) for keep in args.keep_rates]
     draft_scoring = median([x["draft_s"] for rows in spec.values() for x in rows])
     return {
         "target_tokens": target,
