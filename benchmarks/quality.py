@@ -53,16 +53,19 @@ if __package__ in (None, ""):  # `python benchmarks/quality.py`
 from benchmarks.common import (
     DEFAULT_DRAFT,
     DEFAULT_MAIN,
+    RESULTS_DIR,
+    bootstrap_ci,
     command_line,
     data_file,
     essay_text,
     machine_info,
+    paired_ratio_ci,
     result_name,
     tiny_engine,
     write_results,
 )
 
-METHODS = ("specprefill", "contiguous", "random", "llmlingua")
+METHODS = ("specprefill", "reference", "contiguous", "random", "llmlingua")
 INSTRUCTIONS = (
     "Answer the question using only the documents in the context. "
     "Reply with the answer only: a few words, no explanation."
@@ -101,6 +104,12 @@ class Example:
     passages: tuple[tuple[str, str], ...]  # (id, text), in prompt order
     answers: tuple[str, ...]
     meta: dict[str, Any] = field(default_factory=dict)
+    # Gold evidence as (passage index, start, end) characters of that passage's text: HotpotQA's
+    # supporting sentences, SQuAD's answer span, the needle sentence. ``key`` are the spans that
+    # must survive for the example to count as complete (``key_share`` of each span's tokens).
+    evidence: tuple[tuple[int, int, int], ...] = ()
+    key: tuple[tuple[int, int, int], ...] = ()
+    key_share: float = 1.0
 
 
 def load_hotpotqa(n: int, seed: int) -> list[Example]:
@@ -109,15 +118,29 @@ def load_hotpotqa(n: int, seed: int) -> list[Example]:
     rng = random.Random(seed)
     out = []
     for item in rng.sample(data, n):
-        passages = tuple((title, f"{title}\n{''.join(sents).strip()}") for title, sents in item["context"])
+        passages, sentence_spans = [], {}
+        for index, (title, sents) in enumerate(item["context"]):
+            body = "".join(sents)
+            at = len(title) + 1 - (len(body) - len(body.lstrip()))  # body is stripped in the text
+            for k, sentence in enumerate(sents):
+                lead = len(sentence) - len(sentence.lstrip())
+                sentence_spans[(title, k)] = (index, at + lead, at + len(sentence.rstrip()))
+                at += len(sentence)
+            passages.append((title, f"{title}\n{body.strip()}"))
+        gold = tuple(
+            sentence_spans[(t, k)] for t, k in item["supporting_facts"] if (t, k) in sentence_spans
+        )
         out.append(
             Example(
                 "hotpotqa",
                 item["_id"],
                 item["question"],
-                passages,
+                tuple(passages),
                 (item["answer"],),
                 {"type": item.get("type"), "level": item.get("level")},
+                evidence=gold,
+                key=gold,
+                key_share=0.5,
             )
         )
     return out
@@ -152,6 +175,8 @@ def load_squad(n: int, seed: int, target_tokens: int, count_tokens: Any) -> list
         rng.shuffle(order)
         passages = tuple((f"p{i}", chosen[i]) for i in order)
         answers = tuple(dict.fromkeys(x["text"] for x in qa["answers"]))
+        first = qa["answers"][0]
+        span = ((order.index(0), first["answer_start"], first["answer_start"] + len(first["text"])),)
         out.append(
             Example(
                 "squad",
@@ -160,6 +185,36 @@ def load_squad(n: int, seed: int, target_tokens: int, count_tokens: Any) -> list
                 passages,
                 answers,
                 {"gold_rank": order.index(0), "n_passages": len(chosen), "context_tokens": total},
+                evidence=span,
+                key=span,
+            )
+        )
+    return out
+
+
+NEAR_MISS = Path(__file__).resolve().parent / "data" / "near_miss.json"
+
+
+def load_near_miss(n: int | None = None, path: Path = NEAR_MISS) -> list[Example]:
+    """The hand-written near-miss set: one answer passage, distractors that share the entity
+    type and the attribute, unrelated passages (benchmarks/data/near_miss.json)."""
+    cases = json.loads(path.read_text())["cases"]
+    out = []
+    for case in cases[:n]:
+        passages = tuple((p["id"], p["text"]) for p in case["passages"])
+        home = next(i for i, p in enumerate(case["passages"]) if p["role"] == "answer")
+        at = passages[home][1].index(case["evidence"])
+        span = ((home, at, at + len(case["evidence"])),)
+        out.append(
+            Example(
+                "near_miss",
+                case["id"],
+                case["question"],
+                passages,
+                tuple(case["answers"]),
+                {"answer_passage": home, "distractor_answers": case["distractor_answers"]},
+                evidence=span,
+                key=span,
             )
         )
     return out
@@ -188,7 +243,8 @@ def needle_examples(
                 n_words = int(n_words * 1.1) + 1
             sentences = _SENTENCE_END.split(" ".join(words[start : start + n_words]))
             key, value = rng.choice(NEEDLE_KEYS), str(rng.randrange(1_000_000, 10_000_000))
-            sentences.insert(round(depth * len(sentences)), NEEDLE.format(key=key, value=value))
+            needle = NEEDLE.format(key=key, value=value)
+            sentences.insert(round(depth * len(sentences)), needle)
             passages: list[str] = []
             current: list[str] = []
             for sentence in sentences:
@@ -198,6 +254,9 @@ def needle_examples(
                     current = []
             if current:
                 passages.append(" ".join(current))
+            home = next(i for i, p in enumerate(passages) if needle in p)
+            at = passages[home].index(needle)
+            at_value = at + needle.index(value)
             out.append(
                 Example(
                     "needle",
@@ -206,6 +265,8 @@ def needle_examples(
                     tuple((f"s{i}", p) for i, p in enumerate(passages)),
                     (value,),
                     {"length": length, "depth": depth},
+                    evidence=((home, at, at + len(needle)),),
+                    key=((home, at_value, at_value + len(value)),),
                 )
             )
     return out
@@ -257,9 +318,28 @@ def needle_accuracy(prediction: str, answers: Sequence[str]) -> float:
     return float(any(a in digits for a in answers))
 
 
-def score_prediction(task: str, prediction: str, answers: Sequence[str]) -> dict[str, float]:
+_DIGIT_GROUPS = re.compile(r"(?<=\d)[,\u202f ](?=\d{3}\b)")  # 1,140 / 1 140 → 1140
+
+
+def contains_answer(prediction: str, answers: Sequence[str]) -> float:
+    """1.0 when any accepted answer appears in the prediction (SQuAD-normalised, digit
+    separators dropped, whole words)."""
+
+    def norm(text: str) -> str:
+        return " " + normalize_answer(_DIGIT_GROUPS.sub("", text)) + " "
+
+    pred = norm(prediction)
+    return float(any(norm(a).strip() and norm(a) in pred for a in answers))
+
+
+def score_prediction(
+    task: str, prediction: str, answers: Sequence[str], meta: dict[str, Any] | None = None
+) -> dict[str, float]:
     if task == "needle":
         return {"acc": needle_accuracy(prediction, answers)}
+    if task == "near_miss":
+        wrong = (meta or {}).get("distractor_answers", [])
+        return {"acc": contains_answer(prediction, answers), "distractor": contains_answer(prediction, wrong)}
     return {"em": exact_match(prediction, answers), "f1": f1_score(prediction, answers)}
 
 
@@ -372,7 +452,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     from specprefill_rag import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
 
     config = SpecPrefillConfig(
-        draft=DraftConfig(lookahead=args.lookahead),
+        draft=DraftConfig(lookahead=args.lookahead) if args.lookahead else DraftConfig(),
         selection=SelectionConfig(min_prompt_tokens=0),
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens, stop=("\n",)),
         instructions=INSTRUCTIONS,
@@ -393,16 +473,32 @@ def answer(engine: Any, prompt: Any, plan: Any) -> tuple[str, int]:
     return stream.result.text, stream.result.prefilled_tokens
 
 
+# The reference implementation's scoring and units (the paper's defaults, as this library
+# shipped them before the selection-quality work), at the same context budget.
+REFERENCE_DRAFT = dict(lookahead=8, lookahead_weight=1.0, layers="all", heads="max", normalize=False)
+REFERENCE_SELECTION = dict(unit="chunk", chunk_size=32)
+
+
 def run_example(
-    engine: Any, ex: Example, index: int, args: argparse.Namespace, lingua: LinguaCompressor | None, bar: Any
+    engine: Any,
+    ex: Example,
+    index: int,
+    args: argparse.Namespace,
+    lingua: LinguaCompressor | None,
+    bar: Any,
+    done: dict[tuple[str, float | None], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    from specprefill_rag import Passage
+    """Every (method, keep rate) row of one example; rows in ``done`` (from an earlier run,
+    keyed by (method, keep rate)) are reused, so the full-prompt answer is computed once."""
+    from specprefill_rag import DraftConfig, Passage
     from specprefill_rag import selection as selection_lib
 
+    done = done or {}
     passages = [Passage(text, id=pid) for pid, text in ex.passages]
     prompt = engine.assemble(ex.question, passages)
-    base = {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, **{f"meta_{k}": v for k, v in ex.meta.items()}}
-    rows = []
+    base = {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
+            **{f"meta_{k}": v for k, v in ex.meta.items() if k != "distractor_answers"}}
+    rows: list[dict[str, Any]] = []
 
     def record(method: str, keep: float | None, text: str, prefilled: int, **extra: Any) -> None:
         rows.append(
@@ -413,41 +509,60 @@ def run_example(
                 "prediction": text,
                 "answers": list(ex.answers),
                 "prefilled": prefilled,
-                **score_prediction(ex.task, text, ex.answers),
+                **score_prediction(ex.task, text, ex.answers, ex.meta),
                 **extra,
             }
         )
         bar.update(1)
 
-    bar.set_postfix_str(f"{ex.id[:18]} full")
-    record("full", None, *answer(engine, prompt, selection_lib.full_plan(prompt)))
-    scores = None
-    if {"specprefill", "contiguous"} & set(args.methods) or "llmlingua" in args.methods:
-        bar.set_postfix_str(f"{ex.id[:18]} draft scoring")
-        scores = engine.score(prompt)  # once per example, reused for every keep rate
-        base["score_s"] = scores.seconds
+    def todo(method: str, keep: float | None) -> bool:
+        if (method, keep) in done:
+            rows.append(done[(method, keep)])
+            bar.update(1)
+            return False
+        bar.set_postfix_str(f"{ex.id[:18]} {method} {'' if keep is None else f'{keep:.0%}'}")
+        return True
+
+    if todo("full", None):
+        record("full", None, *answer(engine, prompt, selection_lib.full_plan(prompt)))
+    scores: dict[str, Any] = {}
+
+    def scored(kind: str) -> Any:
+        if kind not in scores:
+            config = None if kind == "default" else DraftConfig(**REFERENCE_DRAFT)  # type: ignore[arg-type]
+            scores[kind] = engine.score(prompt, draft=config)
+        return scores[kind]
+
     for keep in args.keep_rates:
         sel = dataclasses.replace(engine.config.selection, keep_rate=keep, token_budget=None)
-        plan, _ = engine.plan(prompt, selection=sel, scores=scores)
+        plan = None
         n_protected = int(prompt.protected.sum())
         for method in args.methods:
-            bar.set_postfix_str(f"{ex.id[:18]} {method} {keep:.0%}")
+            if not todo(method, keep):
+                continue
+            if method in ("specprefill", "contiguous", "llmlingua"):
+                plan, _ = engine.plan(prompt, selection=sel, scores=scored("default"))
             if method == "specprefill":
-                record(method, keep, *answer(engine, prompt, plan))
+                record(method, keep, *answer(engine, prompt, plan), score_s=scored("default").seconds)
+            elif method == "reference":
+                rsel = dataclasses.replace(sel, **REFERENCE_SELECTION)
+                rplan, _ = engine.plan(prompt, selection=rsel, scores=scored("reference"))
+                record(method, keep, *answer(engine, prompt, rplan))
             elif method == "contiguous":
                 cplan, _ = engine.plan(
-                    prompt, selection=dataclasses.replace(sel, positions="contiguous"), scores=scores
+                    prompt, selection=dataclasses.replace(sel, positions="contiguous"), scores=scored("default")
                 )
                 record(method, keep, *answer(engine, prompt, cplan))
             elif method == "random":
                 g = torch.Generator().manual_seed(args.seed * 1000 + index)
                 kept = selection_lib.select(
-                    torch.rand(prompt.n_tokens, generator=g), prompt.protected, prompt.segment_index, sel
+                    torch.rand(prompt.n_tokens, generator=g), prompt.protected, prompt.segment_index, sel,
+                    prompt.sentence_start,
                 )
                 record(method, keep, *answer(engine, prompt, selection_lib.plan_from_indices(prompt, kept)))
             elif method == "llmlingua":
-                assert lingua is not None
-                budget = max(plan.n_kept - n_protected, 8)  # the passage tokens SpecPrefill kept
+                assert lingua is not None and plan is not None
+                budget = max(plan.n_kept - n_protected, 8)  # the context tokens SpecPrefill kept
                 compressed, seconds = lingua.compress([p.text for p in passages], ex.question, budget)
                 lprompt = engine.assemble(ex.question, [Passage(compressed or ".", id="compressed")])
                 record(
@@ -460,14 +575,19 @@ def run_example(
     return rows
 
 
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean metric per (task, method, keep rate), with retention vs full and vs llmlingua."""
+def metric_of(task: str) -> str:
+    return "acc" if task in ("needle", "near_miss") else "f1"
+
+
+def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """Mean metric per (task, method, keep rate) with bootstrap 95% CIs; retention vs full and
+    the difference to LongLLMLingua with paired bootstrap CIs over the same examples."""
     groups: dict[tuple[str, str, float | None], list[dict[str, Any]]] = collections.defaultdict(list)
     for r in rows:
         groups[(r["task"], r["method"], r["keep_rate"])].append(r)
     out = []
     for (task, method, keep), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 1.0)):
-        metric = "acc" if task == "needle" else "f1"
+        metric = metric_of(task)
         entry: dict[str, Any] = {
             "task": task,
             "method": method,
@@ -476,17 +596,34 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "metric": metric,
             "prefilled_ratio": sum(r["prefilled"] / r["n_prompt"] for r in rs) / len(rs),
         }
-        for m in ("em", "f1", "acc"):
+        if rs[0].get("n_context"):
+            protected = [r["n_prompt"] - r["n_context"] for r in rs]
+            entry["context_kept_ratio"] = sum(
+                max(r["prefilled"] - p, 0) / r["n_context"] for r, p in zip(rs, protected, strict=True)
+            ) / len(rs)
+        for m in ("em", "f1", "acc", "distractor"):
             if m in rs[0]:
-                entry[m] = sum(r[m] for r in rs) / len(rs)
+                mean, lo, hi = bootstrap_ci([r[m] for r in rs], seed=seed)
+                entry[m] = mean
+                entry[f"{m}_ci"] = [lo, hi]
         out.append(entry)
     by_key = {(e["task"], e["method"], e["keep_rate"]): e for e in out}
     for e in out:
-        full = by_key.get((e["task"], "full", None))
-        lingua = by_key.get((e["task"], "llmlingua", e["keep_rate"]))
         m = e["metric"]
-        e["retention_vs_full"] = e[m] / full[m] if full and full[m] else None
-        e["vs_llmlingua"] = e[m] - lingua[m] if lingua else None  # points (metric difference)
+        mine = {r["id"]: r[m] for r in groups[(e["task"], e["method"], e["keep_rate"])]}
+        full = {r["id"]: r[m] for r in groups.get((e["task"], "full", None), [])}
+        lingua = {r["id"]: r[m] for r in groups.get((e["task"], "llmlingua", e["keep_rate"]), [])}
+        e["retention_vs_full"], e["retention_ci"] = None, None
+        if (e["task"], "full", None) in by_key:
+            ids = [i for i in mine if i in full]
+            ratio, lo, hi = paired_ratio_ci([mine[i] for i in ids], [full[i] for i in ids], seed=seed)
+            e["retention_vs_full"] = ratio
+            e["retention_ci"] = [lo, hi] if ratio is not None else None
+        e["vs_llmlingua"], e["vs_llmlingua_ci"] = None, None
+        ids = [i for i in mine if i in lingua]
+        if ids:
+            mean, lo, hi = bootstrap_ci([mine[i] - lingua[i] for i in ids], seed=seed)
+            e["vs_llmlingua"], e["vs_llmlingua_ci"] = mean, [lo, hi]  # metric points, paired
     return out
 
 
@@ -498,6 +635,8 @@ def examples_for(args: argparse.Namespace, count_tokens: Any) -> list[Example]:
         examples += load_squad(args.n_squad, args.seed, args.squad_tokens, count_tokens)
     if "needle" in args.tasks:
         examples += needle_examples(args.needle_lengths, args.needle_depths, args.seed, count_tokens)
+    if "near_miss" in args.tasks:
+        examples += load_near_miss(args.n_near_miss)
     # Round-robin over tasks, so an interrupted run still covers every task.
     by_task: dict[str, list[Example]] = collections.defaultdict(list)
     for ex in examples:
@@ -515,21 +654,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="~10 min: 1 HotpotQA, 1 SQuAD (768 tokens), needle 1024 tokens at depth 0.5",
+        help="~10 min: 1 HotpotQA, 1 SQuAD (768 tokens), needle 1024 tokens at depth 0.5, 1 near-miss case",
     )
-    p.add_argument("--tasks", nargs="+", default=["hotpotqa", "squad", "needle"])
+    p.add_argument("--tasks", nargs="+", default=["hotpotqa", "squad", "needle", "near_miss"])
     p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--n-hotpotqa", type=int, default=4)
-    p.add_argument("--n-squad", type=int, default=4)
-    p.add_argument("--squad-tokens", type=int, default=1536, help="SQuAD context length target (tokens)")
+    p.add_argument("--n-hotpotqa", type=int, default=60)
+    p.add_argument("--n-squad", type=int, default=60)
+    p.add_argument("--n-near-miss", type=int, default=None, help="near-miss cases (default: all)")
+    p.add_argument("--squad-tokens", type=int, default=1024, help="SQuAD context length target (tokens)")
     p.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048])
-    p.add_argument("--needle-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    p.add_argument(
+        "--needle-depths", type=float, nargs="+", default=[round((i + 0.5) / 30, 4) for i in range(30)]
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lookahead", type=int, default=8)
+    p.add_argument("--lookahead", type=int, default=None, help="override the library default look-ahead")
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; scores mean nothing)")
+    p.add_argument("--fresh", action="store_true", help="ignore the rows of an earlier run in the result file")
     p.add_argument(
         "--out",
         default=None,
@@ -538,7 +681,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     if args.quick:
-        args.n_hotpotqa, args.n_squad, args.squad_tokens = 1, 1, 768
+        args.n_hotpotqa, args.n_squad, args.squad_tokens, args.n_near_miss = 1, 1, 768, 1
         args.needle_lengths, args.needle_depths = [1024], [0.5]
     return args
 
@@ -567,9 +710,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"examples: {dict(counts)} (seed {args.seed}); keep rates {args.keep_rates}; methods full + {args.methods}",
         flush=True,
     )
-    rows: list[dict[str, Any]] = []
-    per_example = 1 + len(args.keep_rates) * len(args.methods)
     name = result_name("quality", main=args.main, draft=args.draft, tiny=args.tiny, quick=args.quick)
+    path = Path(args.out) if args.out else RESULTS_DIR / f"{name}.json"
+    earlier: dict[tuple[str, str], dict[tuple[str, float | None], dict[str, Any]]] = collections.defaultdict(dict)
+    if path.exists() and not args.fresh:
+        for r in json.loads(path.read_text()).get("rows", []):
+            earlier[(r["task"], r["id"])][(r["method"], r["keep_rate"])] = r
+        print(f"resuming: {sum(map(len, earlier.values()))} rows of {len(earlier)} examples in {path}", flush=True)
+    per_example = 1 + len(args.keep_rates) * len(args.methods)
     payload: dict[str, Any] = {
         "benchmark": "quality",
         "command": command,
@@ -584,43 +732,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "counts": dict(counts),
     }
+    rows: list[dict[str, Any]] = []
+    wanted = {(ex.task, ex.id) for ex in examples}
+    # Rows of examples this run does not cover (another --tasks or n) stay in the file.
+    kept_rows = [r for key, by in earlier.items() if key not in wanted for r in by.values()]
+
+    def save(complete: bool) -> Path:
+        all_rows = kept_rows + rows
+        done = collections.Counter(r["task"] for r in all_rows if r["method"] == "full")
+        return write_results(
+            name,
+            {
+                **payload,
+                "complete": complete,
+                "done": dict(done),
+                "elapsed_s": time.perf_counter() - started,
+                "summary": summarize(all_rows, args.seed),
+                "rows": all_rows,
+            },
+            path,
+        )
+
     with tqdm(total=len(examples) * per_example, desc="quality", unit="answer") as bar:
         for i, ex in enumerate(examples):
-            rows += run_example(engine, ex, i, args, lingua, bar)
-            done = collections.Counter(r["task"] for r in rows if r["method"] == "full")
-            write_results(
-                name,
-                {
-                    **payload,
-                    "complete": i + 1 == len(examples),
-                    "done": dict(done),
-                    "elapsed_s": time.perf_counter() - started,
-                    "summary": summarize(rows),
-                    "rows": rows,
-                },
-                args.out,
-            )
-    summary = summarize(rows)
-    for e in summary:
+            rows += run_example(engine, ex, i, args, lingua, bar, earlier.get((ex.task, ex.id)))
+            save(complete=False)
+    path = save(complete=True)
+    for e in summarize(kept_rows + rows, args.seed):
         m = e["metric"]
         keep = "  -  " if e["keep_rate"] is None else f"{e['keep_rate']:.0%}"
+        lo, hi = e[f"{m}_ci"]
         ret = "" if e["retention_vs_full"] is None else f"  retention {e['retention_vs_full']:.2f}"
         print(
-            f"{e['task']:<9} {e['method']:<12} {keep:>5}  n={e['n']}  {m}={e[m]:.3f}"
+            f"{e['task']:<9} {e['method']:<12} {keep:>5}  n={e['n']}  {m}={e[m]:.3f} [{lo:.3f}, {hi:.3f}]"
             f"  prefilled {e['prefilled_ratio']:.1%}{ret}"
         )
-    path = write_results(
-        name,
-        {
-            **payload,
-            "complete": True,
-            "done": dict(counts),
-            "elapsed_s": time.perf_counter() - started,
-            "summary": summary,
-            "rows": rows,
-        },
-        args.out,
-    )
     print(f"\nwrote {path}")
     return 0
 

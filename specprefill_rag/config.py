@@ -10,16 +10,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-LayerChoice = Literal["all", "upper_half"]
+LayerChoice = Literal["all", "upper_half", "lower_half", "middle_half"]
+HeadReduction = Literal["max", "mean"]
 PositionMode = Literal["original", "contiguous"]
+SelectionUnit = Literal["sentence", "chunk"]
 TokenizerMapping = Literal["auto", "same", "offsets"]
 
 __all__ = [
     "DraftConfig",
     "GenerationConfig",
+    "HeadReduction",
     "LayerChoice",
     "PositionMode",
     "SelectionConfig",
+    "SelectionUnit",
     "SpecPrefillConfig",
     "TokenizerMapping",
 ]
@@ -30,13 +34,43 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_types(obj: object, ints: tuple[str, ...] = (), numbers: tuple[str, ...] = ()) -> None:
+    """TypeError for a field of the wrong type (a bool is not a number; 2.5 is not a count)."""
+    for name in ints:
+        value = getattr(obj, name)
+        if value is not None and not _is_int(value):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    for name in numbers:
+        value = getattr(obj, name)
+        if value is not None and not _is_number(value):
+            raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+
+
 @dataclass(frozen=True)
 class DraftConfig:
-    """How the draft model scores prompt tokens."""
+    """How the draft model scores prompt tokens.
+
+    Queries come in two groups: the question's own tokens (their attention over the context
+    says what the question asks for) and the look-ahead (the last prompt token plus the draft's
+    greedy continuation, the reference's query set). A small draft's continuation is often a
+    wrong answer whose queries then favour the distractor that supports it, so the look-ahead
+    only gets ``lookahead_weight`` of the vote. Defaults are measured (docs/benchmarks.md).
+    """
 
     lookahead: int = 8  # L: queries of the last prompt token + (L - 1) greedy draft tokens
+    lookahead_weight: float = 0.5  # share of the look-ahead queries in the score, in [0, 1]; rest: question
     pool_kernel: int = 13  # tokens; odd width of the average pool along the prompt
-    layers: LayerChoice | tuple[int, ...] = "all"  # draft layers whose attention is aggregated
+    layers: LayerChoice | tuple[int, ...] = "upper_half"  # draft layers whose attention is aggregated
+    heads: HeadReduction = "max"  # how one layer's heads are combined
+    normalize: bool = True  # renormalise each attention row over the context tokens
     # How draft scores reach the main model's tokens: "same" demands the main tokenizer (scores
     # are read index by index); "offsets" renders the prompt with the draft's own tokenizer and
     # maps scores through character offsets (any draft family); "auto" = "same" when the
@@ -44,50 +78,87 @@ class DraftConfig:
     tokenizer_mapping: TokenizerMapping = "auto"
 
     def __post_init__(self) -> None:
+        _check_types(self, ints=("lookahead", "pool_kernel"), numbers=("lookahead_weight",))
         _check(self.lookahead >= 1, f"lookahead must be >= 1, got {self.lookahead}")
+        _check(
+            0.0 <= self.lookahead_weight <= 1.0,
+            f"lookahead_weight must be in [0, 1], got {self.lookahead_weight}",
+        )
+        _check(self.heads in ("max", "mean"), f"heads must be 'max' or 'mean', got {self.heads!r}")
+        _check(isinstance(self.normalize, bool), f"normalize must be True or False, got {self.normalize!r}")
         _check(
             self.pool_kernel >= 1 and self.pool_kernel % 2 == 1,
             f"pool_kernel must be a positive odd number of tokens, got {self.pool_kernel}",
         )
         if isinstance(self.layers, tuple):
             _check(len(self.layers) > 0, "layers must name at least one layer index")
-            _check(all(i >= 0 for i in self.layers), f"layer indices must be >= 0: {self.layers}")
+            _check(all(_is_int(i) and i >= 0 for i in self.layers), f"layer indices must be ints >= 0: {self.layers}")
         else:
             _check(
-                self.layers in ("all", "upper_half"),
-                f"layers must be 'all', 'upper_half' or a tuple of indices, got {self.layers!r}",
+                self.layers in ("all", "upper_half", "lower_half", "middle_half"),
+                "layers must be 'all', 'upper_half', 'lower_half', 'middle_half' or a tuple of indices, "
+                f"got {self.layers!r}",
             )
         _check(
             self.tokenizer_mapping in ("auto", "same", "offsets"),
             f"tokenizer_mapping must be 'auto', 'same' or 'offsets', got {self.tokenizer_mapping!r}",
         )
 
+    def layer_indices(self, n_layers: int) -> list[int]:
+        """Indices of the aggregated layers of a draft with ``n_layers`` layers."""
+        quarter = n_layers // 4
+        named = {
+            "all": range(n_layers),
+            "upper_half": range(n_layers // 2, n_layers),
+            "lower_half": range(max(1, n_layers // 2)),
+            "middle_half": range(quarter, max(quarter + 1, n_layers - quarter)),
+        }
+        if isinstance(self.layers, str):
+            return list(named[self.layers])
+        bad = [i for i in self.layers if i >= n_layers]
+        if bad:
+            raise ValueError(f"draft has {n_layers} layers; layer indices {bad} do not exist")
+        return sorted(set(self.layers))
+
 
 @dataclass(frozen=True)
 class SelectionConfig:
     """Which prompt tokens the main model prefills.
 
-    The budget is over the WHOLE prompt: ``keep_rate`` of its tokens (or ``token_budget``
-    tokens), protected tokens included. Protected tokens are always kept even past the
-    budget; the rest of the budget goes to the best-scoring chunks of prunable segments,
-    rounded up to whole chunks.
+    The budget is over the CONTEXT, the prunable tokens (retrieved passages, chat history):
+    ``keep_rate`` of them (or ``token_budget`` of them). Protected tokens (instructions,
+    question, template, tail) are always prefilled on top of it. The budget is filled with the
+    best-scoring units of the context — whole sentences by default, never crossing a passage —
+    best first; the last unit may overshoot the budget. With ``keep_mass`` the budget adapts:
+    the smallest set of units holding that share of the draft's score mass over the context,
+    with ``keep_rate`` as its ceiling. A prompt with context always keeps at least one unit.
     """
 
-    keep_rate: float = 0.2  # fraction of prompt tokens prefilled, in (0, 1]
-    token_budget: int | None = None  # tokens prefilled; overrides keep_rate when set
-    min_keep_tokens: int = 0  # tokens; lower clamp on the budget
-    max_keep_tokens: int | None = None  # tokens; upper clamp on the budget (protected still kept)
-    chunk_size: int = 32  # tokens per chunk; chunks never cross a segment boundary
+    keep_rate: float = 0.2  # fraction of the context's tokens prefilled, in (0, 1]
+    token_budget: int | None = None  # context tokens prefilled; overrides keep_rate when set
+    min_keep_tokens: int = 0  # context tokens; lower clamp on the budget
+    max_keep_tokens: int | None = None  # context tokens; upper clamp on the budget
+    keep_mass: float | None = None  # adaptive budget: share of the context's score mass, in (0, 1]
+    unit: SelectionUnit = "sentence"  # what is kept or dropped whole: sentences or fixed chunks
+    chunk_size: int = 32  # tokens per chunk (unit="chunk"; also text without sentence ends)
+    max_sentence_tokens: int = 64  # tokens; a longer sentence is cut into pieces of this size
+    passage_weight: float = 0.0  # in [0, 1]: share of a unit's rank taken from its passage's score
     min_prompt_tokens: int = 256  # tokens; shorter prompts skip speculation (full prefill)
     protect_instructions: bool = True  # never prune the system instructions
     protect_tail_tokens: int = 8  # tokens at the end of the prompt always kept
     positions: PositionMode = "original"  # "contiguous" re-indexes kept tokens (ablation only)
 
     def __post_init__(self) -> None:
+        _check_types(
+            self,
+            ints=(
+                "token_budget", "min_keep_tokens", "max_keep_tokens", "chunk_size",
+                "max_sentence_tokens", "min_prompt_tokens", "protect_tail_tokens",
+            ),
+            numbers=("keep_rate", "keep_mass", "passage_weight"),
+        )
         _check(
-            isinstance(self.keep_rate, (int, float))
-            and math.isfinite(self.keep_rate)
-            and 0.0 < self.keep_rate <= 1.0,
+            0.0 < self.keep_rate <= 1.0,
             f"keep_rate must be in (0, 1], got {self.keep_rate!r}; "
             "use 1.0 to prefill everything or a token_budget for an absolute size",
         )
@@ -100,24 +171,43 @@ class SelectionConfig:
             self.max_keep_tokens is None or self.max_keep_tokens >= max(1, self.min_keep_tokens),
             f"max_keep_tokens ({self.max_keep_tokens}) must be >= max(1, min_keep_tokens)",
         )
+        _check(
+            self.keep_mass is None or 0.0 < self.keep_mass <= 1.0,
+            f"keep_mass must be in (0, 1] or None, got {self.keep_mass}",
+        )
+        _check(self.unit in ("sentence", "chunk"), f"unit must be 'sentence' or 'chunk', got {self.unit!r}")
         _check(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
+        _check(self.max_sentence_tokens >= 1, f"max_sentence_tokens must be >= 1, got {self.max_sentence_tokens}")
+        _check(
+            0.0 <= self.passage_weight <= 1.0, f"passage_weight must be in [0, 1], got {self.passage_weight}"
+        )
         _check(self.min_prompt_tokens >= 0, "min_prompt_tokens must be >= 0")
         _check(self.protect_tail_tokens >= 0, "protect_tail_tokens must be >= 0")
+        _check(
+            isinstance(self.protect_instructions, bool),
+            f"protect_instructions must be True or False, got {self.protect_instructions!r}",
+        )
         _check(
             self.positions in ("original", "contiguous"),
             f"positions must be 'original' or 'contiguous', got {self.positions!r}",
         )
 
-    def budget(self, n_prompt: int) -> int:
-        """Tokens to prefill for a prompt of ``n_prompt`` tokens (before protected spans)."""
+    def budget(self, n_context: int) -> int:
+        """Context tokens to prefill out of ``n_context`` prunable ones (protected come on top).
+
+        At least one token whenever there is context: no keep rate leaves the main model with
+        the question alone.
+        """
+        if n_context <= 0:
+            return 0
         if self.token_budget is not None:
             budget = self.token_budget
         else:
-            budget = math.ceil(self.keep_rate * n_prompt)
-        budget = max(budget, self.min_keep_tokens)
+            budget = math.ceil(self.keep_rate * n_context)
+        budget = max(budget, self.min_keep_tokens, 1)
         if self.max_keep_tokens is not None:
             budget = min(budget, self.max_keep_tokens)
-        return min(budget, n_prompt)
+        return min(budget, n_context)
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 The draft runs its normal SDPA attention. A function registered in transformers' attention
 registry wraps SDPA and, while a capture is active, records each layer's post-RoPE prompt
-keys (at prefill) and the post-RoPE query of the newest token (at prefill and at every
-look-ahead step). No N×N matrix is ever built: scoring needs only the L query rows per
-layer and head.
+keys (at prefill), the post-RoPE queries of the question's tokens and of the last prompt
+token (at prefill) and the query of each look-ahead token. No N×N matrix is ever built:
+scoring needs only those query rows per layer and head.
 """
 
 from __future__ import annotations
@@ -31,15 +31,21 @@ CAPTURE_ATTENTION = "specprefill_sdpa"  # name of our entry in transformers' att
 class DraftCapture:
     """Post-RoPE tensors recorded during one draft run, one entry per layer."""
 
-    queries: tuple[torch.Tensor, ...]  # per layer (heads, lookahead, head_dim)
+    queries: tuple[torch.Tensor, ...]  # per layer (heads, n_question + lookahead, head_dim)
     keys: tuple[torch.Tensor, ...]  # per layer (kv_heads, n_prompt, head_dim)
     scaling: tuple[float, ...]  # per layer softmax scale
     lookahead_token_ids: tuple[int, ...]  # the L - 1 greedy tokens the draft produced
+    positions: torch.Tensor  # (n_question + lookahead,) int64 prompt index each query sits at (causal mask)
+    n_question: int = 0  # the first n_question queries are the question's tokens; the rest the look-ahead
 
 
 class _Recorder:
-    def __init__(self, n_prompt: int) -> None:
+    def __init__(self, n_prompt: int, question: torch.Tensor | None = None) -> None:
         self.n_prompt = n_prompt
+        # Prompt rows whose queries the prefill keeps: the question's tokens, then the last token.
+        last = torch.tensor([n_prompt - 1], dtype=torch.int64)
+        self.question = question if question is not None else torch.empty(0, dtype=torch.int64)
+        self.rows = torch.cat([self.question, last])
         self.queries: dict[int, list[torch.Tensor]] = {}
         self.keys: dict[int, torch.Tensor] = {}
         self.scaling: dict[int, float] = {}
@@ -51,9 +57,11 @@ class _Recorder:
             self.keys[layer] = key[0, :, : self.n_prompt].detach()
             self.scaling[layer] = float(scaling if scaling is not None else module.scaling)
             self.queries[layer] = []
-        # clone: a view of the last row would keep the whole prefill query tensor alive
-        # (heads × n_prompt × head_dim per layer) until scoring ends.
-        self.queries[layer].append(query[0, :, -1:].clone())
+            # index_select copies: a view would keep the whole prefill query tensor alive
+            # (heads × n_prompt × head_dim per layer) until scoring ends.
+            self.queries[layer].append(query[0].index_select(1, self.rows.to(query.device)))
+        else:
+            self.queries[layer].append(query[0, :, -1:].clone())
 
     def capture(self, lookahead_ids: list[int]) -> DraftCapture:
         layers = sorted(self.keys)
@@ -66,6 +74,8 @@ class _Recorder:
             keys=tuple(self.keys[i] for i in layers),
             scaling=tuple(self.scaling[i] for i in layers),
             lookahead_token_ids=tuple(lookahead_ids),
+            positions=torch.cat([self.question, torch.full((len(lookahead_ids) + 1,), self.n_prompt - 1)]),
+            n_question=int(self.question.numel()),
         )
 
 
@@ -112,6 +122,8 @@ class DraftModel:
     """
 
     def __init__(self, model: Any, tokenizer: Any, config: DraftConfig | None = None) -> None:
+        """``config`` is this draft's default; an engine passes its own to ``score`` instead of
+        changing it, so several engines can share one draft."""
         _register()
         model.set_attn_implementation(CAPTURE_ATTENTION)
         self.model = model.eval()
@@ -138,9 +150,12 @@ class DraftModel:
         return next(self.model.parameters()).device
 
     @torch.inference_mode()
-    def capture(self, token_ids: torch.Tensor, lookahead: int | None = None) -> DraftCapture:
+    def capture(
+        self, token_ids: torch.Tensor, lookahead: int | None = None, question: torch.Tensor | None = None
+    ) -> DraftCapture:
         """Prefill ``token_ids`` (n_prompt,) and greedily decode ``lookahead - 1`` tokens,
-        recording post-RoPE queries of the last prompt token and each look-ahead token."""
+        recording post-RoPE queries of the ``question`` token indices (m,), of the last prompt
+        token and of each look-ahead token."""
         lookahead = self.config.lookahead if lookahead is None else lookahead
         n = int(token_ids.numel())
         if n == 0:
@@ -151,7 +166,9 @@ class DraftModel:
                 f"model's window of {self.max_context}: shorten the context or use a draft "
                 "with a longer window"
             )
-        recorder = _Recorder(n)
+        if question is not None and question.numel() and (int(question.min()) < 0 or int(question.max()) >= n):
+            raise ValueError(f"question token indices must lie in [0, {n})")
+        recorder = _Recorder(n, None if question is None else question.to(torch.int64).cpu())
         ids = token_ids.to(self.device, torch.int64).reshape(1, n)
         lookahead_ids: list[int] = []
         with _recording(recorder):
@@ -171,29 +188,42 @@ class DraftModel:
                 )
         return recorder.capture(lookahead_ids)
 
-    def _layer_indices(self, n_layers: int) -> list[int]:
-        layers = self.config.layers
-        if layers == "all":
-            return list(range(n_layers))
-        if layers == "upper_half":
-            return list(range(n_layers // 2, n_layers))
-        bad = [i for i in layers if i >= n_layers]
-        if bad:
-            raise ValueError(f"draft has {n_layers} layers; layer indices {bad} do not exist")
-        return sorted(set(layers))
-
     @torch.inference_mode()
-    def score(self, token_ids: torch.Tensor) -> TokenScores:
-        """Importance of every prompt token, (n_prompt,) float32 on the CPU."""
+    def score(
+        self,
+        token_ids: torch.Tensor,
+        *,
+        question: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        config: DraftConfig | None = None,
+    ) -> TokenScores:
+        """Importance of every prompt token, (n_prompt,) float32 on the CPU.
+
+        question: (m,) int64 indices of the question's tokens, whose queries join the look-ahead
+        ones (``DraftConfig.lookahead_weight`` splits the vote); None scores with the look-ahead
+        alone. context: (n_prompt,) bool, the prunable tokens, over which each attention row is
+        renormalised when ``config.normalize``. config: this call's settings (default: the
+        draft's own).
+        """
+        cfg = config or self.config
         start = time.perf_counter()
-        cap = self.capture(token_ids)
+        n_question = 0 if question is None else int(question.numel())
+        # Look-ahead queries that get no vote need no decoding.
+        lookahead = 1 if n_question and cfg.lookahead_weight == 0.0 else cfg.lookahead
+        cap = self.capture(token_ids, lookahead, question)
+        mask = context.to(self.device) if context is not None and cfg.normalize else None
+        positions = cap.positions.to(self.device)
         per_layer = torch.stack(
             [
-                scoring.layer_maxima(cap.queries[i], cap.keys[i], cap.scaling[i], self.config.pool_kernel)
-                for i in self._layer_indices(len(cap.keys))
+                scoring.layer_rows(
+                    cap.queries[i], cap.keys[i], cap.scaling[i], cfg.pool_kernel,
+                    positions=positions, context=mask, heads=cfg.heads,
+                )
+                for i in cfg.layer_indices(len(cap.keys))
             ]
-        )  # (layers, lookahead, n_prompt)
-        scores = scoring.importance(per_layer).cpu()
+        )  # (layers, n_question + lookahead, n_prompt)
+        weights = scoring.query_weights(cap.n_question, lookahead, cfg.lookahead_weight)
+        scores = scoring.importance(per_layer, weights).cpu()
         return TokenScores(
             scores=scores,
             lookahead_token_ids=cap.lookahead_token_ids,

@@ -21,10 +21,19 @@ from . import prompt as prompt_lib
 from . import selection as selection_lib
 from . import tokenmap
 from .backends import Backend, create_backend
-from .config import GenerationConfig, SelectionConfig, SpecPrefillConfig
+from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
 from .detokenize import IncrementalDecoder
 from .draft import DraftModel
-from .types import AssembledPrompt, GenerationResult, Passage, PrefillPlan, Segment, Timings, TokenScores
+from .types import (
+    AssembledPrompt,
+    GenerationResult,
+    Passage,
+    PrefillPlan,
+    Segment,
+    SegmentKind,
+    Timings,
+    TokenScores,
+)
 
 __all__ = ["AsyncTextStream", "Mode", "PlannedPrompt", "SpecPrefillEngine", "TextStream"]
 
@@ -140,8 +149,6 @@ class SpecPrefillEngine:
         if draft is not None:
             mode = self.config.draft.tokenizer_mapping
             self.maps_tokens = _needs_mapping(draft.tokenizer, self.tokenizer, mode)
-            if self.config.draft != draft.config:
-                draft.config = self.config.draft
 
     @classmethod
     def from_pretrained(
@@ -199,22 +206,34 @@ class SpecPrefillEngine:
             )
         return prompt
 
-    def score(self, prompt: AssembledPrompt) -> TokenScores:
-        """Draft importance of every token of ``prompt``."""
+    def score(self, prompt: AssembledPrompt, *, draft: DraftConfig | None = None) -> TokenScores:
+        """Draft importance of every token of ``prompt`` (``draft`` overrides the engine's
+        ``config.draft`` for this call)."""
         if self.draft is None:
             raise ValueError("this engine has no draft model: pass draft=... or use mode='full'")
+        config = draft or self.config.draft
         if not self.maps_tokens:
-            return self.draft.score(prompt.token_ids)
-        return self._score_mapped(self.draft, prompt)
+            return self._score_direct(self.draft, prompt, config)
+        return self._score_mapped(self.draft, prompt, config)
 
-    def _score_mapped(self, draft: DraftModel, prompt: AssembledPrompt) -> TokenScores:
+    @staticmethod
+    def _score_direct(draft: DraftModel, prompt: AssembledPrompt, config: DraftConfig) -> TokenScores:
+        """The draft reads ``prompt`` itself: its question tokens query, its context is ranked."""
+        return draft.score(
+            prompt.token_ids,
+            question=prompt.positions_of(SegmentKind.QUESTION),
+            context=~prompt.protected,
+            config=config,
+        )
+
+    def _score_mapped(self, draft: DraftModel, prompt: AssembledPrompt, config: DraftConfig) -> TokenScores:
         """Score the draft's own rendering of the same segments; map onto ``prompt``'s tokens."""
         start = time.perf_counter()
         if not prompt.segment_spans:
             raise ValueError("the prompt carries no segment spans: build it with engine.assemble")
         draft_prompt = prompt_lib.assemble(draft.tokenizer, prompt.segments, protect_tail_tokens=0)
         # The draft's own window applies to the draft's own token count (checked in capture).
-        drafted = draft.score(draft_prompt.token_ids)
+        drafted = self._score_direct(draft, draft_prompt, config)
         scores = tokenmap.map_scores(drafted.scores, draft_prompt, prompt)
         logger.debug(
             "mapped %d draft tokens onto %d main tokens in %.3f s",
@@ -237,10 +256,13 @@ class SpecPrefillEngine:
             raise ValueError(f"mode must be 'specprefill' or 'full', got {mode!r}")
         sel = selection or self.config.selection
         n = prompt.n_tokens
-        if mode == "full" or n < sel.min_prompt_tokens or sel.budget(n) >= n:
+        n_context = prompt.n_context
+        if mode == "full" or n < sel.min_prompt_tokens or sel.budget(n_context) >= n_context:
             return selection_lib.full_plan(prompt), scores
         scores = scores or self.score(prompt)
-        kept = selection_lib.select(scores.scores, prompt.protected, prompt.segment_index, sel)
+        kept = selection_lib.select(
+            scores.scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start
+        )
         plan = selection_lib.plan_from_indices(
             prompt, kept, contiguous_positions=sel.positions == "contiguous"
         )

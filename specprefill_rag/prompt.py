@@ -18,6 +18,7 @@ and the last few tokens. Only passage/context text is prunable.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,11 @@ import torch
 
 from .types import AssembledPrompt, Passage, Segment, SegmentKind
 
-__all__ = ["build_segments", "chat_segments", "assemble", "render"]
+__all__ = ["assemble", "build_segments", "chat_segments", "render", "sentence_breaks"]
+
+# A sentence ends after . ! or ? (and any closing quotes or brackets) followed by white space,
+# or at a line break. The white space belongs to the next sentence, as tokenizers attach it.
+_SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)|\n+")
 
 _ROLE_NAMES = {"user": "User", "human": "User", "assistant": "Assistant", "ai": "Assistant", "tool": "Tool"}
 
@@ -150,6 +155,25 @@ def render(tokenizer: Any, segments: Sequence[Segment]) -> tuple[str, list[tuple
     return text, spans, chat
 
 
+def sentence_breaks(text: str, start: int = 0, end: int | None = None) -> list[int]:
+    """Character positions in ``text[start:end]`` where a new sentence begins (``start`` included)."""
+    end = len(text) if end is None else end
+    breaks = [start]
+    breaks.extend(m.end() for m in _SENTENCE_END.finditer(text, start, end) if m.end() < end)
+    return breaks
+
+
+def _sentence_starts(
+    text: str, starts: torch.Tensor, spans: Sequence[tuple[int, int, int]], segments: Sequence[Segment]
+) -> torch.Tensor:
+    """(n,) bool: True for the first token of each sentence of a prunable segment."""
+    breaks = sorted(b for i, a, e in spans if segments[i].prunable for b in sentence_breaks(text, a, e))
+    sentence = torch.searchsorted(torch.tensor(breaks, dtype=torch.int64), starts.contiguous(), right=True)
+    out = torch.ones_like(starts, dtype=torch.bool)
+    out[1:] = sentence[1:] != sentence[:-1]
+    return out
+
+
 def assemble(
     tokenizer: Any,
     segments: Sequence[Segment],
@@ -176,9 +200,13 @@ def assemble(
     token_ids = torch.tensor(encoded["input_ids"], dtype=torch.int64)
     offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.int64).reshape(-1, 2)
     starts, ends = offsets[:, 0], offsets[:, 1]
+    # A token such as " what" starts on the space before a segment's first character: it
+    # belongs to the segment by its visible text (pure white space keeps its own start).
+    lead = torch.tensor([len(t) - len(t.lstrip()) for t in (text[a:b] for a, b in offsets.tolist())])
+    visible = torch.where(starts + lead < ends, starts + lead, starts)
     segment_index = torch.full_like(token_ids, -1)
     for index, a, b in spans:
-        inside = (starts >= a) & (ends <= b) & (ends > starts)
+        inside = (visible >= a) & (ends <= b) & (ends > starts)
         segment_index[inside] = index
     protected = segment_index < 0
     for index, segment in enumerate(segments):
@@ -197,4 +225,5 @@ def assemble(
         offsets=offsets,
         segments=segments,
         segment_spans=tuple(spans),
+        sentence_start=_sentence_starts(text, starts, spans, segments),
     )

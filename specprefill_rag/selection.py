@@ -1,9 +1,11 @@
 """Importance scores → kept token indices → ``PrefillPlan``. Pure: tensors in, tensors out.
 
-Prunable tokens are grouped into chunks of ``chunk_size`` consecutive tokens that never cross
-a segment boundary (so a chunk belongs to exactly one passage). A chunk's score is the mean of
-its tokens' scores. Protected tokens are always kept; the remaining budget is filled with the
-best chunks, whole chunks only.
+Prunable tokens are grouped into *units* that never cross a segment boundary (so a unit
+belongs to exactly one passage) nor a protected token: whole sentences (``unit="sentence"``,
+cut at ``max_sentence_tokens``; text without sentence ends falls back to ``chunk_size``
+pieces) or fixed chunks of ``chunk_size`` tokens. A unit's score is the mean of its tokens'
+scores, optionally blended with its passage's mean score (``passage_weight``). Protected
+tokens are always kept; the context budget is filled with the best units, whole units only.
 """
 
 from __future__ import annotations
@@ -13,21 +15,28 @@ import torch
 from .config import SelectionConfig
 from .types import AssembledPrompt, KeptSpan, PrefillPlan
 
-__all__ = ["chunk_bounds", "select", "plan_from_indices", "full_plan"]
+__all__ = ["chunk_bounds", "full_plan", "plan_from_indices", "select", "unit_bounds", "unit_ranks"]
 
 
-def chunk_bounds(segment_index: torch.Tensor, prunable: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """[start, end) bounds of the chunks of prunable tokens, in prompt order.
+def unit_bounds(
+    segment_index: torch.Tensor,
+    prunable: torch.Tensor,
+    max_tokens: int,
+    starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[start, end) bounds of the units of prunable tokens, in prompt order.
 
-    segment_index (n,) int64, prunable (n,) bool → (n_chunks, 2) int64. A chunk is cut at
-    ``chunk_size`` tokens, at every change of segment and at every non-prunable token.
+    segment_index (n,) int64, prunable (n,) bool, starts (n,) bool or None → (n_units, 2) int64.
+    A unit is cut at every change of segment, at every non-prunable token, where ``starts`` is
+    True (a sentence begins) and after ``max_tokens`` tokens.
     """
     bounds: list[tuple[int, int]] = []
     seg = segment_index.tolist()
     ok = prunable.tolist()
+    begins = starts.tolist() if starts is not None else [False] * len(seg)
     start = -1
-    for i, (s, p) in enumerate(zip(seg, ok, strict=True)):
-        if start >= 0 and (not p or s != seg[start] or i - start == chunk_size):
+    for i, (s, p, b) in enumerate(zip(seg, ok, begins, strict=True)):
+        if start >= 0 and (not p or b or s != seg[start] or i - start == max_tokens):
             bounds.append((start, i))
             start = -1
         if p and start < 0:
@@ -37,16 +46,47 @@ def chunk_bounds(segment_index: torch.Tensor, prunable: torch.Tensor, chunk_size
     return torch.tensor(bounds, dtype=torch.int64).reshape(-1, 2)
 
 
+def chunk_bounds(segment_index: torch.Tensor, prunable: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Fixed-size chunks: ``unit_bounds`` without sentence starts (the reference's 32-token chunks)."""
+    return unit_bounds(segment_index, prunable, chunk_size)
+
+
+def unit_ranks(
+    scores: torch.Tensor, bounds: torch.Tensor, segment_index: torch.Tensor, passage_weight: float = 0.0
+) -> torch.Tensor:
+    """Rank value of every unit: its mean token score, blended with its passage's.
+
+    scores (n,), bounds (n_units, 2), segment_index (n,) → (n_units,) float32. With
+    ``passage_weight`` w the rank is (1 − w)·unit/max(unit) + w·passage/max(passage), where a
+    passage's score is the mean over its units' tokens: a passage the draft reads broadly lifts
+    all of its sentences (the second hop of a two-hop question often scores low on its own).
+    """
+    sizes = (bounds[:, 1] - bounds[:, 0]).float()
+    sums = torch.stack([scores[a:b].float().sum() for a, b in bounds.tolist()])
+    means = sums / sizes
+    if passage_weight == 0.0:
+        return means
+    owner = segment_index[bounds[:, 0]]
+    _, group = torch.unique(owner, return_inverse=True)
+    passage = torch.zeros(int(group.max()) + 1).index_add_(0, group, sums)
+    passage = passage / torch.zeros_like(passage).index_add_(0, group, sizes)
+    unit_part = means / means.max().clamp_min(1e-30)
+    passage_part = passage[group] / passage.max().clamp_min(1e-30)
+    return (1.0 - passage_weight) * unit_part + passage_weight * passage_part
+
+
 def select(
     scores: torch.Tensor,
     protected: torch.Tensor,
     segment_index: torch.Tensor,
     config: SelectionConfig,
+    sentence_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sorted indices of the tokens to prefill.
 
-    scores (n,) float, protected (n,) bool, segment_index (n,) int64 → (n_kept,) int64.
-    Prompts shorter than ``config.min_prompt_tokens`` are kept whole.
+    scores (n,) float, protected (n,) bool, segment_index (n,) int64, sentence_start (n,) bool
+    (True where a sentence begins; None: fixed chunks) → (n_kept,) int64. Prompts shorter than
+    ``config.min_prompt_tokens`` are kept whole.
     """
     n = scores.numel()
     if protected.numel() != n or segment_index.numel() != n:
@@ -54,20 +94,39 @@ def select(
             f"scores ({n}), protected ({protected.numel()}) and segment_index "
             f"({segment_index.numel()}) must have one entry per prompt token"
         )
+    if sentence_start is not None and sentence_start.numel() != n:
+        raise ValueError(f"sentence_start ({sentence_start.numel()}) must have one entry per prompt token ({n})")
     if n < config.min_prompt_tokens:
         return torch.arange(n, dtype=torch.int64)
     keep = protected.clone()
-    remaining = config.budget(n) - int(keep.sum())
-    bounds = chunk_bounds(segment_index, ~protected, config.chunk_size)
-    if remaining > 0 and len(bounds):
-        chunk_scores = torch.stack([scores[a:b].float().mean() for a, b in bounds.tolist()])
-        order = torch.sort(chunk_scores, descending=True, stable=True).indices
+    prunable = ~protected
+    budget = config.budget(int(prunable.sum()))
+    if config.unit == "sentence" and sentence_start is not None:
+        bounds = unit_bounds(segment_index, prunable, config.max_sentence_tokens, sentence_start)
+    else:
+        bounds = unit_bounds(segment_index, prunable, config.chunk_size)
+    if budget > 0 and len(bounds):
+        ranks = unit_ranks(scores, bounds, segment_index, config.passage_weight)
+        order = torch.sort(ranks, descending=True, stable=True).indices
         sizes = (bounds[:, 1] - bounds[:, 0])[order]
-        # Take chunks best-first until the budget is met; the last one may overshoot it.
-        n_take = int(torch.searchsorted(sizes.cumsum(0), remaining).item()) + 1
+        # Take units best-first until the budget is met; the last one may overshoot it.
+        n_take = int(torch.searchsorted(sizes.cumsum(0), budget).item()) + 1
+        if config.keep_mass is not None:
+            n_take = min(n_take, _units_for_mass(scores, bounds[order], config))
         for a, b in bounds[order[:n_take]].tolist():
             keep[a:b] = True
     return keep.nonzero().flatten()
+
+
+def _units_for_mass(scores: torch.Tensor, ordered: torch.Tensor, config: SelectionConfig) -> int:
+    """How many of the ``ordered`` units hold ``keep_mass`` of the context's score mass
+    (at least enough units for ``min_keep_tokens``, and at least one)."""
+    assert config.keep_mass is not None
+    mass = torch.stack([scores[a:b].float().sum() for a, b in ordered.tolist()]).cumsum(0)
+    n_mass = int(torch.searchsorted(mass, config.keep_mass * float(mass[-1])).item()) + 1
+    sizes = (ordered[:, 1] - ordered[:, 0]).cumsum(0)
+    n_min = int(torch.searchsorted(sizes, config.min_keep_tokens).item()) + 1 if config.min_keep_tokens else 1
+    return min(max(n_mass, n_min), len(ordered))
 
 
 def _ranges(indices: list[int]) -> tuple[tuple[int, int], ...]:

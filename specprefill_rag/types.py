@@ -79,10 +79,21 @@ class AssembledPrompt:
     offsets: torch.Tensor  # (n_prompt, 2) int64, character offsets into text
     segments: tuple[Segment, ...]
     segment_spans: tuple[tuple[int, int, int], ...] = ()
+    sentence_start: torch.Tensor | None = None  # (n_prompt,) bool
 
     @property
     def n_tokens(self) -> int:
         return int(self.token_ids.numel())
+
+    @property
+    def n_context(self) -> int:
+        """Prunable tokens: the context the keep rate is a fraction of."""
+        return int((~self.protected).sum())
+
+    def positions_of(self, kind: SegmentKind) -> torch.Tensor:
+        """(m,) int64 indices of the tokens that belong to segments of ``kind``."""
+        ids = [i for i, s in enumerate(self.segments) if s.kind is kind]
+        return torch.isin(self.segment_index, torch.tensor(ids, dtype=torch.int64)).nonzero().flatten()
 
 
 @dataclass(frozen=True)

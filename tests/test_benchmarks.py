@@ -58,6 +58,7 @@ def test_summarize_reports_retention_and_delta_to_llmlingua() -> None:
     def row(method: str, keep: float | None, f1: float) -> dict[str, object]:
         return {
             "task": "squad",
+            "id": "q1",
             "method": method,
             "keep_rate": keep,
             "em": f1,
@@ -292,3 +293,102 @@ def test_ttft_plain_draft_forward_reads_the_drafts_own_tokens() -> None:
     assert ttft.plain_forward_s(engine.draft.model, ids) > 0
     same = testing.tiny_engine()
     assert torch.equal(ttft.draft_token_ids(same, prompt), prompt.token_ids)
+
+
+# -- evidence recall and confidence intervals ------------------------------------------------
+
+
+def test_bootstrap_ci_brackets_the_mean_and_narrows_with_n() -> None:
+    from benchmarks.common import bootstrap_ci, paired_ratio_ci
+
+    small = bootstrap_ci([1.0, 0.0] * 5)
+    large = bootstrap_ci([1.0, 0.0] * 200)
+    assert small[0] == large[0] == pytest.approx(0.5)
+    assert small[1] < 0.5 < small[2] and large[1] < 0.5 < large[2]
+    assert (large[2] - large[1]) < (small[2] - small[1]) / 3
+    assert bootstrap_ci([0.7]) == (0.7, 0.7, 0.7)
+    ratio, lo, hi = paired_ratio_ci([1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0])
+    assert ratio == pytest.approx(0.75) and lo <= 0.75 <= hi <= 1.0
+    assert paired_ratio_ci([1.0], [0.0])[0] is None
+
+
+def test_near_miss_set_is_well_formed_and_graded_by_containment() -> None:
+    cases = quality.load_near_miss()
+    assert len(cases) >= 20
+    for ex in cases:
+        (passage, a, b), = ex.evidence
+        assert any(quality.contains_answer(ex.passages[passage][1][a:b], [ans]) for ans in ex.answers)
+        others = " ".join(text for i, (_, text) in enumerate(ex.passages) if i != passage)
+        assert not quality.contains_answer(others, ex.answers), ex.id
+    assert quality.contains_answer("It was automated in 1987.", ["1987"]) == 1.0
+    assert quality.contains_answer("The span is 1,140 metres", ["1140 metres"]) == 1.0
+    assert quality.contains_answer("19870", ["1987"]) == 0.0  # whole words only
+    scored = quality.score_prediction("near_miss", "1979", ["1987"], {"distractor_answers": ["1979"]})
+    assert scored == {"acc": 0.0, "distractor": 1.0}
+
+
+@needs_data
+def test_evidence_spans_cover_the_gold_text(tokenizer) -> None:
+    from benchmarks import evidence
+    from specprefill_rag import Passage
+    from specprefill_rag.prompt import assemble, build_segments
+
+    examples = (
+        quality.load_hotpotqa(3, seed=1)
+        + quality.load_squad(2, seed=1, target_tokens=200, count_tokens=words)
+        + quality.needle_examples([300], [0.5], seed=1, count_tokens=words)
+        + quality.load_near_miss(2)
+    )
+    for ex in examples:
+        passages = [Passage(t, id=i) for i, t in ex.passages]
+        prompt = assemble(tokenizer, build_segments(ex.question, passages, "Be brief."))
+        masks = evidence.span_masks(prompt, ex, ex.evidence)
+        assert masks and len(masks) == len(ex.evidence)
+        for (passage, a, b), mask in zip(ex.evidence, masks, strict=True):
+            gold = ex.passages[passage][1][a:b]
+            spans = prompt.offsets[mask]
+            covered = prompt.text[int(spans[:, 0].min()) : int(spans[:, 1].max())]
+            assert gold.strip() in covered and len(covered) <= len(gold) + 12, (ex.id, gold, covered)
+
+
+def test_evidence_variant_scores_equal_the_draft_models(tokenizer) -> None:
+    from conftest import make_model
+
+    from benchmarks import evidence
+    from specprefill_rag import DraftConfig, DraftModel, Passage
+    from specprefill_rag.prompt import assemble, build_segments
+    from specprefill_rag.types import SegmentKind
+
+    draft = DraftModel(make_model("qwen2", len(tokenizer), layers=4), tokenizer)
+    passages = [Passage("The grass is green. " * 6), "The passkey is 48213."]
+    segments = build_segments("what is the passkey?", passages, "Hi.")
+    prompt = assemble(tokenizer, segments)
+    rows = evidence.capture_rows(draft, prompt)
+    for cfg in (
+        evidence.REFERENCE,
+        DraftConfig(),
+        DraftConfig(lookahead=4, lookahead_weight=0.25, layers="middle_half", heads="mean"),
+        DraftConfig(lookahead_weight=0.0, layers="all", normalize=False),
+    ):
+        expected = draft.score(
+            prompt.token_ids, question=prompt.positions_of(SegmentKind.QUESTION), context=~prompt.protected, config=cfg
+        ).scores
+        torch.testing.assert_close(evidence.variant_scores(rows, cfg), expected, atol=2e-3, rtol=2e-2)
+
+
+@needs_data
+def test_evidence_bench_tiny_smoke_resumes(tmp_path: Path) -> None:
+    from benchmarks import evidence
+
+    out = tmp_path / "evidence.jsonl"
+    argv = ["--tiny", "--n", "1", "--n-needle", "1", "--needle-lengths", "512", "--squad-tokens", "300",
+            "--variants", "library default", "random chunks", "oracle sentences", "--out", str(out)]
+    assert evidence.main(argv) == 0
+    rows = evidence.load_rows(out)
+    assert {r["task"] for r in rows} == {"hotpotqa", "squad", "needle", "near_miss"}
+    assert evidence.main(argv) == 0  # resumes: nothing new
+    assert len(evidence.load_rows(out)) == len(rows)
+    summary = evidence.summarize(rows)
+    oracle = [e for e in summary if e["variant"] == "oracle sentences"]
+    assert oracle and all(e["recall"] > 0.99 for e in oracle if e["keep_rate"] == 0.3)
+    assert all(0.0 < e["context_kept"] < 0.5 for e in summary)

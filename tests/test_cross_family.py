@@ -45,7 +45,7 @@ def test_cross_family_draft_runs_and_protects_the_question(tokenizers, monkeypat
     assert engine.maps_tokens
     seen = []
     real_score = engine.draft.score
-    monkeypatch.setattr(engine.draft, "score", lambda ids: seen.append(ids) or real_score(ids))
+    monkeypatch.setattr(engine.draft, "score", lambda ids, **kw: seen.append(ids) or real_score(ids, **kw))
 
     result = engine.generate(QUESTION, PASSAGES)
     main_prompt = engine.assemble(QUESTION, PASSAGES)
@@ -75,10 +75,15 @@ def test_mapped_scores_follow_the_draft(tokenizers):
     scores = engine.score(main_prompt).scores
     assert scores.shape == (main_prompt.n_tokens,) and bool(torch.isfinite(scores).all())
     content = main_prompt.segment_index >= 0
-    assert bool((scores[content] > 0).all()) and bool((scores[~content] == 0).all())
+    assert bool((scores[~main_prompt.protected] > 0).all()) and bool((scores[~content] == 0).all())
     # A main token's score is one of the draft scores of the tokens over the same characters.
-    draft_prompt = prompt.assemble(draft_tok, main_prompt.segments)
-    draft_scores = engine.draft.score(draft_prompt.token_ids).scores
+    draft_prompt = prompt.assemble(draft_tok, main_prompt.segments, protect_tail_tokens=0)
+    draft_scores = engine.draft.score(
+        draft_prompt.token_ids,
+        question=draft_prompt.positions_of(SegmentKind.QUESTION),
+        context=~draft_prompt.protected,
+        config=engine.config.draft,
+    ).scores
     needle = main_prompt.text.index("48213")
     m = int(((main_prompt.offsets[:, 0] <= needle) & (main_prompt.offsets[:, 1] > needle)).nonzero()[0])
     d_needle = draft_prompt.text.index("48213")

@@ -28,11 +28,11 @@ def test_segments_map_back_to_their_text(tokenizer):
         ids = prompt.token_ids[prompt.segment_index == index]
         assert tokenizer.decode(ids).strip() in segment.text
         assert len(tokenizer.decode(ids).strip()) >= len(segment.text) - 2  # at most an edge token lost
-    # Offsets point into the rendered text.
+    # Offsets point into the rendered text; a segment's first token may carry the space before it.
     for i in range(n):
         a, b = prompt.offsets[i].tolist()
         if prompt.segment_index[i] >= 0:
-            assert prompt.text[a:b] in segments[int(prompt.segment_index[i])].text
+            assert prompt.text[a:b].lstrip() in segments[int(prompt.segment_index[i])].text
 
 
 def test_protected_mask(tokenizer):
@@ -104,3 +104,27 @@ def test_chat_segments_map_turns():
         chat_segments([("system", "x")])
     with pytest.raises(ValueError, match="last user message is empty"):
         chat_segments([("user", "  ")])
+
+
+def test_sentence_breaks_follow_punctuation_and_line_breaks():
+    from specprefill_rag.prompt import sentence_breaks
+
+    text = 'Title\nFirst one. Second "quoted!" Third? 3.5 stays. End'
+    breaks = sentence_breaks(text)
+    pieces = [text[a:b] for a, b in zip(breaks, [*breaks[1:], len(text)], strict=True)]
+    assert pieces == ["Title\n", "First one.", ' Second "quoted!"', " Third?", " 3.5 stays.", " End"]
+    assert sentence_breaks("no sentence end at all") == [0]
+
+
+def test_sentence_starts_mark_the_first_token_of_each_passage_sentence(tokenizer):
+    segments = build_segments(
+        "what is the passkey?", ["The grass is green. The sky is blue.", "The passkey is 48213."], "Be concise."
+    )
+    prompt = assemble(tokenizer, segments)
+    assert prompt.sentence_start is not None and prompt.sentence_start.shape == (prompt.n_tokens,)
+    firsts = prompt.sentence_start & ~prompt.protected
+    starts = [prompt.text[int(prompt.offsets[i, 0]) :].lstrip()[:10] for i in firsts.nonzero().flatten()]
+    assert starts == ["The grass ", "The sky is", "The passke"]
+    assert prompt.n_context == int((~prompt.protected).sum())
+    question = prompt.positions_of(SegmentKind.QUESTION)
+    assert tokenizer.decode(prompt.token_ids[question]).strip() == "what is the passkey?"

@@ -108,7 +108,7 @@ def test_importance_is_mean_over_lookahead_of_max_over_layers():
 def test_score_uses_chosen_layers(tokenizer):
     model = make_model("qwen2", len(tokenizer), layers=4)
     ids = torch.randint(0, len(tokenizer), (64,), generator=torch.Generator().manual_seed(4))
-    all_layers = DraftModel(model, tokenizer, DraftConfig(lookahead=2)).score(ids)
+    all_layers = DraftModel(model, tokenizer, DraftConfig(lookahead=2, layers="all")).score(ids)
     cap = DraftModel(model, tokenizer, DraftConfig(lookahead=2)).capture(ids)
     upper = DraftModel(model, tokenizer, DraftConfig(lookahead=2, layers="upper_half")).score(ids)
     per_layer = torch.stack([scoring.layer_maxima(cap.queries[i], cap.keys[i], cap.scaling[i], 13) for i in range(4)])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specprefill_rag.config import SelectionConfig
-from specprefill_rag.selection import chunk_bounds, full_plan, plan_from_indices, select
+from specprefill_rag.selection import chunk_bounds, full_plan, plan_from_indices, select, unit_bounds
 from specprefill_rag.types import AssembledPrompt, Segment, SegmentKind
 
 
@@ -42,11 +42,12 @@ def test_select_keeps_protected_and_best_chunks_within_budget():
     assert kept.tolist() == list(range(4)) + list(range(36, 100)) + list(range(132, 136))
 
 
-def test_protected_tokens_are_kept_even_past_the_budget():
+def test_protected_tokens_come_on_top_of_the_context_budget():
     seg, prot = layout((0, 50, False), (1, 40, True))
-    kept = select(torch.rand(90), prot, seg, SelectionConfig(token_budget=10, min_prompt_tokens=0))
+    config = SelectionConfig(token_budget=10, chunk_size=10, unit="chunk", min_prompt_tokens=0)
+    kept = select(torch.rand(90), prot, seg, config)
     assert set(range(50, 90)) <= set(kept.tolist())
-    assert len(kept) == 40  # budget 10 < 40 protected: nothing else
+    assert len(kept) == 40 + 10  # all 40 protected plus the 10-token context budget
 
 
 def test_token_budget_and_clamps():
@@ -139,3 +140,83 @@ def test_full_plan_and_bad_indices():
         plan_from_indices(make_prompt(), torch.tensor([5, 12]))
     with pytest.raises(ValueError, match="at least one"):
         plan_from_indices(make_prompt(), torch.tensor([], dtype=torch.int64))
+
+
+def test_sentence_units_keep_the_relevant_sentence_whole():
+    # Passage 0: sentences of 12, 20 and 9 tokens; passage 1: one sentence of 30 tokens.
+    seg, prot = layout((-1, 3, True), (0, 41, False), (1, 30, False), (-1, 3, True))
+    starts = torch.zeros(77, dtype=torch.bool)
+    starts[[3, 15, 35, 44]] = True
+    scores = torch.full((77,), 0.1)
+    scores[20:24] = 1.0  # a few high tokens inside the second sentence
+    config = SelectionConfig(token_budget=10, min_prompt_tokens=0)  # unit="sentence" by default
+    kept = select(scores, prot, seg, config, starts)
+    assert kept.tolist() == [0, 1, 2, *range(15, 35), 74, 75, 76]  # the whole 20-token sentence
+    # Fixed chunks cut the same context at 8-token marks instead.
+    chunked = select(scores, prot, seg, SelectionConfig(token_budget=10, unit="chunk", chunk_size=8,
+                                                        min_prompt_tokens=0), starts)
+    assert chunked.tolist() == [0, 1, 2, *range(3, 11), *range(19, 27), 74, 75, 76]  # best chunk, then earliest tie
+
+
+def test_units_never_cross_passages_and_long_sentences_are_cut():
+    seg, prot = layout((0, 10, False), (1, 100, False))
+    starts = torch.zeros(110, dtype=torch.bool)  # no sentence end anywhere: one run per passage
+    bounds = unit_bounds(seg, ~prot, 64, starts).tolist()
+    assert bounds == [[0, 10], [10, 74], [74, 110]]
+    for a, b in bounds:
+        assert len(set(seg[a:b].tolist())) == 1
+
+
+def test_context_budget_is_never_zero():
+    config = SelectionConfig(keep_rate=0.001, min_prompt_tokens=0)
+    assert config.budget(40) == 1 and config.budget(0) == 0
+    seg, prot = layout((-1, 200, True), (0, 40, False))
+    kept = select(torch.rand(240), prot, seg, config)
+    assert int((~prot[kept]).sum()) >= 1
+
+
+def test_keep_rate_is_a_fraction_of_the_context():
+    seg, prot = layout((-1, 100, True), (0, 100, False))  # half the prompt is protected
+    kept = select(torch.rand(200), prot, seg, SelectionConfig(keep_rate=0.3, unit="chunk", chunk_size=10,
+                                                              min_prompt_tokens=0))
+    assert len(kept) == 100 + 30
+
+
+def test_passage_weight_lifts_sentences_of_the_broadly_read_passage():
+    seg, prot = layout((0, 20, False), (0, 20, False), (1, 20, False), (1, 20, False))
+    starts = torch.zeros(80, dtype=torch.bool)
+    starts[[0, 20, 40, 60]] = True
+    scores = torch.cat([torch.full((20,), 0.50), torch.full((20,), 0.45), torch.full((20,), 0.52),
+                        torch.full((20,), 0.01)])
+    plain = select(scores, prot, seg, SelectionConfig(token_budget=40, min_prompt_tokens=0), starts)
+    assert plain.tolist() == [*range(0, 20), *range(40, 60)]  # the two best sentences
+    blended = select(scores, prot, seg, SelectionConfig(token_budget=40, passage_weight=0.5, min_prompt_tokens=0),
+                     starts)
+    assert blended.tolist() == list(range(0, 40))  # passage 0 as a whole is read more
+
+
+def test_keep_mass_stops_once_the_mass_is_held():
+    seg, prot = layout((0, 100, False))
+    scores = torch.full((100,), 0.001)
+    scores[:10] = 1.0  # 10 tokens hold ~99% of the mass
+    config = SelectionConfig(keep_rate=0.5, keep_mass=0.9, unit="chunk", chunk_size=10, min_prompt_tokens=0)
+    assert select(scores, prot, seg, config).tolist() == list(range(10))
+    capped = SelectionConfig(keep_rate=0.05, keep_mass=0.99, unit="chunk", chunk_size=5, min_prompt_tokens=0)
+    assert select(scores, prot, seg, capped).tolist() == list(range(5))  # keep_rate is the ceiling
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"chunk_size": 2.5}, TypeError),
+        ({"keep_rate": True}, TypeError),
+        ({"token_budget": "10"}, TypeError),
+        ({"unit": "paragraph"}, ValueError),
+        ({"passage_weight": 1.5}, ValueError),
+        ({"keep_mass": 0.0}, ValueError),
+        ({"protect_instructions": "no"}, ValueError),
+    ],
+)
+def test_selection_config_rejects_wrong_types_and_values(kwargs, error):
+    with pytest.raises(error):
+        SelectionConfig(**kwargs)

@@ -1,0 +1,345 @@
+"""Evidence recall: does the selection keep the gold evidence? Draft only, no main model.
+
+The cheap proxy for answer quality, measured on hundreds of real questions: for each example
+the draft reads the assembled prompt once (question queries + 8 look-ahead queries, every
+layer); the per-layer attention rows are cached, and every scoring/selection variant is then
+computed from the cache with the library's own ``scoring`` and ``selection`` functions, at
+each keep rate (a fraction of the context, as ``SelectionConfig.keep_rate`` is).
+
+Per example, variant and keep rate:
+
+- ``recall``: share of the gold evidence tokens kept (HotpotQA: the supporting-fact
+  sentences; SQuAD: the answer span; needle: the needle sentence);
+- ``complete``: every key span kept (HotpotQA: each supporting sentence ≥ 50% kept, "both
+  hops"; SQuAD: the whole answer span; needle: the whole number);
+- ``context_kept``: share of the context tokens kept (the budget actually used).
+
+Results are appended to a JSON-lines file one example at a time (an interrupted run resumes
+where it stopped); ``summary`` prints means with bootstrap 95% confidence intervals. The same
+examples (seeded) as ``bench quality``. Variants are named in ``VARIANTS``; ``--variants``
+re-evaluates from the cache without running the draft again.
+
+    specprefill-rag bench evidence --n 200                   # ~10 s per example on 2 CPU cores
+    specprefill-rag bench evidence --summary                 # the table from the results file
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # `python benchmarks/evidence.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import quality
+from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci
+from specprefill_rag import DraftConfig, Passage, SelectionConfig, scoring
+from specprefill_rag import selection as selection_lib
+from specprefill_rag.types import AssembledPrompt, SegmentKind
+
+CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence"
+METRICS = ("recall", "complete", "context_kept")  # the columns of each result entry
+MAX_LOOKAHEAD = 8  # captured once; shorter look-aheads are prefixes of the same greedy run
+POOL_KERNEL = DraftConfig().pool_kernel
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One scoring + selection configuration, in the library's own config objects."""
+
+    name: str
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    selection: SelectionConfig = field(default_factory=lambda: SelectionConfig(min_prompt_tokens=0))
+    scores: str = "draft"  # "draft" | "random" | "oracle"
+
+
+REFERENCE = DraftConfig(lookahead=8, lookahead_weight=1.0, layers="all", heads="max", normalize=False)
+CHUNKS = SelectionConfig(min_prompt_tokens=0, unit="chunk", chunk_size=32)
+SENTENCES = SelectionConfig(min_prompt_tokens=0, unit="sentence")
+
+
+def _variants() -> list[Variant]:
+    out = [
+        Variant("reference (look-ahead 8, all layers, max, chunks 32)", REFERENCE, CHUNKS),
+        Variant("random chunks", REFERENCE, CHUNKS, scores="random"),
+        Variant("random sentences", REFERENCE, SENTENCES, scores="random"),
+        Variant("oracle sentences", REFERENCE, SENTENCES, scores="oracle"),
+    ]
+    for weight in (0.0, 0.25, 0.5, 1.0):
+        for layers in ("all", "upper_half", "middle_half", "lower_half"):
+            for normalize in (False, True):
+                for heads in ("max", "mean"):
+                    d = DraftConfig(
+                        lookahead=MAX_LOOKAHEAD, lookahead_weight=weight, layers=layers,
+                        heads=heads, normalize=normalize,  # type: ignore[arg-type]
+                    )
+                    tag = f"w={weight:g} {layers} {heads}{' norm' if normalize else ''}"
+                    out.append(Variant(f"{tag} | chunks 32", d, CHUNKS))
+                    out.append(Variant(f"{tag} | sentences", d, SENTENCES))
+    best = DraftConfig()  # the library default
+    for lookahead in (1, 4):
+        d = dataclasses.replace(best, lookahead=lookahead)
+        out.append(Variant(f"default scoring, look-ahead {lookahead} | sentences", d, SENTENCES))
+    def sentences(**overrides: Any) -> SelectionConfig:
+        return dataclasses.replace(SENTENCES, **overrides)
+
+    for pw in (0.25, 0.5):
+        out.append(Variant(f"default scoring | sentences, passage {pw:g}", best, sentences(passage_weight=pw)))
+    for cap in (32, 128):
+        out.append(Variant(f"default scoring | sentences ≤ {cap}", best, sentences(max_sentence_tokens=cap)))
+    for mass in (0.5, 0.7, 0.9):
+        out.append(Variant(f"default scoring | sentences, keep_mass {mass:g}", best, sentences(keep_mass=mass)))
+    out.append(Variant("library default", best, SelectionConfig(min_prompt_tokens=0)))
+    return out
+
+
+VARIANTS = {v.name: v for v in _variants()}
+
+
+# -- gold evidence on tokens -------------------------------------------------------------------
+
+
+def span_masks(
+    prompt: AssembledPrompt, ex: quality.Example, spans: Sequence[tuple[int, int, int]]
+) -> list[torch.Tensor]:
+    """Token masks (n,) bool of each (passage index, start, end) character span of ``ex``."""
+    seg_of_passage = [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.PASSAGE]
+    where = {segment: (a, b) for segment, a, b in prompt.segment_spans}
+    starts, ends = prompt.offsets[:, 0], prompt.offsets[:, 1]
+    masks = []
+    for passage, a, b in spans:
+        raw = ex.passages[passage][1]
+        shift = len(raw) - len(raw.lstrip())  # segments hold stripped text
+        base = where[seg_of_passage[passage]][0] - shift
+        lo, hi = base + a, base + b
+        masks.append((starts < hi) & (ends > lo) & (ends > starts))
+    return masks
+
+
+# -- capture cache -----------------------------------------------------------------------------
+
+
+def cache_path(ex: quality.Example, draft_name: str) -> Path:
+    digest = hashlib.sha1(f"{draft_name}|{ex.task}|{ex.id}|{ex.question}".encode()).hexdigest()[:16]
+    return CACHE_DIR / f"{ex.task}-{digest}.pt"
+
+
+def capture_rows(draft: Any, prompt: AssembledPrompt) -> dict[str, Any]:
+    """Per-layer rows for every (normalize, heads) combination: (layers, n_q + 8, n) fp16."""
+    question = prompt.positions_of(SegmentKind.QUESTION)
+    cap = draft.capture(prompt.token_ids, MAX_LOOKAHEAD, question)
+    context = ~prompt.protected
+    out: dict[str, Any] = {"n_question": cap.n_question, "n_layers": len(cap.keys)}
+    for normalize in (False, True):
+        for heads in ("max", "mean"):
+            out[f"{int(normalize)}{heads}"] = torch.stack(
+                [
+                    scoring.layer_rows(
+                        cap.queries[i], cap.keys[i], cap.scaling[i], POOL_KERNEL,
+                        positions=cap.positions, context=context if normalize else None, heads=heads,
+                    )
+                    for i in range(len(cap.keys))
+                ]
+            ).half()
+    return out
+
+
+def variant_scores(rows: dict[str, Any], cfg: DraftConfig) -> torch.Tensor:
+    """What ``DraftModel.score(..., config=cfg)`` returns, from the cached rows."""
+    per_layer = rows[f"{int(cfg.normalize)}{cfg.heads}"].float()
+    n_q = rows["n_question"]
+    lookahead = 1 if n_q and cfg.lookahead_weight == 0.0 else cfg.lookahead
+    per_layer = per_layer[cfg.layer_indices(rows["n_layers"])][:, : n_q + lookahead]
+    return scoring.importance(per_layer, scoring.query_weights(n_q, lookahead, cfg.lookahead_weight))
+
+
+def evaluate(
+    prompt: AssembledPrompt, ex: quality.Example, rows: dict[str, Any], variants: Iterable[Variant],
+    keep_rates: Sequence[float], seed: int,
+) -> dict[str, Any]:
+    evidence = span_masks(prompt, ex, ex.evidence)
+    keys = span_masks(prompt, ex, ex.key)
+    gold = torch.stack(evidence).any(0) if evidence else torch.zeros(prompt.n_tokens, dtype=torch.bool)
+    n_context = prompt.n_context
+    results: dict[str, Any] = {}
+    cache: dict[DraftConfig, torch.Tensor] = {}
+    for v in variants:
+        if v.scores == "random":
+            scores = torch.rand(prompt.n_tokens, generator=torch.Generator().manual_seed(seed))
+        elif v.scores == "oracle":
+            scores = gold.float() + 1e-3 * torch.rand(prompt.n_tokens, generator=torch.Generator().manual_seed(seed))
+        else:
+            if v.draft not in cache:
+                cache[v.draft] = variant_scores(rows, v.draft)
+            scores = cache[v.draft]
+        for keep in keep_rates:
+            sel = dataclasses.replace(v.selection, keep_rate=keep)
+            kept_idx = selection_lib.select(
+                scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start
+            )
+            kept = torch.zeros(prompt.n_tokens, dtype=torch.bool)
+            kept[kept_idx] = True
+            recall = float((kept & gold).sum()) / max(int(gold.sum()), 1)
+            complete = all(float((kept & m).sum()) >= ex.key_share * float(m.sum()) for m in keys if m.any())
+            context_kept = float((kept & ~prompt.protected).sum()) / max(n_context, 1)
+            results[f"{v.name}@{keep:g}"] = [round(recall, 4), int(complete), round(context_kept, 4)]
+    return results
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def examples(args: argparse.Namespace, count_tokens: Any) -> list[quality.Example]:
+    out: list[quality.Example] = []
+    if "hotpotqa" in args.tasks:
+        out += quality.load_hotpotqa(args.n, args.seed)
+    if "squad" in args.tasks:
+        out += quality.load_squad(args.n, args.seed, args.squad_tokens, count_tokens)
+    if "needle" in args.tasks:
+        per = max(1, args.n_needle // len(args.needle_lengths))
+        depths = [round((i + 0.5) / per, 4) for i in range(per)]
+        out += quality.needle_examples(args.needle_lengths, depths, args.seed, count_tokens)
+    if "near_miss" in args.tasks:
+        out += quality.load_near_miss()
+    # Round-robin over tasks, so an interrupted run covers every task.
+    by_task: dict[str, list[quality.Example]] = {}
+    for ex in out:
+        by_task.setdefault(ex.task, []).append(ex)
+    queues = list(by_task.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
+def load_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """Mean recall / complete / context kept per (task, variant@keep), with bootstrap 95% CIs."""
+    out = []
+    tasks = sorted({r["task"] for r in rows})
+    for task in tasks:
+        mine = [r for r in rows if r["task"] == task]
+        names = list(dict.fromkeys(k for r in mine for k in r["results"]))
+        for name in names:
+            have = [r["results"][name] for r in mine if name in r["results"]]
+            variant, keep = name.rsplit("@", 1)
+            entry: dict[str, Any] = {"task": task, "variant": variant, "keep_rate": float(keep), "n": len(have)}
+            for column, metric in enumerate(METRICS):
+                values = [float(h[column]) for h in have]
+                mean, lo, hi = bootstrap_ci(values, seed=seed)
+                entry[metric] = mean
+                entry[f"{metric}_ci"] = [lo, hi]
+            out.append(entry)
+    return out
+
+
+def print_summary(summary: list[dict[str, Any]], top: int | None = None, keep: float | None = None) -> None:
+    for task in sorted({e["task"] for e in summary}):
+        mine = [e for e in summary if e["task"] == task and (keep is None or e["keep_rate"] == keep)]
+        mine.sort(key=lambda e: (e["keep_rate"], -e["recall"]))
+        print(f"\n{task}")
+        shown: dict[float, int] = {}
+        for e in mine:
+            shown[e["keep_rate"]] = shown.get(e["keep_rate"], 0) + 1
+            pinned = e["variant"].startswith(("reference", "library"))
+            if top is not None and shown[e["keep_rate"]] > top and not pinned:
+                continue
+            lo, hi = e["recall_ci"]
+            clo, chi = e["complete_ci"]
+            print(
+                f"  keep {e['keep_rate']:<4g} n={e['n']:<4} recall {e['recall']:.3f} [{lo:.3f}, {hi:.3f}]  "
+                f"complete {e['complete']:.2f} [{clo:.2f}, {chi:.2f}]  ctx {e['context_kept']:.3f}  {e['variant']}"
+            )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="specprefill-rag bench evidence", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--main", default=DEFAULT_MAIN, help="tokenizer and prompt layout come from the main model")
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--tasks", nargs="+", default=["hotpotqa", "squad", "needle", "near_miss"])
+    p.add_argument("--n", type=int, default=200, help="examples per task (HotpotQA, SQuAD)")
+    p.add_argument("--n-needle", type=int, default=100, help="needle examples, spread over lengths and depths")
+    p.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--squad-tokens", type=int, default=1024, help="SQuAD context length target (tokens)")
+    p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--variants", nargs="*", default=None, help="names from VARIANTS (default: all)")
+    p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
+    p.add_argument("--top", type=int, default=None, help="--summary: best N variants per keep rate")
+    p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; scores mean nothing)")
+    p.add_argument("--out", default=None, help="results file (default benchmarks/results/evidence.jsonl)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    path = Path(args.out) if args.out else RESULTS_DIR / ("evidence_tiny.jsonl" if args.tiny else "evidence.jsonl")
+    if args.summary:
+        summary = summarize(load_rows(path), args.seed)
+        print_summary(summary, args.top)
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    variants = [VARIANTS[n] for n in args.variants] if args.variants else list(VARIANTS.values())
+    engine = quality.build_engine(
+        argparse.Namespace(tiny=args.tiny, main=args.main, draft=args.draft, lookahead=MAX_LOOKAHEAD, max_new_tokens=8)
+    )
+    draft = engine.draft
+
+    def count_tokens(text: str) -> int:
+        return len(engine.tokenizer.encode(text, add_special_tokens=False))
+
+    todo = examples(args, count_tokens)
+    done = {(r["task"], r["id"]) for r in load_rows(path)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    draft_name = "tiny" if args.tiny else args.draft
+    started = time.perf_counter()
+    for i, ex in enumerate(todo):
+        if (ex.task, ex.id) in done:
+            continue
+        prompt = engine.assemble(ex.question, [Passage(text, id=pid) for pid, text in ex.passages])
+        cached = cache_path(ex, draft_name)
+        if cached.exists():
+            rows = torch.load(cached)
+            draft_s = None
+        else:
+            t0 = time.perf_counter()
+            rows = capture_rows(draft, prompt)
+            draft_s = time.perf_counter() - t0
+            if not args.tiny:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(rows, cached)
+        results = evaluate(prompt, ex, rows, variants, args.keep_rates, args.seed * 1000 + i)
+        record = {
+            "task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
+            "draft_s": draft_s, "results": results,
+        }
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"[{i + 1}/{len(todo)}] {ex.task} {ex.id[:16]} n={prompt.n_tokens} "
+              f"draft {draft_s or 0:.1f} s, elapsed {time.perf_counter() - started:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    random.seed(0)
+    sys.exit(main())
