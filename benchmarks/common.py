@@ -132,10 +132,14 @@ def machine_info() -> dict[str, Any]:
 
 
 def ttft_cell(keep: float, rows: list[dict[str, Any]], ttft_full: float, r: float) -> dict[str, Any]:
-    """One TTFT table cell: medians of the SpecPrefill runs at ``keep``, speedup, ideal 1/(r+k), efficiency."""
+    """One TTFT table cell: medians of the SpecPrefill runs at ``keep``, speedup, ideal 1/(r+k), efficiency.
+
+    k is the share of the prompt actually prefilled (the measured ``keep_ratio``: the context
+    keep rate plus the protected tokens), not the configured keep rate.
+    """
     ttft_spec = median([x["ttft_s"] for x in rows])
     speedup = ttft_full / ttft_spec
-    ideal = 1.0 / (r + keep)
+    ideal = 1.0 / (r + median([x["keep_ratio"] for x in rows]))
     return {
         "keep_rate": keep,
         "ttft_full_s": ttft_full,

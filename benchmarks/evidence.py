@@ -266,6 +266,28 @@ def print_summary(summary: list[dict[str, Any]], top: int | None = None, keep: f
             )
 
 
+def reevaluate(
+    engine: Any, todo: Sequence[quality.Example], path: Path, variants: Sequence[Variant], args: argparse.Namespace
+) -> int:
+    """Rewrite the results file with ``variants`` recomputed from the capture cache."""
+    index = {(ex.task, ex.id): (i, ex) for i, ex in enumerate(todo)}
+    rows = load_rows(path)
+    draft_name = "tiny" if args.tiny else args.draft
+    updated = 0
+    for row in rows:
+        found = index.get((row["task"], row["id"]))
+        if found is None or not cache_path(found[1], draft_name).exists():
+            continue
+        i, ex = found
+        prompt = engine.assemble(ex.question, [Passage(text, id=pid) for pid, text in ex.passages])
+        cached = torch.load(cache_path(ex, draft_name))
+        row["results"].update(evaluate(prompt, ex, cached, variants, args.keep_rates, args.seed * 1000 + i))
+        updated += 1
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"re-evaluated {len(variants)} variants on {updated} of {len(rows)} examples")
+    return 0
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="specprefill-rag bench evidence", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -282,6 +304,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--variants", nargs="*", default=None, help="names from VARIANTS (default: all)")
     p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
+    p.add_argument(
+        "--reevaluate",
+        action="store_true",
+        help="recompute the chosen --variants for examples already in the results file, from the cached draft "
+        "rows (after a change of defaults or a new variant; no draft runs)",
+    )
     p.add_argument("--top", type=int, default=None, help="--summary: best N variants per keep rate")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; scores mean nothing)")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/evidence.jsonl)")
@@ -309,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return len(engine.tokenizer.encode(text, add_special_tokens=False))
 
     todo = examples(args, count_tokens)
+    if args.reevaluate:
+        return reevaluate(engine, todo, path, variants, args)
     done = {(r["task"], r["id"]) for r in load_rows(path)}
     path.parent.mkdir(parents=True, exist_ok=True)
     draft_name = "tiny" if args.tiny else args.draft

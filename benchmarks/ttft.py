@@ -7,7 +7,7 @@ no look-ahead. Reported per cell (medians over repetitions):
 
     TTFT full, TTFT SpecPrefill, speedup = full / spec, breakdown (draft scoring, selection,
     main prefill), r = plain draft forward / plain main forward (both measured here),
-    ideal = 1 / (r + k), efficiency = speedup / ideal.
+    ideal = 1 / (r + k) with k the share of the prompt actually prefilled, efficiency = speedup / ideal.
 
 Per length: capture overhead = draft scoring (prefill + look-ahead + scoring) / plain draft
 forward, and hook-only overhead = capture without look-ahead / plain draft forward. At the

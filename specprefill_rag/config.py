@@ -59,18 +59,20 @@ class DraftConfig:
     """How the draft model scores prompt tokens.
 
     Queries come in two groups: the question's own tokens (their attention over the context
-    says what the question asks for) and the look-ahead (the last prompt token plus the draft's
-    greedy continuation, the reference's query set). A small draft's continuation is often a
-    wrong answer whose queries then favour the distractor that supports it, so the look-ahead
-    only gets ``lookahead_weight`` of the vote. Defaults are measured (docs/benchmarks.md).
+    finds the passages that match what is asked) and the look-ahead (the last prompt token plus
+    the draft's greedy continuation, the reference's query set, which finds the value the draft
+    is about to write). ``lookahead_weight`` splits the vote. Defaults are measured on
+    ``bench evidence`` (docs/benchmarks.md, docs/algorithm.md).
     """
 
     lookahead: int = 8  # L: queries of the last prompt token + (L - 1) greedy draft tokens
-    lookahead_weight: float = 0.5  # share of the look-ahead queries in the score, in [0, 1]; rest: question
+    # Share of the look-ahead queries in the score, in [0, 1]; the question's tokens get the rest.
+    # 0 skips the look-ahead decode entirely: the draft then costs one plain prefill.
+    lookahead_weight: float = 0.5
     pool_kernel: int = 13  # tokens; odd width of the average pool along the prompt
-    layers: LayerChoice | tuple[int, ...] = "upper_half"  # draft layers whose attention is aggregated
+    layers: LayerChoice | tuple[int, ...] = "middle_half"  # draft layers whose attention is aggregated
     heads: HeadReduction = "max"  # how one layer's heads are combined
-    normalize: bool = True  # renormalise each attention row over the context tokens
+    normalize: bool = False  # renormalise each attention row over the context tokens
     # How draft scores reach the main model's tokens: "same" demands the main tokenizer (scores
     # are read index by index); "offsets" renders the prompt with the draft's own tokenizer and
     # maps scores through character offsets (any draft family); "auto" = "same" when the

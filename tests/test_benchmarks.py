@@ -136,7 +136,8 @@ def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
     ok, server = data["runs"]
     (row,) = ok["lengths"]
     (cell,) = row["cells"]
-    assert cell["speedup"] > 0 and cell["ideal"] == pytest.approx(1 / (row["r"] + 0.3))
+    # The ideal uses what was prefilled: the context keep rate plus the protected tokens.
+    assert cell["keep_ratio"] > 0.3 and cell["ideal"] == pytest.approx(1 / (row["r"] + cell["keep_ratio"]))
     assert cell["efficiency"] == pytest.approx(cell["speedup"] / cell["ideal"])
     assert server["status"] == "skipped" and server["reason"]  # no --server-url: said so, not crashed
     # --memory-only re-measures memory into the same file and leaves the runs alone.
@@ -260,14 +261,33 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
             }
         )
     )
+    # Draft-only evidence recall: {"<variant>@<keep>": [recall, complete, context_kept]} per example.
+    evidence_rows = [
+        {"task": "needle", "id": f"e{i}", "n_prompt": 120, "n_context": 100, "draft_s": 1.0,
+         "results": {"library default@0.3": [1.0, 1, 0.3], "random chunks@0.3": [0.2 * i, 0, 0.3],
+                     "w=0 all max | chunks 32@0.3": [0.5, i % 2, 0.3]}}
+        for i in range(3)
+    ]
+    (results / "evidence.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evidence_rows))
     doc = report.render(results, tmp_path / "benchmarks.md", tmp_path / "images")
     text = doc.read_text()
     assert "| needle | SpecPrefill | 30% |" in text and "efficiency" in text
     assert "served-draft → m" in text and "smoke" not in text
     assert "## Drafts from another family" in text
     assert "| needle | 30% | 1 | 1.00 (n=1) | **0.00** | 1.00 (n=1) | – |" in text
-    assert (tmp_path / "images" / "bench_ttft_speedup.png").stat().st_size > 0
-    assert (tmp_path / "images" / "bench_quality.png").stat().st_size > 0
+    # The quality table and the headline show bootstrap CIs: accuracy 0.50 over examples a (1) and b (0).
+    assert "| needle | SpecPrefill | 30% | 2 | accuracy | 0.50 [0.00, 1.00] |" in text
+    assert "SpecPrefill accuracy 0.50 [0.00, 1.00], retention vs full **1.00**" in text
+    # Evidence recall comes before answer quality, the library default in bold, best recall first.
+    assert text.index("## Evidence recall (draft only)") < text.index("## Answer quality")
+    assert "| 30% | **library default** | 3 | **1.00** [1.00, 1.00] | 1.00 [1.00, 1.00] | 30.0% |" in text
+    evidence_table = text[text.index("### needle"):]
+    assert evidence_table.index("library default") < evidence_table.index("w=0 all max \\| chunks 32")
+    assert evidence_table.index("w=0 all max") < evidence_table.index("random chunks")
+    assert "specprefill-rag bench evidence --n 200" in text
+    for image in ("bench_ttft_speedup.png", "bench_quality.png", "bench_evidence.png"):
+        assert (tmp_path / "images" / image).stat().st_size > 0
+        assert f"images/{image}" in text
 
 
 def test_result_names_keep_other_configurations_apart() -> None:
@@ -392,3 +412,30 @@ def test_evidence_bench_tiny_smoke_resumes(tmp_path: Path) -> None:
     oracle = [e for e in summary if e["variant"] == "oracle sentences"]
     assert oracle and all(e["recall"] > 0.99 for e in oracle if e["keep_rate"] == 0.3)
     assert all(0.0 < e["context_kept"] < 0.5 for e in summary)
+
+
+def test_report_evidence_section_pins_baselines_and_ranks_the_rest(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from benchmarks import report
+
+    names = ["library default", "reference (look-ahead 8, all layers, max, chunks 32)", "random chunks",
+             "random sentences", "oracle sentences"] + [f"variant {i}" for i in range(12)]
+    # Pinned rows score low, so only their pinning shows them; variant i has recall i / 20.
+    recall = {name: 0.01 for name in names[:5]} | {f"variant {i}": i / 20 for i in range(12)}
+    rows = [
+        {"task": "squad", "id": f"s{j}", "n_prompt": 80, "n_context": 64,
+         "results": {f"{name}@0.1": [recall[name], 0, 0.1] for name in names}}
+        for j in range(2)
+    ]
+    lines = report.evidence_section(rows)
+    table = [line for line in lines if line.startswith("| 10% |")]
+    assert len(table) == 5 + report.EVIDENCE_TOP  # the two worst other variants are left out
+    assert "variant 0 " not in "\n".join(lines) and "variant 1 " not in "\n".join(lines)
+    assert table[0].startswith("| 10% | variant 11 | 2 | 0.55 [0.55, 0.55] | 0.00 [0.00, 0.00] | 10.0% |")
+    assert any("**library default**" in line for line in table)
+    assert all(any(name in line for line in table) for name in names[:5])
+    # Without a results file the page says how to measure it.
+    (tmp_path / "results").mkdir()
+    text = report.render(tmp_path / "results", tmp_path / "b.md", tmp_path / "images").read_text()
+    assert "## Evidence recall (draft only)" in text
+    assert "Not measured yet: run `specprefill-rag bench evidence`." in text

@@ -127,7 +127,7 @@ def test_draft_rejects_empty_and_too_long_prompts(tokenizer):
         draft.score(torch.zeros(2045, dtype=torch.int64))
 
 
-def test_recorder_keeps_only_the_last_query_row():
+def test_recorder_keeps_only_the_query_rows_it_needs():
     # A view of the last row would pin the whole prefill query (heads × n × dim per layer)
     # in memory through the look-ahead; the recorder must hold a copy of one row.
     module = SimpleNamespace(layer_idx=0, scaling=0.125)
@@ -140,3 +140,68 @@ def test_recorder_keeps_only_the_last_query_row():
     assert kept[0].untyped_storage().nbytes() == 4 * 16 * query.element_size()
     assert torch.equal(kept[0], query[0, :, -1:])
     assert recorder.keys[0].shape == (2, 300, 16) and recorder.scaling[0] == 0.125
+
+
+def test_question_queries_match_eager_rows_at_their_positions(tokenizer):
+    """Question-token queries see keys 0..p only: the rows equal eager attention at row p."""
+    model = make_model("qwen2", len(tokenizer))
+    ids = torch.randint(0, len(tokenizer), (48,), generator=torch.Generator().manual_seed(5))
+    question = torch.tensor([40, 41, 44])
+    cap = DraftModel(model, tokenizer).capture(ids, lookahead=3, question=question)
+    assert cap.n_question == 3 and cap.positions.tolist() == [40, 41, 44, 47, 47, 47]
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        out = eager(input_ids=ids.reshape(1, -1), output_attentions=True)
+    for layer, attn in enumerate(out.attentions):  # (1, heads, 48, 48)
+        rows = scoring.attention_rows(cap.queries[layer], cap.keys[layer], cap.scaling[layer], cap.positions)
+        torch.testing.assert_close(rows[:, :3], attn[0, :, question].float(), atol=1e-4, rtol=0)
+        assert rows[:, 0, 41:].abs().max() == 0  # no future keys for the query at 40
+
+
+def test_query_weights_split_the_vote_between_groups():
+    w = scoring.query_weights(4, 2, 0.5)
+    torch.testing.assert_close(w, torch.tensor([0.125] * 4 + [0.25] * 2))
+    torch.testing.assert_close(scoring.query_weights(3, 1, 0.0), torch.tensor([1 / 3] * 3 + [0.0]))
+    torch.testing.assert_close(scoring.query_weights(0, 4, 0.0), torch.full((4,), 0.25))  # no question
+    with pytest.raises(ValueError, match="lookahead_weight"):
+        scoring.query_weights(2, 2, 1.5)
+
+
+def test_normalized_rows_rank_context_tokens_only():
+    rows = torch.tensor([[[0.90, 0.02, 0.06, 0.02]], [[0.10, 0.40, 0.10, 0.40]]])  # 2 heads, 1 query
+    context = torch.tensor([False, True, True, True])
+    out = scoring.normalize_rows(rows, context)
+    torch.testing.assert_close(out[0, 0], torch.tensor([0.0, 0.2, 0.6, 0.2]))
+    torch.testing.assert_close(out.sum(-1), torch.ones(2, 1))
+
+
+def test_score_with_question_uses_both_query_groups(tokenizer):
+    model = make_model("llama", len(tokenizer), layers=4)
+    ids = torch.randint(0, len(tokenizer), (60,), generator=torch.Generator().manual_seed(6))
+    question = torch.arange(50, 56)
+    draft = DraftModel(model, tokenizer)
+    cfg = DraftConfig(lookahead=3, lookahead_weight=0.25, layers="middle_half")
+    got = draft.score(ids, question=question, config=cfg).scores
+    cap = draft.capture(ids, lookahead=3, question=question)
+    per_layer = torch.stack(
+        [scoring.layer_rows(cap.queries[i], cap.keys[i], cap.scaling[i], 13, positions=cap.positions) for i in (1, 2)]
+    )
+    expected = 0.75 * per_layer[:, :6].amax(0).mean(0) + 0.25 * per_layer[:, 6:].amax(0).mean(0)
+    torch.testing.assert_close(got, expected)
+    # With no vote for the look-ahead, the draft decodes nothing.
+    only_question = draft.score(ids, question=question, config=DraftConfig(lookahead_weight=0.0))
+    assert only_question.lookahead_token_ids == ()
+
+
+def test_shared_draft_keeps_its_config_across_engines():
+    from specprefill_rag import SpecPrefillConfig, SpecPrefillEngine
+    from specprefill_rag.backends.transformers import TransformersBackend
+    from specprefill_rag.testing import tiny_model, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model = tiny_model("llama", len(tok), seed=0, layers=2)
+    draft = DraftModel(model, tok, DraftConfig(lookahead=2))
+    backend = TransformersBackend(model, tok, name="tiny")
+    SpecPrefillEngine(backend, draft, SpecPrefillConfig(draft=DraftConfig(lookahead=5, layers="all")))
+    assert draft.config == DraftConfig(lookahead=2)
