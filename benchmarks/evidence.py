@@ -45,8 +45,10 @@ if __package__ in (None, ""):  # `python benchmarks/evidence.py`
 
 from benchmarks import quality
 from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci
-from specprefill_rag import DraftConfig, Passage, SelectionConfig, scoring
+from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, scoring
+from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
+from specprefill_rag.models import load_tokenizer
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
 CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence"
@@ -266,8 +268,14 @@ def print_summary(summary: list[dict[str, Any]], top: int | None = None, keep: f
             )
 
 
+def assemble(tokenizer: Any, ex: quality.Example) -> AssembledPrompt:
+    """The prompt ``bench quality`` builds for ``ex`` (its instructions, default protection)."""
+    passages = [Passage(text, id=pid) for pid, text in ex.passages]
+    return prompt_lib.assemble(tokenizer, prompt_lib.build_segments(ex.question, passages, quality.INSTRUCTIONS))
+
+
 def reevaluate(
-    engine: Any, todo: Sequence[quality.Example], path: Path, variants: Sequence[Variant], args: argparse.Namespace
+    tokenizer: Any, todo: Sequence[quality.Example], path: Path, variants: Sequence[Variant], args: argparse.Namespace
 ) -> int:
     """Rewrite the results file with ``variants`` recomputed from the capture cache."""
     index = {(ex.task, ex.id): (i, ex) for i, ex in enumerate(todo)}
@@ -279,7 +287,7 @@ def reevaluate(
         if found is None or not cache_path(found[1], draft_name).exists():
             continue
         i, ex = found
-        prompt = engine.assemble(ex.question, [Passage(text, id=pid) for pid, text in ex.passages])
+        prompt = assemble(tokenizer, ex)
         cached = torch.load(cache_path(ex, draft_name))
         row["results"].update(evaluate(prompt, ex, cached, variants, args.keep_rates, args.seed * 1000 + i))
         updated += 1
@@ -328,17 +336,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     variants = [VARIANTS[n] for n in args.variants] if args.variants else list(VARIANTS.values())
-    engine = quality.build_engine(
-        argparse.Namespace(tiny=args.tiny, main=args.main, draft=args.draft, lookahead=MAX_LOOKAHEAD, max_new_tokens=8)
-    )
-    draft = engine.draft
+    if args.tiny:
+        engine = quality.build_engine(
+            argparse.Namespace(tiny=True, main=args.main, draft=args.draft, lookahead=None, max_new_tokens=8)
+        )
+        tokenizer, draft = engine.tokenizer, engine.draft
+    else:  # the draft scores; the main model's tokenizer lays out the prompt (same family)
+        tokenizer = load_tokenizer(args.main)
+        draft = None if args.reevaluate else DraftModel.from_pretrained(args.draft)
 
     def count_tokens(text: str) -> int:
-        return len(engine.tokenizer.encode(text, add_special_tokens=False))
+        return len(tokenizer.encode(text, add_special_tokens=False))
 
     todo = examples(args, count_tokens)
     if args.reevaluate:
-        return reevaluate(engine, todo, path, variants, args)
+        return reevaluate(tokenizer, todo, path, variants, args)
     done = {(r["task"], r["id"]) for r in load_rows(path)}
     path.parent.mkdir(parents=True, exist_ok=True)
     draft_name = "tiny" if args.tiny else args.draft
@@ -346,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, ex in enumerate(todo):
         if (ex.task, ex.id) in done:
             continue
-        prompt = engine.assemble(ex.question, [Passage(text, id=pid) for pid, text in ex.passages])
+        prompt = assemble(tokenizer, ex)
         cached = cache_path(ex, draft_name)
         if cached.exists():
             rows = torch.load(cached)

@@ -738,7 +738,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     kept_rows = [r for key, by in earlier.items() if key not in wanted for r in by.values()]
 
     def save(complete: bool) -> Path:
-        all_rows = kept_rows + rows
+        # Earlier rows of examples this run has not reached yet stay in the file too.
+        reached = {(r["task"], r["id"]) for r in rows}
+        pending = [r for key in wanted - reached for r in earlier.get(key, {}).values()]
+        all_rows = kept_rows + pending + rows
         done = collections.Counter(r["task"] for r in all_rows if r["method"] == "full")
         return write_results(
             name,

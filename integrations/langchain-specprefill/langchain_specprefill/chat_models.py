@@ -93,7 +93,10 @@ class ChatSpecPrefill(BaseChatModel):
     draft_model: str | None = Field(default=None, description="Draft model; None serves mode='full' only.")
     backend: str = Field(default="transformers", description="Main-model backend, by registry name.")
     mode: Literal["specprefill", "full"] = Field(default="specprefill", description="'full' = baseline.")
-    keep_rate: float | None = Field(default=None, description="Fraction of prompt tokens prefilled.")
+    keep_rate: float | None = Field(
+        default=None,
+        description="Fraction of the context (retrieved passages, history) prefilled; the question always is.",
+    )
     instructions: str | None = Field(default=None, description="System text used when no system message.")
     temperature: float | None = Field(default=None, description="0 = greedy; None = engine default.")
     max_tokens: int | None = Field(default=None, description="Max generated tokens; None = engine default.")

@@ -36,7 +36,7 @@ def smollm_engine() -> SpecPrefillEngine:
     """Real SmolLM2-135M-Instruct; one set of weights serves as draft and main."""
     spec = SpecPrefillConfig(
         selection=SelectionConfig(keep_rate=0.5, min_prompt_tokens=128),
-        generation=GenerationConfig(max_new_tokens=24),
+        generation=GenerationConfig(max_new_tokens=48),
     )
     return SpecPrefillEngine.from_pretrained(SMOLLM, SMOLLM, config=spec)
 

@@ -27,7 +27,7 @@ def retriever():
 
 @pytest.fixture(scope="module")
 def chain(retriever):
-    return create_specprefill_rag_chain(retriever, ChatSpecPrefill(engine=smollm_engine(), max_tokens=24))
+    return create_specprefill_rag_chain(retriever, ChatSpecPrefill(engine=smollm_engine(), max_tokens=48))
 
 
 def test_documents_arrive_as_passages_and_answer_is_grounded(chain):

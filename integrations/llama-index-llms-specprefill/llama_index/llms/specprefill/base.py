@@ -114,7 +114,10 @@ class SpecPrefillLLM(CustomLLM):
     draft_model: str | None = Field(default=None, description="Draft model; None serves mode='full' only.")
     backend: str = Field(default="transformers", description="Main-model backend, by registry name.")
     mode: Literal["specprefill", "full"] = Field(default="specprefill", description="'full' = the baseline.")
-    keep_rate: float | None = Field(default=None, description="Fraction of prompt tokens prefilled.")
+    keep_rate: float | None = Field(
+        default=None,
+        description="Fraction of the context (retrieved passages, history) prefilled; the question always is.",
+    )
     instructions: str | None = Field(
         default=None, description="Instructions for query-engine calls without system_prompt; None = engine's."
     )
