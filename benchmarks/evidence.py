@@ -52,6 +52,7 @@ from specprefill_rag.models import load_tokenizer
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
 CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence"
+PINNED = ("library default", "reference", "random chunks", "random sentences", "oracle sentences")
 METRICS = ("recall", "complete", "context_kept")  # the columns of each result entry
 MAX_LOOKAHEAD = 8  # captured once; shorter look-aheads are prefixes of the same greedy run
 POOL_KERNEL = DraftConfig().pool_kernel
@@ -162,7 +163,7 @@ def variant_scores(rows: dict[str, Any], cfg: DraftConfig) -> torch.Tensor:
     """What ``DraftModel.score(..., config=cfg)`` returns, from the cached rows."""
     per_layer = rows[f"{int(cfg.normalize)}{cfg.heads}"].float()
     n_q = rows["n_question"]
-    lookahead = 1 if n_q and cfg.lookahead_weight == 0.0 else cfg.lookahead
+    lookahead = cfg.lookahead_for(n_q)
     per_layer = per_layer[cfg.layer_indices(rows["n_layers"])][:, : n_q + lookahead]
     return scoring.importance(per_layer, scoring.query_weights(n_q, lookahead, cfg.lookahead_weight))
 
@@ -215,12 +216,7 @@ def examples(args: argparse.Namespace, count_tokens: Any) -> list[quality.Exampl
         out += quality.needle_examples(args.needle_lengths, depths, args.seed, count_tokens)
     if "near_miss" in args.tasks:
         out += quality.load_near_miss()
-    # Round-robin over tasks, so an interrupted run covers every task.
-    by_task: dict[str, list[quality.Example]] = {}
-    for ex in out:
-        by_task.setdefault(ex.task, []).append(ex)
-    queues = list(by_task.values())
-    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    return quality.interleave(out)
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
@@ -249,17 +245,38 @@ def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]
     return out
 
 
-def print_summary(summary: list[dict[str, Any]], top: int | None = None, keep: float | None = None) -> None:
+def pinned(variant: str) -> bool:
+    """Baselines every table shows whatever their rank."""
+    return variant.startswith(PINNED)
+
+
+def top_variants(rows: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
+    """``rows`` restricted to the pinned variants and the ``top`` others with the best mean
+    recall, per task and keep rate (so only those need bootstrapping)."""
+    shown: set[tuple[str, str]] = set()
+    for task in {r["task"] for r in rows}:
+        recalls: dict[str, list[float]] = {}
+        for r in rows:
+            if r["task"] == task:
+                for key, values in r["results"].items():
+                    recalls.setdefault(key, []).append(float(values[0]))
+        by_keep: dict[str, list[tuple[float, str]]] = {}
+        for key, values in recalls.items():
+            variant, keep = key.rsplit("@", 1)
+            if pinned(variant):
+                shown.add((task, key))
+            else:
+                by_keep.setdefault(keep, []).append((sum(values) / len(values), key))
+        for ranked in by_keep.values():
+            shown |= {(task, key) for _, key in sorted(ranked, key=lambda x: -x[0])[:top]}
+    return [{**r, "results": {k: v for k, v in r["results"].items() if (r["task"], k) in shown}} for r in rows]
+
+
+def print_summary(summary: list[dict[str, Any]]) -> None:
     for task in sorted({e["task"] for e in summary}):
-        mine = [e for e in summary if e["task"] == task and (keep is None or e["keep_rate"] == keep)]
-        mine.sort(key=lambda e: (e["keep_rate"], -e["recall"]))
+        mine = sorted((e for e in summary if e["task"] == task), key=lambda e: (e["keep_rate"], -e["recall"]))
         print(f"\n{task}")
-        shown: dict[float, int] = {}
         for e in mine:
-            shown[e["keep_rate"]] = shown.get(e["keep_rate"], 0) + 1
-            pinned = e["variant"].startswith(("reference", "library"))
-            if top is not None and shown[e["keep_rate"]] > top and not pinned:
-                continue
             lo, hi = e["recall_ci"]
             clo, chi = e["complete_ci"]
             print(
@@ -330,8 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     path = Path(args.out) if args.out else RESULTS_DIR / ("evidence_tiny.jsonl" if args.tiny else "evidence.jsonl")
     if args.summary:
-        summary = summarize(load_rows(path), args.seed)
-        print_summary(summary, args.top)
+        rows = load_rows(path)
+        print_summary(summarize(top_variants(rows, args.top) if args.top is not None else rows, args.seed))
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -361,16 +378,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompt = assemble(tokenizer, ex)
         cached = cache_path(ex, draft_name)
         if cached.exists():
-            rows = torch.load(cached)
+            captured = torch.load(cached)
             draft_s = None
         else:
             t0 = time.perf_counter()
-            rows = capture_rows(draft, prompt)
+            captured = capture_rows(draft, prompt)
             draft_s = time.perf_counter() - t0
             if not args.tiny:
                 cached.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(rows, cached)
-        results = evaluate(prompt, ex, rows, variants, args.keep_rates, args.seed * 1000 + i)
+                torch.save(captured, cached)
+        results = evaluate(prompt, ex, captured, variants, args.keep_rates, args.seed * 1000 + i)
         record = {
             "task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
             "draft_s": draft_s, "results": results,

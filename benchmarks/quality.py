@@ -637,7 +637,11 @@ def examples_for(args: argparse.Namespace, count_tokens: Any) -> list[Example]:
         examples += needle_examples(args.needle_lengths, args.needle_depths, args.seed, count_tokens)
     if "near_miss" in args.tasks:
         examples += load_near_miss(args.n_near_miss)
-    # Round-robin over tasks, so an interrupted run still covers every task.
+    return interleave(examples)
+
+
+def interleave(examples: Sequence[Example]) -> list[Example]:
+    """Round-robin over tasks, so an interrupted run still covers every task."""
     by_task: dict[str, list[Example]] = collections.defaultdict(list)
     for ex in examples:
         by_task[ex.task].append(ex)

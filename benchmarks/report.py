@@ -36,7 +36,6 @@ METHOD_LABELS = {
 }
 METRIC_NAMES = {"f1": "F1", "acc": "accuracy", "em": "EM"}
 # Evidence variants always shown (matched by prefix), and the one in bold.
-EVIDENCE_PINNED = ("library default", "reference", "random chunks", "random sentences", "oracle sentences")
 EVIDENCE_DEFAULT = "library default"
 EVIDENCE_TOP = 10  # best other variants shown per task and keep rate
 
@@ -385,38 +384,19 @@ def plot_quality(data: dict[str, Any], path: Path) -> bool:
 # -- evidence recall -------------------------------------------------------------------------
 
 
-def _pinned(variant: str) -> bool:
-    return variant.startswith(EVIDENCE_PINNED)
-
-
 def evidence_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``benchmarks.evidence.summarize`` of the variants the page shows: the pinned ones and the
     ``EVIDENCE_TOP`` best others by mean recall per task and keep rate (bootstrapping all ~150
     variants would take a minute)."""
     from benchmarks import evidence
 
-    shown: set[tuple[str, str]] = set()
-    for task in {r["task"] for r in rows}:
-        recalls: dict[str, list[float]] = {}
-        for r in rows:
-            if r["task"] == task:
-                for key, values in r["results"].items():
-                    recalls.setdefault(key, []).append(float(values[0]))
-        by_keep: dict[str, list[tuple[float, str]]] = {}
-        for key, values in recalls.items():
-            variant, keep = key.rsplit("@", 1)
-            if _pinned(variant):
-                shown.add((task, key))
-            else:
-                by_keep.setdefault(keep, []).append((sum(values) / len(values), key))
-        for ranked in by_keep.values():
-            shown |= {(task, key) for _, key in sorted(ranked, key=lambda x: -x[0])[:EVIDENCE_TOP]}
-    kept = [{**r, "results": {k: v for k, v in r["results"].items() if (r["task"], k) in shown}} for r in rows]
-    return evidence.summarize(kept)
+    return evidence.summarize(evidence.top_variants(rows, EVIDENCE_TOP))
 
 
 def evidence_section(rows: list[dict[str, Any]], summary: list[dict[str, Any]] | None = None) -> list[str]:
     """Evidence recall per task: the pinned variants and the best others, from ``bench evidence`` rows."""
+    from benchmarks import evidence
+
     summary = evidence_summary(rows) if summary is None else summary
     n_variants = len({key.rsplit("@", 1)[0] for r in rows for key in r["results"]})
     out = ["## Evidence recall (draft only)", ""]
@@ -446,8 +426,8 @@ def evidence_section(rows: list[dict[str, Any]], summary: list[dict[str, Any]] |
         mine = [e for e in summary if e["task"] == task]
         for keep in sorted({e["keep_rate"] for e in mine}):
             at = sorted((e for e in mine if e["keep_rate"] == keep), key=lambda e: -e["recall"])
-            others = [e for e in at if not _pinned(e["variant"])][:EVIDENCE_TOP]
-            shown = sorted([e for e in at if _pinned(e["variant"])] + others, key=lambda e: -e["recall"])
+            others = [e for e in at if not evidence.pinned(e["variant"])][:EVIDENCE_TOP]
+            shown = sorted([e for e in at if evidence.pinned(e["variant"])] + others, key=lambda e: -e["recall"])
             for e in shown:
                 bold = e["variant"] == EVIDENCE_DEFAULT
                 name = e["variant"].replace("|", "\\|")

@@ -106,6 +106,11 @@ class DraftConfig:
             f"tokenizer_mapping must be 'auto', 'same' or 'offsets', got {self.tokenizer_mapping!r}",
         )
 
+    def lookahead_for(self, n_question: int) -> int:
+        """Look-ahead length to run for a prompt with ``n_question`` question tokens: 1 (no
+        decoding) when the look-ahead gets no vote and the question can carry the score."""
+        return 1 if n_question and self.lookahead_weight == 0.0 else self.lookahead
+
     def layer_indices(self, n_layers: int) -> list[int]:
         """Indices of the aggregated layers of a draft with ``n_layers`` layers."""
         quarter = n_layers // 4

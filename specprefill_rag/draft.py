@@ -208,8 +208,7 @@ class DraftModel:
         cfg = config or self.config
         start = time.perf_counter()
         n_question = 0 if question is None else int(question.numel())
-        # Look-ahead queries that get no vote need no decoding.
-        lookahead = 1 if n_question and cfg.lookahead_weight == 0.0 else cfg.lookahead
+        lookahead = cfg.lookahead_for(n_question)
         cap = self.capture(token_ids, lookahead, question)
         mask = context.to(self.device) if context is not None and cfg.normalize else None
         positions = cap.positions.to(self.device)

@@ -126,14 +126,14 @@ def query_weights(n_question: int, n_lookahead: int, lookahead_weight: float) ->
         raise ValueError(f"lookahead_weight must be in [0, 1], got {lookahead_weight}")
     if n_question + n_lookahead == 0:
         raise ValueError("no queries to weigh")
-    w_look = lookahead_weight if n_question else 1.0
-    w_question = 0.0 if not n_lookahead else 1.0 - w_look
-    if not n_lookahead:
-        w_question = 1.0
+    if not n_question:
+        lookahead_weight = 1.0
+    elif not n_lookahead:
+        lookahead_weight = 0.0
     weights = torch.cat(
         [
-            torch.full((n_question,), w_question / max(n_question, 1)),
-            torch.full((n_lookahead,), w_look / max(n_lookahead, 1) if n_lookahead else 0.0),
+            torch.full((n_question,), (1.0 - lookahead_weight) / max(n_question, 1)),
+            torch.full((n_lookahead,), lookahead_weight / max(n_lookahead, 1)),
         ]
     )
     return weights / weights.sum()

@@ -15,7 +15,7 @@ import torch
 from .config import SelectionConfig
 from .types import AssembledPrompt, KeptSpan, PrefillPlan
 
-__all__ = ["chunk_bounds", "full_plan", "plan_from_indices", "select", "unit_bounds", "unit_ranks"]
+__all__ = ["chunk_bounds", "full_plan", "plan_from_indices", "select", "unit_bounds", "unit_ranks", "unit_sums"]
 
 
 def unit_bounds(
@@ -51,6 +51,15 @@ def chunk_bounds(segment_index: torch.Tensor, prunable: torch.Tensor, chunk_size
     return unit_bounds(segment_index, prunable, chunk_size)
 
 
+def unit_sums(scores: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Sum of the token scores of every unit: scores (n,), bounds (n_units, 2) → (n_units,) float32.
+
+    One prefix sum (in float64, so long prompts lose no precision) instead of a slice per unit.
+    """
+    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), scores.double().cumsum(0)])
+    return (prefix[bounds[:, 1]] - prefix[bounds[:, 0]]).float()
+
+
 def unit_ranks(
     scores: torch.Tensor, bounds: torch.Tensor, segment_index: torch.Tensor, passage_weight: float = 0.0
 ) -> torch.Tensor:
@@ -62,7 +71,7 @@ def unit_ranks(
     all of its sentences (the second hop of a two-hop question often scores low on its own).
     """
     sizes = (bounds[:, 1] - bounds[:, 0]).float()
-    sums = torch.stack([scores[a:b].float().sum() for a, b in bounds.tolist()])
+    sums = unit_sums(scores, bounds)
     means = sums / sizes
     if passage_weight == 0.0:
         return means
@@ -122,7 +131,7 @@ def _units_for_mass(scores: torch.Tensor, ordered: torch.Tensor, config: Selecti
     """How many of the ``ordered`` units hold ``keep_mass`` of the context's score mass
     (at least enough units for ``min_keep_tokens``, and at least one)."""
     assert config.keep_mass is not None
-    mass = torch.stack([scores[a:b].float().sum() for a, b in ordered.tolist()]).cumsum(0)
+    mass = unit_sums(scores, ordered).cumsum(0)
     n_mass = int(torch.searchsorted(mass, config.keep_mass * float(mass[-1])).item()) + 1
     sizes = (ordered[:, 1] - ordered[:, 0]).cumsum(0)
     n_min = int(torch.searchsorted(sizes, config.min_keep_tokens).item()) + 1 if config.min_keep_tokens else 1
