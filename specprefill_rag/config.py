@@ -10,17 +10,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .errors import ConfigError, ConfigTypeError
+
 LayerChoice = Literal["all", "upper_half", "lower_half", "middle_half"]
 HeadReduction = Literal["max", "mean"]
 PositionMode = Literal["original", "contiguous"]
 SelectionUnit = Literal["sentence", "chunk"]
 TokenizerMapping = Literal["auto", "same", "offsets"]
+OverflowPolicy = Literal["full", "raise"]
 
 __all__ = [
     "DraftConfig",
     "GenerationConfig",
     "HeadReduction",
     "LayerChoice",
+    "OverflowPolicy",
     "PositionMode",
     "SelectionConfig",
     "SelectionUnit",
@@ -31,7 +35,7 @@ __all__ = [
 
 def _check(condition: bool, message: str) -> None:
     if not condition:
-        raise ValueError(message)
+        raise ConfigError(message)
 
 
 def _is_int(value: object) -> bool:
@@ -43,15 +47,15 @@ def _is_number(value: object) -> bool:
 
 
 def _check_types(obj: object, ints: tuple[str, ...] = (), numbers: tuple[str, ...] = ()) -> None:
-    """TypeError for a field of the wrong type (a bool is not a number; 2.5 is not a count)."""
+    """ConfigTypeError for a field of the wrong type (a bool is not a number; 2.5 is not a count)."""
     for name in ints:
         value = getattr(obj, name)
         if value is not None and not _is_int(value):
-            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+            raise ConfigTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     for name in numbers:
         value = getattr(obj, name)
         if value is not None and not _is_number(value):
-            raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+            raise ConfigTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -78,9 +82,15 @@ class DraftConfig:
     # maps scores through character offsets (any draft family); "auto" = "same" when the
     # tokenizers are identical, else "offsets".
     tokenizer_mapping: TokenizerMapping = "auto"
+    # A prompt that fits the main model but not the draft's window (look-ahead included):
+    # "full" prefills it whole and logs a warning; "raise" refuses it with InputError.
+    on_overflow: OverflowPolicy = "full"
 
     def __post_init__(self) -> None:
         _check_types(self, ints=("lookahead", "pool_kernel"), numbers=("lookahead_weight",))
+        _check(
+            self.on_overflow in ("full", "raise"), f"on_overflow must be 'full' or 'raise', got {self.on_overflow!r}"
+        )
         _check(self.lookahead >= 1, f"lookahead must be >= 1, got {self.lookahead}")
         _check(
             0.0 <= self.lookahead_weight <= 1.0,
@@ -124,7 +134,7 @@ class DraftConfig:
             return list(named[self.layers])
         bad = [i for i in self.layers if i >= n_layers]
         if bad:
-            raise ValueError(f"draft has {n_layers} layers; layer indices {bad} do not exist")
+            raise ConfigError(f"draft has {n_layers} layers; layer indices {bad} do not exist")
         return sorted(set(self.layers))
 
 
@@ -227,8 +237,12 @@ class GenerationConfig:
     top_k: int = 0  # 0 = no top-k filter
     seed: int | None = None  # sampling seed; None = nondeterministic
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before the first match
+    # Seconds for the whole request (draft, prefill and every token); past it the request stops
+    # with BackendTimeoutError. The engine hands a backend the time that is left. None: no deadline.
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
+        _check_types(self, ints=("max_new_tokens", "top_k", "seed"), numbers=("temperature", "top_p", "timeout"))
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(
             math.isfinite(self.temperature) and self.temperature >= 0.0,
@@ -239,6 +253,10 @@ class GenerationConfig:
         _check(
             isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
             "stop must be a tuple of non-empty strings",
+        )
+        _check(
+            self.timeout is None or (math.isfinite(self.timeout) and self.timeout > 0),
+            f"timeout must be a positive number of seconds or None, got {self.timeout}",
         )
 
 

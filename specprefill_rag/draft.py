@@ -20,6 +20,7 @@ import torch
 
 from . import scoring
 from .config import DraftConfig
+from .errors import InputError
 from .types import TokenScores
 
 __all__ = ["CAPTURE_ATTENTION", "DraftCapture", "DraftModel"]
@@ -145,6 +146,10 @@ class DraftModel:
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
+    def fits(self, n_tokens: int, lookahead: int) -> bool:
+        """Whether a prompt of ``n_tokens`` plus ``lookahead - 1`` decoded tokens fits the window."""
+        return n_tokens + lookahead - 1 <= self.max_context
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -159,9 +164,9 @@ class DraftModel:
         lookahead = self.config.lookahead if lookahead is None else lookahead
         n = int(token_ids.numel())
         if n == 0:
-            raise ValueError("cannot score an empty prompt")
-        if n + lookahead - 1 > self.max_context:
-            raise ValueError(
+            raise InputError("cannot score an empty prompt")
+        if not self.fits(n, lookahead):
+            raise InputError(
                 f"prompt of {n} tokens plus {lookahead - 1} look-ahead tokens exceeds the draft "
                 f"model's window of {self.max_context}: shorten the context or use a draft "
                 "with a longer window"

@@ -8,12 +8,14 @@ an async form; all return or end in a typed ``GenerationResult``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -24,10 +26,11 @@ from .backends import Backend, create_backend
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
 from .detokenize import IncrementalDecoder
 from .draft import DraftModel
+from .errors import BackendTimeoutError, ConfigError, InputError, InputTypeError
+from .prompt import Passages
 from .types import (
     AssembledPrompt,
     GenerationResult,
-    Passage,
     PrefillPlan,
     Segment,
     SegmentKind,
@@ -55,11 +58,29 @@ class PlannedPrompt:
 
 
 class TextStream(Iterator[str]):
-    """Text deltas of one answer; ``result`` holds the ``GenerationResult`` once exhausted."""
+    """Text deltas of one answer; ``result`` holds the ``GenerationResult`` once exhausted.
 
-    def __init__(self, run: Generator[str, None, GenerationResult]) -> None:
+    A context manager: leaving the ``with`` block (a ``break``, an exception) stops the
+    generation and closes the backend's stream (the HTTP response, for a server) at once,
+    instead of whenever the stream is garbage-collected.
+    """
+
+    def __init__(
+        self, run: Generator[str, None, GenerationResult], stop: threading.Event | None = None
+    ) -> None:
         self._run = run
+        self._stop = stop or threading.Event()
         self.result: GenerationResult | None = None
+
+    def cancel(self) -> None:
+        """Ask a step running in another thread to stop after its current token (thread-safe)."""
+        self._stop.set()
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __next__(self) -> str:
         try:
@@ -69,30 +90,59 @@ class TextStream(Iterator[str]):
             raise StopIteration from None
 
     def close(self) -> None:
-        """Stop generating (the backend stops decoding)."""
+        """Stop generating (the backend stops decoding and closes its stream)."""
+        self._stop.set()
         self._run.close()
 
 
 class AsyncTextStream(AsyncIterator[str]):
-    """Async view of a ``TextStream``: each step runs in a worker thread, never on the loop."""
+    """Async view of a ``TextStream``: each step runs in a worker thread, never on the loop.
+
+    Cancelling a task that awaits the next delta stops the generation: the worker thread
+    finishes the token it is computing (a thread cannot be interrupted), then ``aclose`` (or
+    leaving ``async with``) closes the stream and the backend's. ``agenerate`` does this itself.
+    """
 
     _DONE = object()
 
     def __init__(self, stream: TextStream) -> None:
         self._stream = stream
+        self._step: asyncio.Future[object] | None = None  # the step running in a worker thread
 
     @property
     def result(self) -> GenerationResult | None:
         return self._stream.result
 
     async def __anext__(self) -> str:
-        item = await asyncio.to_thread(next, self._stream, self._DONE)
+        if self._step is None:
+            self._step = asyncio.ensure_future(asyncio.to_thread(next, self._stream, self._DONE))
+        # Shielded: a cancelled caller leaves the step running to its end, so that aclose()
+        # can wait for it before closing the generator (never "generator already executing").
+        item = await asyncio.shield(self._step)
+        self._step = None
         if item is self._DONE:
             raise StopAsyncIteration
         return item  # type: ignore[return-value]
 
     async def aclose(self) -> None:
+        """Stop generating: the running step ends after its current token, then the stream closes."""
+        self._stream.cancel()
+        if self._step is not None:
+            with contextlib.suppress(BaseException):
+                await self._step
+            self._step = None
         await asyncio.to_thread(self._stream.close)
+
+    async def __aenter__(self) -> AsyncTextStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _check_deadline(deadline: float | None, timeout: float | None) -> None:
+    if deadline is not None and timeout is not None and time.perf_counter() > deadline:
+        raise BackendTimeoutError(f"no complete answer within timeout={timeout:g} s")
 
 
 def _same_tokenizer(draft: Any, main: Any) -> bool:
@@ -181,17 +231,31 @@ class SpecPrefillEngine:
     # -- building blocks -------------------------------------------------------------------
 
     def assemble(
-        self, question: PromptInput, passages: Sequence[Passage | str] = (), *, instructions: str | None = None
+        self,
+        question: PromptInput,
+        passages: Passages = (),
+        *,
+        instructions: str | None = None,
+        selection: SelectionConfig | None = None,
     ) -> AssembledPrompt:
-        """Render and tokenize a prompt; a list of ``Segment`` is taken as is."""
+        """Render and tokenize a prompt; a list of ``Segment`` is taken as is.
+
+        ``selection`` (default: the engine's) decides what is protected (instructions, tail).
+        """
         if isinstance(question, str):
             instructions = self.config.instructions if instructions is None else instructions
             segments = prompt_lib.build_segments(question, passages, instructions)
+        elif not isinstance(question, Sequence):
+            raise InputTypeError(
+                f"the question must be a str (or a list of Segment), got {type(question).__name__}"
+            )
         else:
             if passages or instructions is not None:
-                raise ValueError("pass either segments, or a question with passages and instructions")
-            segments = tuple(question)
-        sel = self.config.selection
+                raise InputError("pass either segments, or a question with passages and instructions")
+            segments = tuple(cast(Sequence[Segment], question))
+            if not all(isinstance(s, Segment) for s in segments):
+                raise InputError("a prompt given as a list must hold Segment objects; pass a question str otherwise")
+        sel = selection or self.config.selection
         prompt = prompt_lib.assemble(
             self.tokenizer,
             segments,
@@ -200,7 +264,7 @@ class SpecPrefillEngine:
         )
         window = self.backend.max_context
         if prompt.n_tokens >= window:
-            raise ValueError(
+            raise InputError(
                 f"the prompt has {prompt.n_tokens} tokens but the main model's window is {window}: "
                 "retrieve fewer or shorter passages"
             )
@@ -210,7 +274,7 @@ class SpecPrefillEngine:
         """Draft importance of every token of ``prompt`` (``draft`` overrides the engine's
         ``config.draft`` for this call)."""
         if self.draft is None:
-            raise ValueError("this engine has no draft model: pass draft=... or use mode='full'")
+            raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
         config = draft or self.config.draft
         if not self.maps_tokens:
             return self._score_direct(self.draft, prompt, config)
@@ -230,7 +294,7 @@ class SpecPrefillEngine:
         """Score the draft's own rendering of the same segments; map onto ``prompt``'s tokens."""
         start = time.perf_counter()
         if not prompt.segment_spans:
-            raise ValueError("the prompt carries no segment spans: build it with engine.assemble")
+            raise InputError("the prompt carries no segment spans: build it with engine.assemble")
         draft_prompt = prompt_lib.assemble(draft.tokenizer, prompt.segments, protect_tail_tokens=0)
         # The draft's own window applies to the draft's own token count (checked in capture).
         drafted = self._score_direct(draft, draft_prompt, config)
@@ -243,6 +307,38 @@ class SpecPrefillEngine:
             scores=scores, lookahead_token_ids=drafted.lookahead_token_ids, seconds=time.perf_counter() - start
         )
 
+    def draft_fits(self, prompt: AssembledPrompt, *, draft: DraftConfig | None = None) -> bool:
+        """Whether the draft can read ``prompt`` (its own rendering, look-ahead included)."""
+        return self._draft_overflow(prompt, draft or self.config.draft) is None
+
+    def _draft_overflow(self, prompt: AssembledPrompt, config: DraftConfig) -> str | None:
+        """Why the draft cannot read ``prompt``, or None when it can."""
+        if self.draft is None:
+            return "this engine has no draft model"
+        lookahead = config.lookahead_for(int(prompt.positions_of(SegmentKind.QUESTION).numel()))
+        n = prompt.n_tokens
+        if self.maps_tokens:
+            n = prompt_lib.assemble(self.draft.tokenizer, prompt.segments, protect_tail_tokens=0).n_tokens
+        if self.draft.fits(n, lookahead):
+            return None
+        return (
+            f"the prompt of {n} draft tokens plus {lookahead - 1} look-ahead tokens exceeds the draft "
+            f"model's window of {self.draft.max_context}"
+        )
+
+    def _overflow(self, prompt: AssembledPrompt) -> bool:
+        """True when ``prompt`` must be prefilled whole because the draft cannot read it
+        (``DraftConfig.on_overflow="full"``, logged); ``InputError`` under ``"raise"``."""
+        if self.draft is None:
+            return False
+        reason = self._draft_overflow(prompt, self.config.draft)
+        if reason is None:
+            return False
+        if self.config.draft.on_overflow == "raise":
+            raise InputError(f"{reason}: shorten the context or use a draft with a longer window")
+        logger.warning("%s: prefilling the whole prompt (DraftConfig.on_overflow='full')", reason)
+        return True
+
     def plan(
         self,
         prompt: AssembledPrompt,
@@ -253,12 +349,14 @@ class SpecPrefillEngine:
     ) -> tuple[PrefillPlan, TokenScores | None]:
         """The prefill plan for ``prompt`` (reuses ``scores`` when given, e.g. across keep rates)."""
         if mode not in ("specprefill", "full"):
-            raise ValueError(f"mode must be 'specprefill' or 'full', got {mode!r}")
+            raise ConfigError(f"mode must be 'specprefill' or 'full', got {mode!r}")
         sel = selection or self.config.selection
         n = prompt.n_tokens
         n_context = prompt.n_context
         if mode == "full" or n < sel.min_prompt_tokens or sel.budget(n_context) >= n_context:
             return selection_lib.full_plan(prompt), scores
+        if scores is None and self._overflow(prompt):
+            return selection_lib.full_plan(prompt), None
         scores = scores or self.score(prompt)
         kept = selection_lib.select(
             scores.scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start
@@ -271,9 +369,18 @@ class SpecPrefillEngine:
     # -- generation ------------------------------------------------------------------------
 
     def run_plan(
-        self, planned: PlannedPrompt, generation: GenerationConfig | None = None, *, started: float | None = None
+        self,
+        planned: PlannedPrompt,
+        generation: GenerationConfig | None = None,
+        *,
+        started: float | None = None,
+        stop: threading.Event | None = None,
     ) -> Generator[str, None, GenerationResult]:
-        """Prefill and decode a planned prompt; yields text deltas, returns the result."""
+        """Prefill and decode a planned prompt; yields text deltas, returns the result.
+
+        ``stop``: set from another thread, decoding ends after the current token
+        (finish reason "cancelled").
+        """
         gen = generation or self.config.generation
         started = time.perf_counter() if started is None else started
         plan = planned.plan
@@ -281,9 +388,19 @@ class SpecPrefillEngine:
         limit = min(gen.max_new_tokens, self.backend.max_context - plan.next_position)
         prefill_start = time.perf_counter()
         first: float | None = None
+        timeout = gen.timeout
+        deadline = None if timeout is None else started + timeout
+        if deadline is not None:
+            # The backend gets the time left; the engine checks it between tokens too (a local
+            # backend cannot be interrupted inside one forward pass).
+            gen = dataclasses.replace(gen, timeout=max(deadline - prefill_start, 1e-3))
         tokens = self.backend.stream_tokens(plan, gen)
         try:
+            _check_deadline(deadline, timeout)  # the draft may have used it up
             for token in tokens:
+                _check_deadline(deadline, timeout)
+                if stop is not None and stop.is_set():
+                    break
                 if first is None:
                     first = time.perf_counter()
                 delta = decoder.push(token)
@@ -309,7 +426,10 @@ class SpecPrefillEngine:
             total_s=end - started,
             decode_tokens_per_s=(n_generated - 1) / (end - first) if n_generated > 1 and end > first else None,
         )
-        finish = "stop" if decoder.stopped or n_generated < limit else "length"
+        if stop is not None and stop.is_set():
+            finish = "cancelled"
+        else:
+            finish = "stop" if decoder.stopped or n_generated < limit else "length"
         return GenerationResult(
             text=decoder.text,
             token_ids=decoder.token_ids,
@@ -323,7 +443,7 @@ class SpecPrefillEngine:
     def stream(
         self,
         question: PromptInput,
-        passages: Sequence[Passage | str] = (),
+        passages: Passages = (),
         *,
         instructions: str | None = None,
         mode: Mode = "specprefill",
@@ -334,31 +454,38 @@ class SpecPrefillEngine:
         """Stream the answer as text deltas; ``.result`` is set once the stream ends.
 
         Bad input (empty question or context, prompt over the window, keep rate out of
-        range) raises ``ValueError`` here, before any model runs.
+        range, a prompt the draft cannot read under ``on_overflow="raise"``) raises here,
+        before any model runs: ``InputError`` / ``ConfigError`` (both ``ValueError``), or
+        ``InputTypeError`` / ``ConfigTypeError`` (``TypeError``) for values of the wrong type.
         """
         started = time.perf_counter()
+        if mode not in ("specprefill", "full"):
+            raise ConfigError(f"mode must be 'specprefill' or 'full', got {mode!r}")
+        sel = selection or self.config.selection
+        if not isinstance(sel, SelectionConfig):
+            raise ConfigError(f"selection must be a SelectionConfig, got {type(sel).__name__}")
         if keep_rate is not None:
-            SelectionConfig(keep_rate=keep_rate)  # validates before any work
-        planned_prompt = self.assemble(question, passages, instructions=instructions)
+            sel = dataclasses.replace(sel, keep_rate=keep_rate, token_budget=None)  # validates
+        planned_prompt = self.assemble(question, passages, instructions=instructions, selection=sel)
+        if mode == "specprefill" and self.config.draft.on_overflow == "raise":
+            self._overflow(planned_prompt)  # refuse up front, not at the first next()
 
         def run() -> Generator[str, None, GenerationResult]:
             assembled = time.perf_counter()
-            sel = selection or self.config.selection
-            if keep_rate is not None:
-                sel = dataclasses.replace(sel, keep_rate=keep_rate, token_budget=None)
             plan, scores = self.plan(planned_prompt, mode=mode, selection=sel)
             selection_s = None
             if scores is not None:
                 selection_s = time.perf_counter() - assembled - scores.seconds
             planned = PlannedPrompt(planned_prompt, plan, scores, assembled - started, selection_s)
-            return (yield from self.run_plan(planned, generation, started=started))
+            return (yield from self.run_plan(planned, generation, started=started, stop=stop))
 
-        return TextStream(run())
+        stop = threading.Event()
+        return TextStream(run(), stop)
 
     def generate(
         self,
         question: PromptInput,
-        passages: Sequence[Passage | str] = (),
+        passages: Passages = (),
         *,
         instructions: str | None = None,
         mode: Mode = "specprefill",
@@ -381,8 +508,17 @@ class SpecPrefillEngine:
         return stream.result
 
     async def agenerate(self, *args: Any, **kwargs: Any) -> GenerationResult:
-        """``generate`` in a worker thread, so the event loop stays free."""
-        return await asyncio.to_thread(self.generate, *args, **kwargs)
+        """``generate`` with each step in a worker thread, so the event loop stays free.
+
+        Cancelling the awaiting task stops the generation at the next token and closes the
+        backend's stream.
+        """
+        stream = await self.astream(*args, **kwargs)
+        async with stream:
+            async for _ in stream:
+                pass
+        assert stream.result is not None
+        return stream.result
 
     async def astream(self, *args: Any, **kwargs: Any) -> AsyncTextStream:
         """``stream`` as an async iterator of text deltas (``.result`` once exhausted)."""

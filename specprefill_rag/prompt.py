@@ -19,14 +19,25 @@ and the last few tokens. Only passage/context text is prunable.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from .errors import InputError, InputTypeError
 from .types import AssembledPrompt, Passage, Segment, SegmentKind
 
-__all__ = ["assemble", "build_segments", "chat_segments", "render", "sentence_breaks"]
+__all__ = [
+    "Passages",
+    "as_passages",
+    "assemble",
+    "build_segments",
+    "chat_segments",
+    "passage_segments",
+    "render",
+    "sentence_breaks",
+    "special_token_ids",
+]
 
 # A sentence ends after . ! or ? (and any closing quotes or brackets) followed by white space,
 # or at a line break. The white space belongs to the next sentence, as tokenizers attach it.
@@ -35,32 +46,68 @@ _SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)|\n+")
 _ROLE_NAMES = {"user": "User", "human": "User", "assistant": "Assistant", "ai": "Assistant", "tool": "Tool"}
 
 
-def build_segments(
-    question: str, passages: Sequence[Passage | str], instructions: str | None = None
-) -> tuple[Segment, ...]:
+Passages = Sequence[Passage | str] | Passage | str
+
+
+def as_passages(passages: Passages) -> list[Passage]:
+    """``passages`` as a list of ``Passage``; one ``str`` or ``Passage`` alone is one passage.
+
+    Anything else (a dict, bytes, a retriever's node object) raises ``InputTypeError``: it
+    would otherwise be read as text character by character, or key by key.
+    """
+    if isinstance(passages, (str, Passage)):
+        passages = [passages]
+    elif isinstance(passages, (bytes, Mapping)) or not isinstance(passages, Iterable):
+        raise InputTypeError(
+            f"passages must be a list of Passage or str (or one str), got {type(passages).__name__}"
+        )
+    items: list[Passage] = []
+    for n, item in enumerate(passages):
+        if isinstance(item, Passage) and isinstance(item.text, str):
+            items.append(item)
+        elif isinstance(item, str):
+            items.append(Passage(text=item))
+        else:
+            shown = type(item.text if isinstance(item, Passage) else item).__name__
+            raise InputTypeError(f"passage {n} must be a Passage (with str text) or a str, got {shown}")
+    return items
+
+
+def passage_segments(passages: Passages) -> list[Segment]:
+    """One prunable segment per non-empty passage; a passage without an id gets its number."""
+    return [
+        Segment(SegmentKind.PASSAGE, p.text.strip(), p.id if p.id is not None else str(number), p.metadata)
+        for number, p in enumerate(as_passages(passages), start=1)
+        if p.text.strip()
+    ]
+
+
+def _question(text: object, what: str = "the question") -> str:
+    if not isinstance(text, str):
+        raise InputTypeError(f"{what} must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise InputError(f"{what} is empty: pass the user's question as a non-empty string")
+    return text.strip()
+
+
+def build_segments(question: str, passages: Passages, instructions: str | None = None) -> tuple[Segment, ...]:
     """The segments of a RAG prompt: instructions, passages in order, then the question."""
-    if not isinstance(question, str) or not question.strip():
-        raise ValueError("the question is empty: pass the user's question as a non-empty string")
-    items = [p if isinstance(p, Passage) else Passage(text=p) for p in passages]
-    if not any(p.text.strip() for p in items):
-        raise ValueError(
+    question = _question(question)
+    context = passage_segments(passages)
+    if not context:
+        raise InputError(
             "the context is empty: pass at least one non-empty passage "
             "(did the retriever return nothing?)"
         )
     segments: list[Segment] = []
     if instructions and instructions.strip():
         segments.append(Segment(SegmentKind.INSTRUCTIONS, instructions.strip()))
-    for number, p in enumerate(items, start=1):
-        if p.text.strip():
-            pid = p.id if p.id is not None else str(number)
-            segments.append(Segment(SegmentKind.PASSAGE, p.text.strip(), pid, p.metadata))
-    segments.append(Segment(SegmentKind.QUESTION, question.strip()))
-    return tuple(segments)
+    return (*segments, *context, Segment(SegmentKind.QUESTION, question))
 
 
 def chat_segments(
     turns: Sequence[tuple[str, str]],
-    passages: Sequence[Passage | str] = (),
+    passages: Passages = (),
     *,
     instructions: str | None = None,
 ) -> tuple[Segment, ...]:
@@ -72,16 +119,17 @@ def chat_segments(
     follow the history. Roles: "system", "user"/"human", "assistant"/"ai", others as named.
     """
     if not turns:
-        raise ValueError("no messages: pass at least one message with the question")
+        raise InputError("no messages: pass at least one message with the question")
+    for n, turn in enumerate(turns):
+        if not (isinstance(turn, tuple) and len(turn) == 2 and all(isinstance(x, str) for x in turn)):
+            raise InputTypeError(f"message {n} must be a (role, text) pair of str, got {turn!r:.80}")
     system = [text.strip() for role, text in turns if role == "system" and text.strip()]
     history = [(role, text) for role, text in turns if role != "system"]
     if not history:
-        raise ValueError("only system messages were given: add a user message with the question")
+        raise InputError("only system messages were given: add a user message with the question")
     users = [i for i, (role, _) in enumerate(history) if role in ("user", "human")]
     question_at = users[-1] if users else len(history) - 1
-    question = history[question_at][1].strip()
-    if not question:
-        raise ValueError("the last user message is empty: pass the user's question as text")
+    question = _question(history[question_at][1], "the last user message")
     segments: list[Segment] = []
     joined = "\n\n".join(system) or instructions
     if joined:
@@ -90,11 +138,7 @@ def chat_segments(
         if i != question_at and text.strip():
             name = _ROLE_NAMES.get(role, role.capitalize())
             segments.append(Segment(SegmentKind.CONTEXT, f"{name}: {text.strip()}", f"turn-{i}"))
-    for number, item in enumerate(passages, start=1):
-        p = item if isinstance(item, Passage) else Passage(text=item)
-        if p.text.strip():
-            pid = p.id if p.id is not None else str(number)
-            segments.append(Segment(SegmentKind.PASSAGE, p.text.strip(), pid, p.metadata))
+    segments.extend(passage_segments(passages))
     segments.append(Segment(SegmentKind.QUESTION, question))
     return tuple(segments)
 
@@ -174,6 +218,81 @@ def _sentence_starts(
     return out
 
 
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the tokenizer's special added tokens (role markers, end of turn, BOS/EOS, ...)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids = {int(i) for i, token in decoder.items() if getattr(token, "special", False)}
+    return frozenset(ids | set(getattr(tokenizer, "all_special_ids", ()) or ()))
+
+
+def _encode(
+    tokenizer: Any, text: str, spans: Sequence[tuple[int, int, int]], *, add_special_tokens: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (n,) and character offsets (n, 2) of ``text``; segment text is plain text.
+
+    Passages, questions and chat messages are untrusted: "<|im_start|>system" written inside
+    one must not become the real role marker. Only the chat template may produce special
+    tokens. A prompt whose segments hold no special-token string is tokenized in one piece
+    (the model's own tokenization); otherwise template and segment text are tokenized
+    separately, the segments with ``split_special_tokens=True``.
+    """
+    encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    ids = torch.tensor(encoded["input_ids"], dtype=torch.int64)
+    offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.int64).reshape(-1, 2)
+    special = torch.tensor(sorted(special_token_ids(tokenizer)), dtype=torch.int64)
+    suspects = torch.isin(ids, special)
+    if suspects.any():
+        # Characters inside any segment, as a prefix sum: token [s, e) touches a segment
+        # when covered[e] > covered[s] (one pass, whatever the number of segments).
+        inside = torch.zeros(len(text) + 1, dtype=torch.int64)
+        for _, a, b in spans:
+            inside[a] += 1
+            inside[b] -= 1
+        covered = torch.cat([torch.zeros(1, dtype=torch.int64), (inside.cumsum(0)[:-1] > 0).cumsum(0)])
+        s, e = offsets[suspects, 0], offsets[suspects, 1]
+        suspects = covered[e] > covered[s]
+    if not suspects.any():
+        return ids, offsets
+    pieces: list[tuple[int, int, bool]] = []  # (start, end, untrusted)
+    at = 0
+    for _, a, b in sorted(spans, key=lambda span: span[1]):
+        if a > at:
+            pieces.append((at, a, False))
+        pieces.append((a, b, True))
+        at = b
+    if at < len(text):
+        pieces.append((at, len(text), False))
+    all_ids: list[int] = []
+    all_offsets: list[tuple[int, int]] = []
+    for n, (a, b, untrusted) in enumerate(pieces):
+        part = tokenizer(
+            text[a:b],
+            add_special_tokens=add_special_tokens and n == 0,
+            return_offsets_mapping=True,
+            split_special_tokens=untrusted,
+        )
+        all_ids.extend(part["input_ids"])
+        all_offsets.extend((a + s, a + e) if e > s else (a, a) for s, e in part["offset_mapping"])
+    return torch.tensor(all_ids, dtype=torch.int64), torch.tensor(all_offsets, dtype=torch.int64).reshape(-1, 2)
+
+
+def _segment_of(
+    visible: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, spans: Sequence[tuple[int, int, int]]
+) -> torch.Tensor:
+    """(n,) int64: the segment each token lies in (its visible text inside the span), else -1."""
+    out = torch.full_like(starts, -1)
+    if not spans:
+        return out
+    ordered = sorted(spans, key=lambda span: span[1])
+    index, a, b = (torch.tensor(column, dtype=torch.int64) for column in zip(*ordered, strict=True))
+    at = torch.searchsorted(a, visible.contiguous(), right=True) - 1  # last span starting at or before
+    hit = at >= 0
+    at = at.clamp(min=0)
+    hit &= (visible >= a[at]) & (ends <= b[at]) & (ends > starts)
+    out[hit] = index[at[hit]]
+    return out
+
+
 def assemble(
     tokenizer: Any,
     segments: Sequence[Segment],
@@ -189,32 +308,29 @@ def assemble(
     """
     segments = tuple(segments)
     if not any(s.text.strip() for s in segments):
-        raise ValueError("the prompt is empty: pass a question and at least one passage")
+        raise InputError("the prompt is empty: pass a question and at least one passage")
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(
+        raise InputError(
             f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; "
             "load the fast one (AutoTokenizer.from_pretrained(..., use_fast=True))"
         )
     text, spans, chat = render(tokenizer, segments)
-    encoded = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
-    token_ids = torch.tensor(encoded["input_ids"], dtype=torch.int64)
-    offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.int64).reshape(-1, 2)
+    token_ids, offsets = _encode(tokenizer, text, spans, add_special_tokens=not chat)
     starts, ends = offsets[:, 0], offsets[:, 1]
     # A token such as " what" starts on the space before a segment's first character: it
     # belongs to the segment by its visible text (pure white space keeps its own start).
     lead = torch.tensor([len(t) - len(t.lstrip()) for t in (text[a:b] for a, b in offsets.tolist())])
     visible = torch.where(starts + lead < ends, starts + lead, starts)
-    segment_index = torch.full_like(token_ids, -1)
-    for index, a, b in spans:
-        inside = (visible >= a) & (ends <= b) & (ends > starts)
-        segment_index[inside] = index
-    protected = segment_index < 0
-    for index, segment in enumerate(segments):
-        keep = segment.kind is SegmentKind.QUESTION or (
-            segment.kind is SegmentKind.INSTRUCTIONS and protect_instructions
-        )
-        if keep:
-            protected |= segment_index == index
+    segment_index = _segment_of(visible, starts, ends, spans)
+    keep = torch.tensor(
+        [
+            s.kind is SegmentKind.QUESTION or (s.kind is SegmentKind.INSTRUCTIONS and protect_instructions)
+            for s in segments
+        ]
+        + [True],  # index -1: template text
+        dtype=torch.bool,
+    )
+    protected = keep[segment_index]
     if protect_tail_tokens:
         protected[-protect_tail_tokens:] = True
     return AssembledPrompt(

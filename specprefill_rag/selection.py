@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .config import SelectionConfig
+from .errors import InputError, PlanError
 from .types import AssembledPrompt, KeptSpan, PrefillPlan
 
 __all__ = ["chunk_bounds", "full_plan", "plan_from_indices", "select", "unit_bounds", "unit_ranks", "unit_sums"]
@@ -99,12 +100,12 @@ def select(
     """
     n = scores.numel()
     if protected.numel() != n or segment_index.numel() != n:
-        raise ValueError(
+        raise InputError(
             f"scores ({n}), protected ({protected.numel()}) and segment_index "
             f"({segment_index.numel()}) must have one entry per prompt token"
         )
     if sentence_start is not None and sentence_start.numel() != n:
-        raise ValueError(f"sentence_start ({sentence_start.numel()}) must have one entry per prompt token ({n})")
+        raise InputError(f"sentence_start ({sentence_start.numel()}) must have one entry per prompt token ({n})")
     if n < config.min_prompt_tokens:
         return torch.arange(n, dtype=torch.int64)
     keep = protected.clone()
@@ -160,29 +161,35 @@ def plan_from_indices(
     n = prompt.n_tokens
     kept = kept.to(torch.int64)
     if kept.numel() == 0:
-        raise ValueError("a prefill plan needs at least one kept token")
+        raise PlanError("a prefill plan needs at least one kept token")
     if kept.numel() > 1 and not bool((kept[1:] > kept[:-1]).all()):
-        raise ValueError("kept indices must be strictly increasing")
+        raise PlanError("kept indices must be strictly increasing")
     if int(kept[0]) < 0 or int(kept[-1]) >= n:
-        raise ValueError(f"kept indices must lie in [0, {n})")
+        raise PlanError(f"kept indices must lie in [0, {n})")
     if contiguous_positions:
         positions = torch.arange(kept.numel(), dtype=torch.int64)
         next_position = kept.numel()
     else:
         positions = kept.clone()
         next_position = n
-    kept_segments = prompt.segment_index[kept].tolist()
-    kept_list = kept.tolist()
+    # One pass over the tokens, whatever the number of segments (10k passages plan in ms).
+    n_segments = len(prompt.segments)
+    sizes = torch.bincount(prompt.segment_index + 1, minlength=n_segments + 1)[1:].tolist()
+    kept_segments = prompt.segment_index[kept]
+    order = torch.argsort(kept_segments, stable=True)
+    counts = torch.bincount(kept_segments + 1, minlength=n_segments + 1).tolist()
+    grouped = kept[order].tolist()
+    at = counts[0]  # kept template tokens (segment -1) come first
     spans = []
     for index, segment in enumerate(prompt.segments):
-        n_tokens = int((prompt.segment_index == index).sum())
-        mine = [k for k, s in zip(kept_list, kept_segments, strict=True) if s == index]
+        mine = grouped[at : at + counts[index + 1]]
+        at += counts[index + 1]
         spans.append(
             KeptSpan(
                 segment_index=index,
                 kind=segment.kind,
                 id=segment.id,
-                n_tokens=n_tokens,
+                n_tokens=sizes[index],
                 n_kept=len(mine),
                 ranges=_ranges(mine),
             )

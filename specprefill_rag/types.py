@@ -165,7 +165,7 @@ class GenerationResult:
 
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    finish_reason: str  # "stop" (EOS or stop string), "length" or "cancelled"
     prompt_tokens: int
     prefilled_tokens: int
     plan: PrefillPlan

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import CORPUS, make_model, make_tokenizer
@@ -11,6 +13,7 @@ from specprefill_rag import (
     DraftConfig,
     DraftModel,
     GenerationConfig,
+    InputError,
     SegmentKind,
     SelectionConfig,
     SpecPrefillConfig,
@@ -136,13 +139,25 @@ def test_slow_tokenizer_is_rejected_for_mapping(tokenizers):
         make_engine(main_tok, slow)
 
 
-def test_draft_window_applies_to_the_drafts_own_tokens(tokenizers):
+def test_draft_window_applies_to_the_drafts_own_tokens(tokenizers, caplog):
     main_tok, draft_tok = tokenizers
     engine = make_engine(main_tok, draft_tok, draft_window=128)
     p = engine.assemble(QUESTION, PASSAGES)
     n_draft = prompt.assemble(draft_tok, p.segments).n_tokens
-    with pytest.raises(ValueError, match=rf"prompt of {n_draft} tokens .* draft model's window of 128"):
-        engine.generate(QUESTION, PASSAGES)
+    assert not engine.draft_fits(p)
+    # Default: the prompt is prefilled whole, with a warning naming the draft's own count.
+    with caplog.at_level("WARNING", logger="specprefill_rag.engine"):
+        result = engine.generate(QUESTION, PASSAGES)
+    assert not result.plan.speculated and result.prefilled_tokens == p.n_tokens
+    assert f"prompt of {n_draft} draft tokens" in caplog.text and "window of 128" in caplog.text
+    # on_overflow="raise": refused when the stream is made, before any model runs.
+    strict = dataclasses.replace(
+        engine.config, draft=dataclasses.replace(engine.config.draft, on_overflow="raise")
+    )
+    engine = SpecPrefillEngine(engine.backend, engine.draft, strict)
+    with pytest.raises(InputError, match=rf"prompt of {n_draft} draft tokens .* draft model's window of 128"):
+        engine.stream(QUESTION, PASSAGES)
+    assert engine.generate(QUESTION, PASSAGES, mode="full").prefilled_tokens == p.n_tokens
 
 
 def test_bad_tokenizer_mapping_value():

@@ -12,6 +12,7 @@ PACKAGES = [
     "specprefill_rag.config",
     "specprefill_rag.draft",
     "specprefill_rag.engine",
+    "specprefill_rag.errors",
     "specprefill_rag.models",
     "specprefill_rag.prompt",
     "specprefill_rag.retrieval",

@@ -72,7 +72,7 @@ def test_registered():
 
 
 def test_unreachable_server_fails_after_retries():
-    backend = client(free_port(), connect_retries=2, retry_backoff=0.1, connect_timeout=1.0)
+    backend = client(free_port(), max_retries=2, retry_backoff=0.1, connect_timeout=1.0)
     started = time.perf_counter()
     with pytest.raises(BackendError, match=r"cannot reach the vLLM server at http://127.0.0.1:\d+ .*3 attempts"):
         list(backend.stream_tokens(PLAN, GenerationConfig(max_new_tokens=3)))
@@ -81,7 +81,7 @@ def test_unreachable_server_fails_after_retries():
 
 def test_unreachable_server_at_construction():
     with pytest.raises(BackendError, match="cannot reach the vLLM server"):
-        VLLMServerBackend(f"http://127.0.0.1:{free_port()}", tokenizer, connect_retries=0)
+        VLLMServerBackend(f"http://127.0.0.1:{free_port()}", tokenizer, max_retries=0)
 
 
 def test_silent_server_times_out(fake_server):
@@ -111,7 +111,7 @@ def test_http_errors_carry_status_and_message(fake_server, status):
     replies.append(b"HTTP/1.1 %d Err\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                    % (status, len(body), body))
     with pytest.raises(ServerError, match=f"answered /v1/completions with HTTP {status}: the reason") as info:
-        list(client(port).stream_tokens(PLAN, GenerationConfig(max_new_tokens=3)))
+        list(client(port, max_retries=0).stream_tokens(PLAN, GenerationConfig(max_new_tokens=3)))
     assert info.value.status == status
 
 
@@ -143,7 +143,7 @@ def test_stream_parsing_stops_at_eos(fake_server):
     ],
 )
 def test_bad_plans_rejected_before_sending(plan, message):
-    backend = client(free_port(), connect_retries=0)  # nothing listens: validation comes first
+    backend = client(free_port(), max_retries=0)  # nothing listens: validation comes first
     with pytest.raises(ValueError, match=message):
         list(backend.stream_tokens(plan, GenerationConfig(max_new_tokens=3)))
 

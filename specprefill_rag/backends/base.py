@@ -7,13 +7,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from ..config import GenerationConfig
+from ..errors import BackendError, PlanError
 from ..types import PrefillPlan
+from ..vllm_plugin.protocol import is_contiguous, parse_plan, plan_to_xargs
 
-__all__ = ["Backend", "BackendCapabilities", "BackendError"]
-
-
-class BackendError(RuntimeError):
-    """A backend could not serve a request (server down, bad response, unsupported plan)."""
+__all__ = ["Backend", "BackendCapabilities", "BackendError", "checked_xargs", "max_new_tokens"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +53,26 @@ class Backend(Protocol):
         the iterator early (stop strings).
         """
         ...
+
+
+def max_new_tokens(plan: PrefillPlan, generation: GenerationConfig, window: int) -> int:
+    """Tokens to generate: the configured limit, cut at the end of the window (as transformers)."""
+    if plan.next_position > window:
+        raise PlanError(
+            f"plan reaches position {plan.next_position}, beyond the main model's window of {window} tokens"
+        )
+    return min(generation.max_new_tokens, window - plan.next_position)
+
+
+def checked_xargs(plan: PrefillPlan, *, max_tokens: int, window: int, model: str) -> dict[str, Any] | None:
+    """The plugin's ``vllm_xargs`` for ``plan`` (None when its positions are contiguous), after the
+    same validation the plugin applies on the server; ``PlanError`` says what is wrong."""
+    if plan.n_kept == 0:
+        raise PlanError("the plan keeps no tokens")
+    positions = plan.position_ids.tolist()
+    xargs = plan_to_xargs(positions, plan.next_position)
+    try:
+        parse_plan(xargs, prompt_len=plan.n_kept, max_tokens=max_tokens, max_len=window)
+    except PlanError as error:
+        raise PlanError(f"invalid prefill plan for {model}: {error}") from None
+    return None if is_contiguous(positions, plan.next_position) else xargs

@@ -16,9 +16,9 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..types import PrefillPlan
-from ..vllm_plugin.protocol import PlanError, is_contiguous, parse_plan, plan_salt, plan_to_xargs
-from .base import BackendCapabilities
-from .vllm_server import TokenStep, _max_tokens
+from ..vllm_plugin.protocol import plan_salt
+from .base import BackendCapabilities, checked_xargs, max_new_tokens
+from .vllm_server import TokenStep
 
 __all__ = ["VLLMOfflineBackend"]
 
@@ -95,19 +95,11 @@ class VLLMOfflineBackend:
     def _request(self, plan: PrefillPlan, generation: GenerationConfig, logprobs: bool) -> tuple[Any, Any]:
         from vllm import SamplingParams, TokensPrompt
 
-        if plan.n_kept == 0:
-            raise ValueError("the plan keeps no tokens")
-        max_tokens = _max_tokens(plan, generation, self.max_context)
-        positions = plan.position_ids.tolist()
+        max_tokens = max_new_tokens(plan, generation, self.max_context)
         prompt = TokensPrompt(prompt_token_ids=plan.token_ids.tolist())
-        extra = None
-        if not is_contiguous(positions, plan.next_position):
-            extra = plan_to_xargs(positions, plan.next_position)
-            try:
-                parse_plan(extra, prompt_len=plan.n_kept, max_tokens=max_tokens, max_len=self.max_context)
-            except PlanError as error:
-                raise ValueError(f"invalid prefill plan for {self.model_name}: {error}") from None
-            prompt["cache_salt"] = plan_salt(positions, plan.next_position)
+        extra = checked_xargs(plan, max_tokens=max_tokens, window=self.max_context, model=self.model_name)
+        if extra is not None:
+            prompt["cache_salt"] = plan_salt(plan.position_ids.tolist(), plan.next_position)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=generation.temperature,
@@ -124,7 +116,7 @@ class VLLMOfflineBackend:
         self, plans: Sequence[PrefillPlan], generation: GenerationConfig, *, logprobs: bool = False
     ) -> list[list[TokenStep]]:
         """All plans in one batched ``generate`` call; per plan, its tokens (EOS excluded)."""
-        todo = [i for i, plan in enumerate(plans) if _max_tokens(plan, generation, self.max_context) > 0]
+        todo = [i for i, plan in enumerate(plans) if max_new_tokens(plan, generation, self.max_context) > 0]
         requests = [self._request(plans[i], generation, logprobs) for i in todo]
         generated = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
         outputs: list[Any] = [None] * len(plans)

@@ -6,6 +6,14 @@ prefix cache never mixes blocks computed at different positions). A full plan is
 plain request, exactly what stock vLLM serves. The tokenizer is loaded locally from the same
 HF directory the server serves. Standard library HTTP only (``http.client``), no extra
 dependency. Start the server with ``specprefill-rag serve MODEL`` (docs/vllm.md).
+
+Failures: every failure of the server path is a ``BackendError`` (``ServerError`` for an HTTP
+error or an error event, ``BackendTimeoutError`` past the deadline) naming the server, with the
+underlying exception chained. ``GenerationConfig.timeout`` is a deadline over the whole request:
+connecting, retries and the entire stream (keep-alive comments do not extend it); ``None`` leaves
+only ``read_timeout``, the longest silence allowed. A request is re-sent, unchanged, only when the
+connection could not be made or the server answered 502/503/504, so always before the first
+token; with exponential backoff, at most ``max_retries`` times and never past the deadline.
 """
 
 from __future__ import annotations
@@ -15,26 +23,34 @@ import json
 import logging
 import time
 import urllib.parse
+import warnings
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import GenerationConfig
+from ..errors import BackendError, BackendTimeoutError, ConfigError, ServerError
 from ..types import PrefillPlan
-from ..vllm_plugin.protocol import PlanError, is_contiguous, parse_plan, plan_salt, plan_to_xargs
-from .base import BackendCapabilities, BackendError
+from ..vllm_plugin.protocol import is_contiguous, plan_salt, plan_to_xargs
+from .base import BackendCapabilities, checked_xargs, max_new_tokens
 
 __all__ = ["ServerError", "TokenStep", "VLLMServerBackend", "request_body"]
 
 logger = logging.getLogger(__name__)
 
+RETRY_STATUSES = frozenset({502, 503, 504})  # a proxy or an overloaded server: worth another try
+_READ_SIZE = 1 << 16  # bytes asked of the socket per read
+_MAX_LINE = 1 << 24  # bytes; a longer server-sent-event line is a broken stream
+# I/O errors of a request: socket (incl. timeouts, resets), protocol (IncompleteRead, bad status
+# line) and value errors http.client lets through on garbage.
+_IO_ERRORS = (OSError, http.client.HTTPException, ValueError)
 
-class ServerError(BackendError):
-    """The server answered with an error; ``status`` is the HTTP status (None: error event in a stream)."""
 
-    def __init__(self, message: str, status: int | None) -> None:
-        super().__init__(message)
-        self.status = status
+class _DefaultRetries(int):
+    """The default of ``max_retries`` (2), told apart from an explicit 2 by identity."""
+
+
+_DEFAULT_RETRIES = _DefaultRetries(2)
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,52 @@ class TokenStep:
 
     token_id: int
     logprob: float | None
+
+
+@dataclass(frozen=True)
+class _Deadline:
+    """The end of one request's time budget (``timeout`` seconds from its start; None: none)."""
+
+    timeout: float | None  # seconds
+    end: float | None  # time.monotonic() value
+
+    @classmethod
+    def start(cls, timeout: float | None) -> _Deadline:
+        return cls(timeout, None if timeout is None else time.monotonic() + timeout)
+
+    def left(self) -> float | None:
+        """Seconds left (negative once passed); None without a deadline."""
+        return None if self.end is None else self.end - time.monotonic()
+
+    def passed(self) -> bool:
+        left = self.left()
+        return left is not None and left <= 0
+
+    def cap(self, seconds: float) -> float:
+        """``seconds`` cut to the time left (kept above zero: a zero socket timeout means non-blocking)."""
+        left = self.left()
+        return seconds if left is None else max(min(seconds, left), 1e-3)
+
+
+_NO_DEADLINE = _Deadline(None, None)
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """An answered request: its connection, the response (2xx) and the socket under both."""
+
+    conn: http.client.HTTPConnection
+    response: http.client.HTTPResponse
+    sock: Any  # socket.socket or ssl.SSLSocket; kept because http.client drops conn.sock on "close"
+
+    def close(self) -> None:
+        """Close the socket now (the response owns it when the server said ``Connection: close``)."""
+        self.response.close()
+        self.conn.close()
+
+
+class _Unreachable(Exception):
+    """A connection attempt failed (refused, unreachable, connect timeout); the cause is the OSError."""
 
 
 def request_body(
@@ -87,7 +149,13 @@ def request_body(
 
 
 class VLLMServerBackend:
-    """HTTP client for ``vllm serve`` with the plugin; TTFT is the first streamed token here."""
+    """HTTP client for ``vllm serve`` with the plugin; TTFT is the first streamed token here.
+
+    ``generation.timeout`` bounds a whole request (connect, retries, stream); ``read_timeout``
+    bounds each silence. Refused or timed-out connections and HTTP 502/503/504 answers are
+    retried up to ``max_retries`` times, ``retry_backoff`` seconds apart, doubled each time, while
+    the deadline allows the wait; other HTTP errors (4xx, 500) and failures mid-stream are not.
+    """
 
     name = "vllm_server"
     capabilities = BackendCapabilities(exact_positions=True, streaming=True, native_async=False)
@@ -102,20 +170,28 @@ class VLLMServerBackend:
         eos_token_ids: frozenset[int] = frozenset(),
         connect_timeout: float = 5.0,  # seconds per connection attempt
         read_timeout: float = 300.0,  # seconds without any byte from the server
-        connect_retries: int = 3,  # extra attempts when the connection is refused or times out
+        max_retries: int = _DEFAULT_RETRIES,  # extra attempts after a failed connect or HTTP 502/503/504
         retry_backoff: float = 0.5,  # seconds before the first retry, doubled each time
         cache_salt: str | None = None,  # vLLM prefix-cache salt sent with every request (None: shared cache)
+        connect_retries: int | None = None,  # deprecated alias of max_retries
     ) -> None:
         parsed = urllib.parse.urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError(f"base_url must look like http://HOST:PORT, got {base_url!r}")
+            raise ConfigError(f"base_url must look like http://HOST:PORT, got {base_url!r}")
+        if connect_retries is not None:
+            if max_retries is not _DEFAULT_RETRIES:
+                raise ConfigError("give max_retries or its deprecated alias connect_retries, not both")
+            warnings.warn("connect_retries is deprecated; use max_retries", DeprecationWarning, stacklevel=2)
+            max_retries = connect_retries
+        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+            raise ConfigError(f"max_retries must be an int >= 0, got {max_retries!r}")
         self.base_url = base_url.rstrip("/")
         self._scheme, self._host = parsed.scheme, parsed.hostname
         self._port = parsed.port or (443 if parsed.scheme == "https" else 80)
         self._prefix = parsed.path.rstrip("/")
         self._tokenizer = tokenizer
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
-        self.connect_retries, self.retry_backoff = connect_retries, retry_backoff
+        self.max_retries, self.retry_backoff = int(max_retries), retry_backoff
         # Public: requests share prefix-cache blocks only with requests of the same salt (tenants,
         # or a benchmark that must measure cold prefills); may be changed between requests.
         self.cache_salt = cache_salt
@@ -126,7 +202,7 @@ class VLLMServerBackend:
             card = self._model_card(model)
             model = model or str(card["id"])
             if max_context is None:
-                max_context = int(card.get("max_model_len") or 0) or None
+                max_context = card.get("max_model_len") or None
         self._model = model
         self._max_context = max_context or (1 << 30)
 
@@ -161,141 +237,261 @@ class VLLMServerBackend:
 
     # -- HTTP ------------------------------------------------------------------------------
 
-    def _connect(self) -> http.client.HTTPConnection:
-        """An open connection, retrying refused/timed-out connects with exponential backoff."""
-        cls = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
-        delay, error = self.retry_backoff, None
-        began = time.perf_counter()
-        for attempt in range(self.connect_retries + 1):
-            conn = cls(self._host, self._port, timeout=self.connect_timeout)
+    def _open(self, method: str, path: str, body: dict[str, Any] | None, deadline: _Deadline) -> _Exchange:
+        """Send a request and return its 2xx answer, retrying failed connects and 502/503/504
+        with exponential backoff while ``max_retries`` and the deadline allow."""
+        payload = None if body is None else json.dumps(body).encode()
+        delay, began, attempts = self.retry_backoff, time.monotonic(), 0
+        while True:
+            attempts += 1
             try:
-                conn.connect()
-                assert conn.sock is not None
-                conn.sock.settimeout(self.read_timeout)
-                return conn
-            except OSError as exc:  # refused, unreachable, connect timeout
-                conn.close()
-                error = exc
-                if attempt < self.connect_retries:
-                    time.sleep(delay)
-                    delay *= 2
+                return self._exchange(method, path, payload, deadline)
+            except ServerError as exc:
+                if exc.status not in RETRY_STATUSES:
+                    raise
+                failure: BaseException = exc
+            except _Unreachable as exc:
+                failure = exc.__cause__ or exc
+            left = deadline.left()
+            if attempts > self.max_retries or (left is not None and left < delay):
+                break
+            logger.warning("vLLM server at %s: %s; retry %d of %d in %.2g s",
+                           self.base_url, _describe(failure), attempts, self.max_retries, delay)
+            time.sleep(delay)
+            delay *= 2
+        tried = f"{attempts} attempt{'s' if attempts > 1 else ''} over {time.monotonic() - began:.1f} s"
+        if attempts <= self.max_retries or deadline.passed():  # the deadline cut the retries short
+            raise self._timed_out(deadline, f"before answering {path}", f"{tried}; last: {_describe(failure)}"
+                                  ) from failure
+        if isinstance(failure, ServerError):
+            if attempts == 1:
+                raise failure
+            raise ServerError(f"{failure} ({tried})", failure.status) from failure
         raise BackendError(
-            f"cannot reach the vLLM server at {self.base_url} ({type(error).__name__}: {error}; "
-            f"{self.connect_retries + 1} attempts over {time.perf_counter() - began:.1f} s). "
+            f"cannot reach the vLLM server at {self.base_url} ({_describe(failure)}; {tried}). "
             "Is it running? Start it with: specprefill-rag serve MODEL"
-        )
+        ) from failure
 
-    def _send(self, method: str, path: str, body: dict[str, Any] | None = None
-              ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        conn = self._connect()
+    def _exchange(self, method: str, path: str, payload: bytes | None, deadline: _Deadline) -> _Exchange:
+        """One attempt: connect, send, read the status. ``_Unreachable`` when no connection was
+        made, ``ServerError`` for a non-2xx answer, another ``BackendError`` for any other failure."""
+        if deadline.passed():
+            raise self._timed_out(deadline, f"before answering {path}")
+        cls = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+        conn = cls(self._host, self._port, timeout=deadline.cap(self.connect_timeout))
         try:
-            payload = None if body is None else json.dumps(body).encode()
+            conn.connect()
+        except OSError as exc:
+            conn.close()
+            raise _Unreachable() from exc
+        sock = conn.sock
+        limit = deadline.cap(self.read_timeout)
+        try:
+            sock.settimeout(limit)
             headers = {"Content-Type": "application/json"} if payload else {}
             conn.request(method, self._prefix + path, body=payload, headers=headers)
             response = conn.getresponse()
-        except TimeoutError as exc:
+        except _IO_ERRORS as exc:
             conn.close()
-            raise BackendError(
-                f"the vLLM server at {self.base_url} sent nothing for {self.read_timeout:g} s ({path})"
-            ) from exc
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
-            raise BackendError(f"request to the vLLM server at {self.base_url}{path} failed: {exc}") from exc
-        if response.status >= 400:
-            text = response.read().decode(errors="replace")
+            raise self._io_error(exc, limit, deadline, f"before answering {path}") from exc
+        if not 200 <= response.status < 300:
+            text = _read_error_body(response)
+            response.close()
             conn.close()
             raise ServerError(
                 f"the vLLM server at {self.base_url} answered {path} with HTTP {response.status}: "
                 f"{_error_message(text)}",
                 response.status,
             )
-        return conn, response
+        return _Exchange(conn, response, sock)
 
-    def _model_card(self, model: str | None) -> dict[str, Any]:
-        conn, response = self._send("GET", "/v1/models")
-        try:
-            cards = json.loads(response.read()).get("data") or []
-        finally:
-            conn.close()
-        for card in cards:
-            if model is None or card.get("id") == model:
-                return dict(card)
-        raise BackendError(
-            f"the vLLM server at {self.base_url} does not serve {model!r}; it serves "
-            f"{', '.join(str(c.get('id')) for c in cards) or 'nothing'}"
+    def _io_error(self, exc: BaseException, limit: float, deadline: _Deadline, where: str) -> BackendError:
+        """The error for ``exc``, raised by a read or write under a socket timeout of ``limit`` s;
+        ``where`` ("mid-stream", "before answering PATH") ends the message."""
+        if isinstance(exc, TimeoutError):
+            if limit < self.read_timeout:  # the deadline, not the read timeout, set the limit
+                return self._timed_out(deadline, where)
+            return BackendError(f"the vLLM server at {self.base_url} sent nothing for {self.read_timeout:g} s {where}")
+        return BackendError(f"the connection to the vLLM server at {self.base_url} failed {where}: {_describe(exc)}")
+
+    def _timed_out(self, deadline: _Deadline, where: str, detail: str = "") -> BackendTimeoutError:
+        return BackendTimeoutError(
+            f"the vLLM server at {self.base_url} ran past the request's timeout of {deadline.timeout:g} s {where}"
+            + (f" ({detail})" if detail else "")
         )
 
-    def _events(self, response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
-        """Parsed ``data:`` events of a server-sent-event stream, until ``[DONE]``."""
+    def _model_card(self, model: str | None) -> dict[str, Any]:
+        exchange = self._open("GET", "/v1/models", None, _NO_DEADLINE)
+        try:
+            raw = exchange.response.read()
+        except _IO_ERRORS as exc:
+            raise self._io_error(exc, self.read_timeout, _NO_DEADLINE, "while answering /v1/models") from exc
+        finally:
+            exchange.close()
+        try:
+            cards = _model_cards(raw)
+        except (TypeError, ValueError) as exc:
+            raise BackendError(f"the vLLM server at {self.base_url} answered /v1/models with no valid model "
+                               f"list ({_describe(exc)}): {raw[:200]!r}") from exc
+        for card in cards:
+            if model is None or card["id"] == model:
+                return card
+        raise BackendError(
+            f"the vLLM server at {self.base_url} does not serve {model!r}; it serves "
+            f"{', '.join(str(c['id']) for c in cards) or 'nothing'}"
+        )
+
+    def _lines(self, exchange: _Exchange, deadline: _Deadline) -> Iterator[bytes]:
+        """The response's lines (line end stripped) as they arrive. The deadline is checked at every
+        line and caps every socket read, so neither keep-alive comments nor silence outlast it."""
+        buffer = bytearray()
         while True:
-            try:
-                line = response.readline()
-            except TimeoutError as exc:
-                raise BackendError(
-                    f"the vLLM server at {self.base_url} sent nothing for {self.read_timeout:g} s mid-stream"
-                ) from exc
-            if not line:
-                raise BackendError(f"the vLLM server at {self.base_url} closed the stream early")
-            line = line.strip()
-            if not line.startswith(b"data:"):
+            if deadline.passed():
+                raise self._timed_out(deadline, "mid-stream")
+            end = buffer.find(b"\n")
+            if end >= 0:
+                line = bytes(buffer[:end]).rstrip(b"\r")
+                del buffer[: end + 1]
+                yield line
                 continue
+            if len(buffer) > _MAX_LINE:
+                raise BackendError(f"the vLLM server at {self.base_url} sent a stream line over {_MAX_LINE} bytes")
+            limit = deadline.cap(self.read_timeout)
+            try:
+                exchange.sock.settimeout(limit)
+                chunk = exchange.response.read1(_READ_SIZE)
+            except _IO_ERRORS as exc:
+                raise self._io_error(exc, limit, deadline, "mid-stream") from exc
+            if not chunk:
+                raise BackendError(f"the vLLM server at {self.base_url} closed the stream early")
+            buffer += chunk
+
+    def _events(self, exchange: _Exchange, deadline: _Deadline) -> Iterator[dict[str, Any]]:
+        """Parsed ``data:`` events of a server-sent-event stream, until ``[DONE]``."""
+        for line in self._lines(exchange, deadline):
+            if not line.startswith(b"data:"):
+                continue  # blank separators, ": keep-alive" comments, other fields
             data = line[5:].strip()
             if data == b"[DONE]":
                 return
-            event = json.loads(data)
-            if "error" in event:
+            try:
+                event = json.loads(data.decode("utf-8"))  # SSE is UTF-8 (json.loads would guess)
+                if not isinstance(event, dict):
+                    raise TypeError(f"an event must be a JSON object, got {type(event).__name__}")
+            except (TypeError, ValueError) as exc:  # ValueError covers bad JSON and bad UTF-8
+                raise self._malformed(exc, data) from exc
+            if event.get("error") is not None:
                 raise ServerError(f"the vLLM server at {self.base_url} failed mid-stream: "
                                   f"{_error_message(json.dumps(event))}", None)
             yield event
 
+    def _malformed(self, exc: Exception, data: bytes) -> BackendError:
+        return BackendError(f"the vLLM server at {self.base_url} sent a malformed stream event "
+                            f"({_describe(exc)}): {data[:200]!r}")
+
     # -- generation ------------------------------------------------------------------------
 
     def check_plan(self, plan: PrefillPlan, max_tokens: int) -> None:
-        """Client-side validation, the same rules the server applies (``ValueError``)."""
-        positions = plan.position_ids.tolist()
-        if plan.n_kept == 0:
-            raise ValueError("the plan keeps no tokens")
-        try:
-            parse_plan(plan_to_xargs(positions, plan.next_position), prompt_len=plan.n_kept,
-                       max_tokens=max_tokens, max_len=self.max_context)
-        except PlanError as error:
-            raise ValueError(f"invalid prefill plan for {self.model_name}: {error}") from None
+        """Client-side validation, the same rules the server applies (``PlanError``)."""
+        checked_xargs(plan, max_tokens=max_tokens, window=self.max_context, model=self.model_name)
 
     def stream_steps(
         self, plan: PrefillPlan, generation: GenerationConfig, *, logprobs: bool = False
     ) -> Generator[TokenStep, None, None]:
-        """Generated tokens (EOS excluded) as they stream in, with log-probabilities if asked."""
-        max_tokens = _max_tokens(plan, generation, self.max_context)
+        """Generated tokens (EOS excluded) as they stream in, with log-probabilities if asked.
+
+        ``generation.timeout`` (seconds, counted from the first ``next``) bounds the whole request;
+        closing the generator closes the connection, which cancels the request on the server.
+        """
+        max_tokens = max_new_tokens(plan, generation, self.max_context)
         if max_tokens == 0:
             return
         self.check_plan(plan, max_tokens)
         body = request_body(plan, generation, model=self.model_name, max_tokens=max_tokens,
                             logprobs=logprobs, stream=True, cache_salt=self.cache_salt)
-        conn, response = self._send("POST", "/v1/completions", body)
+        deadline = _Deadline.start(generation.timeout)
+        exchange = self._open("POST", "/v1/completions", body, deadline)
         try:
-            for event in self._events(response):
-                for choice in event.get("choices") or ():
-                    ids = choice.get("token_ids") or []
-                    lps = ((choice.get("logprobs") or {}).get("token_logprobs") or []) if logprobs else []
-                    for j, token in enumerate(ids):
-                        if token in self.eos_token_ids:
-                            return
-                        yield TokenStep(int(token), float(lps[j]) if j < len(lps) else None)
+            for event in self._events(exchange, deadline):
+                try:
+                    steps = _token_steps(event, logprobs)
+                except (TypeError, ValueError) as exc:
+                    raise self._malformed(exc, json.dumps(event).encode()) from exc
+                for step in steps:
+                    if step.token_id in self.eos_token_ids:
+                        return
+                    yield step
         finally:
-            conn.close()  # also cancels the request on the server when the caller stops early
+            exchange.close()  # also cancels the request on the server when the caller stops early
 
     def stream_tokens(self, plan: PrefillPlan, generation: GenerationConfig) -> Generator[int, None, None]:
         for step in self.stream_steps(plan, generation):
             yield step.token_id
 
 
-def _max_tokens(plan: PrefillPlan, generation: GenerationConfig, window: int) -> int:
-    """Tokens to generate: the configured limit, cut at the end of the window (as transformers)."""
-    if plan.next_position > window:
-        raise ValueError(
-            f"plan reaches position {plan.next_position}, beyond the main model's window of {window} tokens"
-        )
-    return min(generation.max_new_tokens, window - plan.next_position)
+def _token_steps(event: dict[str, Any], logprobs: bool) -> list[TokenStep]:
+    """The tokens of one completion chunk; ``TypeError`` for a chunk not shaped like vLLM's."""
+    choices = event.get("choices")
+    if choices is None:
+        return []
+    if not isinstance(choices, list):
+        raise TypeError(f"'choices' must be a list, got {type(choices).__name__}")
+    steps = []
+    for choice in choices:
+        if not isinstance(choice, dict):
+            raise TypeError(f"a choice must be a JSON object, got {type(choice).__name__}")
+        ids = choice.get("token_ids")
+        if ids is None and choice.get("text"):
+            raise TypeError("text came without 'token_ids': the server ignores return_token_ids (old vLLM?)")
+        ids = [] if ids is None else ids
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise TypeError(f"'token_ids' must be a list of ints, got {ids!r:.100}")
+        block = choice.get("logprobs") if logprobs else None
+        if block is not None and not isinstance(block, dict):
+            raise TypeError(f"'logprobs' must be a JSON object, got {type(block).__name__}")
+        lps = (block or {}).get("token_logprobs")
+        lps = [] if lps is None else lps
+        if not isinstance(lps, list) or not all(lp is None or _is_number(lp) for lp in lps):
+            raise TypeError(f"'logprobs.token_logprobs' must be a list of numbers, got {lps!r:.100}")
+        steps += [TokenStep(t, float(lps[j]) if j < len(lps) and lps[j] is not None else None)
+                  for j, t in enumerate(ids)]
+    return steps
+
+
+def _model_cards(raw: bytes) -> list[dict[str, Any]]:
+    """The model cards of a ``/v1/models`` answer; ``TypeError``/``ValueError`` when malformed."""
+    data = json.loads(raw)
+    cards = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(cards, list):
+        raise TypeError(f"'data' must be a list, got {type(cards).__name__}")
+    for card in cards:
+        if not isinstance(card, dict) or not isinstance(card.get("id"), str):
+            raise TypeError(f"a model card must be an object with a string 'id', got {card!r:.100}")
+        length = card.get("max_model_len")
+        if length is not None and not (_is_int(length) and length > 0):
+            raise TypeError(f"'max_model_len' must be a positive int, got {length!r:.100}")
+    return cards
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _read_error_body(response: http.client.HTTPResponse) -> str:
+    """Up to 64 KiB of an error answer's body ("" when it cannot be read)."""
+    try:
+        return response.read(1 << 16).decode(errors="replace")
+    except _IO_ERRORS:
+        return ""
 
 
 def _error_message(text: str) -> str:

@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import PlanError
+
 __all__ = [
     "NEXT_POSITION_KEY",
     "POSITIONS_KEY",
@@ -33,10 +35,6 @@ POSITIONS_KEY = "specprefill_positions"
 NEXT_POSITION_KEY = "specprefill_next_position"
 _SALT_PREFIX = "specprefill-"
 _SALT_HEX = 32  # hex digits of sha256 kept in the salt (128 bits)
-
-
-class PlanError(ValueError):
-    """A request's position plan is malformed; the message says what to fix."""
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ metadata. How messages map to segments (see docs/integrations.md):
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-import time
+import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
@@ -25,11 +26,11 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from specprefill_rag import (
-    BackendError,
     GenerationConfig,
     GenerationResult,
+    InputTypeError,
     Passage,
     Segment,
     SpecPrefillEngine,
@@ -44,23 +45,28 @@ PassageLike: TypeAlias = Document | Passage | str
 
 
 def _to_passage(item: PassageLike, number: int) -> Passage:
-    if isinstance(item, Passage):
-        return item
     if isinstance(item, Document):
         pid = item.id if item.id is not None else str(number)
         return Passage(text=item.page_content, id=pid, metadata=dict(item.metadata))
+    if isinstance(item, Passage):
+        return item
     if isinstance(item, str):
         return Passage(text=item, id=str(number))
-    raise TypeError(f"passages must be Documents, Passages or strings, got {type(item).__name__}")
+    raise InputTypeError(f"passage {number - 1} must be a Document, Passage or str, got {type(item).__name__}")
 
 
 def messages_to_segments(
     messages: Sequence[BaseMessage],
-    passages: Sequence[PassageLike] = (),
+    passages: Sequence[PassageLike] | PassageLike = (),
     *,
     default_instructions: str | None = None,
 ) -> list[Segment]:
-    """Engine segments for a chat turn (the mapping in the module docstring)."""
+    """Engine segments for a chat turn (the mapping in the module docstring); one Document,
+    Passage or str alone is one passage."""
+    if isinstance(passages, (str, Document, Passage)):
+        passages = [passages]
+    elif isinstance(passages, (Mapping, bytes)):
+        raise InputTypeError(f"passages must be a list of Documents, Passages or str, got {type(passages).__name__}")
     turns = [(m.type, m.text) for m in messages]
     items = [_to_passage(item, number) for number, item in enumerate(passages, start=1)]
     return list(chat_segments(turns, items, instructions=default_instructions))
@@ -103,9 +109,18 @@ class ChatSpecPrefill(BaseChatModel):
     top_p: float | None = Field(default=None, description="Nucleus sampling mass; None = engine default.")
     seed: int | None = Field(default=None, description="Sampling seed.")
     stop: list[str] | None = Field(default=None, description="Stop strings (text is cut before them).")
-    timeout: float | None = Field(default=None, description="Seconds per request, checked between tokens.")
-    max_retries: int = Field(default=2, description="Retries on BackendError before the first token.")
+    timeout: float | None = Field(
+        default=None,
+        description="Seconds for the whole call (draft, prefill, every token, retries); then BackendTimeoutError.",
+    )
+    max_retries: int = Field(
+        default=2,
+        description="Retries of a failed connection or a 502/503/504 before the first token, by the "
+        "vllm_server backend this model builds (never a 4xx; the draft's plan is re-sent, not recomputed).",
+    )
     streaming: bool = Field(default=False, description="invoke() streams internally (callbacks see tokens).")
+
+    _build_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
     @model_validator(mode="after")
     def _check_source(self) -> ChatSpecPrefill:
@@ -151,10 +166,16 @@ class ChatSpecPrefill(BaseChatModel):
     # -- translation ----------------------------------------------------------------------
 
     def _get_engine(self) -> SpecPrefillEngine:
+        """The engine; built once on first use, even when many threads call at once."""
         if self.engine is None:
-            assert self.model_name is not None
-            logger.info("loading SpecPrefill engine: main=%s draft=%s", self.model_name, self.draft_model)
-            self.engine = SpecPrefillEngine.from_pretrained(self.model_name, self.draft_model, backend=self.backend)
+            with self._build_lock:
+                if self.engine is None:
+                    assert self.model_name is not None
+                    logger.info("loading SpecPrefill engine: main=%s draft=%s", self.model_name, self.draft_model)
+                    options = {"max_retries": self.max_retries} if self.backend == "vllm_server" else {}
+                    self.engine = SpecPrefillEngine.from_pretrained(
+                        self.model_name, self.draft_model, backend=self.backend, **options
+                    )
         return self.engine
 
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +197,7 @@ class ChatSpecPrefill(BaseChatModel):
             ("max_new_tokens", kwargs.pop("max_tokens", self.max_tokens)),
             ("top_p", kwargs.pop("top_p", self.top_p)),
             ("seed", kwargs.pop("seed", self.seed)),
+            ("timeout", kwargs.pop("timeout", self.timeout)),
         ):
             if value is not None:
                 changes[field] = value
@@ -199,15 +221,6 @@ class ChatSpecPrefill(BaseChatModel):
         message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
 
-    def _check_timeout(self, started: float) -> None:
-        if self.timeout is not None and time.monotonic() - started > self.timeout:
-            raise TimeoutError(f"ChatSpecPrefill: no answer within timeout={self.timeout}s")
-
-    def _retry(self, attempt: int, error: BackendError) -> None:
-        if attempt >= self.max_retries:
-            raise error
-        logger.warning("backend error (attempt %d of %d): %s", attempt + 1, self.max_retries + 1, error)
-
     # -- LangChain entry points -----------------------------------------------------------
 
     def _stream(
@@ -218,28 +231,12 @@ class ChatSpecPrefill(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
-        engine = self._get_engine()
-        started = time.monotonic()
-        attempt = 0
-        while True:
-            stream = engine.stream(**request)
-            yielded = False
-            try:
-                for delta in stream:
-                    yielded = True
-                    self._check_timeout(started)
-                    chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
-                    if run_manager:
-                        run_manager.on_llm_new_token(delta, chunk=chunk)
-                    yield chunk
-                break
-            except BackendError as error:
-                if yielded:
-                    raise
-                self._retry(attempt, error)
-                attempt += 1
-            finally:
-                stream.close()
+        with self._get_engine().stream(**request) as stream:
+            for delta in stream:
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                if run_manager:
+                    run_manager.on_llm_new_token(delta, chunk=chunk)
+                yield chunk
         assert stream.result is not None
         yield self._final_chunk(stream.result)
 
@@ -251,28 +248,13 @@ class ChatSpecPrefill(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
-        engine = self._get_engine()
-        started = time.monotonic()
-        attempt = 0
-        while True:
-            stream = await engine.astream(**request)
-            yielded = False
-            try:
-                async for delta in stream:
-                    yielded = True
-                    self._check_timeout(started)
-                    chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
-                    if run_manager:
-                        await run_manager.on_llm_new_token(delta, chunk=chunk)
-                    yield chunk
-                break
-            except BackendError as error:
-                if yielded:
-                    raise
-                self._retry(attempt, error)
-                attempt += 1
-            finally:
-                await stream.aclose()
+        engine = await asyncio.to_thread(self._get_engine)  # a first call loads models off the loop
+        async with await engine.astream(**request) as stream:
+            async for delta in stream:
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                if run_manager:
+                    await run_manager.on_llm_new_token(delta, chunk=chunk)
+                yield chunk
         assert stream.result is not None
         yield self._final_chunk(stream.result)
 

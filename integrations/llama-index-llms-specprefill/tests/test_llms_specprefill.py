@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import time
 
 import pytest
 from li_helpers import CompletionRecorder, tiny_cross_family_engine, tiny_engine
@@ -11,7 +13,7 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms import CustomLLM
 from llama_index.core.prompts import PromptTemplate
-from specprefill_rag import tokenmap
+from specprefill_rag import BackendTimeoutError, SpecPrefillEngine, tokenmap
 
 import llama_index.llms.specprefill as package
 from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM, split_context
@@ -160,3 +162,29 @@ def test_query_engine_passages_are_nodes(recorder, marked):
     node_ids = [n.node.node_id for n in response.source_nodes]
     assert passage_ids == (node_ids if marked else ["1", "2"])
     assert spans[-1]["kind"] == "question" and spans[-1]["keep_ratio"] == 1.0
+
+
+def test_timeout_bounds_the_call():
+    llm = SpecPrefillLLM(engine=tiny_engine(), max_new_tokens=4, timeout=1e-6)
+    with pytest.raises(BackendTimeoutError, match="timeout=1e-06 s"):
+        llm.complete("hello there")
+    with pytest.raises(TimeoutError):
+        asyncio.run(llm.acomplete("hello there"))
+    assert llm.complete("hello there", timeout=60.0).text is not None
+
+
+def test_concurrent_first_calls_build_one_engine(monkeypatch):
+    built = []
+
+    def from_pretrained(main, draft, **kwargs):
+        built.append(kwargs)
+        time.sleep(0.2)  # every thread arrives while the first one loads
+        return tiny_engine()
+
+    monkeypatch.setattr(SpecPrefillEngine, "from_pretrained", staticmethod(from_pretrained))
+    llm = SpecPrefillLLM(model_name="some-model", draft_model="some-draft", max_new_tokens=1)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: llm.complete("hello there"), range(8)))
+    assert built == [{"backend": "transformers"}]
+    SpecPrefillLLM(model_name="m", backend="vllm_server", max_retries=5).engine  # noqa: B018
+    assert built[1] == {"backend": "vllm_server", "max_retries": 5}  # retries belong to the backend

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import time
 
 import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
 from lc_helpers import tiny_cross_family_engine, tiny_engine
-from specprefill_rag import SegmentKind, tokenmap
+from specprefill_rag import BackendTimeoutError, InputTypeError, SegmentKind, SpecPrefillEngine, tokenmap
 
 import langchain_specprefill
 from langchain_specprefill import ChatSpecPrefill, messages_to_segments
@@ -138,10 +140,42 @@ def test_standard_params_reach_the_engine():
         llm.invoke("hello", bogus=1)
 
 
-def test_timeout_stops_generation():
-    llm = ChatSpecPrefill(engine=tiny_engine(), max_tokens=4, timeout=0.0)
-    with pytest.raises(TimeoutError, match="timeout"):
+def test_timeout_bounds_the_call():
+    llm = ChatSpecPrefill(engine=tiny_engine(), max_tokens=4, timeout=1e-6)
+    with pytest.raises(BackendTimeoutError, match="timeout=1e-06 s") as caught:
         llm.invoke("hello")
+    assert isinstance(caught.value, TimeoutError)
+    with pytest.raises(BackendTimeoutError):
+        asyncio.run(llm.ainvoke("hello"))
+    assert llm.invoke("hello", timeout=60.0).content is not None  # per call
+
+
+def test_one_passage_and_wrong_passage_types():
+    segments = messages_to_segments([HumanMessage("what?")], "The passkey is 48213.")
+    assert [s.text for s in segments if s.kind is SegmentKind.PASSAGE] == ["The passkey is 48213."]
+    assert len(messages_to_segments([HumanMessage("what?")], DOCS[0])) == 2
+    with pytest.raises(InputTypeError, match="got dict"):
+        messages_to_segments([HumanMessage("what?")], {"The passkey is 48213.": 1})
+    with pytest.raises(InputTypeError, match="passage 1 must be a Document, Passage or str, got int"):
+        messages_to_segments([HumanMessage("what?")], ["fine", 7])
+
+
+def test_concurrent_first_calls_build_one_engine(monkeypatch):
+    built = []
+
+    def from_pretrained(main, draft, **kwargs):
+        built.append(kwargs)
+        time.sleep(0.2)  # loading takes a while: every thread arrives before it ends
+        return tiny_engine()
+
+    monkeypatch.setattr(SpecPrefillEngine, "from_pretrained", staticmethod(from_pretrained))
+    llm = ChatSpecPrefill(model="some-model", draft_model="some-draft", max_tokens=1)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: llm.invoke("hello"), range(8)))
+    assert len(built) == 1 and built[0] == {"backend": "transformers"}
+    server = ChatSpecPrefill(model="m", backend="vllm_server", max_retries=5)
+    server._get_engine()
+    assert built[1] == {"backend": "vllm_server", "max_retries": 5}  # retries belong to the backend
 
 
 def test_rag_chain_keeps_documents_as_passages():

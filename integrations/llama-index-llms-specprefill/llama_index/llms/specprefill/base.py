@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import threading
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Literal
 
@@ -123,11 +124,21 @@ class SpecPrefillLLM(CustomLLM):
     )
     max_new_tokens: int | None = Field(default=None, description="Max generated tokens; None = engine default.")
     temperature: float | None = Field(default=None, description="0 = greedy; None = engine default.")
+    timeout: float | None = Field(
+        default=None,
+        description="Seconds for the whole call (draft, prefill, every token, retries); then BackendTimeoutError.",
+    )
+    max_retries: int = Field(
+        default=3,
+        description="Retries of a failed connection or a 502/503/504 before the first token, by the "
+        "vllm_server backend this LLM builds (never a 4xx; the draft's plan is re-sent, not recomputed).",
+    )
     passage_id_key: str = Field(
         default=DEFAULT_PASSAGE_ID_KEY, description="Metadata key marking node starts in context_str."
     )
 
     _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
+    _build_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
     def __init__(self, engine: SpecPrefillEngine | None = None, **kwargs: Any) -> None:
         if engine is not None and kwargs.get("model_name") is None:
@@ -143,11 +154,17 @@ class SpecPrefillLLM(CustomLLM):
 
     @property
     def engine(self) -> SpecPrefillEngine:
-        """The engine (built from ``model_name``/``draft_model`` on first use)."""
+        """The engine (built from ``model_name``/``draft_model`` on first use, once even when
+        many threads ask at the same time)."""
         if self._engine is None:
-            assert self.model_name is not None
-            logger.info("loading SpecPrefill engine: main=%s draft=%s", self.model_name, self.draft_model)
-            self._engine = SpecPrefillEngine.from_pretrained(self.model_name, self.draft_model, backend=self.backend)
+            with self._build_lock:
+                if self._engine is None:
+                    assert self.model_name is not None
+                    logger.info("loading SpecPrefill engine: main=%s draft=%s", self.model_name, self.draft_model)
+                    options = {"max_retries": self.max_retries} if self.backend == "vllm_server" else {}
+                    self._engine = SpecPrefillEngine.from_pretrained(
+                        self.model_name, self.draft_model, backend=self.backend, **options
+                    )
         return self._engine
 
     @property
@@ -200,6 +217,7 @@ class SpecPrefillLLM(CustomLLM):
         for field, value in (
             ("max_new_tokens", kwargs.pop("max_new_tokens", self.max_new_tokens)),
             ("temperature", kwargs.pop("temperature", self.temperature)),
+            ("timeout", kwargs.pop("timeout", self.timeout)),
         ):
             if value is not None:
                 changes[field] = value
@@ -227,12 +245,10 @@ class SpecPrefillLLM(CustomLLM):
 
         def gen() -> CompletionResponseGen:
             text = ""
-            try:
+            with stream:
                 for delta in stream:
                     text += delta
                     yield CompletionResponse(text=text, delta=delta)
-            finally:
-                stream.close()
             assert stream.result is not None
             final = self._response(stream.result)
             yield CompletionResponse(text=text, delta="", additional_kwargs=final.additional_kwargs)
@@ -244,12 +260,10 @@ class SpecPrefillLLM(CustomLLM):
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
-            try:
+            async with stream:
                 async for delta in stream:
                     text += delta
                     yield CompletionResponse(text=text, delta=delta)
-            finally:
-                await stream.aclose()
             assert stream.result is not None
             final = self._response(stream.result)
             yield CompletionResponse(text=text, delta="", additional_kwargs=final.additional_kwargs)

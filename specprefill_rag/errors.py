@@ -1,0 +1,74 @@
+"""The exceptions this package raises on purpose, under one base class.
+
+Catch ``SpecPrefillError`` for everything; the subclasses say whose fault it was. Value
+problems also subclass ``ValueError`` and type problems ``TypeError``, so code written
+against the built-in types keeps working. docs/configuration.md ("Errors") lists which
+failure raises what.
+
+    SpecPrefillError
+    ├── ConfigError (ValueError)         a config field out of range
+    │   └── ConfigTypeError (TypeError)  a config field of the wrong type
+    ├── InputError (ValueError)          a request the model cannot answer as given
+    │   └── InputTypeError (TypeError)   passages or messages of the wrong type
+    ├── PlanError (ValueError)           a malformed prefill plan (client or vLLM plugin)
+    └── BackendError (RuntimeError)      the main model could not serve the request
+        ├── ServerError                  the vLLM server answered with an error (``status``)
+        └── BackendTimeoutError (TimeoutError)  no answer within the deadline
+
+Pure Python, no imports: the vLLM plugin's workers use ``PlanError`` too.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "BackendTimeoutError",
+    "ConfigError",
+    "ConfigTypeError",
+    "InputError",
+    "InputTypeError",
+    "PlanError",
+    "ServerError",
+    "SpecPrefillError",
+]
+
+
+class SpecPrefillError(Exception):
+    """Base of every error specprefill-rag raises on purpose."""
+
+
+class ConfigError(SpecPrefillError, ValueError):
+    """A configuration value is out of range (keep rate above 1, negative look-ahead, ...)."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A configuration field has the wrong type (a bool for a rate, 2.5 for a count)."""
+
+
+class InputError(SpecPrefillError, ValueError):
+    """The request cannot be answered as given: empty question or context, prompt over the window."""
+
+
+class InputTypeError(InputError, TypeError):
+    """Passages or messages of a type the engine does not take."""
+
+
+class PlanError(SpecPrefillError, ValueError):
+    """A prefill plan is malformed; the message says what to fix."""
+
+
+class BackendError(SpecPrefillError, RuntimeError):
+    """The main model could not serve a request (server down, bad response, unsupported plan)."""
+
+
+class ServerError(BackendError):
+    """The server answered with an error; ``status`` is the HTTP status (None: an error event
+    in a stream)."""
+
+    def __init__(self, message: str, status: int | None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BackendTimeoutError(BackendError, TimeoutError):
+    """The request's deadline passed before the backend answered (or finished streaming)."""
