@@ -152,21 +152,25 @@ def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]
             "length, both measured in this run (the main forward is the full-prefill baseline's prefill).",
             "",
             "| prompt | plain main forward | plain draft forward | draft scoring (prefill + look-ahead + scoring) "
-            "| capture overhead | capture, no look-ahead |",
-            "|---|---|---|---|---|---|",
+            "| capture overhead | capture, no look-ahead | early exit, question only: cost / r |",
+            "|---|---|---|---|---|---|---|",
         ]
         for row in run["lengths"]:
             hook = row.get("hook_overhead")
+            early = row.get("early_exit_overhead")
+            early_cell = "–" if early is None else f"{early:.2f}× / r = {row['r_early_exit']:.3f}"
             out.append(
                 f"| {row['n_tokens']} | {_s(row['main_plain_s'], unit)} | {_s(row['draft_plain_s'], unit)}"
                 f" | {_s(row['draft_scoring_s'], unit)} | {row['capture_overhead']:.2f}× "
                 f"{_ok(row['capture_overhead'], t['capture_overhead'], False)}"
-                f" | {'–' if hook is None else f'{hook:.2f}×'} |"
+                f" | {'–' if hook is None else f'{hook:.2f}×'} | {early_cell} |"
             )
         out += [
             "",
             f"Capture-overhead target ≤ {t['capture_overhead']}× a plain draft forward. Draft scoring includes "
-            "the L − 1 look-ahead decode steps; the last column is the capture hooks alone.",
+            "the L − 1 look-ahead decode steps; \"capture, no look-ahead\" is the capture hooks alone; the "
+            "early-exit column is question-only scoring (`lookahead_weight=0`) that stops after the highest "
+            "aggregated layer (`DraftConfig.early_exit`), against a plain draft forward, and its r.",
             "",
         ]
     mem = data.get("memory")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import gc
 import json
 import os
@@ -114,6 +115,18 @@ def capture_only_s(draft: Any, ids: torch.Tensor) -> float:
     start = time.perf_counter()
     draft.capture(ids, lookahead=1)
     _sync(draft.device)
+    return time.perf_counter() - start
+
+
+def early_exit_s(engine: Any, prompt: Any) -> float:
+    """Seconds of question-only scoring (look-ahead 1) that stops after the highest aggregated
+    layer (``DraftConfig.early_exit``): the cheapest scoring the library offers."""
+    config = dataclasses.replace(engine.config.draft, lookahead_weight=0.0, early_exit=True)
+    device = engine.draft.device
+    _sync(device)
+    start = time.perf_counter()
+    engine.score(prompt, draft=config)
+    _sync(device)
     return time.perf_counter() - start
 
 
@@ -308,15 +321,17 @@ def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> 
     from specprefill_rag import SelectionConfig
 
     passages, n_tokens = build_passages(engine, target)
-    ids = draft_token_ids(engine, engine.assemble(QUESTION, passages))
+    assembled = engine.assemble(QUESTION, passages)
+    ids = draft_token_ids(engine, assembled)
     gen = generation_config()
     full: list[dict[str, float]] = []
     spec: dict[float, list[dict[str, float]]] = {k: [] for k in args.keep_rates}
     plain: list[float] = []
     capture: list[float] = []
+    early: list[float] = []
     items: list[tuple[str, float | None]] = [("full", None), *(("spec", k) for k in args.keep_rates), ("plain", None)]
     if not args.no_capture_breakdown:
-        items.append(("capture", None))
+        items += [("capture", None), ("early", None)]
     for rep in range(args.reps):
         shift = rep % len(items)
         for what, keep in items[shift:] + items[:shift]:
@@ -344,6 +359,8 @@ def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> 
                 )
             elif what == "plain":
                 plain.append(plain_forward_s(engine.draft.model, ids))
+            elif what == "early":
+                early.append(early_exit_s(engine, assembled))
             else:
                 capture.append(capture_only_s(engine.draft, ids))
             bar.update(1)
@@ -363,9 +380,14 @@ def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> 
         "r": r,
         "capture_overhead": draft_scoring / draft_plain,
         "hook_overhead": median(capture) / draft_plain if capture else None,
+        # Question-only scoring with early exit: its r, and its cost against a plain draft forward.
+        "early_exit_s": median(early) if early else None,
+        "r_early_exit": median(early) / main_plain if early else None,
+        "early_exit_overhead": median(early) / draft_plain if early else None,
         "full_raw": full,
         "plain_raw": plain,
         "capture_raw": capture,
+        "early_raw": early,
         "cells": cells,
     }
 
@@ -392,7 +414,7 @@ def run_backend(backend: str, args: argparse.Namespace, save: Any = None) -> dic
     warm = ["Warm-up context about essays and startups. " * 30]
     engine.generate("Warm-up?", warm, mode="full", generation=generation_config())
     engine.generate("Warm-up?", warm, keep_rate=0.5, generation=generation_config())
-    per_rep = len(args.keep_rates) + 2 + (0 if args.no_capture_breakdown else 1)
+    per_rep = len(args.keep_rates) + 2 + (0 if args.no_capture_breakdown else 2)
     lengths = []
     with tqdm(total=len(args.lengths) * args.reps * per_rep, desc=f"ttft [{backend}]", unit="run") as bar:
         for target in args.lengths:
@@ -458,7 +480,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="only the peak-memory subprocesses; their result replaces the memory entry of the existing result file",
     )
-    p.add_argument("--no-capture-breakdown", action="store_true", help="skip the capture-without-look-ahead runs")
+    p.add_argument(
+        "--no-capture-breakdown", action="store_true",
+        help="skip the capture-without-look-ahead and early-exit scoring runs",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; numbers mean nothing)")
     p.add_argument(
         "--out",

@@ -82,6 +82,9 @@ class DraftConfig:
     # maps scores through character offsets (any draft family); "auto" = "same" when the
     # tokenizers are identical, else "offsets".
     tokenizer_mapping: TokenizerMapping = "auto"
+    # With a look-ahead of 1 (lookahead_weight 0), stop the draft's prefill after the highest
+    # aggregated layer: no upper layers, no LM head. Scores are exactly those of the full forward.
+    early_exit: bool = True
     # A prompt that fits the main model but not the draft's window (look-ahead included):
     # "full" prefills it whole and logs a warning; "raise" refuses it with InputError.
     on_overflow: OverflowPolicy = "full"
@@ -98,6 +101,7 @@ class DraftConfig:
         )
         _check(self.heads in ("max", "mean"), f"heads must be 'max' or 'mean', got {self.heads!r}")
         _check(isinstance(self.normalize, bool), f"normalize must be True or False, got {self.normalize!r}")
+        _check(isinstance(self.early_exit, bool), f"early_exit must be True or False, got {self.early_exit!r}")
         _check(
             self.pool_kernel >= 1 and self.pool_kernel % 2 == 1,
             f"pool_kernel must be a positive odd number of tokens, got {self.pool_kernel}",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +38,24 @@ class DraftCapture:
     lookahead_token_ids: tuple[int, ...]  # the L - 1 greedy tokens the draft produced
     positions: torch.Tensor  # (n_question + lookahead,) int64 prompt index each query sits at (causal mask)
     n_question: int = 0  # the first n_question queries are the question's tokens; the rest the look-ahead
+    layer_ids: tuple[int, ...] = ()  # the draft layer of each entry (all layers unless a subset was asked)
+
+
+class _EarlyExit(Exception):
+    """Raised inside the prefill once the highest recorded layer is captured (look-ahead 1)."""
 
 
 class _Recorder:
-    def __init__(self, n_prompt: int, question: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        n_prompt: int,
+        question: torch.Tensor | None = None,
+        layers: frozenset[int] | None = None,
+        stop_after: int | None = None,
+    ) -> None:
         self.n_prompt = n_prompt
+        self.layers = layers  # None: every layer
+        self.stop_after = stop_after  # layer after whose capture the forward stops
         # Prompt rows whose queries the prefill keeps: the question's tokens, then the last token.
         last = torch.tensor([n_prompt - 1], dtype=torch.int64)
         self.question = question if question is not None else torch.empty(0, dtype=torch.int64)
@@ -54,6 +67,8 @@ class _Recorder:
     def record(self, module: Any, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
         # query (batch=1, heads, q_len, head_dim); key (1, kv_heads, cached + q_len, head_dim)
         layer = int(module.layer_idx)
+        if self.layers is not None and layer not in self.layers:
+            return
         if layer not in self.keys:
             self.keys[layer] = key[0, :, : self.n_prompt].detach()
             self.scaling[layer] = float(scaling if scaling is not None else module.scaling)
@@ -61,6 +76,8 @@ class _Recorder:
             # index_select copies: a view would keep the whole prefill query tensor alive
             # (heads × n_prompt × head_dim per layer) until scoring ends.
             self.queries[layer].append(query[0].index_select(1, self.rows.to(query.device)))
+            if layer == self.stop_after:
+                raise _EarlyExit
         else:
             self.queries[layer].append(query[0, :, -1:].clone())
 
@@ -77,6 +94,7 @@ class _Recorder:
             lookahead_token_ids=tuple(lookahead_ids),
             positions=torch.cat([self.question, torch.full((len(lookahead_ids) + 1,), self.n_prompt - 1)]),
             n_question=int(self.question.numel()),
+            layer_ids=tuple(layers),
         )
 
 
@@ -143,6 +161,11 @@ class DraftModel:
         return cls(model, tokenizer, config)
 
     @property
+    def n_layers(self) -> int:
+        config = self.model.config
+        return int((getattr(config, "text_config", None) or config).num_hidden_layers)
+
+    @property
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
@@ -156,11 +179,23 @@ class DraftModel:
 
     @torch.inference_mode()
     def capture(
-        self, token_ids: torch.Tensor, lookahead: int | None = None, question: torch.Tensor | None = None
+        self,
+        token_ids: torch.Tensor,
+        lookahead: int | None = None,
+        question: torch.Tensor | None = None,
+        *,
+        layers: Sequence[int] | None = None,
+        early_exit: bool = False,
     ) -> DraftCapture:
         """Prefill ``token_ids`` (n_prompt,) and greedily decode ``lookahead - 1`` tokens,
         recording post-RoPE queries of the ``question`` token indices (m,), of the last prompt
-        token and of each look-ahead token."""
+        token and of each look-ahead token.
+
+        ``layers``: record only these layers (default: all). ``early_exit`` with a look-ahead
+        of 1: stop the prefill right after the highest recorded layer's attention inputs are
+        captured (no upper layers, no LM head); the recorded tensors are exactly those of the
+        full forward.
+        """
         lookahead = self.config.lookahead if lookahead is None else lookahead
         n = int(token_ids.numel())
         if n == 0:
@@ -173,13 +208,18 @@ class DraftModel:
             )
         if question is not None and question.numel() and (int(question.min()) < 0 or int(question.max()) >= n):
             raise ValueError(f"question token indices must lie in [0, {n})")
-        recorder = _Recorder(n, None if question is None else question.to(torch.int64).cpu())
+        wanted = None if layers is None else frozenset(int(i) for i in layers)
+        stop_after = max(wanted) if wanted and early_exit and lookahead == 1 else None
+        recorder = _Recorder(n, None if question is None else question.to(torch.int64).cpu(), wanted, stop_after)
         ids = token_ids.to(self.device, torch.int64).reshape(1, n)
         lookahead_ids: list[int] = []
         with _recording(recorder):
-            out = self.model(
-                input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1
-            )
+            try:
+                out = self.model(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=lookahead > 1, logits_to_keep=1
+                )
+            except _EarlyExit:
+                return recorder.capture(lookahead_ids)
             cache = out.past_key_values
             for step in range(lookahead - 1):
                 token = int(out.logits[0, -1].argmax())
@@ -214,7 +254,8 @@ class DraftModel:
         start = time.perf_counter()
         n_question = 0 if question is None else int(question.numel())
         lookahead = cfg.lookahead_for(n_question)
-        cap = self.capture(token_ids, lookahead, question)
+        layers = cfg.layer_indices(self.n_layers)
+        cap = self.capture(token_ids, lookahead, question, layers=layers, early_exit=cfg.early_exit)
         mask = context.to(self.device) if context is not None and cfg.normalize else None
         positions = cap.positions.to(self.device)
         per_layer = torch.stack(
@@ -223,7 +264,7 @@ class DraftModel:
                     cap.queries[i], cap.keys[i], cap.scaling[i], cfg.pool_kernel,
                     positions=positions, context=mask, heads=cfg.heads,
                 )
-                for i in cfg.layer_indices(len(cap.keys))
+                for i in range(len(cap.keys))
             ]
         )  # (layers, n_question + lookahead, n_prompt)
         weights = scoring.query_weights(cap.n_question, lookahead, cfg.lookahead_weight)

@@ -205,3 +205,42 @@ def test_shared_draft_keeps_its_config_across_engines():
     backend = TransformersBackend(model, tok, name="tiny")
     SpecPrefillEngine(backend, draft, SpecPrefillConfig(draft=DraftConfig(lookahead=5, layers="all")))
     assert draft.config == DraftConfig(lookahead=2)
+
+
+@pytest.mark.parametrize("layers", ["middle_half", "lower_half", (0, 2)])
+def test_early_exit_scores_equal_the_full_forward(tokenizer, layers):
+    """Look-ahead 1: the prefill stops after the highest aggregated layer, scores unchanged."""
+    model = make_model("qwen2", len(tokenizer), layers=8)
+    ids = torch.randint(0, len(tokenizer), (96,), generator=torch.Generator().manual_seed(7))
+    question = torch.arange(80, 90)
+    draft = DraftModel(model, tokenizer)
+    ran: list[int] = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda module, args, i=i: ran.append(i))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    try:
+        scores = {}
+        for early in (False, True):
+            ran.clear()
+            config = DraftConfig(lookahead_weight=0.0, layers=layers, early_exit=early)
+            scores[early] = draft.score(ids, question=question, config=config).scores
+            top = max(config.layer_indices(8))
+            assert ran == (list(range(top + 1)) if early else list(range(8)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(scores[True], scores[False])
+
+
+def test_capture_of_a_layer_subset_equals_the_full_capture(tokenizer):
+    model = make_model("llama", len(tokenizer), layers=4)
+    ids = torch.randint(0, len(tokenizer), (64,), generator=torch.Generator().manual_seed(3))
+    draft = DraftModel(model, tokenizer)
+    full = draft.capture(ids, lookahead=3)
+    part = draft.capture(ids, lookahead=3, layers=[1, 2])
+    assert full.layer_ids == (0, 1, 2, 3) and part.layer_ids == (1, 2)
+    for j, layer in enumerate(part.layer_ids):
+        assert torch.equal(part.queries[j], full.queries[layer]) and torch.equal(part.keys[j], full.keys[layer])
+    # With look-ahead > 1 the forward cannot stop early: every layer still runs for the decode.
+    assert draft.capture(ids, lookahead=3, layers=[0], early_exit=True).lookahead_token_ids == full.lookahead_token_ids
