@@ -85,12 +85,24 @@ class DraftConfig:
     # With a look-ahead of 1 (lookahead_weight 0), stop the draft's prefill after the highest
     # aggregated layer: no upper layers, no LM head. Scores are exactly those of the full forward.
     early_exit: bool = True
+    # Concurrent requests' scoring runs as one padded draft batch of up to max_batch prompts,
+    # formed within batch_window_s of the first one's arrival. 1: each request scores alone.
+    # Worth it on a GPU (one pass for many prompts); on a CPU the draft is compute-bound.
+    max_batch: int = 1
+    batch_window_s: float = 0.002  # seconds
     # A prompt that fits the main model but not the draft's window (look-ahead included):
     # "full" prefills it whole and logs a warning; "raise" refuses it with InputError.
     on_overflow: OverflowPolicy = "full"
 
     def __post_init__(self) -> None:
-        _check_types(self, ints=("lookahead", "pool_kernel"), numbers=("lookahead_weight",))
+        _check_types(
+            self, ints=("lookahead", "pool_kernel", "max_batch"), numbers=("lookahead_weight", "batch_window_s")
+        )
+        _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
+        _check(
+            math.isfinite(self.batch_window_s) and self.batch_window_s >= 0,
+            f"batch_window_s must be >= 0 seconds, got {self.batch_window_s}",
+        )
         _check(
             self.on_overflow in ("full", "raise"), f"on_overflow must be 'full' or 'raise', got {self.on_overflow!r}"
         )

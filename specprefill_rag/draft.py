@@ -10,6 +10,7 @@ scoring needs only those query rows per layer and head.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -46,56 +47,63 @@ class _EarlyExit(Exception):
 
 
 class _Recorder:
+    """Collects one capture per sequence of a (right-padded) batch."""
+
     def __init__(
         self,
-        n_prompt: int,
-        question: torch.Tensor | None = None,
+        lengths: Sequence[int],
+        questions: Sequence[torch.Tensor | None],
         layers: frozenset[int] | None = None,
         stop_after: int | None = None,
     ) -> None:
-        self.n_prompt = n_prompt
+        self.lengths = list(lengths)
         self.layers = layers  # None: every layer
         self.stop_after = stop_after  # layer after whose capture the forward stops
+        empty = torch.empty(0, dtype=torch.int64)
+        self.questions = [q if q is not None else empty for q in questions]
         # Prompt rows whose queries the prefill keeps: the question's tokens, then the last token.
-        last = torch.tensor([n_prompt - 1], dtype=torch.int64)
-        self.question = question if question is not None else torch.empty(0, dtype=torch.int64)
-        self.rows = torch.cat([self.question, last])
-        self.queries: dict[int, list[torch.Tensor]] = {}
-        self.keys: dict[int, torch.Tensor] = {}
+        self.rows = [torch.cat([q, torch.tensor([n - 1])]) for q, n in zip(self.questions, self.lengths, strict=True)]
+        self.queries: dict[int, list[list[torch.Tensor]]] = {}  # layer → sequence → pieces
+        self.keys: dict[int, list[torch.Tensor]] = {}
         self.scaling: dict[int, float] = {}
 
     def record(self, module: Any, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
-        # query (batch=1, heads, q_len, head_dim); key (1, kv_heads, cached + q_len, head_dim)
+        # query (batch, heads, q_len, head_dim); key (batch, kv_heads, cached + q_len, head_dim)
         layer = int(module.layer_idx)
         if self.layers is not None and layer not in self.layers:
             return
         if layer not in self.keys:
-            self.keys[layer] = key[0, :, : self.n_prompt].detach()
+            self.keys[layer] = [key[b, :, :n].detach() for b, n in enumerate(self.lengths)]
             self.scaling[layer] = float(scaling if scaling is not None else module.scaling)
-            self.queries[layer] = []
             # index_select copies: a view would keep the whole prefill query tensor alive
             # (heads × n_prompt × head_dim per layer) until scoring ends.
-            self.queries[layer].append(query[0].index_select(1, self.rows.to(query.device)))
+            self.queries[layer] = [
+                [query[b].index_select(1, rows.to(query.device))] for b, rows in enumerate(self.rows)
+            ]
             if layer == self.stop_after:
                 raise _EarlyExit
         else:
-            self.queries[layer].append(query[0, :, -1:].clone())
+            for b, pieces in enumerate(self.queries[layer]):
+                pieces.append(query[b, :, -1:].clone())
 
-    def capture(self, lookahead_ids: list[int]) -> DraftCapture:
+    def captures(self, lookahead_ids: Sequence[list[int]]) -> list[DraftCapture]:
         layers = sorted(self.keys)
         if not layers:
             raise RuntimeError(
                 f"no attention was captured: the draft must use attn_implementation={CAPTURE_ATTENTION!r}"
             )
-        return DraftCapture(
-            queries=tuple(torch.cat(self.queries[i], dim=1) for i in layers),
-            keys=tuple(self.keys[i] for i in layers),
-            scaling=tuple(self.scaling[i] for i in layers),
-            lookahead_token_ids=tuple(lookahead_ids),
-            positions=torch.cat([self.question, torch.full((len(lookahead_ids) + 1,), self.n_prompt - 1)]),
-            n_question=int(self.question.numel()),
-            layer_ids=tuple(layers),
-        )
+        return [
+            DraftCapture(
+                queries=tuple(torch.cat(self.queries[i][b], dim=1) for i in layers),
+                keys=tuple(self.keys[i][b] for i in layers),
+                scaling=tuple(self.scaling[i] for i in layers),
+                lookahead_token_ids=tuple(lookahead_ids[b]),
+                positions=torch.cat([question, torch.full((len(lookahead_ids[b]) + 1,), n - 1)]),
+                n_question=int(question.numel()),
+                layer_ids=tuple(layers),
+            )
+            for b, (question, n) in enumerate(zip(self.questions, self.lengths, strict=True))
+        ]
 
 
 _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
@@ -177,7 +185,6 @@ class DraftModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @torch.inference_mode()
     def capture(
         self,
         token_ids: torch.Tensor,
@@ -196,44 +203,79 @@ class DraftModel:
         captured (no upper layers, no LM head); the recorded tensors are exactly those of the
         full forward.
         """
+        return self.capture_batch([token_ids], lookahead, [question], layers=layers, early_exit=early_exit)[0]
+
+    @torch.inference_mode()
+    def capture_batch(
+        self,
+        token_ids: Sequence[torch.Tensor],
+        lookahead: int | None = None,
+        questions: Sequence[torch.Tensor | None] | None = None,
+        *,
+        layers: Sequence[int] | None = None,
+        early_exit: bool = False,
+    ) -> list[DraftCapture]:
+        """``capture`` for several prompts in one right-padded forward per step.
+
+        Padding sits after each prompt and is masked out of every attention; look-ahead tokens
+        of prompt b sit at positions n_b, n_b + 1, ... So each capture equals the prompt's own
+        (within floating-point tolerance).
+        """
         lookahead = self.config.lookahead if lookahead is None else lookahead
-        n = int(token_ids.numel())
-        if n == 0:
-            raise InputError("cannot score an empty prompt")
-        if not self.fits(n, lookahead):
-            raise InputError(
-                f"prompt of {n} tokens plus {lookahead - 1} look-ahead tokens exceeds the draft "
-                f"model's window of {self.max_context}: shorten the context or use a draft "
-                "with a longer window"
-            )
-        if question is not None and question.numel() and (int(question.min()) < 0 or int(question.max()) >= n):
-            raise ValueError(f"question token indices must lie in [0, {n})")
+        questions = list(questions) if questions is not None else [None] * len(token_ids)
+        if not token_ids or len(questions) != len(token_ids):
+            raise InputError("pass one question (or None) per prompt, and at least one prompt")
+        lengths = [int(ids.numel()) for ids in token_ids]
+        for n, question in zip(lengths, questions, strict=True):
+            if n == 0:
+                raise InputError("cannot score an empty prompt")
+            if not self.fits(n, lookahead):
+                raise InputError(
+                    f"prompt of {n} tokens plus {lookahead - 1} look-ahead tokens exceeds the draft "
+                    f"model's window of {self.max_context}: shorten the context or use a draft "
+                    "with a longer window"
+                )
+            if question is not None and question.numel() and (int(question.min()) < 0 or int(question.max()) >= n):
+                raise InputError(f"question token indices must lie in [0, {n})")
         wanted = None if layers is None else frozenset(int(i) for i in layers)
         stop_after = max(wanted) if wanted and early_exit and lookahead == 1 else None
-        recorder = _Recorder(n, None if question is None else question.to(torch.int64).cpu(), wanted, stop_after)
-        ids = token_ids.to(self.device, torch.int64).reshape(1, n)
-        lookahead_ids: list[int] = []
+        recorder = _Recorder(
+            lengths, [None if q is None else q.to(torch.int64).cpu() for q in questions], wanted, stop_after
+        )
+        batch, width = len(lengths), max(lengths)
+        ids = torch.zeros(batch, width, dtype=torch.int64)
+        mask = torch.zeros(batch, width, dtype=torch.int64)
+        for b, row in enumerate(token_ids):
+            ids[b, : lengths[b]] = row.to(torch.int64).cpu()
+            mask[b, : lengths[b]] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        last = torch.tensor(lengths, device=self.device) - 1  # (batch,) each prompt's last token
+        lookahead_ids: list[list[int]] = [[] for _ in lengths]
         with _recording(recorder):
             try:
-                out = self.model(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=lookahead > 1, logits_to_keep=1
-                )
+                keep = torch.unique(last)  # logits only where some prompt ends
+                out = self.model(input_ids=ids, attention_mask=mask, use_cache=lookahead > 1, logits_to_keep=keep)
             except _EarlyExit:
-                return recorder.capture(lookahead_ids)
+                return recorder.captures(lookahead_ids)
+            # (batch, vocab): each prompt's logits at its own last token
+            logits = out.logits[torch.arange(batch, device=self.device), torch.searchsorted(keep, last)]
             cache = out.past_key_values
             for step in range(lookahead - 1):
-                token = int(out.logits[0, -1].argmax())
-                lookahead_ids.append(token)
+                tokens = logits.argmax(-1)  # (batch,)
+                for b, token in enumerate(tokens.tolist()):
+                    lookahead_ids[b].append(int(token))
+                mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=self.device)], dim=1)
                 out = self.model(
-                    input_ids=torch.tensor([[token]], device=self.device),
-                    attention_mask=torch.ones(1, n + step + 1, dtype=torch.int64, device=self.device),
+                    input_ids=tokens.reshape(batch, 1),
+                    position_ids=(last + 1 + step).reshape(batch, 1),
+                    attention_mask=mask,
                     past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=1,
                 )
-        return recorder.capture(lookahead_ids)
+                logits = out.logits[:, -1]
+        return recorder.captures(lookahead_ids)
 
-    @torch.inference_mode()
     def score(
         self,
         token_ids: torch.Tensor,
@@ -250,27 +292,53 @@ class DraftModel:
         renormalised when ``config.normalize``. config: this call's settings (default: the
         draft's own).
         """
+        return self.score_batch([token_ids], questions=[question], contexts=[context], config=config)[0]
+
+    @torch.inference_mode()
+    def score_batch(
+        self,
+        token_ids: Sequence[torch.Tensor],
+        *,
+        questions: Sequence[torch.Tensor | None] | None = None,
+        contexts: Sequence[torch.Tensor | None] | None = None,
+        config: DraftConfig | None = None,
+    ) -> list[TokenScores]:
+        """``score`` for several prompts of any lengths in one batched draft run (one padded
+        prefill, one batched step per look-ahead token); each result equals the prompt's own
+        ``score`` within floating-point tolerance. ``seconds`` is the whole batch's time."""
         cfg = config or self.config
         start = time.perf_counter()
-        n_question = 0 if question is None else int(question.numel())
-        lookahead = cfg.lookahead_for(n_question)
+        batch = len(token_ids)
+        questions = list(questions) if questions is not None else [None] * batch
+        contexts = list(contexts) if contexts is not None else [None] * batch
+        if len(questions) != batch or len(contexts) != batch:
+            raise InputError("pass one question and one context mask (or None) per prompt")
+        lookaheads = [cfg.lookahead_for(0 if q is None else int(q.numel())) for q in questions]
         layers = cfg.layer_indices(self.n_layers)
-        cap = self.capture(token_ids, lookahead, question, layers=layers, early_exit=cfg.early_exit)
-        mask = context.to(self.device) if context is not None and cfg.normalize else None
-        positions = cap.positions.to(self.device)
-        per_layer = torch.stack(
-            [
-                scoring.layer_rows(
-                    cap.queries[i], cap.keys[i], cap.scaling[i], cfg.pool_kernel,
-                    positions=positions, context=mask, heads=cfg.heads,
-                )
-                for i in range(len(cap.keys))
-            ]
-        )  # (layers, n_question + lookahead, n_prompt)
-        weights = scoring.query_weights(cap.n_question, lookahead, cfg.lookahead_weight)
-        scores = scoring.importance(per_layer, weights).cpu()
-        return TokenScores(
-            scores=scores,
-            lookahead_token_ids=cap.lookahead_token_ids,
-            seconds=time.perf_counter() - start,
+        caps = self.capture_batch(
+            token_ids, max(lookaheads), questions, layers=layers, early_exit=cfg.early_exit
         )
+        results = []
+        for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True):
+            rows = cap.n_question + lookahead  # a prompt that needs fewer look-ahead rows than the batch
+            mask = context.to(self.device) if context is not None and cfg.normalize else None
+            positions = cap.positions[:rows].to(self.device)
+            per_layer = torch.stack(
+                [
+                    scoring.layer_rows(
+                        cap.queries[i][:, :rows], cap.keys[i], cap.scaling[i], cfg.pool_kernel,
+                        positions=positions, context=mask, heads=cfg.heads,
+                    )
+                    for i in range(len(cap.keys))
+                ]
+            )  # (layers, n_question + lookahead, n_prompt)
+            weights = scoring.query_weights(cap.n_question, lookahead, cfg.lookahead_weight)
+            results.append(
+                TokenScores(
+                    scores=scoring.importance(per_layer, weights).cpu(),
+                    lookahead_token_ids=cap.lookahead_token_ids[: lookahead - 1],
+                    seconds=0.0,
+                )
+            )
+        seconds = time.perf_counter() - start
+        return [dataclasses.replace(r, seconds=seconds) for r in results]

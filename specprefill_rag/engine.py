@@ -23,6 +23,7 @@ from . import prompt as prompt_lib
 from . import selection as selection_lib
 from . import tokenmap
 from .backends import Backend, create_backend
+from .batching import MicroBatcher
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
 from .detokenize import IncrementalDecoder
 from .draft import DraftModel
@@ -196,6 +197,13 @@ class SpecPrefillEngine:
         self.config = config or SpecPrefillConfig()
         self.tokenizer = backend.tokenizer
         self.maps_tokens = False  # True: the draft has its own tokenizer (scores mapped by offsets)
+        draft_config = self.config.draft
+        # Concurrent requests (threads, async tasks) share draft passes (DraftConfig.max_batch).
+        self._batcher: MicroBatcher[AssembledPrompt, TokenScores] = MicroBatcher(
+            lambda config, prompts: self.score_many(prompts, draft=config),  # type: ignore[arg-type]
+            max_batch=draft_config.max_batch,
+            window_s=draft_config.batch_window_s,
+        )
         if draft is not None:
             mode = self.config.draft.tokenizer_mapping
             self.maps_tokens = _needs_mapping(draft.tokenizer, self.tokenizer, mode)
@@ -273,39 +281,42 @@ class SpecPrefillEngine:
     def score(self, prompt: AssembledPrompt, *, draft: DraftConfig | None = None) -> TokenScores:
         """Draft importance of every token of ``prompt`` (``draft`` overrides the engine's
         ``config.draft`` for this call)."""
+        return self.score_many([prompt], draft=draft)[0]
+
+    def score_many(self, prompts: Sequence[AssembledPrompt], *, draft: DraftConfig | None = None
+                   ) -> list[TokenScores]:
+        """``score`` for several prompts in one batched draft run (each result equals the
+        prompt's own within floating-point tolerance); what concurrent requests share."""
         if self.draft is None:
             raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
         config = draft or self.config.draft
-        if not self.maps_tokens:
-            return self._score_direct(self.draft, prompt, config)
-        return self._score_mapped(self.draft, prompt, config)
-
-    @staticmethod
-    def _score_direct(draft: DraftModel, prompt: AssembledPrompt, config: DraftConfig) -> TokenScores:
-        """The draft reads ``prompt`` itself: its question tokens query, its context is ranked."""
-        return draft.score(
-            prompt.token_ids,
-            question=prompt.positions_of(SegmentKind.QUESTION),
-            context=~prompt.protected,
+        start = time.perf_counter()
+        read = [self._draft_prompt(p) for p in prompts]  # what the draft reads: its own rendering
+        scored = self.draft.score_batch(
+            [d.token_ids for d in read],
+            questions=[d.positions_of(SegmentKind.QUESTION) for d in read],
+            contexts=[~d.protected for d in read],
             config=config,
         )
+        if not self.maps_tokens:
+            return scored
+        mapped = [tokenmap.map_scores(s.scores, d, p) for s, d, p in zip(scored, read, prompts, strict=True)]
+        seconds = time.perf_counter() - start
+        logger.debug("mapped draft scores onto %d prompts in %.3f s", len(prompts), seconds - scored[0].seconds)
+        return [
+            TokenScores(scores=m, lookahead_token_ids=s.lookahead_token_ids, seconds=seconds)
+            for m, s in zip(mapped, scored, strict=True)
+        ]
 
-    def _score_mapped(self, draft: DraftModel, prompt: AssembledPrompt, config: DraftConfig) -> TokenScores:
-        """Score the draft's own rendering of the same segments; map onto ``prompt``'s tokens."""
-        start = time.perf_counter()
+    def _draft_prompt(self, prompt: AssembledPrompt) -> AssembledPrompt:
+        """The prompt as the draft reads it: itself, or the same segments in the draft's own
+        tokenizer and chat template (``tokenizer_mapping``)."""
+        if not self.maps_tokens:
+            return prompt
+        assert self.draft is not None
         if not prompt.segment_spans:
             raise InputError("the prompt carries no segment spans: build it with engine.assemble")
-        draft_prompt = prompt_lib.assemble(draft.tokenizer, prompt.segments, protect_tail_tokens=0)
-        # The draft's own window applies to the draft's own token count (checked in capture).
-        drafted = self._score_direct(draft, draft_prompt, config)
-        scores = tokenmap.map_scores(drafted.scores, draft_prompt, prompt)
-        logger.debug(
-            "mapped %d draft tokens onto %d main tokens in %.3f s",
-            draft_prompt.n_tokens, prompt.n_tokens, time.perf_counter() - start - drafted.seconds,
-        )
-        return TokenScores(
-            scores=scores, lookahead_token_ids=drafted.lookahead_token_ids, seconds=time.perf_counter() - start
-        )
+        return prompt_lib.assemble(self.draft.tokenizer, prompt.segments, protect_tail_tokens=0)
 
     def draft_fits(self, prompt: AssembledPrompt, *, draft: DraftConfig | None = None) -> bool:
         """Whether the draft can read ``prompt`` (its own rendering, look-ahead included)."""
@@ -316,9 +327,7 @@ class SpecPrefillEngine:
         if self.draft is None:
             return "this engine has no draft model"
         lookahead = config.lookahead_for(int(prompt.positions_of(SegmentKind.QUESTION).numel()))
-        n = prompt.n_tokens
-        if self.maps_tokens:
-            n = prompt_lib.assemble(self.draft.tokenizer, prompt.segments, protect_tail_tokens=0).n_tokens
+        n = self._draft_prompt(prompt).n_tokens
         if self.draft.fits(n, lookahead):
             return None
         return (
@@ -357,7 +366,9 @@ class SpecPrefillEngine:
             return selection_lib.full_plan(prompt), scores
         if scores is None and self._overflow(prompt):
             return selection_lib.full_plan(prompt), None
-        scores = scores or self.score(prompt)
+        if scores is None:
+            config = self.config.draft
+            scores = self._batcher.submit(config, prompt) if config.max_batch > 1 else self.score(prompt)
         kept = selection_lib.select(
             scores.scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start
         )

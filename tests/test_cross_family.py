@@ -47,8 +47,8 @@ def test_cross_family_draft_runs_and_protects_the_question(tokenizers, monkeypat
     engine = make_engine(main_tok, draft_tok)
     assert engine.maps_tokens
     seen = []
-    real_score = engine.draft.score
-    monkeypatch.setattr(engine.draft, "score", lambda ids, **kw: seen.append(ids) or real_score(ids, **kw))
+    real_score = engine.draft.score_batch
+    monkeypatch.setattr(engine.draft, "score_batch", lambda ids, **kw: seen.extend(ids) or real_score(ids, **kw))
 
     result = engine.generate(QUESTION, PASSAGES)
     main_prompt = engine.assemble(QUESTION, PASSAGES)
@@ -115,9 +115,12 @@ def test_same_tokenizer_does_not_map(tokenizers, monkeypatch):
         raise AssertionError("the same-tokenizer path must not map scores")
 
     monkeypatch.setattr(tokenmap, "map_scores", boom)
-    monkeypatch.setattr(SpecPrefillEngine, "_score_mapped", boom)
+    renders = []
+    real_assemble = prompt.assemble
+    monkeypatch.setattr(prompt, "assemble", lambda *a, **kw: renders.append(a[0]) or real_assemble(*a, **kw))
     assert not engine.maps_tokens
     assert engine.generate(QUESTION, PASSAGES).plan.speculated
+    assert renders == [main_tok]  # one rendering: the draft reads the main prompt itself
 
 
 def test_same_mode_rejects_another_tokenizer(tokenizers):

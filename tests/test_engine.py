@@ -211,3 +211,15 @@ def test_incremental_decoder_holds_back_partial_stop(tokenizer):
     decoder = IncrementalDecoder(tokenizer, stop=("green",))
     shown = "".join(decoder.push(i) for i in ids) + decoder.finish()
     assert shown == "The sky is blue. The sun" and not decoder.stopped
+
+
+def test_score_many_plans_like_one_by_one(engine):
+    prompts = [
+        engine.assemble(QUESTION, PASSAGES),
+        engine.assemble("which colour is the sky?", PASSAGES[:2]),
+        engine.assemble(QUESTION, PASSAGES[2:]),
+    ]
+    for p, scores in zip(prompts, engine.score_many(prompts), strict=True):
+        alone = engine.score(p)
+        torch.testing.assert_close(scores.scores, alone.scores, atol=1e-6, rtol=1e-4)
+        assert torch.equal(engine.plan(p, scores=scores)[0].position_ids, engine.plan(p, scores=alone)[0].position_ids)

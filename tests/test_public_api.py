@@ -9,6 +9,7 @@ import pytest
 PACKAGES = [
     "specprefill_rag",
     "specprefill_rag.backends",
+    "specprefill_rag.batching",
     "specprefill_rag.config",
     "specprefill_rag.draft",
     "specprefill_rag.engine",

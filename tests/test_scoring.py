@@ -131,15 +131,15 @@ def test_recorder_keeps_only_the_query_rows_it_needs():
     # A view of the last row would pin the whole prefill query (heads × n × dim per layer)
     # in memory through the look-ahead; the recorder must hold a copy of one row.
     module = SimpleNamespace(layer_idx=0, scaling=0.125)
-    recorder = _Recorder(n_prompt=300)
+    recorder = _Recorder([300], [None])
     query, key = torch.randn(1, 4, 300, 16), torch.randn(1, 2, 300, 16)
     recorder.record(module, query, key, None)
     recorder.record(module, torch.randn(1, 4, 1, 16), torch.randn(1, 2, 301, 16), None)
-    kept = recorder.queries[0]
+    kept = recorder.queries[0][0]
     assert [q.shape for q in kept] == [(4, 1, 16), (4, 1, 16)]
     assert kept[0].untyped_storage().nbytes() == 4 * 16 * query.element_size()
     assert torch.equal(kept[0], query[0, :, -1:])
-    assert recorder.keys[0].shape == (2, 300, 16) and recorder.scaling[0] == 0.125
+    assert recorder.keys[0][0].shape == (2, 300, 16) and recorder.scaling[0] == 0.125
 
 
 def test_question_queries_match_eager_rows_at_their_positions(tokenizer):
@@ -244,3 +244,22 @@ def test_capture_of_a_layer_subset_equals_the_full_capture(tokenizer):
         assert torch.equal(part.queries[j], full.queries[layer]) and torch.equal(part.keys[j], full.keys[layer])
     # With look-ahead > 1 the forward cannot stop early: every layer still runs for the decode.
     assert draft.capture(ids, lookahead=3, layers=[0], early_exit=True).lookahead_token_ids == full.lookahead_token_ids
+
+
+@pytest.mark.parametrize("config", [DraftConfig(lookahead=4), DraftConfig(lookahead_weight=0.0), DraftConfig()])
+def test_batched_scoring_equals_one_by_one(tokenizer, config):
+    """Prompts of different lengths scored in one padded batch score as they do alone."""
+    model = make_model("qwen2", len(tokenizer), layers=4)
+    draft = DraftModel(model, tokenizer)
+    gen = torch.Generator().manual_seed(11)
+    lengths = (70, 128, 33)
+    prompts = [torch.randint(0, len(tokenizer), (n,), generator=gen) for n in lengths]
+    questions = [torch.arange(n - 12, n - 4) for n in lengths[:2]] + [None]  # the last has no question
+    contexts = [torch.arange(n) < n - 12 for n in lengths]
+    batched = draft.score_batch(prompts, questions=questions, contexts=contexts, config=config)
+    for ids, q, ctx, got in zip(prompts, questions, contexts, batched, strict=True):
+        alone = draft.score(ids, question=q, context=ctx, config=config)
+        assert got.lookahead_token_ids == alone.lookahead_token_ids
+        torch.testing.assert_close(got.scores, alone.scores, atol=1e-6, rtol=1e-4)
+    one = draft.score_batch(prompts[:1], questions=questions[:1], config=config)[0]
+    assert torch.equal(one.scores, draft.score(prompts[0], question=questions[0], config=config).scores)

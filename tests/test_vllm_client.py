@@ -25,6 +25,8 @@ def free_port() -> int:
 
 
 def client(port: int, **kwargs) -> VLLMServerBackend:
+    """A client of a fake server; the plugin check is off (tests/test_vllm_refusals.py tests it)."""
+    kwargs.setdefault("verify_plugin", False)
     return VLLMServerBackend(f"http://127.0.0.1:{port}", tokenizer, model="m", max_context=100, **kwargs)
 
 

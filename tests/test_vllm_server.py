@@ -3,13 +3,16 @@
 One server (SmolLM2-135M, CPU) serves the module; it is started by the fixture and stopped
 by PID. Checks: plans give transformers' tokens and log-probabilities, positions matter,
 concurrent plans do not interfere, the prefix cache is isolated per plan, bad plans get
-HTTP 400 (streaming or not) and leave the engine serving.
+HTTP 400 (streaming or not) and leave the engine serving, the client's plugin check passes, and
+a request id reused with another plan gets that plan (the server runs with vLLM's request-id
+randomization off, so a reused id reaches the model runner unchanged).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +46,8 @@ def free_port() -> int:
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     srv = VLLMServer(MODEL, port=free_port(), max_model_len=MAX_MODEL_LEN, log_path=log,
-                     extra_args=["--enable-prompt-tokens-details", "--max-num-seqs", "8"])
+                     extra_args=["--enable-prompt-tokens-details", "--max-num-seqs", "8"],
+                     env={**os.environ, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"})
     try:
         srv.start(timeout=600)
         yield srv
@@ -190,6 +194,39 @@ def test_engine_serves_after_bad_plans(server, backend, hf_backend):
     ids = prompt_ids(hf_backend.tokenizer, repeats=1)
     plan = make_plan(ids, sparse(ids.numel(), seed=3))
     assert steps_of(backend, plan)[0] == reference(hf_backend, plan, GREEDY.max_new_tokens)[0]
+
+
+def test_plugin_check_passes(server):
+    from specprefill_rag.backends.vllm_server import PLUGIN_ERROR_MARK
+    from specprefill_rag.vllm_plugin import plan_to_xargs
+
+    fresh = create_backend("vllm_server", MODEL, base_url=server.url)
+    fresh.ensure_plugin()  # the plugin answered the probe with its 400
+    status, text = post(server, {"model": str(server.model_dir), "prompt": [0], "max_tokens": 1,
+                                 "stream": False, "vllm_xargs": plan_to_xargs([0], 0)})  # the probe
+    assert status == 400 and PLUGIN_ERROR_MARK in json.loads(text)["error"]["message"]
+
+
+def test_reused_request_id_gets_its_own_plan(server, hf_backend):
+    """Two requests, one after the other, under one request id: the second is run with its own plan."""
+    from specprefill_rag.backends.vllm_server import request_body
+
+    ids = prompt_ids(hf_backend.tokenizer, repeats=2)
+    kept = sparse(ids.numel(), seed=5)
+    a = make_plan(ids, kept)
+    b = PrefillPlan(a.token_ids, torch.tensor([p + 500 for p in kept]), ids.numel() + 500, ids.numel() + 500, (), True)
+    refs = [reference(hf_backend, plan, 6) for plan in (a, b)]
+    assert refs[0][0] != refs[1][0] or max(abs(x - y) for x, y in zip(refs[0][1], refs[1][1], strict=False)) > 1e-2
+    for plan, (ref_tokens, ref_logprobs) in zip((a, b), refs, strict=True):
+        body = request_body(plan, GREEDY, model=str(server.model_dir), max_tokens=6, logprobs=True, stream=False)
+        body["request_id"] = "specprefill-reused-id"
+        status, text = post(server, body)
+        assert status == 200, text
+        choice = json.loads(text)["choices"][0]
+        n = len(ref_tokens)
+        assert choice["token_ids"][:n] == ref_tokens
+        torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"][:n]), torch.tensor(ref_logprobs),
+                                   atol=1e-3, rtol=0)
 
 
 def test_engine_with_draft_on_the_server(backend, hf_backend):

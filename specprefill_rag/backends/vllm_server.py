@@ -14,6 +14,12 @@ connecting, retries and the entire stream (keep-alive comments do not extend it)
 only ``read_timeout``, the longest silence allowed. A request is re-sent, unchanged, only when the
 connection could not be made or the server answered 502/503/504, so always before the first
 token; with exponential backoff, at most ``max_retries`` times and never past the deadline.
+
+Plugin check: stock vLLM accepts any ``vllm_xargs`` and would answer a plan at contiguous
+positions. Before its first planned request (non-contiguous positions) a backend sends one tiny,
+deliberately invalid plan and requires the plugin's own HTTP 400; any other answer refuses plans
+with a ``BackendError`` that says how to load the plugin. Full plans are plain requests and need no
+check. ``verify_plugin=False`` skips it (fake servers in tests).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import threading
 import time
 import urllib.parse
 import warnings
@@ -87,6 +94,17 @@ class _Deadline:
 
 
 _NO_DEADLINE = _Deadline(None, None)
+
+# The plugin's answer to a malformed plan: HTTP 400 with a message that starts with this.
+PLUGIN_ERROR_MARK = "invalid SpecPrefill plan"
+# One prompt token at position 0 whose next position is not above it: every plugin rejects it.
+_PROBE_XARGS = plan_to_xargs([0], 0)
+_PLUGIN_FIX = (
+    "Plans need the specprefill-rag vLLM plugin in every vLLM process: install specprefill-rag in "
+    "vLLM's own environment; if VLLM_PLUGINS is set, include 'specprefill' in it; do not force the V2 "
+    "model runner (VLLM_USE_V2_MODEL_RUNNER=1); simplest, start the server with "
+    "`specprefill-rag serve MODEL`. Full plans (no pruning) still work without the plugin."
+)
 
 
 @dataclass(frozen=True)
@@ -174,6 +192,7 @@ class VLLMServerBackend:
         retry_backoff: float = 0.5,  # seconds before the first retry, doubled each time
         cache_salt: str | None = None,  # vLLM prefix-cache salt sent with every request (None: shared cache)
         connect_retries: int | None = None,  # deprecated alias of max_retries
+        verify_plugin: bool = True,  # check once that the server honours plans before sending one
     ) -> None:
         parsed = urllib.parse.urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -195,6 +214,9 @@ class VLLMServerBackend:
         # Public: requests share prefix-cache blocks only with requests of the same salt (tenants,
         # or a benchmark that must measure cold prefills); may be changed between requests.
         self.cache_salt = cache_salt
+        self.verify_plugin = verify_plugin
+        self._plugin_verified = False  # set once the plugin answered the check; never unset
+        self._plugin_lock = threading.Lock()
         self.eos_token_ids = eos_token_ids or frozenset(
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
@@ -389,6 +411,47 @@ class VLLMServerBackend:
         return BackendError(f"the vLLM server at {self.base_url} sent a malformed stream event "
                             f"({_describe(exc)}): {data[:200]!r}")
 
+    # -- plugin check ----------------------------------------------------------------------
+
+    def ensure_plugin(self) -> None:
+        """Verify, once per backend, that the server honours plans (``BackendError`` if not).
+
+        Sends a one-token prompt with an invalid plan (``max_tokens=1``) and requires the plugin's
+        HTTP 400. Thread-safe: concurrent first requests wait for one check. Only success is
+        remembered, so a server restarted with the plugin is accepted on the next plan. The check
+        is bounded by ``connect_timeout``/``read_timeout`` and retried like any request, outside
+        the deadline of the request that triggered it.
+        """
+        if self._plugin_verified:
+            return
+        with self._plugin_lock:
+            if not self._plugin_verified:
+                self._check_plugin()
+                self._plugin_verified = True
+
+    def _check_plugin(self) -> None:
+        body = {"model": self.model_name, "prompt": [0], "max_tokens": 1, "temperature": 0.0,
+                "stream": False, "vllm_xargs": _PROBE_XARGS}
+        try:
+            exchange = self._open("POST", "/v1/completions", body, _NO_DEADLINE)
+        except ServerError as exc:
+            if exc.status == 400 and PLUGIN_ERROR_MARK in str(exc):
+                logger.debug("vLLM server at %s: SpecPrefill plugin active", self.base_url)
+                return
+            if exc.status is not None and exc.status >= 500:
+                raise  # the server failed (after retries on 502/503/504): no verdict, checked again next time
+            raise BackendError(
+                f"refusing to send SpecPrefill plans to the vLLM server at {self.base_url}: it did not answer "
+                f"the plugin check (an invalid plan) with the plugin's HTTP 400 ({exc}), so its plugin is not "
+                f"active. {_PLUGIN_FIX}"
+            ) from exc
+        exchange.close()  # a 2xx answer: nothing in it matters
+        raise BackendError(
+            f"refusing to send SpecPrefill plans to the vLLM server at {self.base_url}: it accepted an invalid "
+            f"plan (HTTP {exchange.response.status}), so the specprefill plugin is not active there and a plan "
+            f"would be answered at contiguous positions, silently wrong. {_PLUGIN_FIX}"
+        )
+
     # -- generation ------------------------------------------------------------------------
 
     def check_plan(self, plan: PrefillPlan, max_tokens: int) -> None:
@@ -409,6 +472,8 @@ class VLLMServerBackend:
         self.check_plan(plan, max_tokens)
         body = request_body(plan, generation, model=self.model_name, max_tokens=max_tokens,
                             logprobs=logprobs, stream=True, cache_salt=self.cache_salt)
+        if "vllm_xargs" in body and self.verify_plugin:
+            self.ensure_plugin()  # before the deadline starts: bounded by its own timeouts
         deadline = _Deadline.start(generation.timeout)
         exchange = self._open("POST", "/v1/completions", body, deadline)
         try:

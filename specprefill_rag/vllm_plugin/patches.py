@@ -5,9 +5,11 @@
   Slot mapping (KV placement) was already computed from the contiguous indices and stays so.
 - ``InputProcessor.process_inputs``: every request entering an engine (offline ``LLM`` and the
   server alike) has its plan validated (``ValueError`` → HTTP 400, never an engine crash) and
-  its prefix cache salted with the plan's hash.
-- ``OpenAIServingCompletion.render_completion_request``: validates before a stream starts, so
-  streaming requests also get a plain HTTP 400 instead of an error event.
+  its prefix cache salted with the plan's hash. A plan the engine cannot honour (``plan_refusal``:
+  V2 runner, speculative decoding, M-RoPE, models that use positions beyond rotary embeddings) is
+  refused there too, never silently run at contiguous positions.
+- ``OpenAIServingCompletion.render_completion_request``: validates and refuses before a stream
+  starts, so streaming requests also get a plain HTTP 400 instead of an error event.
 
 Only this module touches vLLM internals; ``protocol`` holds the rules.
 """
@@ -19,7 +21,8 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -27,7 +30,7 @@ import torch
 
 from .protocol import PlanError, PositionPlan, parse_plan
 
-__all__ = ["apply_patches", "max_positions", "remap_positions"]
+__all__ = ["POSITION_DEPENDENT_ARCHITECTURES", "apply_patches", "max_positions", "plan_refusal", "remap_positions"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,37 +59,135 @@ def max_positions(model_config: Any) -> int:
     return min(limit, int(embeddings)) if isinstance(embeddings, int) and embeddings > 0 else limit
 
 
+# -- engines that cannot honour a plan --------------------------------------------------------
+
+# Architectures whose vLLM 0.32 code reads positions for more than rotary embeddings: their
+# cache layout, sparse-attention bounds or state windows are computed from positions, so
+# rewritten positions would place or read KV at the wrong slots (docs/vllm.md, "Refusals").
+POSITION_DEPENDENT_ARCHITECTURES: frozenset[str] = frozenset({
+    # DeepSeek-V3.2 lightning indexer: k-pool slot = block * kpool + position % kpool
+    # (v1/attention/backends/mla/indexer.py, compute_kpool_tail_slot_mapping)
+    "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+    # the same indexer (SparseAttnIndexer) in other model families
+    "Dots3NoteForCausalLM", "HYV4ForCausalLM", "KimiK3ForConditionalGeneration",
+    # DeepSeek-V4/V4.1 KV compressors: cache rows from position // compress_ratio
+    "DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration", "DeepseekV41ForCausalLM",
+    # GLM-5-Next sparse indexer: causal top-k bounds and k-pool slots from positions
+    "Glm5NextForCausalLM", "Glm5NextForConditionalGeneration",
+    # MiniMax-M3 sparse indexer: per-token causal page count = position // page + 1
+    "MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration",
+    # Inkling short convolution: paged conv-state window addressed by absolute position
+    "InklingForCausalLM", "InklingForConditionalGeneration",
+    # Qwen4-Exp QSA: compressed side cache addressed by position % state size
+    "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration",
+})
+# A config field that switches a DeepSeek-V2-family model (DeepseekV3, Glm4MoeLite, LongCat,
+# Mistral-Large-3, ...) onto the DeepSeek-V3.2 indexer (model_executor/models/deepseek_v2.py).
+_SPARSE_INDEXER_FIELD = "index_topk"
+
+
+def _uses_v2_runner(vllm_config: Any) -> bool:
+    """vLLM's own decision (``VllmConfig.use_v2_model_runner``: the environment variable, or a
+    feature that forces V2 such as HiSparse or watermarking). Undecidable counts as V2."""
+    try:
+        return bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except Exception:  # the property raises on contradictory settings
+        return True
+
+
+def _position_dependent(model_config: Any) -> str | None:
+    """The architecture name when the model reads positions beyond rotary embeddings."""
+    names = [getattr(model_config, "architecture", None), *(getattr(model_config, "architectures", None) or ())]
+    for name in names:
+        if name in POSITION_DEPENDENT_ARCHITECTURES:
+            return str(name)
+    for config in (getattr(model_config, "hf_config", None), getattr(model_config, "hf_text_config", None)):
+        if config is not None and getattr(config, _SPARSE_INDEXER_FIELD, None) is not None:
+            return f"{next((n for n in names if n), 'this model')} with the DeepSeek-V3.2 sparse indexer"
+    return None
+
+
+def plan_refusal(vllm_config: Any) -> str | None:
+    """Why an engine with this ``VllmConfig`` cannot honour SpecPrefill plans; None when it can.
+
+    Reads configuration only (no vLLM import), so it runs on stubs in the tests.
+    """
+    if _uses_v2_runner(vllm_config):
+        return ("SpecPrefill plans are not supported with vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, "
+                "or a feature that requires it such as HiSparse or watermarking): the plugin rewrites positions "
+                "in the V1 runner only")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return ("SpecPrefill plans are not supported with speculative decoding (--speculative-config: EAGLE, "
+                "MTP, draft model, n-gram): draft steps derive their positions and KV slots from the rewritten "
+                "positions")
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "uses_mrope", False):
+        return "SpecPrefill plans are not supported for M-RoPE models"
+    name = _position_dependent(model_config)
+    if name is not None:
+        return (f"SpecPrefill plans are not supported for {name}: it derives KV-cache slots or sparse-attention "
+                "bounds from positions, not only rotary embeddings")
+    return None
+
+
 # -- model runner ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _CachedPlan:
+    extra_args: dict[str, Any]  # the request's own dict, compared by identity (held, so never reused)
+    prompt_len: int  # prompt tokens of the request state it was checked against
+    plan: tuple[torch.Tensor, int] | None  # kept positions on the runner's device, next position
+
+
 class _PlanCache:
-    """Per-runner device tensors of kept positions, by request id (parsed once per request)."""
+    """Per-runner device tensors of kept positions, by request id, parsed once per request.
+
+    An entry is valid only for the ``extra_args`` dict it was parsed from and the prompt length
+    it was checked against, so a new request under a reused id (new ``SamplingParams``) or a
+    streaming-input update is parsed afresh. Finished requests are forgotten.
+    """
 
     def __init__(self) -> None:
-        self.plans: dict[str, tuple[torch.Tensor, int] | None] = {}
+        self.plans: dict[str, _CachedPlan] = {}
 
-    def get(self, runner: Any, req_id: str, extra_args: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
-        if req_id in self.plans:
-            return self.plans[req_id]
-        if len(self.plans) > 4 * max(1, len(runner.requests)) + 64:  # forget finished requests
+    def forget(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self.plans.pop(req_id, None)
+
+    def get(self, runner: Any, req_id: str, extra_args: dict[str, Any], prompt_len: int
+            ) -> tuple[torch.Tensor, int] | None:
+        cached = self.plans.get(req_id)
+        if cached is not None and cached.extra_args is extra_args and cached.prompt_len == prompt_len:
+            return cached.plan
+        if len(self.plans) > 4 * max(1, len(runner.requests)) + 64:  # finished outside our steps
             self.plans = {r: p for r, p in self.plans.items() if r in runner.requests}
-        entry: tuple[torch.Tensor, int] | None = None
+        plan: tuple[torch.Tensor, int] | None = None
         try:
-            plan = parse_plan(extra_args, prompt_len=len(extra_args.get("specprefill_positions", ())),
-                              max_tokens=None, max_len=1 << 62)
-            if plan is not None:
-                kept = torch.tensor(plan.positions, dtype=torch.int64, device=runner.positions.device)
-                entry = (kept, plan.next_position)
-        except PlanError:  # unreachable: process_inputs validated it; never crash the engine
-            logger.exception("ignoring a malformed SpecPrefill plan of request %s", req_id)
-        self.plans[req_id] = entry
-        return entry
+            parsed = parse_plan(extra_args, prompt_len=prompt_len, max_tokens=None, max_len=1 << 62)
+            if parsed is not None:
+                kept = torch.tensor(parsed.positions, dtype=torch.int64, device=runner.positions.device)
+                plan = (kept, parsed.next_position)
+        except PlanError as error:  # process_inputs validated it; never crash the engine over it
+            logger.error("SpecPrefill plan of request %s not applied, its positions stay contiguous: %s",
+                         req_id, error)
+        self.plans[req_id] = _CachedPlan(extra_args, prompt_len, plan)
+        return plan
+
+
+def _prompt_len(state: Any) -> int:
+    """Prompt tokens of a runner's request state (``CachedRequestState.num_prompt_tokens``)."""
+    n = getattr(state, "num_prompt_tokens", None)
+    return int(n) if isinstance(n, int) else len(getattr(state, "prompt_token_ids", None) or ())
 
 
 def _wrap_prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
         result = original(self, scheduler_output, num_scheduled_tokens)
+        cache = self.__dict__.get("_specprefill_plans")
+        if cache is not None:
+            cache.forget(getattr(scheduler_output, "finished_req_ids", None) or ())
         batch = self.input_batch
         starts = None
         for i, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
@@ -95,7 +196,7 @@ def _wrap_prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
             if not extra or "specprefill_positions" not in extra:
                 continue
             cache = self.__dict__.setdefault("_specprefill_plans", _PlanCache())
-            entry = cache.get(self, req_id, extra)
+            entry = cache.get(self, req_id, extra, _prompt_len(state))
             if entry is None or entry[0].numel() == 0:
                 continue
             if starts is None:
@@ -147,8 +248,9 @@ def _wrap_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
             max_len=limit,
         )
         if plan is not None:
-            if getattr(self.model_config, "uses_mrope", False):
-                raise _validation_error("SpecPrefill plans are not supported for M-RoPE models")
+            refusal = plan_refusal(self.vllm_config)
+            if refusal is not None:
+                raise _validation_error(refusal)
             salt = plan.salt
             if request.cache_salt is None:
                 request.cache_salt = salt
@@ -186,16 +288,21 @@ def _wrap_render(original: Callable[..., Any]) -> Callable[..., Any]:
         extra = getattr(request, "vllm_xargs", None)
         if not extra or not isinstance(result, list):
             return result
+        planned = False
         try:
             for engine_input in result:
-                parse_plan(
+                planned |= parse_plan(
                     extra,
                     prompt_len=int(self._extract_prompt_len(engine_input)),
                     max_tokens=request.max_tokens,
                     max_len=max_positions(self.model_config),
-                )
+                ) is not None
         except PlanError as error:
             return self.create_error_response(f"invalid SpecPrefill plan in vllm_xargs: {error}", param="vllm_xargs")
+        vllm_config = getattr(getattr(self, "engine_client", None), "vllm_config", None)
+        refusal = plan_refusal(vllm_config) if planned and vllm_config is not None else None
+        if refusal is not None:
+            return self.create_error_response(refusal, param="vllm_xargs")
         return result
 
     setattr(render_completion_request, _MARK, True)

@@ -1,0 +1,81 @@
+"""Concurrent requests share the draft: score requests that arrive together run as one batch.
+
+The first request to arrive leads: it waits up to ``window_s`` for others (or until
+``max_batch`` are waiting), runs one batched draft pass for the group, and hands each request
+its own scores. No background thread: the callers' own threads do the work, so an idle engine
+costs nothing. Requests with different draft settings never share a batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
+from typing import Generic, TypeVar
+
+__all__ = ["MicroBatcher"]
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class MicroBatcher(Generic[In, Out]):
+    """Runs ``run(key, items)`` on groups of concurrent ``submit(key, item)`` calls.
+
+    ``run`` returns one output per item, in order; an exception fails every call of the group.
+    """
+
+    def __init__(
+        self, run: Callable[[Hashable, Sequence[In]], Sequence[Out]], *, max_batch: int, window_s: float
+    ) -> None:
+        self._run = run
+        self.max_batch = max_batch
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._full = threading.Condition(self._lock)
+        self._pending: dict[Hashable, list[tuple[In, Future[Out]]]] = {}
+        self.batches: list[int] = []  # sizes of the batches run so far (for tests and metrics)
+
+    def submit(self, key: Hashable, item: In) -> Out:
+        """``item``'s output, computed in a batch with the calls that arrive with it."""
+        future: Future[Out] = Future()
+        with self._lock:
+            group = self._pending.setdefault(key, [])
+            group.append((item, future))
+            leader = len(group) == 1
+            if len(group) >= self.max_batch:
+                self._full.notify_all()
+        if leader:
+            self._lead(key)
+        return future.result()
+
+    def _lead(self, key: Hashable) -> None:
+        deadline = time.monotonic() + self.window_s
+        with self._lock:
+            while len(self._pending[key]) < self.max_batch:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._full.wait(left)
+            group = self._pending[key][: self.max_batch]
+            rest = self._pending[key][self.max_batch :]
+            if rest:
+                self._pending[key] = rest
+            else:
+                del self._pending[key]
+        try:
+            outputs = self._run(key, [item for item, _ in group])
+            if len(outputs) != len(group):
+                raise RuntimeError(f"a batch of {len(group)} gave {len(outputs)} results")
+        except BaseException as error:  # every caller of the batch sees the failure
+            for _, future in group:
+                future.set_exception(error)
+        else:
+            for (_, future), output in zip(group, outputs, strict=True):
+                future.set_result(output)
+        finally:
+            self.batches.append(len(group))
+            if rest:
+                # Callers beyond max_batch arrived while this batch formed: the first leads the next.
+                threading.Thread(target=self._lead, args=(key,), daemon=True).start()

