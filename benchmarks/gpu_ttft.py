@@ -181,6 +181,38 @@ def spec_ttft(
     }
 
 
+def early_exit_s(draft: Any, ids: torch.Tensor, protected: torch.Tensor) -> float:
+    """Question-only scoring (look-ahead 1) stopped after the highest aggregated layer."""
+    import dataclasses
+
+    n = ids.numel()
+    config = dataclasses.replace(draft.config, lookahead_weight=0.0, early_exit=True)
+    start = time.perf_counter()
+    draft.score(ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected.to(ids.device), config=config)
+    return time.perf_counter() - start  # .cpu() at the end of scoring synchronises
+
+
+def concurrency_row(draft: Any, n: int, vocab: int, batch: int, reps: int) -> dict[str, Any]:
+    """``batch`` concurrent requests of ``n`` tokens scored in one batched draft pass, against one."""
+    prompts = [synthetic_prompt(n, vocab, seed=100 + b) for b in range(batch)]
+    questions = [torch.arange(n - QUESTION_TOKENS, n) for _ in prompts]
+    contexts = [~protected for _, protected, _ in prompts]
+    one, many = [], []
+    for _ in range(reps):
+        one.append(timed(lambda: draft.score(prompts[0][0], question=questions[0], context=contexts[0]))[0])
+        many.append(
+            timed(lambda: draft.score_batch([p[0] for p in prompts], questions=questions, contexts=contexts))[0]
+        )
+    med = statistics.median
+    row = {"n_tokens": n, "batch": batch, "one_s": med(one), "batch_s": med(many), "ratio": med(many) / med(one)}
+    print(
+        f"{batch} concurrent {n}-token requests: one batched draft pass {row['batch_s'] * 1e3:.0f} ms ="
+        f" {row['ratio']:.2f}x one request's {row['one_s'] * 1e3:.0f} ms (target <= 3x)",
+        flush=True,
+    )
+    return row
+
+
 def memory_row(draft: Any, ids: torch.Tensor) -> dict[str, Any]:
     """Peak GPU memory added by a plain draft forward vs by scoring (same process, peaks reset)."""
     device = draft.device
@@ -211,11 +243,13 @@ def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: i
     spec: dict[float, list[dict[str, float]]] = {k: [] for k in args.keep_rates}
     plain: list[float] = []
     capture: list[float] = []
+    early: list[float] = []
     items: list[tuple[str, float | None]] = [
         ("full", None),
         *(("spec", k) for k in args.keep_rates),
         ("plain", None),
         ("capture", None),
+        ("early", None),
     ]
     for rep in range(args.reps):
         shift = rep % len(items)
@@ -227,6 +261,8 @@ def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: i
                 spec[keep].append(spec_ttft(draft, main, ids, protected, segment, keep))
             elif what == "plain":
                 plain.append(timed(plain_forward, draft.model, ids)[0])
+            elif what == "early":
+                early.append(early_exit_s(draft, ids, protected))
             else:
 
                 def capture_once() -> None:
@@ -249,11 +285,20 @@ def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: i
         "r": r,
         "capture_overhead": scoring / draft_plain,
         "hook_overhead": med(capture) / draft_plain,
+        "early_exit_s": med(early),
+        "r_early_exit": med(early) / main_plain,
+        "early_exit_overhead": med(early) / draft_plain,
         "full_raw": full,
         "plain_raw": plain,
         "capture_raw": capture,
+        "early_raw": early,
         "cells": cells,
     }
+    print(
+        f"{n} tokens: early exit (question only) {row['early_exit_overhead']:.2f}x a plain draft forward,"
+        f" r = {row['r_early_exit']:.3f}",
+        flush=True,
+    )
     print(
         f"{n} tokens: main {main_plain * 1e3:.0f} ms, draft {draft_plain * 1e3:.0f} ms (r = {r:.3f}),"
         f" scoring {scoring * 1e3:.0f} ms ({row['capture_overhead']:.2f}x; hooks alone {row['hook_overhead']:.2f}x)",
@@ -282,6 +327,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=420.0,
         help="stop before a length whose estimated cost would pass this (default: 7 min)",
     )
+    p.add_argument("--concurrency", type=int, default=8, help="requests scored in one batch (0: skip)")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -351,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(run_length(draft, main_model, n, args, vocab))
         last_s, last_n = time.perf_counter() - t0, n
         payload["runs"] = [{"backend": "transformers", "status": "partial", "lengths": rows}]
+        write_results(name, payload, args.out)
+    if rows and args.concurrency > 1:
+        payload["concurrency"] = concurrency_row(draft, lengths[0], vocab, args.concurrency, args.reps)
         write_results(name, payload, args.out)
     if cuda and rows:
         mem = memory_row(draft, synthetic_prompt(rows[-1]["n_tokens"], vocab, seed=1)[0])

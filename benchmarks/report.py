@@ -173,6 +173,14 @@ def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]
             "aggregated layer (`DraftConfig.early_exit`), against a plain draft forward, and its r.",
             "",
         ]
+    conc = data.get("concurrency")
+    if conc:
+        out += [
+            f"{conc['batch']} concurrent {conc['n_tokens']}-token requests scored in one batched draft pass "
+            f"(`DraftConfig.max_batch`): {_s(conc['batch_s'], unit)} = **{conc['ratio']:.2f}×** one request's "
+            f"{_s(conc['one_s'], unit)} (target ≤ 3×).",
+            "",
+        ]
     mem = data.get("memory")
     if mem and "error" not in mem:
         plain, score = mem["plain"], mem["score"]
