@@ -176,6 +176,9 @@ class SelectionConfig:
     chunk_size: int = 32  # tokens per chunk (unit="chunk"; also text without sentence ends)
     max_sentence_tokens: int = 64  # tokens; a longer sentence is cut into pieces of this size
     passage_weight: float = 0.0  # in [0, 1]: share of a unit's rank taken from its passage's score
+    # In [0, 1]: share of a unit's rank taken from its passage's retriever score (the number in
+    # Passage.metadata["score"], e.g. a cosine similarity); 0 ignores the retriever.
+    retriever_weight: float = 0.0
     min_prompt_tokens: int = 256  # tokens; shorter prompts skip speculation (full prefill)
     protect_instructions: bool = True  # never prune the system instructions
     protect_tail_tokens: int = 8  # tokens at the end of the prompt always kept
@@ -188,7 +191,7 @@ class SelectionConfig:
                 "token_budget", "min_keep_tokens", "max_keep_tokens", "chunk_size",
                 "max_sentence_tokens", "min_prompt_tokens", "protect_tail_tokens",
             ),
-            numbers=("keep_rate", "keep_mass", "passage_weight"),
+            numbers=("keep_rate", "keep_mass", "passage_weight", "retriever_weight"),
         )
         _check(
             0.0 < self.keep_rate <= 1.0,
@@ -213,6 +216,10 @@ class SelectionConfig:
         _check(self.max_sentence_tokens >= 1, f"max_sentence_tokens must be >= 1, got {self.max_sentence_tokens}")
         _check(
             0.0 <= self.passage_weight <= 1.0, f"passage_weight must be in [0, 1], got {self.passage_weight}"
+        )
+        _check(
+            0.0 <= self.retriever_weight <= 1.0,
+            f"retriever_weight must be in [0, 1], got {self.retriever_weight}",
         )
         _check(self.min_prompt_tokens >= 0, "min_prompt_tokens must be >= 0")
         _check(self.protect_tail_tokens >= 0, "protect_tail_tokens must be >= 0")

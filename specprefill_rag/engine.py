@@ -369,8 +369,9 @@ class SpecPrefillEngine:
         if scores is None:
             config = self.config.draft
             scores = self._batcher.submit(config, prompt) if config.max_batch > 1 else self.score(prompt)
+        prior = prompt_lib.retriever_scores(prompt.segments) if sel.retriever_weight else None
         kept = selection_lib.select(
-            scores.scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start
+            scores.scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start, prior
         )
         plan = selection_lib.plan_from_indices(
             prompt, kept, contiguous_positions=sel.positions == "contiguous"

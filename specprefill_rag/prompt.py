@@ -18,6 +18,7 @@ and the last few tokens. Only passage/context text is prunable.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from .errors import InputError, InputTypeError
 from .types import AssembledPrompt, Passage, Segment, SegmentKind
 
 __all__ = [
+    "RETRIEVER_SCORE_KEY",
     "Passages",
     "as_passages",
     "assemble",
@@ -35,6 +37,7 @@ __all__ = [
     "chat_segments",
     "passage_segments",
     "render",
+    "retriever_scores",
     "sentence_breaks",
     "special_token_ids",
 ]
@@ -80,6 +83,22 @@ def passage_segments(passages: Passages) -> list[Segment]:
         for number, p in enumerate(as_passages(passages), start=1)
         if p.text.strip()
     ]
+
+
+RETRIEVER_SCORE_KEY = "score"  # Passage.metadata key of the retriever's similarity
+
+
+def retriever_scores(segments: Sequence[Segment]) -> torch.Tensor | None:
+    """(n_segments,) float32: each segment's retriever score (``metadata["score"]``), NaN where
+    it has none; None when no segment has one. What ``SelectionConfig.retriever_weight`` weighs."""
+    values = []
+    for segment in segments:
+        score = segment.metadata.get(RETRIEVER_SCORE_KEY)
+        ok = isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score)
+        values.append(float(score) if ok else math.nan)
+    if all(math.isnan(v) for v in values):
+        return None
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def _question(text: object, what: str = "the question") -> str:

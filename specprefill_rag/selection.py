@@ -62,7 +62,12 @@ def unit_sums(scores: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
 
 
 def unit_ranks(
-    scores: torch.Tensor, bounds: torch.Tensor, segment_index: torch.Tensor, passage_weight: float = 0.0
+    scores: torch.Tensor,
+    bounds: torch.Tensor,
+    segment_index: torch.Tensor,
+    passage_weight: float = 0.0,
+    prior: torch.Tensor | None = None,
+    prior_weight: float = 0.0,
 ) -> torch.Tensor:
     """Rank value of every unit: its mean token score, blended with its passage's.
 
@@ -70,19 +75,29 @@ def unit_ranks(
     ``passage_weight`` w the rank is (1 − w)·unit/max(unit) + w·passage/max(passage), where a
     passage's score is the mean over its units' tokens: a passage the draft reads broadly lifts
     all of its sentences (the second hop of a two-hop question often scores low on its own).
+
+    prior (n_segments,) float, NaN where unknown: a score per segment from outside the draft
+    (the retriever's similarity). With ``prior_weight`` v the rank becomes (1 − v)·rank/max(rank)
+    + v·p, p the segment's prior scaled to [0, 1] over the segments that have one (segments
+    without one get the middle of that range).
     """
     sizes = (bounds[:, 1] - bounds[:, 0]).float()
     sums = unit_sums(scores, bounds)
-    means = sums / sizes
-    if passage_weight == 0.0:
-        return means
+    ranks = sums / sizes
     owner = segment_index[bounds[:, 0]]
-    _, group = torch.unique(owner, return_inverse=True)
-    passage = torch.zeros(int(group.max()) + 1).index_add_(0, group, sums)
-    passage = passage / torch.zeros_like(passage).index_add_(0, group, sizes)
-    unit_part = means / means.max().clamp_min(1e-30)
-    passage_part = passage[group] / passage.max().clamp_min(1e-30)
-    return (1.0 - passage_weight) * unit_part + passage_weight * passage_part
+    if passage_weight != 0.0:
+        _, group = torch.unique(owner, return_inverse=True)
+        passage = torch.zeros(int(group.max()) + 1).index_add_(0, group, sums)
+        passage = passage / torch.zeros_like(passage).index_add_(0, group, sizes)
+        unit_part = ranks / ranks.max().clamp_min(1e-30)
+        passage_part = passage[group] / passage.max().clamp_min(1e-30)
+        ranks = (1.0 - passage_weight) * unit_part + passage_weight * passage_part
+    if prior is None or prior_weight == 0.0 or not bool(torch.isfinite(prior).any()):
+        return ranks
+    known = prior[torch.isfinite(prior)].float()
+    low, span = known.min(), (known.max() - known.min()).clamp_min(1e-30)
+    scaled = torch.where(torch.isfinite(prior), (prior.float() - low) / span, torch.tensor(0.5))
+    return (1.0 - prior_weight) * ranks / ranks.max().clamp_min(1e-30) + prior_weight * scaled[owner]
 
 
 def select(
@@ -91,11 +106,14 @@ def select(
     segment_index: torch.Tensor,
     config: SelectionConfig,
     sentence_start: torch.Tensor | None = None,
+    passage_prior: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sorted indices of the tokens to prefill.
 
     scores (n,) float, protected (n,) bool, segment_index (n,) int64, sentence_start (n,) bool
-    (True where a sentence begins; None: fixed chunks) → (n_kept,) int64. Prompts shorter than
+    (True where a sentence begins; None: fixed chunks), passage_prior (n_segments,) float or None
+    (the retriever's score per segment, NaN where unknown; weighted by
+    ``config.retriever_weight``) → (n_kept,) int64. Prompts shorter than
     ``config.min_prompt_tokens`` are kept whole.
     """
     n = scores.numel()
@@ -116,7 +134,9 @@ def select(
     else:
         bounds = unit_bounds(segment_index, prunable, config.chunk_size)
     if budget > 0 and len(bounds):
-        ranks = unit_ranks(scores, bounds, segment_index, config.passage_weight)
+        ranks = unit_ranks(
+            scores, bounds, segment_index, config.passage_weight, passage_prior, config.retriever_weight
+        )
         order = torch.sort(ranks, descending=True, stable=True).indices
         sizes = (bounds[:, 1] - bounds[:, 0])[order]
         # Take units best-first until the budget is met; the last one may overshoot it.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specprefill_rag.config import SelectionConfig
-from specprefill_rag.selection import chunk_bounds, full_plan, plan_from_indices, select, unit_bounds
+from specprefill_rag.selection import chunk_bounds, full_plan, plan_from_indices, select, unit_bounds, unit_ranks
 from specprefill_rag.types import AssembledPrompt, Segment, SegmentKind
 
 
@@ -220,3 +220,34 @@ def test_keep_mass_stops_once_the_mass_is_held():
 def test_selection_config_rejects_wrong_types_and_values(kwargs, error):
     with pytest.raises(error):
         SelectionConfig(**kwargs)
+
+
+def test_retriever_prior_lifts_the_passage_the_retriever_ranks_first():
+    # Three 20-token passages (segments 0, 1, 2), then a protected question (segment 3).
+    segment = torch.tensor([0] * 20 + [1] * 20 + [2] * 20 + [3] * 4)
+    protected = segment == 3
+    scores = torch.ones(64)
+    scores[:20] = 1.2  # the draft mildly prefers passage 0
+    prior = torch.tensor([0.1, 0.9, float("nan"), float("nan")])  # the retriever prefers passage 1
+    base = SelectionConfig(keep_rate=20 / 60, unit="chunk", chunk_size=20, min_prompt_tokens=0)
+    drafted = select(scores, protected, segment, base, passage_prior=prior)
+    assert drafted[:20].tolist() == list(range(20))  # weight 0: the prior is ignored
+    weighted = SelectionConfig(**{**base.__dict__, "retriever_weight": 0.5})
+    kept = select(scores, protected, segment, weighted, passage_prior=prior)
+    assert kept[:20].tolist() == list(range(20, 40))
+    # A passage without a score sits in the middle of the known range: between 0 and 1.
+    ranks = unit_ranks(scores, torch.tensor([[0, 20], [20, 40], [40, 60]]), segment, prior=prior, prior_weight=1.0)
+    assert ranks.tolist() == pytest.approx([0.0, 1.0, 0.5])
+    with pytest.raises(ValueError, match="retriever_weight must be in"):
+        SelectionConfig(retriever_weight=1.5)
+
+
+def test_retriever_scores_come_from_passage_metadata():
+    from specprefill_rag.prompt import build_segments, retriever_scores
+    from specprefill_rag.types import Passage
+
+    segs = build_segments("q?", [Passage("a", metadata={"score": 0.7}), Passage("b"), "c"])
+    prior = retriever_scores(segs)
+    assert prior is not None and prior[0].item() == pytest.approx(0.7)  # no instructions: passage a first
+    assert torch.isnan(prior[1:]).all()  # b, c and the question have no score
+    assert retriever_scores(build_segments("q?", ["a", Passage("b", metadata={"score": True})])) is None

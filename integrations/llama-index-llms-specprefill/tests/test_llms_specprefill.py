@@ -13,6 +13,7 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms import CustomLLM
 from llama_index.core.prompts import PromptTemplate
+from llama_index.core.schema import NodeWithScore
 from specprefill_rag import BackendTimeoutError, SpecPrefillEngine, tokenmap
 
 import llama_index.llms.specprefill as package
@@ -188,3 +189,19 @@ def test_concurrent_first_calls_build_one_engine(monkeypatch):
     assert built == [{"backend": "transformers"}]
     SpecPrefillLLM(model_name="m", backend="vllm_server", max_retries=5).engine  # noqa: B018
     assert built[1] == {"backend": "vllm_server", "max_retries": 5}  # retries belong to the backend
+
+
+def test_retriever_scores_reach_the_passages_but_not_the_model():
+    from llama_index.core.schema import MetadataMode, TextNode
+
+    nodes = [NodeWithScore(node=TextNode(text="The sky is blue.", id_="a"), score=0.91),
+             NodeWithScore(node=TextNode(text="The passkey is 48213.", id_="b"), score=None)]
+    marked = PassageIdPostprocessor().postprocess_nodes(nodes)
+    context = "\n\n".join(n.node.get_content(metadata_mode=MetadataMode.LLM) for n in marked)
+    passages = split_context(context)
+    assert [(p.id, p.text, dict(p.metadata)) for p in passages] == [
+        ("a", "The sky is blue.", {"score": 0.91}),
+        ("b", "The passkey is 48213.", {}),
+    ]
+    assert "passage_score" in context and all("passage_score" not in p.text for p in passages)
+    assert PassageIdPostprocessor(score_key=None).postprocess_nodes(nodes)[0].node.metadata == {"passage_id": "a"}

@@ -46,7 +46,7 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import TokenAsyncGen, TokenGen
 from specprefill_rag import GenerationConfig, GenerationResult, Passage, Segment, SegmentKind, SpecPrefillEngine
-from specprefill_rag.prompt import chat_segments
+from specprefill_rag.prompt import chat_segments, passage_segments
 
 __all__ = ["PassageIdPostprocessor", "SpecPrefillLLM", "split_context"]
 
@@ -54,11 +54,20 @@ logger = logging.getLogger(__name__)
 dispatcher = instrument.get_dispatcher(__name__)
 
 DEFAULT_PASSAGE_ID_KEY = "passage_id"
+DEFAULT_PASSAGE_SCORE_KEY = "passage_score"
 
 
-def split_context(context_str: str, id_key: str = DEFAULT_PASSAGE_ID_KEY) -> list[Passage]:
-    """Passages of a query engine's ``context_str`` (the rule in the module docstring)."""
+def split_context(
+    context_str: str, id_key: str = DEFAULT_PASSAGE_ID_KEY, score_key: str = DEFAULT_PASSAGE_SCORE_KEY
+) -> list[Passage]:
+    """Passages of a query engine's ``context_str`` (the rule in the module docstring).
+
+    A ``score_key`` line right after a node's id marker (written by ``PassageIdPostprocessor``)
+    becomes the passage's ``metadata["score"]`` (the retriever's score, which
+    ``SelectionConfig.retriever_weight`` can weigh) and is removed from the text.
+    """
     marker = re.compile(rf"^{re.escape(id_key)}: *(\S+?) *$", re.MULTILINE)
+    score_line = re.compile(rf"\s*{re.escape(score_key)}: *(-?[0-9.eE+-]+) *(?:\n|$)")
     marks = list(marker.finditer(context_str))
     if not marks:
         blocks = (b.strip() for b in re.split(r"\n\s*\n", context_str))
@@ -69,17 +78,29 @@ def split_context(context_str: str, id_key: str = DEFAULT_PASSAGE_ID_KEY) -> lis
         passages.append(Passage(text=head))
     ends = [m.start() for m in marks[1:]] + [len(context_str)]
     for mark, end in zip(marks, ends, strict=True):
-        text = context_str[mark.end() : end].strip()
-        if text:
-            passages.append(Passage(text=text, id=mark.group(1)))
+        text = context_str[mark.end() : end]
+        metadata = {}
+        scored = score_line.match(text)
+        if scored:
+            try:
+                metadata["score"] = float(scored.group(1))
+                text = text[scored.end() :]
+            except ValueError:
+                pass
+        if text.strip():
+            passages.append(Passage(text=text.strip(), id=mark.group(1), metadata=metadata))
     return passages
 
 
 class PassageIdPostprocessor(BaseNodePostprocessor):
     """Puts each node's id first in its LLM-visible metadata, so ``SpecPrefillLLM`` can cut
-    ``context_str`` back into nodes and report kept spans per node id. Nodes are copied."""
+    ``context_str`` back into nodes and report kept spans per node id, and the retriever's score
+    second (read back as ``Passage.metadata["score"]``, never shown to the model). Nodes are copied."""
 
     id_key: str = Field(default=DEFAULT_PASSAGE_ID_KEY, description="Metadata key of the marker line.")
+    score_key: str | None = Field(
+        default=DEFAULT_PASSAGE_SCORE_KEY, description="Metadata key of the retriever-score line; None: no score."
+    )
 
     @classmethod
     def class_name(cls) -> str:
@@ -91,8 +112,11 @@ class PassageIdPostprocessor(BaseNodePostprocessor):
         marked = []
         for item in nodes:
             node = item.node
-            metadata = {self.id_key: node.node_id, **{k: v for k, v in node.metadata.items() if k != self.id_key}}
-            excluded = [k for k in node.excluded_llm_metadata_keys if k != self.id_key]
+            marks = {self.id_key: node.node_id}
+            if self.score_key and item.score is not None:
+                marks[self.score_key] = f"{item.score:.6g}"
+            metadata = {**marks, **{k: v for k, v in node.metadata.items() if k not in marks}}
+            excluded = [k for k in node.excluded_llm_metadata_keys if k not in marks]
             copy = node.model_copy(update={"metadata": metadata, "excluded_llm_metadata_keys": excluded})
             marked.append(NodeWithScore(node=copy, score=item.score))
         return marked
@@ -192,10 +216,7 @@ class SpecPrefillLLM(CustomLLM):
         context, question = args.get("context_str"), args.get("query_str")
         if not isinstance(context, str) or not isinstance(question, str) or not question.strip():
             return None
-        passages = [
-            Segment(SegmentKind.PASSAGE, p.text, p.id if p.id is not None else str(n))
-            for n, p in enumerate(split_context(context, self.passage_id_key), start=1)
-        ]
+        passages = passage_segments(split_context(context, self.passage_id_key))
         if not passages:
             return None
         return [*self._instructions(rag=True), *passages, Segment(SegmentKind.QUESTION, question.strip())]
