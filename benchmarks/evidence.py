@@ -66,6 +66,7 @@ class Variant:
     draft: DraftConfig = field(default_factory=DraftConfig)
     selection: SelectionConfig = field(default_factory=lambda: SelectionConfig(min_prompt_tokens=0))
     scores: str = "draft"  # "draft" | "random" | "oracle"
+    prior: bool = False  # pass a retriever prior (MiniLM question-passage cosine) to selection
 
 
 REFERENCE = DraftConfig(lookahead=8, lookahead_weight=1.0, layers="all", heads="max", normalize=False)
@@ -104,6 +105,10 @@ def _variants() -> list[Variant]:
         out.append(Variant(f"default scoring | sentences ≤ {cap}", best, sentences(max_sentence_tokens=cap)))
     for mass in (0.5, 0.7, 0.9):
         out.append(Variant(f"default scoring | sentences, keep_mass {mass:g}", best, sentences(keep_mass=mass)))
+    for rw in (0.1, 0.25, 0.5, 1.0):
+        out.append(
+            Variant(f"default scoring | sentences, retriever {rw:g}", best, sentences(retriever_weight=rw), prior=True)
+        )
     out.append(Variant("library default", best, SelectionConfig(min_prompt_tokens=0)))
     return out
 
@@ -168,6 +173,24 @@ def variant_scores(rows: dict[str, Any], cfg: DraftConfig) -> torch.Tensor:
     return scoring.importance(per_layer, scoring.query_weights(n_q, lookahead, cfg.lookahead_weight))
 
 
+_EMBEDDER: list[Any] = []
+
+
+def retriever_prior(prompt: AssembledPrompt, ex: quality.Example) -> torch.Tensor:
+    """(n_segments,) cosine similarity of the question to each passage under MiniLM (the demo
+    retriever's embedder), NaN for other segments: what a dense retriever would have scored."""
+    from specprefill_rag.retrieval import load_embedder
+
+    if not _EMBEDDER:
+        _EMBEDDER.append(load_embedder())
+    texts = [s.text for s in prompt.segments if s.kind is SegmentKind.PASSAGE]
+    emb = _EMBEDDER[0].encode([ex.question, *texts], convert_to_tensor=True, normalize_embeddings=True)
+    cosine = (emb[1:] @ emb[0]).float().cpu()
+    prior = torch.full((len(prompt.segments),), float("nan"))
+    prior[[i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.PASSAGE]] = cosine
+    return prior
+
+
 def evaluate(
     prompt: AssembledPrompt, ex: quality.Example, rows: dict[str, Any], variants: Iterable[Variant],
     keep_rates: Sequence[float], seed: int,
@@ -178,6 +201,7 @@ def evaluate(
     n_context = prompt.n_context
     results: dict[str, Any] = {}
     cache: dict[DraftConfig, torch.Tensor] = {}
+    prior = retriever_prior(prompt, ex) if any(v.prior for v in variants) else None
     for v in variants:
         if v.scores == "random":
             scores = torch.rand(prompt.n_tokens, generator=torch.Generator().manual_seed(seed))
@@ -190,7 +214,8 @@ def evaluate(
         for keep in keep_rates:
             sel = dataclasses.replace(v.selection, keep_rate=keep)
             kept_idx = selection_lib.select(
-                scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start
+                scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start,
+                prior if v.prior else None,
             )
             kept = torch.zeros(prompt.n_tokens, dtype=torch.bool)
             kept[kept_idx] = True
