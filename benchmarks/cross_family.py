@@ -33,11 +33,9 @@ from specprefill_rag import (  # noqa: E402
     DraftModel,
     GenerationConfig,
     Passage,
-    PlannedPrompt,
     SelectionConfig,
     SpecPrefillConfig,
     SpecPrefillEngine,
-    TextStream,
 )
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
 from specprefill_rag.models import load_model  # noqa: E402
@@ -93,14 +91,6 @@ def evidence_kept(prompt: Any, plan: Any, evidence: str) -> float | None:
     return float(kept.float().mean())
 
 
-def run(engine: SpecPrefillEngine, planned: PlannedPrompt, gen: GenerationConfig) -> Any:
-    stream = TextStream(engine.run_plan(planned, gen))
-    for _ in stream:
-        pass
-    assert stream.result is not None
-    return stream.result
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--main", default="qwen2.5-coder-1.5b-instruct")
@@ -148,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = full_engine.assemble(case["question"], case["passages"])
         base = {"case": case["name"], "n_prompt": prompt.n_tokens}
         full_plan, _ = full_engine.plan(prompt, mode="full")
-        result = run(full_engine, PlannedPrompt(prompt, full_plan, None, 0.0, None), config.generation)
+        result = full_engine.execute(prompt, full_plan, generation=config.generation).wait()
         full_ttft = result.timings.ttft_s
         rows.append(
             {
@@ -174,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 sel = dataclasses.replace(config.selection, keep_rate=keep)
                 plan, _ = engine.plan(prompt, selection=sel, scores=scores)
                 selection_s = time.perf_counter() - t0
-                result = run(engine, PlannedPrompt(prompt, plan, scores, 0.0, selection_s), config.generation)
+                result = engine.execute(prompt, plan, scores=scores, generation=config.generation).wait()
                 ttft = scores.seconds + selection_s + result.timings.ttft_s
                 rows.append(
                     {

@@ -464,13 +464,8 @@ def build_engine(args: argparse.Namespace) -> Any:
 
 def answer(engine: Any, prompt: Any, plan: Any) -> tuple[str, int]:
     """Prefill ``plan`` and decode greedily; (answer text, tokens prefilled)."""
-    from specprefill_rag.engine import PlannedPrompt, TextStream
-
-    stream = TextStream(engine.run_plan(PlannedPrompt(prompt, plan, None, 0.0, None)))
-    for _ in stream:
-        pass
-    assert stream.result is not None
-    return stream.result.text, stream.result.prefilled_tokens
+    result = engine.execute(prompt, plan).wait()
+    return result.text, result.prefilled_tokens
 
 
 # The reference implementation's scoring and units (the paper's defaults, as this library

@@ -73,6 +73,13 @@ class TextStream(Iterator[str]):
         self._stop = stop or threading.Event()
         self.result: GenerationResult | None = None
 
+    def wait(self) -> GenerationResult:
+        """Run to the end (discarding the deltas) and return the result."""
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
     def cancel(self) -> None:
         """Ask a step running in another thread to stop after its current token (thread-safe)."""
         self._stop.set()
@@ -450,7 +457,22 @@ class SpecPrefillEngine:
             prefilled_tokens=plan.n_kept,
             plan=plan,
             timings=timings,
+            prompt=planned.prompt,
         )
+
+    def execute(
+        self,
+        prompt: AssembledPrompt,
+        plan: PrefillPlan,
+        *,
+        scores: TokenScores | None = None,
+        generation: GenerationConfig | None = None,
+    ) -> TextStream:
+        """Prefill and decode a plan you built (``plan(prompt, ...)``, or your own); the result's
+        timings count from this call, its ``draft_s`` is ``scores.seconds`` when given."""
+        planned = PlannedPrompt(prompt, plan, scores, 0.0, None)
+        stop = threading.Event()
+        return TextStream(self.run_plan(planned, generation, stop=stop), stop)
 
     def stream(
         self,
@@ -514,10 +536,7 @@ class SpecPrefillEngine:
             question, passages, instructions=instructions, mode=mode,
             keep_rate=keep_rate, selection=selection, generation=generation,
         )
-        for _ in stream:
-            pass
-        assert stream.result is not None
-        return stream.result
+        return stream.wait()
 
     async def agenerate(self, *args: Any, **kwargs: Any) -> GenerationResult:
         """``generate`` with each step in a worker thread, so the event loop stays free.

@@ -94,8 +94,10 @@ def retriever_scores(segments: Sequence[Segment]) -> torch.Tensor | None:
     values = []
     for segment in segments:
         score = segment.metadata.get(RETRIEVER_SCORE_KEY)
-        ok = isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score)
-        values.append(float(score) if ok else math.nan)
+        if isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score):
+            values.append(float(score))
+        else:
+            values.append(math.nan)
     if all(math.isnan(v) for v in values):
         return None
     return torch.tensor(values, dtype=torch.float32)

@@ -170,6 +170,7 @@ class GenerationResult:
     prefilled_tokens: int
     plan: PrefillPlan
     timings: Timings
+    prompt: AssembledPrompt | None = None  # the assembled prompt the plan was made from
 
     @property
     def keep_ratio(self) -> float:

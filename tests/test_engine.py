@@ -223,3 +223,13 @@ def test_score_many_plans_like_one_by_one(engine):
         alone = engine.score(p)
         torch.testing.assert_close(scores.scores, alone.scores, atol=1e-6, rtol=1e-4)
         assert torch.equal(engine.plan(p, scores=scores)[0].position_ids, engine.plan(p, scores=alone)[0].position_ids)
+
+
+def test_execute_runs_a_plan_you_built_and_results_carry_their_prompt(engine):
+    prompt = engine.assemble(QUESTION, PASSAGES)
+    plan, scores = engine.plan(prompt)
+    result = engine.execute(prompt, plan, scores=scores).wait()
+    assert result.prompt is prompt and result.plan is plan
+    assert result.timings.draft_s == scores.seconds
+    assert result.text == engine.generate(QUESTION, PASSAGES).text  # same plan, same greedy answer
+    assert engine.generate(QUESTION, PASSAGES).prompt.token_ids.equal(prompt.token_ids)
