@@ -177,8 +177,9 @@ class SelectionConfig:
     max_sentence_tokens: int = 64  # tokens; a longer sentence is cut into pieces of this size
     passage_weight: float = 0.0  # in [0, 1]: share of a unit's rank taken from its passage's score
     # In [0, 1]: share of a unit's rank taken from its passage's retriever score (the number in
-    # Passage.metadata["score"], e.g. a cosine similarity); 0 ignores the retriever.
-    retriever_weight: float = 0.0
+    # Passage.metadata["score"], higher = more relevant, e.g. a cosine similarity); used only when
+    # passages carry one. 0 ignores the retriever. Measured on bench evidence (docs/benchmarks.md).
+    retriever_weight: float = 0.25
     min_prompt_tokens: int = 256  # tokens; shorter prompts skip speculation (full prefill)
     protect_instructions: bool = True  # never prune the system instructions
     protect_tail_tokens: int = 8  # tokens at the end of the prompt always kept

@@ -229,7 +229,7 @@ def test_retriever_prior_lifts_the_passage_the_retriever_ranks_first():
     scores = torch.ones(64)
     scores[:20] = 1.2  # the draft mildly prefers passage 0
     prior = torch.tensor([0.1, 0.9, float("nan"), float("nan")])  # the retriever prefers passage 1
-    base = SelectionConfig(keep_rate=20 / 60, unit="chunk", chunk_size=20, min_prompt_tokens=0)
+    base = SelectionConfig(keep_rate=20 / 60, unit="chunk", chunk_size=20, min_prompt_tokens=0, retriever_weight=0.0)
     drafted = select(scores, protected, segment, base, passage_prior=prior)
     assert drafted[:20].tolist() == list(range(20))  # weight 0: the prior is ignored
     weighted = SelectionConfig(**{**base.__dict__, "retriever_weight": 0.5})
