@@ -6,9 +6,10 @@ every per-request override is a ``dataclasses.replace`` of one of these.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .errors import ConfigError, ConfigTypeError
 
@@ -282,6 +283,14 @@ class GenerationConfig:
             self.timeout is None or (math.isfinite(self.timeout) and self.timeout > 0),
             f"timeout must be a positive number of seconds or None, got {self.timeout}",
         )
+
+    def with_overrides(self, **changes: Any) -> GenerationConfig:
+        """A validated copy with ``changes`` applied; ``None`` values are skipped (a per-call
+        option the caller did not set), ``stop`` may be any sequence of strings."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if "stop" in changes and not isinstance(changes["stop"], tuple):
+            changes["stop"] = tuple(s for s in changes["stop"] if s)
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)

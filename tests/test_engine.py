@@ -233,3 +233,12 @@ def test_execute_runs_a_plan_you_built_and_results_carry_their_prompt(engine):
     assert result.timings.draft_s == scores.seconds
     assert result.text == engine.generate(QUESTION, PASSAGES).text  # same plan, same greedy answer
     assert engine.generate(QUESTION, PASSAGES).prompt.token_ids.equal(prompt.token_ids)
+
+
+def test_generation_overrides_skip_unset_values():
+    base = GenerationConfig(max_new_tokens=9, stop=("\n",))
+    assert base.with_overrides(max_new_tokens=None, temperature=None) == base
+    changed = base.with_overrides(max_new_tokens=3, stop=["x", ""], timeout=2.0)
+    assert (changed.max_new_tokens, changed.stop, changed.timeout) == (3, ("x",), 2.0)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        base.with_overrides(max_new_tokens=0)

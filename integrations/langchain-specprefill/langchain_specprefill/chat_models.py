@@ -14,7 +14,6 @@ metadata. How messages map to segments (see docs/integrations.md):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -28,7 +27,6 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from specprefill_rag import (
-    GenerationConfig,
     GenerationResult,
     InputTypeError,
     Passage,
@@ -190,25 +188,19 @@ class ChatSpecPrefill(BaseChatModel):
         passages = kwargs.pop("passages", None) or ()
         default = engine.config.instructions if passages else None
         segments = messages_to_segments(messages, passages, default_instructions=self.instructions or default)
-        base = engine.config.generation
-        changes: dict[str, Any] = {}
-        for field, value in (
-            ("temperature", kwargs.pop("temperature", self.temperature)),
-            ("max_new_tokens", kwargs.pop("max_tokens", self.max_tokens)),
-            ("top_p", kwargs.pop("top_p", self.top_p)),
-            ("seed", kwargs.pop("seed", self.seed)),
-            ("timeout", kwargs.pop("timeout", self.timeout)),
-        ):
-            if value is not None:
-                changes[field] = value
         stop = stop if stop is not None else self.stop
-        if stop is not None:
-            changes["stop"] = tuple(s for s in stop if s)
+        generation = engine.config.generation.with_overrides(
+            temperature=kwargs.pop("temperature", self.temperature),
+            max_new_tokens=kwargs.pop("max_tokens", self.max_tokens),
+            top_p=kwargs.pop("top_p", self.top_p),
+            seed=kwargs.pop("seed", self.seed),
+            timeout=kwargs.pop("timeout", self.timeout),
+            stop=stop,
+        )
         mode = kwargs.pop("mode", self.mode)
         keep_rate = kwargs.pop("keep_rate", self.keep_rate)
         if kwargs:
             raise TypeError(f"unexpected arguments for ChatSpecPrefill: {sorted(kwargs)}")
-        generation: GenerationConfig = dataclasses.replace(base, **changes)
         return {"question": segments, "mode": mode, "keep_rate": keep_rate, "generation": generation}
 
     def _final_chunk(self, result: GenerationResult) -> ChatGenerationChunk:

@@ -18,7 +18,6 @@ context segment whose last tokens are protected.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import threading
@@ -45,7 +44,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import TokenAsyncGen, TokenGen
-from specprefill_rag import GenerationConfig, GenerationResult, Passage, Segment, SegmentKind, SpecPrefillEngine
+from specprefill_rag import GenerationResult, Passage, Segment, SegmentKind, SpecPrefillEngine
 from specprefill_rag.prompt import chat_segments, passage_segments
 
 __all__ = ["PassageIdPostprocessor", "SpecPrefillLLM", "split_context"]
@@ -234,22 +233,16 @@ class SpecPrefillLLM(CustomLLM):
     def _request(self, segments: list[Segment], kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(kwargs)
         kwargs.pop("formatted", None)
-        changes: dict[str, Any] = {}
-        for field, value in (
-            ("max_new_tokens", kwargs.pop("max_new_tokens", self.max_new_tokens)),
-            ("temperature", kwargs.pop("temperature", self.temperature)),
-            ("timeout", kwargs.pop("timeout", self.timeout)),
-        ):
-            if value is not None:
-                changes[field] = value
-        stop = kwargs.pop("stop", None)
-        if stop:
-            changes["stop"] = tuple(stop)
+        generation = self.engine.config.generation.with_overrides(
+            max_new_tokens=kwargs.pop("max_new_tokens", self.max_new_tokens),
+            temperature=kwargs.pop("temperature", self.temperature),
+            timeout=kwargs.pop("timeout", self.timeout),
+            stop=kwargs.pop("stop", None) or None,
+        )
         mode = kwargs.pop("mode", self.mode)
         keep_rate = kwargs.pop("keep_rate", self.keep_rate)
         if kwargs:
             raise TypeError(f"unexpected arguments for SpecPrefillLLM: {sorted(kwargs)}")
-        generation: GenerationConfig = dataclasses.replace(self.engine.config.generation, **changes)
         return {"question": segments, "mode": mode, "keep_rate": keep_rate, "generation": generation}
 
     def _response(self, result: GenerationResult) -> CompletionResponse:
