@@ -38,7 +38,7 @@ from specprefill_rag import (  # noqa: E402
     SpecPrefillEngine,
 )
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
-from specprefill_rag.models import load_model  # noqa: E402
+from specprefill_rag.models import DEFAULT_DRAFT, DEFAULT_MAIN, load_model  # noqa: E402
 
 PASSKEY = "68413"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -93,8 +93,8 @@ def evidence_kept(prompt: Any, plan: Any, evidence: str) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--main", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--drafts", nargs="+", default=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+    parser.add_argument("--main", default=DEFAULT_MAIN)
+    parser.add_argument("--drafts", nargs="+", default=["smollm2-135m-instruct", DEFAULT_DRAFT])
     parser.add_argument("--keep-rates", nargs="+", type=float, default=[0.1, 0.2])
     parser.add_argument("--questions", type=int, default=3, help="demo questions (0 = needle only)")
     parser.add_argument("--top-k", type=int, default=10, help="passages retrieved per demo question")

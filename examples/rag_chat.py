@@ -22,13 +22,13 @@ from specprefill_rag import (
     GenerationResult,
     Passage,
     PrefillPlan,
-    SegmentKind,
     SelectionConfig,
     SpecPrefillConfig,
     SpecPrefillEngine,
     TextStream,
     available_backends,
 )
+from specprefill_rag import prompt as prompt_lib
 from specprefill_rag.retrieval import Document, Retriever, demo_documents, split_passages
 
 __all__ = [
@@ -145,22 +145,14 @@ def build_engine(
     if backend not in available_backends():
         raise ValueError(
             f"the backend {backend!r} is not available in this installation "
-            f"(available: {', '.join(available_backends())}). The vLLM server backend is "
-            "registered as 'vllm_server' once specprefill_rag.backends ships it; use 'transformers' meanwhile"
+            f"(available: {', '.join(available_backends())})"
         )
-    if backend == "transformers" and pair.main == pair.draft:
-        from specprefill_rag import DraftModel
-        from specprefill_rag.backends.transformers import TransformersBackend
-        from specprefill_rag.models import load_model
-
-        model, tokenizer = load_model(pair.main)
-        main = TransformersBackend(model, tokenizer, name=pair.main)
-        return SpecPrefillEngine(main, DraftModel(model, tokenizer, config.draft), config)
     kwargs: dict[str, Any] = {}
     if backend != "transformers":
         if not server_url or not server_url.strip():
             raise ValueError(f"the {backend!r} backend needs a server URL, e.g. http://127.0.0.1:8000")
         kwargs["base_url"] = server_url.strip()
+    # Draft == main on transformers: from_pretrained loads one set of weights for both roles.
     return SpecPrefillEngine.from_pretrained(pair.main, pair.draft, backend=backend, config=config, **kwargs)
 
 
@@ -230,49 +222,13 @@ def build_retriever(documents: Sequence[Document] | None = None) -> Retriever:
 
 
 def passage_views(prompt: AssembledPrompt, plan: PrefillPlan) -> list[PassageView]:
-    """Each passage's text cut into kept / dropped runs, from the plan's kept token ranges.
-
-    A character takes the state of the token whose offsets cover it; characters a template
-    token straddles count as kept (template tokens are always prefilled). Only passage text
-    is returned, never the chat template around it.
-    """
-    text = prompt.text
-    kept_tokens: set[int] = set()
-    for span in plan.kept_spans:
-        for start, end in span.ranges:
-            kept_tokens.update(range(start, end))
-    offsets = prompt.offsets.tolist()  # (n_prompt, 2)
-    segment_index = prompt.segment_index.tolist()  # (n_prompt,)
+    """Each passage's text cut into kept / dropped runs (``prompt.kept_runs`` in the core);
+    only passage text, never the chat template around it."""
+    runs = prompt_lib.kept_runs(prompt, plan)
     views: list[PassageView] = []
-    cursor = 0
     for span in plan.kept_spans:
-        if span.kind not in (SegmentKind.PASSAGE, SegmentKind.CONTEXT):
-            continue
-        segment = prompt.segments[span.segment_index]
-        start = text.find(segment.text, cursor)
-        if start < 0:  # the template changed the text: fall back to the tokens' own span
-            mine = [i for i, s in enumerate(segment_index) if s == span.segment_index]
-            if not mine:
-                continue
-            start, end = offsets[mine[0]][0], offsets[mine[-1]][1]
-        else:
-            end = start + len(segment.text)
-        cursor = end
-        state = [True] * (end - start)  # per character of the passage
-        for i, (a, b) in enumerate(offsets):
-            if b <= start or a >= end or segment_index[i] != span.segment_index:
-                continue
-            for c in range(max(a, start), min(b, end)):
-                state[c - start] = i in kept_tokens
-        pieces: list[tuple[str, bool]] = []
-        run_start = 0
-        for c in range(1, len(state) + 1):
-            if c == len(state) or state[c] != state[run_start]:
-                pieces.append((text[start + run_start : start + c], state[run_start]))
-                run_start = c
-        views.append(
-            PassageView(len(views) + 1, span.id, span.n_tokens, span.n_kept, tuple(pieces))
-        )
+        if span.segment_index in runs:
+            views.append(PassageView(len(views) + 1, span.id, span.n_tokens, span.n_kept, runs[span.segment_index]))
     return views
 
 

@@ -18,6 +18,7 @@ and the last few tokens. Only passage/context text is prunable.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import InputError, InputTypeError
-from .types import AssembledPrompt, Passage, Segment, SegmentKind
+from .types import AssembledPrompt, Passage, PrefillPlan, Segment, SegmentKind
 
 __all__ = [
     "RETRIEVER_SCORE_KEY",
@@ -35,6 +36,7 @@ __all__ = [
     "assemble",
     "build_segments",
     "chat_segments",
+    "kept_runs",
     "passage_segments",
     "render",
     "retriever_scores",
@@ -364,3 +366,31 @@ def assemble(
         segment_spans=tuple(spans),
         sentence_start=_sentence_starts(text, starts, spans, segments),
     )
+
+
+def kept_runs(prompt: AssembledPrompt, plan: PrefillPlan) -> dict[int, tuple[tuple[str, bool], ...]]:
+    """What the main model saw of each prunable segment, as text: segment index → (text, kept)
+    runs covering the segment's text in order (the UI's highlighted passages).
+
+    A character is dropped when the token covering it was dropped; template tokens are always
+    prefilled. ``prompt`` must be the one ``plan`` was made from (its ``segment_spans``).
+    """
+    kept = torch.zeros(prompt.n_tokens, dtype=torch.bool)
+    for span in plan.kept_spans:
+        for start, end in span.ranges:
+            kept[start:end] = True
+    kept |= prompt.segment_index < 0
+    dropped = (~kept).nonzero().flatten()
+    # Characters of dropped tokens, by a difference array: one pass, whatever the prompt's size.
+    marks = torch.zeros(len(prompt.text) + 1, dtype=torch.int64)
+    marks.index_add_(0, prompt.offsets[dropped, 0], torch.ones(dropped.numel(), dtype=torch.int64))
+    marks.index_add_(0, prompt.offsets[dropped, 1], -torch.ones(dropped.numel(), dtype=torch.int64))
+    char_kept = (marks.cumsum(0) <= 0)[:-1]
+    runs: dict[int, tuple[tuple[str, bool], ...]] = {}
+    for index, a, b in prompt.segment_spans:
+        if not prompt.segments[index].prunable or b <= a:
+            continue
+        state = char_kept[a:b]
+        cuts = [0, *((state[1:] != state[:-1]).nonzero().flatten() + 1).tolist(), b - a]
+        runs[index] = tuple((prompt.text[a + x : a + y], bool(state[x])) for x, y in itertools.pairwise(cuts))
+    return runs

@@ -128,3 +128,21 @@ def test_sentence_starts_mark_the_first_token_of_each_passage_sentence(tokenizer
     assert prompt.n_context == int((~prompt.protected).sum())
     question = prompt.positions_of(SegmentKind.QUESTION)
     assert tokenizer.decode(prompt.token_ids[question]).strip() == "what is the passkey?"
+
+
+def test_kept_runs_cover_each_prunable_segment_exactly(tokenizer):
+    import torch
+
+    from specprefill_rag import prompt
+    from specprefill_rag.selection import plan_from_indices
+
+    segments = prompt.build_segments("what is the passkey?", ["The sky is blue. The sun is yellow.", "Alpha beta."])
+    p = prompt.assemble(tokenizer, segments)
+    first = (p.segment_index == 0).nonzero().flatten().tolist()
+    kept = torch.tensor([i for i in range(p.n_tokens) if i not in first[1:3]])
+    runs = prompt.kept_runs(p, plan_from_indices(p, kept))
+    assert sorted(runs) == [0, 1]  # the passages; never the question
+    assert "".join(t for t, _ in runs[0]) == segments[0].text and [k for _, k in runs[0]] == [True, False, True]
+    a, b = int(p.offsets[first[1], 0]), int(p.offsets[first[2], 1])
+    assert runs[0][1][0] == p.text[a:b]
+    assert runs[1] == ((segments[1].text, True),)
