@@ -1,4 +1,4 @@
-"""``specprefill-rag`` command line: demo, ask, prepare.
+"""``specprefill-rag`` command line: demo, ask, serve, gateway, bench, prepare.
 
 The CLI is the one place that prints; the library logs.
 """
@@ -40,6 +40,25 @@ def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: in
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
+def _gateway_args(group: Any) -> None:
+    add = group.add_argument
+    add("--api-key", default=os.environ.get("SPECPREFILL_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECPREFILL_API_KEY; unset: open)")
+    add("--keep-rate", type=float, default=None, help="default share of the context prefilled (default: the engine's)")
+    add("--max-new-tokens", type=int, default=None,
+        help="answer length when a request sets no max_tokens (default: the engine's)")
+    add("--max-queue", type=int, default=64, help="requests in flight (running or waiting) before HTTP 429 "
+        "(%(default)s)")
+    add("--max-concurrency", type=int, default=None,
+        help="requests generating at once (default: max(4, --draft-batch))")
+    add("--draft-batch", type=int, default=None,
+        help="concurrent requests scored in one draft batch, DraftConfig.max_batch (default: the engine's; "
+        "worth raising on a GPU)")
+    add("--model-name", default=None, help="model id shown to clients (default: the main model's name)")
+    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (%(default)s)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specprefill-rag", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log library progress")
@@ -56,12 +75,46 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("--full", action="store_true", help="full prefill instead of SpecPrefill")
     _engine_args(ask, keep_rate=0.2, top_k=8, max_new_tokens=128)
 
-    serve = sub.add_parser("serve", help="start vLLM's OpenAI server with the SpecPrefill plugin (docs/vllm.md)")
+    serve = sub.add_parser(
+        "serve",
+        help="start vLLM's OpenAI server with the SpecPrefill plugin (docs/vllm.md); with --gateway-port, "
+        "the OpenAI-compatible SpecPrefill gateway in front of it too (docs/gateway.md)",
+    )
     serve.add_argument("model", help="main model: packaged short name, HF directory or .gguf")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="port (%(default)s)")
+    serve.add_argument("--host", default="127.0.0.1", help="address vLLM listens on (%(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="vLLM's port (%(default)s)")
     serve.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     serve.add_argument("--vllm-args", default="", help='more vLLM server arguments, e.g. "--max-num-seqs 8"')
+    stack = serve.add_argument_group("whole stack: vLLM, then the gateway in front of it (needs --gateway-port)")
+    stack.add_argument("--gateway-port", type=int, default=None, help="port of the gateway (default: no gateway)")
+    stack.add_argument("--gateway-host", default="127.0.0.1", help="address the gateway listens on (%(default)s)")
+    stack.add_argument("--draft", default=None, help="draft model, run beside the gateway (required with a gateway)")
+    stack.add_argument("--vllm-log", default=None, help="write vLLM's output to this file (default: discarded)")
+    _gateway_args(stack)
+
+    gateway = sub.add_parser(
+        "gateway", help="an OpenAI-compatible HTTP server answering with SpecPrefill (docs/gateway.md)"
+    )
+    gateway.add_argument(
+        "--engine", default=None, metavar="MODULE:FUNCTION",
+        help="import path of a zero-argument function returning a SpecPrefillEngine (instead of --main/--draft)",
+    )
+    gateway.add_argument("--main", default=DEFAULT_MAIN, help="main model (%(default)s)")
+    gateway.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (%(default)s)")
+    gateway.add_argument("--no-draft", action="store_true", help="no draft model: serve full prefill only")
+    gateway.add_argument("--backend", default="transformers", help="main-model backend: transformers, vllm_server, "
+                         "vllm_offline (%(default)s)")
+    gateway.add_argument("--vllm-url", default="http://127.0.0.1:8000",
+                         help="the vLLM server, for --backend vllm_server (%(default)s)")
+    gateway.add_argument("--served-model-name", default=None,
+                         help="the model's name on the vLLM server (default: asked at start)")
+    gateway.add_argument("--max-model-len", type=int, default=None,
+                         help="the vLLM server's context window (default: asked at start; with --served-model-name "
+                         "too, the gateway starts without reaching vLLM)")
+    gateway.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
+    gateway.add_argument("--port", type=int, default=8080, help="port (%(default)s)")
+    gateway.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _gateway_args(gateway)
 
     bench = sub.add_parser(
         "bench",
@@ -176,6 +229,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .server import ServerStartError, serve
 
+    if args.gateway_port is not None:
+        return _serve_stack(args)
+    if args.draft:
+        print("error: --draft is used by the gateway: add --gateway-port PORT", file=sys.stderr)
+        return 2
     try:
         return serve(
             args.model, host=args.host, port=args.port, max_model_len=args.max_model_len,
@@ -184,6 +242,119 @@ def _serve(args: argparse.Namespace) -> int:
     except ServerStartError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+
+
+def _gateway_config(args: argparse.Namespace, base: Any) -> Any:
+    """``base`` (a SpecPrefillConfig) with the command line's overrides."""
+    import dataclasses
+
+    config = base
+    if args.keep_rate is not None:
+        config = dataclasses.replace(config, selection=dataclasses.replace(
+            config.selection, keep_rate=args.keep_rate, token_budget=None))
+    if args.draft_batch is not None:
+        config = dataclasses.replace(config, draft=dataclasses.replace(config.draft, max_batch=args.draft_batch))
+    if args.max_new_tokens is not None:
+        config = dataclasses.replace(config, generation=dataclasses.replace(
+            config.generation, max_new_tokens=args.max_new_tokens))
+    return config
+
+
+def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int, model_name: str | None) -> int:
+    from .gateway import create_app, run_app
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        print(f"error: the gateway needs {error.name}: pip install 'specprefill-rag[gateway]'", file=sys.stderr)
+        return 2
+    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue,
+                     max_concurrency=args.max_concurrency, model_name=args.model_name or model_name)
+    try:
+        run_app(app, host=host, port=port, log_level=args.log_level)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
+        return 130
+    return 0
+
+
+def _factory_engine(spec: str) -> Any:
+    """The engine returned by the zero-argument function at ``module:function``."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--engine must look like module:function, got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--engine {spec}: {error}") from error
+    return obj()
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from .config import SpecPrefillConfig
+    from .engine import SpecPrefillEngine
+    from .errors import BackendError
+
+    if args.engine:
+        engine = _factory_engine(args.engine)
+        if not isinstance(engine, SpecPrefillEngine):
+            raise ValueError(f"--engine {args.engine} returned {type(engine).__name__}, not a SpecPrefillEngine")
+        config = _gateway_config(args, engine.config)
+        if config != engine.config:  # the draft batcher is built from the config: a new engine, same models
+            engine = SpecPrefillEngine(engine.backend, engine.draft, config)
+        return _run_gateway(engine, args, host=args.host, port=args.port, model_name=None)
+    config = _gateway_config(args, SpecPrefillConfig())
+    kwargs: dict[str, Any] = {}
+    if args.backend == "vllm_server":
+        kwargs = {"base_url": args.vllm_url, "model": args.served_model_name, "max_context": args.max_model_len}
+    print(f"Loading {'main ' + args.main if args.no_draft else f'draft {args.draft} and main {args.main}'} ...",
+          flush=True)
+    try:
+        engine = SpecPrefillEngine.from_pretrained(
+            args.main, None if args.no_draft else args.draft, backend=args.backend, config=config, **kwargs
+        )
+    except BackendError as error:
+        print(f"error: {error}\n(start vLLM first, or pass --served-model-name and --max-model-len to start the "
+              "gateway without it)", file=sys.stderr)
+        return 2
+    return _run_gateway(engine, args, host=args.host, port=args.port, model_name=args.main)
+
+
+def _serve_stack(args: argparse.Namespace) -> int:
+    """vLLM with the plugin (``VLLMServer``), then the gateway in front of it; both stop together."""
+    import shlex
+    import signal
+
+    from .config import SpecPrefillConfig
+    from .engine import SpecPrefillEngine
+    from .server import ServerStartError, VLLMServer
+
+    if not args.draft:
+        print("error: the gateway needs a draft model: add --draft DRAFT", file=sys.stderr)
+        return 2
+    config = _gateway_config(args, SpecPrefillConfig())
+    server = VLLMServer(args.model, host=args.host, port=args.port, max_model_len=args.max_model_len,
+                        extra_args=shlex.split(args.vllm_args), log_path=args.vllm_log)
+    # uvicorn re-raises SIGINT/SIGTERM after its own shutdown; as exceptions they still stop vLLM below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    print(f"Starting vLLM on {server.url} (the first start takes minutes) ...", flush=True)
+    try:
+        server.start()
+        print(f"vLLM ready in {server.started_s:.0f} s; loading draft {args.draft} ...", flush=True)
+        engine = SpecPrefillEngine.from_pretrained(args.model, args.draft, backend="vllm_server",
+                                                   base_url=server.url, config=config)
+        return _run_gateway(engine, args, host=args.gateway_host, port=args.gateway_port, model_name=args.model)
+    except ServerStartError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        server.stop()  # by PID, whatever ended the gateway (also a signal during vLLM's start)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -223,7 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        commands = {"demo": _demo, "ask": _ask, "serve": _serve, "bench": _bench, "prepare": _prepare}
+        commands = {
+            "demo": _demo, "ask": _ask, "serve": _serve, "gateway": _gateway, "bench": _bench, "prepare": _prepare,
+        }
         return commands[args.command](args)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

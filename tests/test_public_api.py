@@ -13,6 +13,7 @@ PACKAGES = [
     "specprefill_rag.config",
     "specprefill_rag.draft",
     "specprefill_rag.engine",
+    "specprefill_rag.streams",
     "specprefill_rag.errors",
     "specprefill_rag.models",
     "specprefill_rag.prompt",
@@ -25,6 +26,12 @@ PACKAGES = [
     "specprefill_rag.server",
     "specprefill_rag.backends.vllm_server",
     "specprefill_rag.backends.vllm_offline",
+    "specprefill_rag.gateway",
+    "specprefill_rag.gateway.app",
+    "specprefill_rag.gateway.messages",
+    "specprefill_rag.gateway.metrics",
+    "specprefill_rag.gateway.protocol",
+    "specprefill_rag.gateway.responses",
 ]
 
 

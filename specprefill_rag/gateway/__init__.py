@@ -1,0 +1,60 @@
+"""An OpenAI-compatible HTTP gateway: any OpenAI client gets SpecPrefill with no code change.
+
+``create_app(engine)`` builds a FastAPI app serving ``/v1/chat/completions``,
+``/v1/completions``, ``/v1/models``, ``/health`` and ``/metrics``; ``run_app`` serves it with
+uvicorn; ``specprefill-rag gateway`` and ``specprefill-rag serve MODEL --gateway-port 8080``
+do both from the command line. See docs/gateway.md.
+
+FastAPI, uvicorn and prometheus-client are optional (``pip install 'specprefill-rag[gateway]'``)
+and imported only when an app is built; the prompt mapping (``messages``) needs none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .messages import DEFAULT_SHAPES, PromptShape, to_segments
+
+if TYPE_CHECKING:
+    from ..engine import SpecPrefillEngine
+
+__all__ = ["DEFAULT_SHAPES", "INSTALL_HINT", "PromptShape", "create_app", "run_app", "to_segments"]
+
+INSTALL_HINT = "pip install 'specprefill-rag[gateway]'"
+
+
+def _app_module() -> Any:
+    try:
+        from . import app
+    except ImportError as error:
+        raise ImportError(
+            f"the SpecPrefill gateway needs fastapi, uvicorn and prometheus-client ({error.name} is missing): "
+            f"{INSTALL_HINT}"
+        ) from error
+    return app
+
+
+def create_app(
+    engine: SpecPrefillEngine,
+    *,
+    api_key: str | None = None,
+    max_queue: int = 64,
+    max_concurrency: int | None = None,
+    model_name: str | None = None,
+    shapes: Sequence[PromptShape] = DEFAULT_SHAPES,
+) -> Any:
+    """A FastAPI app serving ``engine`` over the OpenAI API (see ``gateway.app.create_app``)."""
+    return _app_module().create_app(
+        engine, api_key=api_key, max_queue=max_queue, max_concurrency=max_concurrency,
+        model_name=model_name, shapes=shapes,
+    )
+
+
+def run_app(app: Any, *, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:
+    """Serve ``app`` with uvicorn until SIGINT/SIGTERM."""
+    try:
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise ImportError(f"serving the gateway needs uvicorn: {INSTALL_HINT}") from error
+    _app_module().run_app(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,381 @@
+"""The FastAPI app: OpenAI-compatible endpoints in front of one ``SpecPrefillEngine``.
+
+Every request is admitted or refused at once: at most ``max_queue`` requests are in flight
+(running or waiting), the next gets HTTP 429 with ``Retry-After``. Of the admitted, at most
+``max_concurrency`` generate at a time, through ``engine.astream``: every model step runs in a
+worker thread, so the event loop only moves bytes. Concurrent requests score in one draft
+batch when the engine's ``DraftConfig.max_batch`` allows.
+
+Failures before the first token are plain HTTP errors (400, 502, 503, 504, OpenAI-shaped);
+after it, an ``{"error": ...}`` event ends the stream. A client that goes away stops its
+generation: the engine stream is closed (and with it the request to an upstream vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from ..engine import AsyncTextStream, Mode, SpecPrefillEngine
+from ..errors import ConfigError, InputError
+from ..types import GenerationResult
+from .messages import DEFAULT_SHAPES, PromptShape
+from .metrics import GatewayMetrics
+from .protocol import GatewayRequest, parse_chat, parse_completion
+from .responses import RETRY_AFTER_S, APIError, StreamChunks, error_body, new_id, now, response, to_api_error
+
+__all__ = ["Gateway", "create_app", "run_app"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was complete."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (the body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or ``ClientGone`` (``work`` cancelled) when the client leaves first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone
+
+
+class _Run:
+    """One admitted request: its queue slot, its generation slot and its engine stream."""
+
+    def __init__(self, gateway: Gateway, request: GatewayRequest, endpoint: str) -> None:
+        self.gateway, self.request, self.endpoint = gateway, request, endpoint
+        self.stream: AsyncTextStream | None = None
+        self.running = False
+        self.closed = False
+        gateway.admitted += 1
+        gateway.metrics.in_flight.inc()
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self.stream.result if self.stream is not None else None
+
+    async def start(self) -> str | None:
+        """Wait for a generation slot, start the engine stream; the first text delta (None: no text)."""
+        await self.gateway.slots.acquire()
+        self.running = True
+        self.gateway.running += 1
+        self.gateway.metrics.running.inc()
+        req = self.request
+        self.stream = await self.gateway.engine.astream(
+            list(req.segments), mode=req.mode, keep_rate=req.keep_rate, generation=req.generation
+        )
+        return await self.next()
+
+    async def next(self) -> str | None:
+        assert self.stream is not None
+        try:
+            return await self.stream.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    async def collect(self) -> str:
+        parts = []
+        delta = await self.start()
+        while delta is not None:
+            parts.append(delta)
+            delta = await self.next()
+        return "".join(parts)
+
+    async def close(self, status: int) -> None:
+        """Stop generating (if still running), free both slots, count the request. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):  # also runs while the request's task is being cancelled
+            if self.stream is not None:
+                try:
+                    await self.stream.aclose()
+                except Exception:  # closing a failed stream: the failure was reported already
+                    logger.debug("closing the engine stream failed", exc_info=True)
+        gateway = self.gateway
+        if self.running:
+            gateway.slots.release()
+            gateway.running -= 1
+            gateway.metrics.running.dec()
+        gateway.admitted -= 1
+        gateway.metrics.in_flight.dec()
+        gateway.metrics.finished(self.endpoint, self.request.mode, status, self.result if status == 200 else None)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events of one run. Whatever ends the response (the last event, the client
+    going away, even before the first event was sent), the generator is closed and the run's
+    slots are freed at once: Starlette cancels a response without closing its iterator."""
+
+    def __init__(self, events: AsyncGenerator[str, None], run: _Run) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+        self._run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()
+                await self._run.close(499)  # a no-op when the events closed it
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Gateway:
+    """State of one gateway: the engine, admission counters, metrics. ``create_app`` wires it."""
+
+    def __init__(
+        self,
+        engine: SpecPrefillEngine,
+        *,
+        api_key: str | None = None,
+        max_queue: int = 64,
+        max_concurrency: int | None = None,
+        model_name: str | None = None,
+        shapes: Sequence[PromptShape] = DEFAULT_SHAPES,
+    ) -> None:
+        if max_queue < 1:
+            raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
+        self.max_concurrency = max_concurrency or max(4, engine.config.draft.max_batch)
+        if self.max_concurrency < 1:
+            raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.engine = engine
+        self.api_key = api_key or None
+        self.max_queue = max_queue
+        self.model_name = model_name or engine.backend.model_name
+        self.shapes = tuple(shapes)
+        self.default_mode: Mode = "specprefill" if engine.draft is not None else "full"
+        self.metrics = GatewayMetrics()
+        self.slots = asyncio.Semaphore(self.max_concurrency)
+        self.admitted = 0  # requests in flight: running or waiting for a slot
+        self.running = 0
+        self.created = now()
+
+    # -- request handling ------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    async def _parse(self, request: Request, endpoint: str) -> GatewayRequest:
+        self.authorize(request)
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        parse = parse_chat if endpoint == "chat" else parse_completion
+        try:
+            return parse(body, self.engine.config.generation, self.default_mode, self.shapes)
+        except (InputError, ConfigError) as error:
+            raise APIError(400, str(error)) from None
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        """One ``/v1/chat/completions`` (``endpoint="chat"``) or ``/v1/completions`` request."""
+        try:
+            req = await self._parse(request, endpoint)
+        except APIError as error:
+            self.metrics.finished(endpoint, "none", error.status)
+            raise
+        if self.admitted >= self.max_queue:
+            self.metrics.finished(endpoint, req.mode, 429)
+            raise APIError(
+                429, f"the gateway has {self.max_queue} requests in flight, its limit (--max-queue): retry later",
+                type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        run = _Run(self, req, endpoint)
+        first: str | None = None
+        try:
+            if req.stream:  # wait for the first text: until then a failure is still an HTTP status
+                first = await _unless_disconnected(request, run.start())
+            else:
+                await _unless_disconnected(request, run.collect())
+        except ClientGone:
+            await run.close(499)
+            return Response(status_code=499)
+        except Exception as exc:
+            failure = to_api_error(exc)
+            await run.close(failure.status)
+            raise failure from exc
+        except BaseException:  # cancelled (server shutdown)
+            await run.close(499)
+            raise
+        if req.stream:
+            return _EventStream(self._events(run, first), run)
+        result = run.result
+        await run.close(200)
+        assert result is not None
+        body = response(req.kind, new_id(req.kind), now(), self.model_name, result, req.prompt_shape)
+        return JSONResponse(body)
+
+    async def _events(self, run: _Run, first: str | None) -> AsyncGenerator[str, None]:
+        req = run.request
+        chunks = StreamChunks(req.kind, new_id(req.kind), now(), self.model_name, req.prompt_shape)
+        status = 499  # unless the stream ends or fails: the client went away (cancelled, closed)
+        try:
+            for chunk in chunks.first():
+                yield _sse(chunk)
+            delta = first
+            while delta is not None:
+                yield _sse(chunks.delta(delta))
+                delta = await run.next()
+            result = run.result
+            assert result is not None
+            status = 200
+            tail = [chunks.last(result)] + ([chunks.usage(result)] if req.include_usage else [])
+        except Exception as exc:  # after the first token: an error event ends the stream
+            error = to_api_error(exc)
+            status = error.status
+            tail = [error.body()]
+        finally:
+            # Free the slots before the last event: a client may send its next request at once.
+            await run.close(status)
+        for obj in tail:
+            yield _sse(obj)
+        yield "data: [DONE]\n\n"
+
+    # -- other endpoints -------------------------------------------------------------------
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specprefill-rag"}
+
+    def health(self) -> dict[str, Any]:
+        config = self.engine.config
+        return {
+            "status": "ok", "model": self.model_name, "backend": self.engine.backend.name,
+            "draft": self.engine.draft is not None, "default_mode": self.default_mode,
+            "keep_rate": config.selection.keep_rate, "draft_max_batch": config.draft.max_batch,
+            "in_flight": self.admitted, "running": self.running,
+            "max_queue": self.max_queue, "max_concurrency": self.max_concurrency,
+        }
+
+
+def create_app(
+    engine: SpecPrefillEngine,
+    *,
+    api_key: str | None = None,
+    max_queue: int = 64,
+    max_concurrency: int | None = None,
+    model_name: str | None = None,
+    shapes: Sequence[PromptShape] = DEFAULT_SHAPES,
+) -> FastAPI:
+    """An OpenAI-compatible app serving ``engine`` (docs/gateway.md).
+
+    ``api_key``: required as ``Authorization: Bearer KEY`` on ``/v1/*`` (None: open).
+    ``max_queue``: requests in flight (running or waiting) before HTTP 429. ``max_concurrency``:
+    requests generating at once (default: max(4, the draft's max_batch)). ``model_name``: the
+    id in ``/v1/models`` and in answers (default: the backend's); requests may name any model.
+    ``shapes``: the prompt layouts whose documents are recognised as passages.
+    """
+    gateway = Gateway(engine, api_key=api_key, max_queue=max_queue, max_concurrency=max_concurrency,
+                      model_name=model_name, shapes=shapes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Every model step runs in the loop's default executor (asyncio.to_thread): size it so
+        # that each running generation has a thread, plus a few for closing and tokenizing.
+        executor = ThreadPoolExecutor(gateway.max_concurrency + 4, thread_name_prefix="specprefill-gateway")
+        asyncio.get_running_loop().set_default_executor(executor)
+        yield
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="SpecPrefill gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gateway
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if error.status_code == 404 else None
+        return JSONResponse(error_body(str(error.detail), type="invalid_request_error", code=code),
+                            status_code=error.status_code, headers=error.headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.handle(request, "completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        gateway.authorize(request)
+        return gateway.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict[str, Any]:
+        gateway.authorize(request)
+        if model_id != gateway.model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this gateway serves {gateway.model_name!r}",
+                           param="model", code="model_not_found")
+        return gateway.model_card()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return gateway.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = gateway.metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+def run_app(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:
+    """Serve ``app`` with uvicorn until interrupted (SIGINT/SIGTERM; in-flight streams get 5 s)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()

@@ -1,0 +1,256 @@
+"""OpenAI messages → prompt segments: what the main model may prune, with no client change.
+
+Rules (docs/gateway.md):
+
+* system (and developer) messages are the instructions: protected;
+* the last user message is the question: protected;
+* every other turn is prunable context ("User: ..." / "Assistant: ...", ``prompt.chat_segments``);
+* retrieved documents are recognised, and become prunable passages, when a message follows a
+  known shape: ``<document>`` / ``<context>`` tags, LlamaIndex's default ``text_qa_template``,
+  or the prompts LangChain documents for ``create_stuff_documents_chain`` (documents joined by
+  blank lines). Anything else stays where the rules above put it: never pruned by guesswork.
+
+Pure functions, no web framework: ``to_segments`` is what the gateway calls per request.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import InputError
+from ..prompt import chat_segments
+from ..types import Passage, Segment
+
+__all__ = [
+    "DEFAULT_SHAPES",
+    "PromptShape",
+    "Recognised",
+    "recognise",
+    "split_documents",
+    "to_segments",
+]
+
+Role = Literal["user", "system"]
+
+
+@dataclass(frozen=True)
+class PromptShape:
+    """A documented prompt layout: a regular expression over one whole message (stripped).
+
+    Named groups: ``context`` (the documents, joined by blank lines), ``question`` (user
+    shapes only: the protected question), and any group whose name starts with
+    ``instructions`` (kept, protected, as instructions). Text matched by the literal parts
+    (headers, separators, "Answer:") is layout and is dropped: the engine renders its own.
+    Keep the pattern linear in the message's length (see the atomic groups below).
+    """
+
+    name: str
+    role: Role  # which message it applies to: the last user message, or a system message
+    pattern: re.Pattern[str]
+
+    def __post_init__(self) -> None:
+        groups = set(self.pattern.groupindex)
+        if "context" not in groups:
+            raise ValueError(f"prompt shape {self.name!r} needs a named group 'context'")
+        if self.role == "user" and "question" not in groups:
+            raise ValueError(f"user prompt shape {self.name!r} needs a named group 'question'")
+
+
+def _shape(name: str, role: Role, pattern: str) -> PromptShape:
+    return PromptShape(name, role, re.compile(pattern, re.DOTALL))
+
+
+# The patterns run on whole user messages, so they must stay linear in the message's length:
+# each part up to a marker is an atomic group ``(?>...)``, matched once (a lazy ``.*?`` takes the
+# marker's first occurrence, a greedy ``.*`` its last) and never retried.
+
+# LlamaIndex's DEFAULT_TEXT_QA_PROMPT_TMPL (and its chat and tree-summarize variants):
+#   "Context information is below.\n---------------------\n{context_str}\n---------------------\n"
+#   "Given the context information and not prior knowledge, answer the query.\nQuery: {query_str}\nAnswer: "
+# The sentence before "Query:" is the instruction; customised wordings there still match.
+LLAMAINDEX_QA = _shape(
+    "llamaindex_qa", "user",
+    r"(?>(?P<instructions_head>.*?)Context information (?:from multiple sources )?is below\.[ \t]*\n-{5,}[ \t]*\n)"
+    r"(?>(?P<context>.*)\n-{5,}[ \t]*\n)(?>(?P<instructions>(?:.*\n)?)Query:[ \t]*)(?P<question>.*?)\s*\nAnswer:",
+)
+# LangChain hub "rlm/rag-prompt" (LangChain's RAG tutorial), any instruction sentences before it:
+#   "You are an assistant for question-answering tasks. ... keep the answer concise.\n"
+#   "Question: {question} \nContext: {context} \nAnswer:"
+LANGCHAIN_RAG_PROMPT = _shape(
+    "langchain_rag_prompt", "user",
+    r"(?>(?P<instructions>.*?)(?<![^\n])Question:[ \t]*)(?>(?P<question>.*?)\s*\nContext:[ \t]*)"
+    r"(?P<context>.*?)\s*\nAnswer:",
+)
+# LangChain's stuff-documents QA prompt (chains/question_answering/stuff_prompt.py, PROMPT).
+LANGCHAIN_STUFF_QA = _shape(
+    "langchain_stuff", "user",
+    r"(?P<instructions>Use the following pieces of context to answer the question at the end\. If you don't know "
+    r"the answer, just say that you don't know, don't try to make up an answer\.)\s+"
+    r"(?>(?P<context>.*)\n[ \t]*\nQuestion:[ \t]*)(?P<question>.*?)\s*\nHelpful Answer:",
+)
+# The system prompt of LangChain's create_retrieval_chain / create_stuff_documents_chain tutorial;
+# the question is the human message ("{input}").
+LANGCHAIN_RAG_SYSTEM = _shape(
+    "langchain_rag_system", "system",
+    r"(?P<instructions>You are an assistant for question-answering tasks\. Use the following pieces of retrieved "
+    r"context to answer the question\. If you don't know the answer, (?:just )?say that you don't know\. Use three "
+    r"sentences maximum and keep the answer concise\.)\s+(?P<context>.+)",
+)
+# LangChain's stuff-documents chat prompt (chains/question_answering/stuff_prompt.py, CHAT_PROMPT).
+LANGCHAIN_STUFF_CHAT = _shape(
+    "langchain_stuff_chat", "system",
+    r"(?P<instructions>Use the following pieces of context to answer the user's question\.\s*If you don't know the "
+    r"answer, just say that you don't know, don't try to make up an answer\.)[ \t]*\n-{16}\n(?P<context>.+)",
+)
+
+DEFAULT_SHAPES: tuple[PromptShape, ...] = (
+    LLAMAINDEX_QA, LANGCHAIN_STUFF_QA, LANGCHAIN_RAG_PROMPT, LANGCHAIN_RAG_SYSTEM, LANGCHAIN_STUFF_CHAT,
+)
+
+# Explicit form: <document id="...">...</document> (one passage each, optionally inside
+# <documents>...</documents>), or a <context>...</context> block of blank-line-separated documents
+# (LangChain hub "langchain-ai/retrieval-qa-chat" uses the latter in its system prompt).
+_TAGS = {
+    name: re.compile(rf"<(?P<close>/?){name}(?P<attrs>\s[^<>]{{0,200}})?>", re.IGNORECASE)
+    for name in ("document", "context")
+}
+_DOCUMENTS_WRAPPER = re.compile(r"</?documents\s*>", re.IGNORECASE)
+_ID_ATTR = re.compile(r"""\b(?:id|index)\s*=\s*["']([^"']*)["']""", re.IGNORECASE)
+_BLANK_LINE = re.compile(r"\n[ \t]*\n")
+
+
+def _blocks(text: str, name: str) -> list[tuple[int, int, str, str]]:
+    """(start, end, attributes, inner text) of each ``<name ...>...</name>`` block, in one pass
+    over the tags (linear: no pattern rescans the text after an unclosed tag)."""
+    blocks = []
+    opened: re.Match[str] | None = None
+    for tag in _TAGS[name].finditer(text):
+        if not tag.group("close"):
+            opened = opened or tag
+        elif opened is not None:
+            blocks.append((opened.start(), tag.end(), opened.group("attrs") or "", text[opened.end():tag.start()]))
+            opened = None
+    return blocks
+
+
+def _without(text: str, blocks: list[tuple[int, int, str, str]]) -> str:
+    """``text`` with the blocks cut out (each replaced by a line break)."""
+    parts, at = [], 0
+    for start, end, _, _ in blocks:
+        parts.append(text[at:start])
+        at = end
+    parts.append(text[at:])
+    return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class Recognised:
+    """One message taken apart: documents, and what is left of it (question or instructions)."""
+
+    shape: str
+    passages: tuple[Passage, ...]
+    rest: str  # the question (a user message) or the instructions (a system message)
+    instructions: str = ""  # instruction text a user-message shape carried
+
+
+def split_documents(text: str) -> list[Passage]:
+    """Documents joined by blank lines (LangChain's default separator, LlamaIndex's context_str)."""
+    return [Passage(part.strip()) for part in _BLANK_LINE.split(text) if part.strip()]
+
+
+def _tagged(text: str) -> Recognised | None:
+    documents = _blocks(text, "document")
+    if documents:
+        passages = []
+        for _, _, attrs, inner in documents:
+            found = _ID_ATTR.search(attrs)
+            passages.append(Passage(inner.strip(), id=found.group(1) if found else None))
+        rest = _DOCUMENTS_WRAPPER.sub("", _without(text, documents))
+        return Recognised("tagged", tuple(p for p in passages if p.text), rest.strip())
+    contexts = _blocks(text, "context")
+    if contexts:
+        passages = [p for _, _, _, inner in contexts for p in split_documents(inner)]
+        return Recognised("tagged", tuple(passages), _without(text, contexts).strip())
+    return None
+
+
+def recognise(text: str, role: Role, shapes: Sequence[PromptShape] = DEFAULT_SHAPES) -> Recognised | None:
+    """Documents in one message (the last user message or a system message), or None."""
+    tagged = _tagged(text)
+    if tagged is not None:
+        return tagged
+    stripped = text.strip()
+    for shape in shapes:
+        if shape.role != role:
+            continue
+        match = shape.pattern.fullmatch(stripped)
+        if match is None:
+            continue
+        passages = tuple(split_documents(match.group("context")))
+        if not passages:
+            continue
+        parts = [v.strip() for k, v in match.groupdict().items() if k.startswith("instructions") and v and v.strip()]
+        if role == "user":
+            return Recognised(shape.name, passages, match.group("question").strip(), "\n".join(parts))
+        return Recognised(shape.name, passages, "\n".join(parts))
+    return None
+
+
+def _last_user(turns: Sequence[tuple[str, str]]) -> int:
+    users = [i for i, (role, _) in enumerate(turns) if role in ("user", "human")]
+    if not users:
+        raise InputError("no user message: the last user message is the question")
+    return users[-1]
+
+
+def to_segments(
+    turns: Sequence[tuple[str, str]],
+    *,
+    passages: Sequence[Passage] | None = None,
+    question: str | None = None,
+    shapes: Sequence[PromptShape] = DEFAULT_SHAPES,
+) -> tuple[tuple[Segment, ...], str]:
+    """Segments for a conversation of (role, text) turns, and the name of the shape recognised.
+
+    ``passages`` (the ``specprefill.passages`` extension field) are the documents as given: no
+    recognition runs, and ``question`` (else the last user message) is the question.
+    ``question`` alone marks the protected part of the last user message; the rest of that
+    message becomes prunable passages. Otherwise documents are recognised per ``shapes``; the
+    shape is "chat" when none matched. Roles: "system" (instructions), "user", "assistant", ...
+    """
+    turns = [("system" if role == "developer" else role, text) for role, text in turns]
+    at = _last_user(turns)
+    if passages is not None:
+        if question is not None:
+            turns[at] = ("user", question)
+        return chat_segments(turns, passages), "extension"
+    if question is not None:
+        text = turns[at][1]
+        rest = text.replace(question, "\n", 1) if question.strip() and question in text else text
+        turns[at] = ("user", question)
+        return chat_segments(turns, split_documents(rest)), "extension"
+    found: list[Passage] = []
+    shape = "chat"
+    recognised = recognise(turns[at][1], "user", shapes)
+    extra_instructions = ""
+    if recognised is not None:
+        shape = recognised.shape
+        turns[at] = ("user", recognised.rest)
+        extra_instructions = recognised.instructions
+        found.extend(recognised.passages)
+    for i, (role, text) in enumerate(turns):
+        if role != "system":
+            continue
+        in_system = recognise(text, "system", shapes)
+        if in_system is not None:
+            shape = in_system.shape if shape == "chat" else shape
+            turns[i] = ("system", in_system.rest)
+            found[:0] = in_system.passages  # a system prompt's documents come before the user's
+    if extra_instructions:
+        turns.append(("system", extra_instructions))  # after the system messages' own instructions
+    if not turns[at][1].strip():
+        raise InputError(f"the last user message holds documents ({shape}) but no question outside them")
+    return chat_segments(turns, found), shape

@@ -1,0 +1,62 @@
+"""Prometheus metrics of one gateway: requests by mode and status, TTFT and its parts, keep ratio.
+
+Each gateway has its own registry (two apps in one process never collide); ``/metrics``
+serves it in the Prometheus text format. Names and labels are listed in docs/gateway.md.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..types import GenerationResult
+
+__all__ = ["GatewayMetrics"]
+
+_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
+_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class GatewayMetrics:
+    """Counters, gauges and histograms of one gateway."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "specprefill_gateway_requests", "Requests answered, by endpoint, requested mode and HTTP status "
+            "(499: the client went away first)", ["endpoint", "mode", "status"], registry=r,
+        )
+        self.in_flight = Gauge("specprefill_gateway_requests_in_flight",
+                               "Requests admitted: running or waiting (bounded by --max-queue)", registry=r)
+        self.running = Gauge("specprefill_gateway_requests_running", "Requests generating now", registry=r)
+        # Histograms are labelled by what ran: "specprefill" when the prompt was pruned, else "full".
+        self.ttft = Histogram("specprefill_gateway_ttft_seconds", "Time to first token (request start in the engine)",
+                              ["mode"], buckets=_SECONDS, registry=r)
+        self.draft = Histogram("specprefill_gateway_draft_seconds", "Draft scoring time of pruned prompts",
+                               buckets=_SECONDS, registry=r)
+        self.prefill = Histogram("specprefill_gateway_prefill_seconds", "Main-model prefill time",
+                                 ["mode"], buckets=_SECONDS, registry=r)
+        self.keep_ratio = Histogram("specprefill_gateway_keep_ratio", "Prefilled share of the prompt's tokens",
+                                    ["mode"], buckets=_RATIOS, registry=r)
+        self.tokens = Counter("specprefill_gateway_tokens", "Tokens by kind: prompt, prefilled, generated",
+                              ["kind"], registry=r)
+
+    def finished(self, endpoint: str, mode: str, status: int, result: GenerationResult | None = None) -> None:
+        """Count one answered request; a complete ``result`` also feeds the histograms."""
+        self.requests.labels(endpoint, mode, str(status)).inc()
+        if result is None:
+            return
+        ran = "specprefill" if result.plan.speculated else "full"
+        timings = result.timings
+        self.ttft.labels(ran).observe(timings.ttft_s)
+        self.prefill.labels(ran).observe(timings.prefill_s)
+        if timings.draft_s is not None:
+            self.draft.observe(timings.draft_s)
+        self.keep_ratio.labels(ran).observe(result.keep_ratio)
+        self.tokens.labels("prompt").inc(result.prompt_tokens)
+        self.tokens.labels("prefilled").inc(result.prefilled_tokens)
+        self.tokens.labels("generated").inc(result.generated_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of the Prometheus text exposition."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
