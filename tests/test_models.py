@@ -121,6 +121,8 @@ def _fail(*args: object, **kwargs: object) -> None:
 
 def test_public_api() -> None:
     assert set(models.__all__) == {
+        "DEFAULT_DRAFT",
+        "DEFAULT_MAIN",
         "PACKAGED_MODELS",
         "ModelNotFoundError",
         "PackagedModel",
