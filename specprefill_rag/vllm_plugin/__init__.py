@@ -2,9 +2,11 @@
 
 Installed with ``specprefill-rag`` as the ``vllm.general_plugins`` entry point
 ``specprefill = specprefill_rag.vllm_plugin:register``, so vLLM calls ``register()`` in every
-process it starts (API server, engine core, each TP/PP worker). Requests without a plan are
-untouched. The wire format is in ``protocol``; the wrapped vLLM functions are in ``patches``;
-the how-to is docs/vllm.md.
+process it starts (API server, engine core, each TP/PP worker). Without the entry point (a
+source checkout), the offline backend registers it in vLLM's workers itself, through the worker
+extension ``patches.SpecPrefillWorkerExtension``. Requests without a plan are untouched. The
+wire format is in ``protocol``; the wrapped vLLM functions are in ``patches``; the how-to is
+docs/vllm.md.
 """
 
 from __future__ import annotations
