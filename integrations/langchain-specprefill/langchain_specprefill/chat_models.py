@@ -170,7 +170,9 @@ class ChatSpecPrefill(BaseChatModel):
                 if self.engine is None:
                     assert self.model_name is not None
                     logger.info("loading SpecPrefill engine: main=%s draft=%s", self.model_name, self.draft_model)
-                    options = {"max_retries": self.max_retries} if self.backend == "vllm_server" else {}
+                    options: dict[str, Any] = (
+                        {"max_retries": self.max_retries} if self.backend == "vllm_server" else {}
+                    )
                     self.engine = SpecPrefillEngine.from_pretrained(
                         self.model_name, self.draft_model, backend=self.backend, **options
                     )
