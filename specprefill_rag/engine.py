@@ -116,8 +116,9 @@ class SpecPrefillEngine:
         self.maps_tokens = False  # True: the draft has its own tokenizer (scores mapped by offsets)
         draft_config = self.config.draft
         # Concurrent requests (threads, async tasks) share draft passes (DraftConfig.max_batch).
-        self._batcher: MicroBatcher[AssembledPrompt, TokenScores] = MicroBatcher(
-            lambda config, prompts: self.score_many(prompts, draft=config),  # type: ignore[arg-type]
+        # Items are (prompt, the draft's rendering of it), rendered once per request.
+        self._batcher: MicroBatcher[tuple[AssembledPrompt, AssembledPrompt], TokenScores] = MicroBatcher(
+            lambda config, items: self._score_rendered(items, config),  # type: ignore[arg-type]
             max_batch=draft_config.max_batch,
             window_s=draft_config.batch_window_s,
         )
@@ -206,9 +207,15 @@ class SpecPrefillEngine:
         prompt's own within floating-point tolerance); what concurrent requests share."""
         if self.draft is None:
             raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
-        config = draft or self.config.draft
+        return self._score_rendered([(p, self._draft_prompt(p)) for p in prompts], draft or self.config.draft)
+
+    def _score_rendered(self, items: Sequence[tuple[AssembledPrompt, AssembledPrompt]], config: DraftConfig
+                        ) -> list[TokenScores]:
+        """``score_many`` for (prompt, the draft's rendering of it) pairs."""
+        assert self.draft is not None
         start = time.perf_counter()
-        read = [self._draft_prompt(p) for p in prompts]  # what the draft reads: its own rendering
+        prompts = [p for p, _ in items]
+        read = [d for _, d in items]  # what the draft reads: its own rendering
         scored = self.draft.score_batch(
             [d.token_ids for d in read],
             questions=[d.positions_of(SegmentKind.QUESTION) for d in read],
@@ -237,14 +244,15 @@ class SpecPrefillEngine:
 
     def draft_fits(self, prompt: AssembledPrompt, *, draft: DraftConfig | None = None) -> bool:
         """Whether the draft can read ``prompt`` (its own rendering, look-ahead included)."""
-        return self._draft_overflow(prompt, draft or self.config.draft) is None
-
-    def _draft_overflow(self, prompt: AssembledPrompt, config: DraftConfig) -> str | None:
-        """Why the draft cannot read ``prompt``, or None when it can."""
         if self.draft is None:
-            return "this engine has no draft model"
+            return False
+        return self._draft_overflow(prompt, self._draft_prompt(prompt), draft or self.config.draft) is None
+
+    def _draft_overflow(self, prompt: AssembledPrompt, read: AssembledPrompt, config: DraftConfig) -> str | None:
+        """Why the draft cannot read ``prompt`` (rendered for the draft as ``read``), or None."""
+        assert self.draft is not None
         lookahead = config.lookahead_for(int(prompt.positions_of(SegmentKind.QUESTION).numel()))
-        n = self._draft_prompt(prompt).n_tokens
+        n = read.n_tokens
         if self.draft.fits(n, lookahead):
             return None
         return (
@@ -252,12 +260,11 @@ class SpecPrefillEngine:
             f"model's window of {self.draft.max_context}"
         )
 
-    def _overflow(self, prompt: AssembledPrompt) -> bool:
-        """True when ``prompt`` must be prefilled whole because the draft cannot read it
-        (``DraftConfig.on_overflow="full"``, logged); ``InputError`` under ``"raise"``."""
-        if self.draft is None:
-            return False
-        reason = self._draft_overflow(prompt, self.config.draft)
+    def _overflow(self, prompt: AssembledPrompt, read: AssembledPrompt) -> bool:
+        """True when ``prompt`` (rendered for the draft as ``read``) must be prefilled whole because
+        the draft cannot read it (``DraftConfig.on_overflow="full"``, logged); ``InputError``
+        under ``"raise"``."""
+        reason = self._draft_overflow(prompt, read, self.config.draft)
         if reason is None:
             return False
         if self.config.draft.on_overflow == "raise":
@@ -276,16 +283,32 @@ class SpecPrefillEngine:
         """The prefill plan for ``prompt`` (reuses ``scores`` when given, e.g. across keep rates)."""
         if mode not in ("specprefill", "full"):
             raise ConfigError(f"mode must be 'specprefill' or 'full', got {mode!r}")
-        sel = selection or self.config.selection
+        return self._plan(prompt, mode, selection or self.config.selection, scores, None)
+
+    def _plan(
+        self,
+        prompt: AssembledPrompt,
+        mode: Mode,
+        sel: SelectionConfig,
+        scores: TokenScores | None,
+        read: AssembledPrompt | None,
+    ) -> tuple[PrefillPlan, TokenScores | None]:
+        """``plan``, reusing the draft's rendering ``read`` of ``prompt`` when given."""
         n = prompt.n_tokens
         n_context = prompt.n_context
         if mode == "full" or n < sel.min_prompt_tokens or sel.budget(n_context) >= n_context:
             return selection_lib.full_plan(prompt), scores
-        if scores is None and self._overflow(prompt):
-            return selection_lib.full_plan(prompt), None
         if scores is None:
+            if self.draft is None:
+                raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
+            read = read or self._draft_prompt(prompt)
+            if self._overflow(prompt, read):
+                return selection_lib.full_plan(prompt), None
             config = self.config.draft
-            scores = self._batcher.submit(config, prompt) if config.max_batch > 1 else self.score(prompt)
+            if config.max_batch > 1:
+                scores = self._batcher.submit(config, (prompt, read))
+            else:
+                scores = self._score_rendered([(prompt, read)], config)[0]
         prior = prompt_lib.retriever_scores(prompt.segments) if sel.retriever_weight else None
         kept = selection_lib.select(
             scores.scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start, prior
@@ -411,12 +434,14 @@ class SpecPrefillEngine:
         if keep_rate is not None:
             sel = dataclasses.replace(sel, keep_rate=keep_rate, token_budget=None)  # validates
         planned_prompt = self.assemble(question, passages, instructions=instructions, selection=sel)
-        if mode == "specprefill" and self.config.draft.on_overflow == "raise":
-            self._overflow(planned_prompt)  # refuse up front, not at the first next()
+        read = None  # the draft's rendering, made once per request
+        if mode == "specprefill" and self.config.draft.on_overflow == "raise" and self.draft is not None:
+            read = self._draft_prompt(planned_prompt)
+            self._overflow(planned_prompt, read)  # refuse up front, not at the first next()
 
         def run() -> Generator[str, None, GenerationResult]:
             assembled = time.perf_counter()
-            plan, scores = self.plan(planned_prompt, mode=mode, selection=sel)
+            plan, scores = self._plan(planned_prompt, mode, sel, None, read)
             selection_s = None
             if scores is not None:
                 selection_s = time.perf_counter() - assembled - scores.seconds

@@ -163,6 +163,23 @@ def test_draft_window_applies_to_the_drafts_own_tokens(tokenizers, caplog):
     assert engine.generate(QUESTION, PASSAGES, mode="full").prefilled_tokens == p.n_tokens
 
 
+@pytest.mark.parametrize("on_overflow, max_batch", [("full", 1), ("raise", 1), ("full", 4)])
+def test_the_draft_renders_each_request_once(tokenizers, monkeypatch, on_overflow, max_batch):
+    """The window check and the scoring share one rendering in the draft's template."""
+    main_tok, draft_tok = tokenizers
+    engine = make_engine(main_tok, draft_tok)
+    config = dataclasses.replace(
+        engine.config, draft=dataclasses.replace(engine.config.draft, on_overflow=on_overflow, max_batch=max_batch)
+    )
+    engine = SpecPrefillEngine(engine.backend, engine.draft, config)
+    renders = []
+    real_assemble = prompt.assemble
+    monkeypatch.setattr(prompt, "assemble", lambda tok, *a, **kw: renders.append(tok) or real_assemble(tok, *a, **kw))
+    result = engine.generate(QUESTION, PASSAGES)
+    assert result.plan.speculated
+    assert sum(tok is draft_tok for tok in renders) == 1
+
+
 def test_bad_tokenizer_mapping_value():
     with pytest.raises(ValueError, match="tokenizer_mapping must be"):
         DraftConfig(tokenizer_mapping="bytes")  # type: ignore[arg-type]
