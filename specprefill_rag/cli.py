@@ -13,10 +13,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .models import DEFAULT_DRAFT, DEFAULT_MAIN
+
 __all__ = ["main"]
 
-DEFAULT_MAIN = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEMO_INSTRUCTIONS = (
     "You answer questions about the documents in the context. "
     "Answer in one short sentence, using only the context."
@@ -358,8 +358,11 @@ def _serve_stack(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """Run benchmarks/<suite>.py of the source checkout this package is installed from (pip install -e .)."""
-    import importlib
+    """Run ``python -m benchmarks.<suite>`` in the source checkout this package is installed from.
+
+    A child process in the checkout's root, so this process's import path is never changed.
+    """
+    import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -370,9 +373,7 @@ def _bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return int(importlib.import_module(f"benchmarks.{args.suite}").main(args.bench_args))
+    return subprocess.call([sys.executable, "-m", f"benchmarks.{args.suite}", *args.bench_args], cwd=root)
 
 
 def _prepare(args: argparse.Namespace) -> int:
