@@ -23,7 +23,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["ServerStartError", "VLLMServer", "plugin_installed", "serve", "server_command", "server_env"]
+__all__ = [
+    "ServerStartError", "VLLMServer", "cpu_binding", "numa_nodes", "parallel_ranks", "plugin_installed", "serve",
+    "server_command", "server_env",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,23 @@ class ServerStartError(RuntimeError):
 def plugin_installed() -> bool:
     """True when the ``vllm.general_plugins`` entry point of this package is installed."""
     return any(ep.value == PLUGIN_ENTRY_POINT for ep in importlib.metadata.entry_points(group="vllm.general_plugins"))
+
+
+def _require_plugin() -> None:
+    """Raise ``ServerStartError`` unless vLLM would load and apply the plugin."""
+    if not plugin_installed():
+        raise ServerStartError(
+            "the specprefill-rag vLLM plugin entry point is not installed in this environment: "
+            "reinstall the package (pip install -e '.[vllm]') so vLLM loads it"
+        )
+    import vllm
+
+    from .vllm_plugin import UnsupportedVLLMError, check_vllm_version
+
+    try:
+        check_vllm_version(vllm.__version__)
+    except UnsupportedVLLMError as error:
+        raise ServerStartError(str(error)) from error
 
 
 def _on_cpu() -> bool:
@@ -67,12 +87,59 @@ def server_command(
     return cmd + list(extra_args)
 
 
-def server_env(base: Mapping[str, str] | None = None, *, cpu: bool | None = None) -> dict[str, str]:
-    """Environment for the server: the V1 model runner (the one the plugin patches), CPU KV space."""
+def parallel_ranks(extra_args: Sequence[str]) -> int:
+    """Tensor × pipeline parallel ranks asked for on vLLM's command line (1 when not given)."""
+    flags = {"--tensor-parallel-size": 0, "-tp": 0, "--pipeline-parallel-size": 1, "-pp": 1}
+    sizes = [1, 1]
+    args = list(extra_args)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            text = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if text.isdigit() and int(text) > 0:
+                sizes[flags[name]] = int(text)
+    return sizes[0] * sizes[1]
+
+
+def numa_nodes() -> int:
+    """NUMA nodes of this machine (1 when the kernel does not say)."""
+    return max(1, len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))))
+
+
+def cpu_binding(ranks: int, cpus: Sequence[int]) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``ranks`` workers its own share of ``cpus``.
+
+    vLLM's automatic binding puts each CPU worker on its own NUMA node and refuses to start
+    ("Not enough allowed NUMA nodes") when ranks outnumber nodes, e.g. TP=2 on a one-node
+    machine; splitting the allowed CPUs into contiguous groups works there. None when there is
+    nothing to split (one rank) or too few CPUs (one per rank at least).
+    """
+    cpus = sorted(cpus)
+    if ranks <= 1 or len(cpus) < ranks:
+        return None
+    share = len(cpus) // ranks
+    return "|".join(",".join(str(c) for c in cpus[r * share:(r + 1) * share]) for r in range(ranks))
+
+
+def server_env(
+    base: Mapping[str, str] | None = None, *, cpu: bool | None = None, extra_args: Sequence[str] = ()
+) -> dict[str, str]:
+    """Environment for the server: the V1 model runner (the one the plugin patches), CPU KV space.
+
+    On CPU, when the TP × PP ranks in ``extra_args`` outnumber the NUMA nodes and the caller set
+    no binding, each rank is bound to its own share of this process's CPUs (``cpu_binding``).
+    """
     env = dict(os.environ if base is None else base)
     env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if _on_cpu() if cpu is None else cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+        ranks = parallel_ranks(extra_args)
+        if "VLLM_CPU_OMP_THREADS_BIND" not in env and ranks > numa_nodes():
+            binding = cpu_binding(ranks, sorted(os.sched_getaffinity(0)))
+            if binding is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+                env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+                logger.info("binding %d vLLM CPU workers to CPUs %s (fewer NUMA nodes than ranks)", ranks, binding)
     return env
 
 
@@ -99,7 +166,7 @@ class VLLMServer:
         self.host, self.port = host, port
         self.command = server_command(self.model_dir, host=host, port=port, max_model_len=max_model_len,
                                       extra_args=extra_args)
-        self.env = server_env(env)
+        self.env = server_env(env, extra_args=extra_args)
         self.log_path = Path(log_path) if log_path else None
         self.process: subprocess.Popen[bytes] | None = None
         self.started_s: float | None = None  # seconds from launch to ready
@@ -111,11 +178,7 @@ class VLLMServer:
 
     def start(self, timeout: float = 600.0) -> VLLMServer:
         """Launch and block until ``/v1/models`` answers; raises ``ServerStartError`` otherwise."""
-        if not plugin_installed():
-            raise ServerStartError(
-                "the specprefill-rag vLLM plugin entry point is not installed in this environment: "
-                "reinstall the package (pip install -e '.[vllm]') so vLLM loads it"
-            )
+        _require_plugin()
         began = time.perf_counter()
         self._log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
         self.process = subprocess.Popen(
@@ -177,8 +240,7 @@ def serve(model: str, *, host: str, port: int, max_model_len: int | None, extra_
     """Run the server in the foreground (the ``serve`` CLI subcommand); returns its exit code."""
     from .models import resolve_model_dir
 
-    if not plugin_installed():
-        raise ServerStartError("the specprefill-rag vLLM plugin entry point is not installed: pip install -e '.[vllm]'")
+    _require_plugin()
     cmd = server_command(resolve_model_dir(model), host=host, port=port, served_model_name=model,
                          max_model_len=max_model_len, extra_args=extra_args)
-    return subprocess.call(cmd, env=server_env())
+    return subprocess.call(cmd, env=server_env(extra_args=extra_args))

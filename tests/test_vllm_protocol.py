@@ -75,11 +75,60 @@ def test_salt_depends_on_positions_only():
 def test_version_gate(monkeypatch):
     check_vllm_version("0.32.0")
     check_vllm_version("0.32.0+cpu")
+    check_vllm_version("0.32.3")  # a patch release: admitted, the signature checks decide
     monkeypatch.delenv("SPECPREFILL_VLLM_ALLOW_UNTESTED", raising=False)
-    with pytest.raises(UnsupportedVLLMError, match="supports vLLM 0.32.0, but vLLM 0.31.1 is installed"):
+    with pytest.raises(UnsupportedVLLMError, match=r"supports vLLM 0.32.0 \(and its patch releases\), but vLLM "
+                                                   r"0.31.1 is installed"):
         check_vllm_version("0.31.1")
+    with pytest.raises(UnsupportedVLLMError):
+        check_vllm_version("0.33.0")
     monkeypatch.setenv("SPECPREFILL_VLLM_ALLOW_UNTESTED", "1")
     check_vllm_version("0.31.1")
+
+
+@pytest.mark.parametrize("version, env", [("0.31.1", {}), ("0.32.0", {"VLLM_USE_V2_MODEL_RUNNER": "1"})])
+def test_unsupported_vllm_disables_the_plugin_without_aborting(monkeypatch, caplog, version, env):
+    """An untested vLLM or a forced V2 runner: one error line, nothing patched, vLLM starts."""
+    vllm = pytest.importorskip("vllm")
+    import specprefill_rag.vllm_plugin as plugin
+    from specprefill_rag.vllm_plugin import patches
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin, "_disabled", None)
+    monkeypatch.delenv("SPECPREFILL_VLLM_ALLOW_UNTESTED", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    applied = []
+    monkeypatch.setattr(patches, "apply_patches", lambda: applied.append(1))
+    with caplog.at_level("ERROR", logger="specprefill_rag.vllm_plugin"):
+        plugin.register()
+        plugin.register()  # once per process
+    assert not applied
+    assert len(caplog.records) == 1 and "plugin disabled" in caplog.records[0].getMessage()
+    reason = plugin.disabled_reason()
+    assert reason is not None and (version in reason or "V2 model runner" in reason)
+
+
+def test_server_binds_cpu_ranks_when_numa_nodes_are_fewer(monkeypatch):
+    from specprefill_rag import server
+
+    assert server.parallel_ranks(["--tensor-parallel-size", "2"]) == 2
+    assert server.parallel_ranks(["-tp=2", "--pipeline-parallel-size", "3"]) == 6
+    assert server.parallel_ranks(["--max-num-seqs", "8"]) == 1
+    assert server.cpu_binding(2, [0, 1]) == "0|1"
+    assert server.cpu_binding(2, [4, 5, 6, 7, 8]) == "4,5|6,7"
+    assert server.cpu_binding(3, [0, 1]) is None and server.cpu_binding(1, [0, 1]) is None
+    monkeypatch.setattr(server, "numa_nodes", lambda: 1)
+    monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: {0, 1})
+    env = server.server_env({}, cpu=True, extra_args=["--tensor-parallel-size", "2"])
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert server.server_env({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, cpu=True,
+                             extra_args=["-tp", "2"])["VLLM_CPU_OMP_THREADS_BIND"] == "auto"  # the caller's wins
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server.server_env({}, cpu=True)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server.server_env({}, cpu=False, extra_args=["-tp", "2"])
+    monkeypatch.setattr(server, "numa_nodes", lambda: 2)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server.server_env({}, cpu=True, extra_args=["-tp", "2"])
 
 
 def test_request_body_sends_plan_only_when_positions_differ():

@@ -284,12 +284,24 @@ def test_process_inputs_salts_an_honoured_plan():
     assert request.cache_salt.startswith("specprefill-")
 
 
-async def test_render_refuses_before_the_stream():
-    """The server's completion renderer answers a refused plan with a plain 400 error response."""
-    async def original(self, request):
-        return [SimpleNamespace(n=3)]
+RENDERERS = {
+    # server path → (wrap the renderer, what the original renderer returns for one 3-token prompt)
+    "completions": (lambda f: patches._wrap_render(f, patches._completion_inputs, patches._completion_max_tokens),
+                    [SimpleNamespace(n=3)]),
+    "chat": (lambda f: patches._wrap_render(f, patches._chat_inputs, patches._chat_max_tokens),
+             (["conversation"], [SimpleNamespace(n=3)])),
+}
 
-    render = patches._wrap_render(original)
+
+@pytest.mark.parametrize("path", sorted(RENDERERS))
+async def test_render_refuses_before_the_stream(path):
+    """The server's renderers answer a refused plan with a plain 400 error response."""
+    wrap, rendered = RENDERERS[path]
+
+    async def original(self, request):
+        return rendered
+
+    render = wrap(original)
     config = vllm_config(v2=True)
     errors: list[tuple[str, str]] = []
     self = SimpleNamespace(
@@ -297,14 +309,27 @@ async def test_render_refuses_before_the_stream():
         _extract_prompt_len=lambda engine_input: engine_input.n,
         create_error_response=lambda message, param: errors.append((message, param)) or "400",
     )
-    request = SimpleNamespace(vllm_xargs=plan_to_xargs([0, 5, 9], 20), max_tokens=4)
+    request = SimpleNamespace(vllm_xargs=plan_to_xargs([0, 5, 9], 20), max_tokens=4, max_completion_tokens=None)
     assert await render(self, request) == "400"
     assert "V2 model runner" in errors[0][0] and errors[0][1] == "vllm_xargs"
     self.engine_client.vllm_config = vllm_config()
-    assert await render(self, request) == [SimpleNamespace(n=3)]
+    assert await render(self, request) == rendered
     request.vllm_xargs = plan_to_xargs([0], 0)  # malformed: reported as such, whatever the engine
     self.engine_client.vllm_config = config
     assert await render(self, request) == "400" and errors[-1][0].startswith("invalid SpecPrefill plan")
+    request.vllm_xargs = plan_to_xargs([0, 5, 9], 990)  # 990 + 4 fits the 1000-position window ...
+    self.engine_client.vllm_config = vllm_config()
+    assert await render(self, request) == rendered
+    request.max_completion_tokens = 20  # ... 990 + 20 does not (chat reads max_completion_tokens first)
+    expected = "400" if path == "chat" else rendered
+    assert await render(self, request) == expected
+
+
+def test_position_limit_is_max_model_len():
+    """Rope-scaled models (YaRN): vLLM's max_model_len is the limit, not max_position_embeddings."""
+    yarn = SimpleNamespace(max_position_embeddings=32768, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    model_config = SimpleNamespace(max_model_len=131072, hf_config=yarn, hf_text_config=yarn)
+    assert patches.max_positions(model_config) == 131072
 
 
 # -- the wrapped model runner (stub runner) ------------------------------------------------

@@ -3,9 +3,9 @@
 One server (SmolLM2-135M, CPU) serves the module; it is started by the fixture and stopped
 by PID. Checks: plans give transformers' tokens and log-probabilities, positions matter,
 concurrent plans do not interfere, the prefix cache is isolated per plan, bad plans get
-HTTP 400 (streaming or not) and leave the engine serving, the client's plugin check passes, and
-a request id reused with another plan gets that plan (the server runs with vLLM's request-id
-randomization off, so a reused id reaches the model runner unchanged).
+HTTP 400 (streaming or not, completions and chat) and leave the engine serving, the client's
+plugin check passes, and a request id reused with another plan gets that plan (the server runs
+with vLLM's request-id randomization off, so a reused id reaches the model runner unchanged).
 """
 
 from __future__ import annotations
@@ -186,6 +186,25 @@ def test_bad_plans_get_http_400(server, xargs, message, stream):
     assert error["param"] == "vllm_xargs"
     assert error["message"].startswith("invalid SpecPrefill plan in vllm_xargs: ")
     assert re.search(message, error["message"]), error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_plan_in_a_chat_request_gets_http_400(server, stream):
+    """Chat completions: the plan is checked against the rendered chat prompt before any stream."""
+    body = {"model": str(server.model_dir), "messages": [{"role": "user", "content": "Say hi."}],
+            "max_completion_tokens": 4, "stream": stream, "vllm_xargs": {P: [0, 1, 2], N: 500}}
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        status, text = response.status, response.read().decode()
+    finally:
+        conn.close()
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["param"] == "vllm_xargs"
+    assert re.search(r"^invalid SpecPrefill plan in vllm_xargs: .*has 3 entries but the prompt has \d+ tokens",
+                     error["message"]), error["message"]
 
 
 def test_engine_serves_after_bad_plans(server, backend, hf_backend):

@@ -166,6 +166,9 @@ def request_body(
     return body
 
 
+_UNKNOWN_CONTEXT = 1 << 30  # the server states no max_model_len
+
+
 class VLLMServerBackend:
     """HTTP client for ``vllm serve`` with the plugin; TTFT is the first streamed token here.
 
@@ -226,7 +229,7 @@ class VLLMServerBackend:
             if max_context is None:
                 max_context = card.get("max_model_len") or None
         self._model = model
-        self._max_context = max_context or (1 << 30)
+        self._max_context = max_context or _UNKNOWN_CONTEXT
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, base_url: str = "http://127.0.0.1:8000", **kwargs: Any
@@ -241,8 +244,10 @@ class VLLMServerBackend:
             eos.add(int(tokenizer.eos_token_id))
         backend = cls(base_url, tokenizer, eos_token_ids=frozenset(eos), **kwargs)
         embeddings = _max_position_embeddings(model_dir)
-        if embeddings:
-            backend._max_context = min(backend._max_context, embeddings)
+        if embeddings and backend._max_context == _UNKNOWN_CONTEXT:
+            # only when the server states no max_model_len: for rope-scaled models (YaRN) the
+            # server's limit is above the config's pre-scaling max_position_embeddings
+            backend._max_context = embeddings
         return backend
 
     @property

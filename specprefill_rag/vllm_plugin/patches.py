@@ -9,8 +9,9 @@
   its prefix cache salted with the plan's hash. A plan the engine cannot honour (``plan_refusal``:
   V2 runner, speculative decoding, M-RoPE, models that use positions beyond rotary embeddings) is
   refused there too, never silently run at contiguous positions.
-- ``OpenAIServingCompletion.render_completion_request``: validates and refuses before a stream
-  starts, so streaming requests also get a plain HTTP 400 instead of an error event.
+- ``OpenAIServingCompletion.render_completion_request`` and ``OpenAIServingChat.render_chat_request``:
+  validate and refuse once the prompt is rendered, before a stream starts, so streaming requests
+  also get a plain HTTP 400 instead of an error event.
 
 Only this module touches vLLM internals; ``protocol`` holds the rules.
 """
@@ -51,6 +52,7 @@ _MARK = "__specprefill_wrapped__"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"
 SERVING_MODULE = "vllm.entrypoints.openai.completion.serving"
+CHAT_SERVING_MODULE = "vllm.entrypoints.openai.chat_completion.serving"
 
 
 def remap_positions(slots: torch.Tensor, kept: torch.Tensor, next_position: int) -> torch.Tensor:
@@ -65,11 +67,13 @@ def remap_positions(slots: torch.Tensor, kept: torch.Tensor, next_position: int)
 
 
 def max_positions(model_config: Any) -> int:
-    """Positions a model accepts: vLLM's max_model_len, capped by max_position_embeddings."""
-    limit = int(model_config.max_model_len)
-    hf_config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
-    embeddings = getattr(hf_config, "max_position_embeddings", None)
-    return min(limit, int(embeddings)) if isinstance(embeddings, int) and embeddings > 0 else limit
+    """Positions a model accepts: vLLM's ``max_model_len``.
+
+    Not the HF ``max_position_embeddings``: for rope-scaled models (YaRN, dynamic NTK, LongRoPE)
+    that is the pre-scaling length, and vLLM sizes its rotary cache and checks ``max_model_len``
+    against the scaled length itself.
+    """
+    return int(model_config.max_model_len)
 
 
 # -- engines that cannot honour a plan --------------------------------------------------------
@@ -477,20 +481,46 @@ def _patch_input_processor(module: ModuleType) -> None:
         cls.process_inputs = _wrap_process_inputs(cls.process_inputs)
 
 
-def _wrap_render(original: Callable[..., Any]) -> Callable[..., Any]:
+def _completion_inputs(result: Any) -> list[Any] | None:
+    """The engine inputs of ``render_completion_request``'s result (None: an error response)."""
+    return result if isinstance(result, list) else None
+
+
+def _chat_inputs(result: Any) -> list[Any] | None:
+    """The engine inputs of ``render_chat_request``'s ``(conversation, engine_inputs)``."""
+    return list(result[1]) if isinstance(result, tuple) and len(result) == 2 else None
+
+
+def _completion_max_tokens(request: Any) -> int | None:
+    return getattr(request, "max_tokens", None)
+
+
+def _chat_max_tokens(request: Any) -> int | None:
+    given = getattr(request, "max_completion_tokens", None)
+    return given if given is not None else getattr(request, "max_tokens", None)
+
+
+def _wrap_render(
+    original: Callable[..., Any],
+    engine_inputs: Callable[[Any], list[Any] | None],
+    max_tokens: Callable[[Any], int | None],
+) -> Callable[..., Any]:
+    """Validate and refuse a plan once the prompt is rendered, before any response starts."""
+
     @functools.wraps(original)
-    async def render_completion_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    async def render(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         result = await original(self, request, *args, **kwargs)
         extra = getattr(request, "vllm_xargs", None)
-        if not extra or not isinstance(result, list):
+        inputs = engine_inputs(result) if extra else None
+        if not inputs:
             return result
         planned = False
         try:
-            for engine_input in result:
+            for engine_input in inputs:
                 planned |= parse_plan(
                     extra,
                     prompt_len=int(self._extract_prompt_len(engine_input)),
-                    max_tokens=request.max_tokens,
+                    max_tokens=max_tokens(request),
                     max_len=max_positions(self.model_config),
                 ) is not None
         except PlanError as error:
@@ -501,14 +531,22 @@ def _wrap_render(original: Callable[..., Any]) -> Callable[..., Any]:
             return self.create_error_response(refusal, param="vllm_xargs")
         return result
 
-    setattr(render_completion_request, _MARK, True)
-    return render_completion_request
+    setattr(render, _MARK, True)
+    return render
 
 
 def _patch_serving(module: ModuleType) -> None:
     cls = module.OpenAIServingCompletion
     if not getattr(cls.render_completion_request, _MARK, False):
-        cls.render_completion_request = _wrap_render(cls.render_completion_request)
+        cls.render_completion_request = _wrap_render(
+            cls.render_completion_request, _completion_inputs, _completion_max_tokens
+        )
+
+
+def _patch_chat_serving(module: ModuleType) -> None:
+    cls = module.OpenAIServingChat
+    if not getattr(cls.render_chat_request, _MARK, False):
+        cls.render_chat_request = _wrap_render(cls.render_chat_request, _chat_inputs, _chat_max_tokens)
 
 
 # -- applying patches when vLLM imports the modules ------------------------------------------
@@ -542,6 +580,7 @@ _PATCHES: dict[str, Callable[[ModuleType], None]] = {
     RUNNER_MODULE: _patch_runner,
     INPUT_PROCESSOR_MODULE: _patch_input_processor,
     SERVING_MODULE: _patch_serving,
+    CHAT_SERVING_MODULE: _patch_chat_serving,
 }
 
 

@@ -81,10 +81,9 @@ def parse_plan(
 ) -> PositionPlan | None:
     """Validate a request's plan; None when the request carries none (stock vLLM behaviour).
 
-    ``max_len`` is the largest position the model supports plus one (vLLM's ``max_model_len``,
-    capped by the model's max position embeddings). ``max_tokens`` is the number of tokens
-    the request may generate (None: not checked). Raises ``PlanError`` with a message naming
-    the field and the rule it breaks.
+    ``max_len`` is the largest position the model supports plus one (vLLM's ``max_model_len``).
+    ``max_tokens`` is the number of tokens the request may generate (None: not checked). Raises
+    ``PlanError`` with a message naming the field and the rule it breaks.
     """
     if not extra_args or (POSITIONS_KEY not in extra_args and NEXT_POSITION_KEY not in extra_args):
         return None
@@ -120,7 +119,8 @@ def parse_plan(
     if next_position >= max_len:
         raise PlanError(
             f"{NEXT_POSITION_KEY} ({next_position}) must be below the model's maximum length of "
-            f"{max_len} positions"
+            f"{max_len} positions: the original prompt leaves no position to generate at; shorten it "
+            "(fewer or shorter passages) or start vLLM with a larger --max-model-len"
         )
     if max_tokens is not None and next_position + max_tokens > max_len:
         raise PlanError(
