@@ -7,13 +7,14 @@ from li_helpers import CompletionRecorder, MiniLMEmbedding, smollm_engine
 from llama_index.core import VectorStoreIndex
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.schema import TextNode
+from specprefill_rag.prompt import kept_runs
 from specprefill_rag.retrieval import demo_documents, demo_questions, split_passages
 
 from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM
 
 pytestmark = pytest.mark.real_model
 
-# SmolLM2-135M answers this demo question reliably; the fact appears in one document only.
+# The fact appears in one document only.
 QUESTION = next(q for q in demo_questions() if q.answer == "14 March 1991")
 
 
@@ -50,9 +51,24 @@ def check(response, kwargs):
     assert kwargs["timings"]["ttft_s"] > 0
 
 
+def capture_streams(engine):
+    """Keep every TextStream the engine makes (generate and stream both go through stream)."""
+    streams = []
+    make = engine.stream
+    engine.stream = lambda *a, **kw: streams.append(make(*a, **kw)) or streams[-1]
+    return streams
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["complete", "streaming"])
 def test_query_engine_answers_from_kept_passages(index, recorder, streaming):
+    """The answer's evidence survives pruning (kept text, not the 135M model's wording).
+
+    SmolLM2-135M's answers on the demo questions flip with small prompt changes (8 questions,
+    self-drafting at keep 0.5: 3/8 right pruned, with or without retriever scores, 4/8 with the
+    full prompt), so the answer text is not asserted; quality is measured in benchmarks/.
+    """
     llm = SpecPrefillLLM(engine=smollm_engine())
+    streams = capture_streams(llm.engine)
     engine = index.as_query_engine(
         llm=llm, similarity_top_k=4, streaming=streaming, node_postprocessors=[PassageIdPostprocessor()]
     )
@@ -65,4 +81,9 @@ def test_query_engine_answers_from_kept_passages(index, recorder, streaming):
         answer = str(response)
     assert len(recorder.responses) == 1  # streaming too: the end event carries the last response
     check(response, recorder.responses[-1].additional_kwargs)
-    assert "1991" in answer, answer
+    assert answer and answer == recorder.responses[-1].text
+    result = streams[-1].result
+    runs = kept_runs(result.prompt, result.plan)
+    kept = {result.prompt.segments[i].id: "".join(t for t, keep in r if keep) for i, r in runs.items()}
+    holder = next(n.node.node_id for n in response.source_nodes if QUESTION.answer in n.node.get_content())
+    assert QUESTION.answer in kept[holder], kept[holder]
