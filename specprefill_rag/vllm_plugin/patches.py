@@ -78,7 +78,7 @@ def max_positions(model_config: Any) -> int:
 
 # -- engines that cannot honour a plan --------------------------------------------------------
 
-# Architectures whose vLLM 0.32 code reads positions for more than rotary embeddings: their
+# Architectures whose vLLM 0.32 / 0.33 code reads positions for more than rotary embeddings: their
 # cache layout, sparse-attention bounds or state windows are computed from positions, so
 # rewritten positions would place or read KV at the wrong slots (docs/vllm.md, "Refusals").
 POSITION_DEPENDENT_ARCHITECTURES: frozenset[str] = frozenset({
@@ -97,6 +97,9 @@ POSITION_DEPENDENT_ARCHITECTURES: frozenset[str] = frozenset({
     "InklingForCausalLM", "InklingForConditionalGeneration",
     # Qwen4-Exp QSA: compressed side cache addressed by position % state size
     "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration",
+    # Step5 (new in 0.33) CSA tail ring and summary cache: ring row = position % capacity
+    # (models/step5/nvidia/csa_tail_ring.py, ops/summary_update.py)
+    "Step5ForCausalLM", "Step5ForConditionalGeneration",
 })
 # A config field that switches a DeepSeek-V2-family model (DeepseekV3, Glm4MoeLite, LongCat,
 # Mistral-Large-3, ...) onto the DeepSeek-V3.2 indexer (model_executor/models/deepseek_v2.py).
@@ -387,6 +390,13 @@ class SpecPrefillWorkerExtension:
     starts ``vllm.LLM`` with it), so ``collective_rpc("specprefill_register")`` reaches every
     worker without the entry point or cloudpickled functions.
     """
+
+    def init_worker_extension(self) -> None:
+        """vLLM 0.33 calls this in each worker after device init (0.32 does not): register early.
+        ``ensure_plugin`` still checks every worker through ``specprefill_register``."""
+        from . import register
+
+        register()
 
     def specprefill_register(self) -> bool:
         """Register the plugin in this worker's process; True when its runner is patched."""
