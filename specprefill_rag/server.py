@@ -42,8 +42,16 @@ def plugin_installed() -> bool:
     return any(ep.value == PLUGIN_ENTRY_POINT for ep in importlib.metadata.entry_points(group="vllm.general_plugins"))
 
 
-def _require_plugin() -> None:
-    """Raise ``ServerStartError`` unless vLLM would load and apply the plugin."""
+def _require_plugin(python: str | None = None) -> None:
+    """Raise ``ServerStartError`` unless vLLM would load and apply the plugin (in the environment
+    of the interpreter ``python``; default: this one)."""
+    if python is not None and os.path.abspath(python) != os.path.abspath(sys.executable):  # venvs share a binary
+        check = subprocess.run([python, "-c", "from specprefill_rag.server import _require_plugin; _require_plugin()"],
+                               capture_output=True, text=True, timeout=300)
+        if check.returncode != 0:
+            lines = (check.stderr or check.stdout).strip().splitlines()
+            raise ServerStartError(f"cannot start vLLM with {python}: {lines[-1] if lines else check.returncode}")
+        return
     if not plugin_installed():
         raise ServerStartError(
             "the specprefill-rag vLLM plugin entry point is not installed in this environment: "
@@ -74,9 +82,11 @@ def server_command(
     max_model_len: int | None = None,
     extra_args: Sequence[str] = (),
     cpu: bool | None = None,
+    python: str | None = None,
 ) -> list[str]:
-    """The command line that starts vLLM's OpenAI server on ``model_dir``."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(model_dir),
+    """The command line that starts vLLM's OpenAI server on ``model_dir`` (with the interpreter
+    ``python``; default: this one)."""
+    cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(model_dir),
            "--host", host, "--port", str(port)]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
@@ -146,7 +156,9 @@ def server_env(
 class VLLMServer:
     """A vLLM server subprocess on loopback: start, wait until ready, stop by PID.
 
-    Use as a context manager; ``url`` is the base URL for ``VLLMServerBackend``.
+    Use as a context manager; ``url`` is the base URL for ``VLLMServerBackend``. ``python`` is
+    the interpreter of the environment vLLM and specprefill-rag are installed in, when that is not
+    this one (e.g. a client environment without vLLM starting a server from the vLLM one).
     """
 
     def __init__(
@@ -159,13 +171,15 @@ class VLLMServer:
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         log_path: str | os.PathLike[str] | None = None,
+        python: str | None = None,
     ) -> None:
         from .models import resolve_model_dir
 
         self.model_dir = resolve_model_dir(model)
         self.host, self.port = host, port
+        self.python = python
         self.command = server_command(self.model_dir, host=host, port=port, max_model_len=max_model_len,
-                                      extra_args=extra_args)
+                                      extra_args=extra_args, python=python)
         self.env = server_env(env, extra_args=extra_args)
         self.log_path = Path(log_path) if log_path else None
         self.process: subprocess.Popen[bytes] | None = None
@@ -178,7 +192,7 @@ class VLLMServer:
 
     def start(self, timeout: float = 600.0) -> VLLMServer:
         """Launch and block until ``/v1/models`` answers; raises ``ServerStartError`` otherwise."""
-        _require_plugin()
+        _require_plugin(self.python)
         began = time.perf_counter()
         self._log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
         self.process = subprocess.Popen(
