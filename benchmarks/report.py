@@ -5,7 +5,7 @@
 Reads every result file there: ttft.json and its variants (ttft_vllm_server.json,
 ttft_draft-NAME.json, ...), gpu_ttft.json, evidence.jsonl (draft-only evidence recall),
 quality.json (or quality_quick.json) and quality runs with another draft (quality_draft-NAME.json,
-compared with the default draft's); the ``*_tiny.json`` files of ``--tiny`` smoke runs are
+compared with the default draft's), gateway_load.json; the ``*_tiny.json`` files of ``--tiny`` smoke runs are
 skipped. Writes docs/benchmarks.md and docs/images/bench_*.png. The page is generated: edit
 this file, not it.
 """
@@ -611,6 +611,39 @@ def cross_draft_section(quality: dict[str, Any] | None, others: list[tuple[str, 
     return out
 
 
+def gateway_section(data: dict[str, Any]) -> list[str]:
+    """Concurrent streaming clients: the gateway (SpecPrefill) vs the same prompts straight to vLLM."""
+    s, settings = data["summary"], data["settings"]
+    lines = [
+        "## The gateway under concurrent load",
+        "",
+        f"{settings['clients']} streaming clients start together, {settings['rounds']} rounds per side, alternating: "
+        "the same RAG prompts (a demo question and its top-"
+        f"{settings['top_k']} retrieved demo passages) sent straight to vLLM as token ids (full prefill), and "
+        f"through `specprefill-rag gateway --backend vllm_server` (keep rate {settings['keep_rate']}, "
+        "`--max-concurrency` = clients) to the same vLLM server (plugin loaded, prefix caching off, "
+        f"`--max-num-seqs` = clients); {settings['max_tokens']} new tokens. TTFT: request sent → first streamed "
+        "chunk with text, as the client sees it. The draft runs in the gateway process, on the same cores as vLLM.",
+        "",
+        "| path | requests | answered | 429 | other errors | p50 TTFT | p95 TTFT |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode, label in (("direct", "vLLM directly, full prefill"), ("gateway", "gateway, SpecPrefill")):
+        m = s[mode]
+        lines.append(f"| {label} | {m['requests']} | {m['answered']} | {m['refused_429']} | {m['other_errors']} | "
+                     f"{_s(m['p50_ttft_s'])} | {_s(m['p95_ttft_s'])} |")
+    speedups = ", ".join(f"{q} {s[f'{q}_speedup']:.2f}×" for q in ("p50", "p95") if s.get(f"{q}_speedup"))
+    lines += [
+        "",
+        f"Speedup (direct / gateway): {speedups}. Gateway answers equal to the same prompt sent alone (no mixed "
+        f"outputs): {s['gateway_same_as_alone']} of {s['gateway_answered']}.",
+        "",
+        *meta_lines(data),
+        "",
+    ]
+    return lines
+
+
 def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) -> Path:
     from benchmarks import evidence
 
@@ -647,6 +680,7 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
         "specprefill-rag bench ttft --draft smollm2-135m-instruct     # → ttft_draft-smollm2-135m-instruct.json",
         "specprefill-rag bench quality --draft smollm2-135m-instruct  # → quality_draft-smollm2-135m-instruct.json",
         "python benchmarks/gpu_ttft.py   # one GPU, Llama-3.2-1B → Llama-3.1-8B shapes, random bf16 weights",
+        "specprefill-rag bench gateway_load  # 16 concurrent streaming clients → benchmarks/results/gateway_load.json",
         "specprefill-rag bench report    # regenerates this page and docs/images/bench_*.png",
         "```",
         "",
@@ -732,6 +766,9 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
         lines += ["## Answer quality", "", "Not measured yet: run `make bench-quality`.", ""]
     if other_quality:
         lines += cross_draft_section(quality, other_quality)
+    gateway_load = load(results, "gateway_load")
+    if gateway_load:
+        lines += gateway_section(gateway_load)
     lines += [
         "## Install and reproduce",
         "",

@@ -439,3 +439,22 @@ def test_report_evidence_section_pins_baselines_and_ranks_the_rest(tmp_path: Pat
     text = report.render(tmp_path / "results", tmp_path / "b.md", tmp_path / "images").read_text()
     assert "## Evidence recall (draft only)" in text
     assert "Not measured yet: run `specprefill-rag bench evidence`." in text
+
+
+def test_gateway_load_summary_and_report_section() -> None:
+    from benchmarks import gateway_load, report
+
+    assert gateway_load.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert gateway_load.percentile([5.0], 0.95) == 5.0
+    rows = [{"mode": "direct", "status": 200, "ttft_s": t} for t in (2.0, 4.0, 6.0)]
+    rows += [{"mode": "gateway", "status": 200, "ttft_s": t, "same_as_alone": True} for t in (1.0, 2.0)]
+    rows += [{"mode": "gateway", "status": 429, "ttft_s": None}, {"mode": "gateway", "status": 502, "ttft_s": None}]
+    summary = gateway_load.summarise(rows)
+    assert summary["direct"]["p50_ttft_s"] == 4.0 and summary["gateway"]["p50_ttft_s"] == 1.5
+    assert summary["gateway"]["refused_429"] == 1 and summary["gateway"]["other_errors"] == 1
+    assert summary["gateway"]["answered"] == 2 and summary["p50_speedup"] == pytest.approx(4.0 / 1.5)
+    summary.update(gateway_same_as_alone=2, gateway_answered=2)
+    data = {"summary": summary, "settings": {"clients": 3, "rounds": 1, "top_k": 8, "keep_rate": 0.2, "max_tokens": 8},
+            "models": {"main": "m", "draft": "d"}, "machine": {}, "command": "c"}
+    text = "\n".join(report.gateway_section(data))
+    assert "| gateway, SpecPrefill | 4 | 2 | 1 | 1 | 1.50 s |" in text and "p50 2.67×" in text

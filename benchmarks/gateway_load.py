@@ -1,0 +1,271 @@
+"""The gateway under concurrent load: TTFT of N streaming clients at once, SpecPrefill through the
+gateway vs the same prompts sent straight to vLLM (full prefill), side by side in one run.
+
+One vLLM server with the plugin (started here unless ``--vllm-url``; prefix caching off so that
+every prefill is cold) and one ``specprefill-rag gateway --backend vllm_server`` in front of it.
+Each round starts ``--clients`` requests together (a barrier), each with its own RAG prompt (a
+demo question and its top-k retrieved demo passages, the system prompt of the gateway docs):
+
+    direct   POST vLLM /v1/completions, the prompt's token ids, streamed (full prefill)
+    gateway  POST gateway /v1/chat/completions with the same question and passages, streamed
+
+Rounds alternate direct, gateway, direct, ... TTFT is the time from sending the request to the
+first streamed chunk that carries text. Every request must be answered (HTTP 200) or refused
+with 429; each gateway answer is checked against the same prompt sent alone (no mixed outputs).
+
+    specprefill-rag bench gateway_load                      # → benchmarks/results/gateway_load.json
+    specprefill-rag bench gateway_load --clients 4 --rounds 1 --main smollm2-135m-instruct \\
+        --draft smollm2-135m-instruct --out /tmp/g.json    # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, ROOT, command_line, machine_info, write_results
+
+SYSTEM = "Answer the question using the context. Be concise."
+READY_TIMEOUT_S = 900.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation, as numpy's default."""
+    data = sorted(values)
+    if not data:
+        return float("nan")
+    at = q * (len(data) - 1)
+    low = int(at)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (at - low)
+
+
+def stream(port: int, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+           ) -> dict[str, Any]:
+    """POST an SSE request; returns status, TTFT (first chunk with text) and the whole text."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=READY_TIMEOUT_S)
+    began = time.perf_counter()
+    ttft: float | None = None
+    text = ""
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        if response.status != 200:
+            return {"status": response.status, "ttft_s": None, "text": response.read().decode()[:300]}
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - began
+                text += piece
+        return {"status": 200, "ttft_s": ttft, "text": text}
+    finally:
+        conn.close()
+
+
+def prompts(tokenizer: Any, n: int, top_k: int) -> list[dict[str, Any]]:
+    """``n`` RAG prompts over the demo documents: question, passages and the full prompt's ids."""
+    from specprefill_rag import prompt as prompt_lib
+    from specprefill_rag.retrieval import Retriever, demo_documents, demo_questions, split_passages
+
+    retriever = Retriever(split_passages(demo_documents()))
+    questions = demo_questions()
+    out = []
+    for i in range(n):
+        question = questions[i % len(questions)].question
+        passages = [p.text for p in retriever.retrieve(question, top_k=top_k + i // len(questions))]
+        segments = prompt_lib.chat_segments([("system", SYSTEM), ("user", question)], passages)
+        ids = prompt_lib.assemble(tokenizer, segments).token_ids.tolist()
+        out.append({"question": question, "passages": passages, "ids": ids})
+    return out
+
+
+class Gateway:
+    """``specprefill-rag gateway`` in a subprocess (this interpreter), stopped when done."""
+
+    def __init__(self, args: argparse.Namespace, vllm_url: str, log: Path) -> None:
+        self.port = free_port()
+        self._log = open(log, "wb")  # noqa: SIM115
+        command = [sys.executable, "-m", "specprefill_rag.cli", "gateway", "--backend", "vllm_server",
+                   "--vllm-url", vllm_url, "--main", args.main, "--draft", args.draft,
+                   "--keep-rate", str(args.keep_rate), "--max-concurrency", str(args.clients),
+                   "--max-queue", str(max(64, args.clients)), "--port", str(self.port), "--log-level", "warning"]
+        if args.gateway_threads:
+            command += ["--threads", str(args.gateway_threads)]
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the gateway exited with code {self.process.returncode} (log: {log})")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the gateway was not ready in {READY_TIMEOUT_S:.0f} s (log: {log})")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self._log.close()
+
+
+def run_round(mode: str, items: list[dict[str, Any]], vllm: tuple[int, str], gateway_port: int,
+              max_tokens: int) -> list[dict[str, Any]]:
+    """All requests of one round, started together."""
+    barrier = threading.Barrier(len(items))
+
+    def one(item: dict[str, Any]) -> dict[str, Any]:
+        if mode == "direct":
+            body = {"model": vllm[1], "prompt": item["ids"], "max_tokens": max_tokens, "temperature": 0,
+                    "stream": True}
+            barrier.wait()
+            return stream(vllm[0], "/v1/completions", body)
+        body = {"model": "x", "messages": [{"role": "system", "content": SYSTEM},
+                                            {"role": "user", "content": item["question"]}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "specprefill": {"passages": item["passages"]}}
+        barrier.wait()
+        return stream(gateway_port, "/v1/chat/completions", body)
+
+    with ThreadPoolExecutor(len(items)) as pool:
+        results = list(pool.map(one, items))
+    return [{"mode": mode, "prompt_tokens": len(item["ids"]), **r} for item, r in zip(items, results, strict=True)]
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode in ("direct", "gateway"):
+        mine = [r for r in rows if r["mode"] == mode]
+        ttfts = [r["ttft_s"] for r in mine if r["status"] == 200 and r["ttft_s"] is not None]
+        out[mode] = {
+            "requests": len(mine), "answered": len(ttfts), "refused_429": sum(r["status"] == 429 for r in mine),
+            "other_errors": sum(r["status"] not in (200, 429) for r in mine),
+            "p50_ttft_s": percentile(ttfts, 0.5), "p95_ttft_s": percentile(ttfts, 0.95),
+            "mean_ttft_s": statistics.fmean(ttfts) if ttfts else float("nan"),
+        }
+    direct, gateway = out["direct"], out["gateway"]
+    out["p50_speedup"] = direct["p50_ttft_s"] / gateway["p50_ttft_s"] if gateway["answered"] else None
+    out["p95_speedup"] = direct["p95_ttft_s"] / gateway["p95_ttft_s"] if gateway["answered"] else None
+    return out
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specprefill-rag bench gateway_load", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--main", default=DEFAULT_MAIN)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--clients", type=int, default=16, help="concurrent streaming clients per round (%(default)s)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternating (%(default)s)")
+    p.add_argument("--top-k", type=int, default=8, help="retrieved demo passages per prompt (%(default)s)")
+    p.add_argument("--keep-rate", type=float, default=0.2, help="the gateway's keep rate (%(default)s)")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--vllm-url", default=None, help="an existing vLLM server with the plugin (default: start one)")
+    p.add_argument("--gateway-threads", type=int, default=None, help="torch threads of the gateway process")
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/gateway_load.json)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from urllib.parse import urlparse
+
+    from specprefill_rag.models import load_tokenizer, resolve_model_dir
+    from specprefill_rag.server import VLLMServer
+
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logs = ROOT / "benchmarks" / ".cache" / "gateway_load"
+    logs.mkdir(parents=True, exist_ok=True)
+    server = None
+    if args.vllm_url is None:
+        server = VLLMServer(args.main, port=free_port(), max_model_len=4096, log_path=logs / "vllm.log",
+                            extra_args=["--max-num-seqs", str(args.clients), "--no-enable-prefix-caching"])
+        print("starting vLLM ...", flush=True)
+        server.start(timeout=READY_TIMEOUT_S)
+    url = server.url if server else args.vllm_url
+    gateway = None
+    try:
+        gateway = Gateway(args, url, logs / "gateway.log")
+        items = prompts(load_tokenizer(resolve_model_dir(args.main)), args.clients, args.top_k)
+        models = json.loads(_get(url, "/v1/models"))["data"][0]["id"]
+        vllm = (urlparse(url).port or 80, models)
+        print(f"{args.clients} clients, prompts of {min(len(i['ids']) for i in items)}–"
+              f"{max(len(i['ids']) for i in items)} tokens", flush=True)
+        alone = {i: run_round("gateway", [item], vllm, gateway.port, args.max_tokens)[0]["text"]
+                 for i, item in enumerate(items)}  # each prompt alone: the reference for mixed outputs
+        rows: list[dict[str, Any]] = []
+        for r in range(args.rounds):
+            for mode in ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct"):
+                done = run_round(mode, items, vllm, gateway.port, args.max_tokens)
+                for i, row in enumerate(done):
+                    row["round"], row["client"] = r, i
+                    if mode == "gateway" and row["status"] == 200:
+                        row["same_as_alone"] = row["text"] == alone[i]
+                rows += done
+                s = summarise(done)[mode]
+                print(f"round {r} {mode:8s} p50 {s['p50_ttft_s']:.2f} s  p95 {s['p95_ttft_s']:.2f} s  "
+                      f"answered {s['answered']}/{s['requests']}", flush=True)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if server is not None:
+            server.stop()
+    summary = summarise(rows)
+    gateway_rows = [r for r in rows if r["mode"] == "gateway" and r["status"] == 200]
+    summary["gateway_same_as_alone"] = sum(r.get("same_as_alone", False) for r in gateway_rows)
+    summary["gateway_answered"] = len(gateway_rows)
+    payload = {
+        "benchmark": "gateway_load", "command": command_line(argv, "gateway_load"), "machine": machine_info(),
+        "models": {"main": args.main, "draft": args.draft},
+        "settings": {k: getattr(args, k) for k in ("clients", "rounds", "top_k", "keep_rate", "max_tokens")},
+        "summary": summary, "rows": rows,
+    }
+    path = write_results("gateway_load", payload, args.out)
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+def _get(url: str, path: str) -> str:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=30)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
