@@ -320,6 +320,23 @@ class SpecPrefillEngine:
 
     # -- generation ------------------------------------------------------------------------
 
+    def _check_positions(self, plan: PrefillPlan) -> None:
+        """Refuse a plan with original (non-contiguous) positions on a backend whose
+        ``capabilities.exact_positions`` is False: it would run them at 0..k-1, silently."""
+        capabilities = getattr(self.backend, "capabilities", None)
+        if capabilities is None or capabilities.exact_positions or not plan.speculated:
+            return
+        k = plan.n_kept
+        contiguous = plan.next_position == k and bool(
+            torch.equal(plan.position_ids, torch.arange(k, dtype=plan.position_ids.dtype))
+        )
+        if not contiguous:
+            raise ConfigError(
+                f"the {self.backend.name} backend cannot prefill tokens at their original positions "
+                "(capabilities.exact_positions is False): use SelectionConfig(positions='contiguous') or "
+                "another backend"
+            )
+
     def run_plan(
         self,
         planned: PlannedPrompt,
@@ -336,6 +353,7 @@ class SpecPrefillEngine:
         gen = generation or self.config.generation
         started = time.perf_counter() if started is None else started
         plan = planned.plan
+        self._check_positions(plan)
         decoder = IncrementalDecoder(self.tokenizer, gen.stop)
         limit = min(gen.max_new_tokens, self.backend.max_context - plan.next_position)
         prefill_start = time.perf_counter()

@@ -4,6 +4,7 @@ test_robustness_server.py). Each test names the defect it guards against."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -358,3 +359,24 @@ def test_packaged_tokenizers_take_role_markers_as_text(name):
     # The same prompt without the injection is tokenized exactly as the model would.
     clean = prompt.assemble(tok, prompt.build_segments("when?", ["The lamp is red."], "Be brief."))
     assert clean.token_ids.tolist() == tok(clean.text, add_special_tokens=False)["input_ids"]
+
+
+# -- 8. a backend that cannot prefill at original positions --------------------------------------
+
+
+def test_backend_without_exact_positions_refuses_original_positions(engine):
+    """``capabilities.exact_positions=False``: a plan at original positions is refused, never run
+    re-indexed; contiguous selections and full prefill still work."""
+    from specprefill_rag.backends import BackendCapabilities
+
+    backend = SlowBackend(engine.backend, delay=0.0)
+    backend.capabilities = BackendCapabilities(exact_positions=False, streaming=True, native_async=False)
+    config = SpecPrefillConfig(draft=engine.config.draft, selection=engine.config.selection,
+                               generation=GenerationConfig(max_new_tokens=2))
+    loose = SpecPrefillEngine(backend, engine.draft, config)
+    with pytest.raises(ConfigError, match="cannot prefill tokens at their original positions"):
+        loose.generate(QUESTION, PASSAGES)
+    assert backend.tokens == 0
+    contiguous = dataclasses.replace(engine.config.selection, positions="contiguous")
+    assert loose.generate(QUESTION, PASSAGES, selection=contiguous).plan.speculated
+    assert loose.generate(QUESTION, PASSAGES, mode="full").generated_tokens == 2

@@ -16,11 +16,17 @@ __all__ = ["Backend", "BackendCapabilities", "BackendError", "checked_xargs", "m
 
 @dataclass(frozen=True)
 class BackendCapabilities:
-    """What a backend can do; the engine checks these instead of backend types."""
+    """What a backend can do, declared by the backend.
+
+    The engine reads ``exact_positions``: without it, a plan at original (non-contiguous)
+    positions is refused with a ``ConfigError`` instead of being run re-indexed. ``streaming``
+    and ``native_async`` describe the backend to callers (e.g. whether a measured TTFT is a real
+    first-token time); the engine runs every backend's ``stream_tokens`` in a thread.
+    """
 
     exact_positions: bool  # prefills kept tokens at their original position ids
     streaming: bool  # yields tokens as they are decoded (TTFT is real)
-    native_async: bool  # has its own async path (otherwise the engine uses a thread)
+    native_async: bool  # has its own async path (none of ours: the engine uses a thread)
 
 
 @runtime_checkable
