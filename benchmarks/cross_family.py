@@ -38,7 +38,7 @@ from specprefill_rag import (  # noqa: E402
     SpecPrefillEngine,
 )
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
-from specprefill_rag.models import DEFAULT_DRAFT, DEFAULT_MAIN, load_model  # noqa: E402
+from specprefill_rag.tools.models import DEFAULT_DRAFT, DEFAULT_MAIN, load_model  # noqa: E402
 
 PASSKEY = "68413"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -58,7 +58,7 @@ def needle_case(n_passages: int, repeats: int) -> dict[str, Any]:
 
 
 def demo_cases(n: int, top_k: int) -> list[dict[str, Any]]:
-    from specprefill_rag.retrieval import Retriever, demo_documents, demo_questions
+    from specprefill_rag.tools.retrieval import Retriever, demo_documents, demo_questions
 
     retriever = Retriever.from_documents(demo_documents())
     cases = []

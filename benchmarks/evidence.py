@@ -48,7 +48,7 @@ from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bo
 from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, scoring
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
-from specprefill_rag.models import load_tokenizer
+from specprefill_rag.tools.models import load_tokenizer
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
 CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence"
@@ -179,7 +179,7 @@ _EMBEDDER: list[Any] = []
 def retriever_prior(prompt: AssembledPrompt, ex: quality.Example) -> torch.Tensor:
     """(n_segments,) cosine similarity of the question to each passage under MiniLM (the demo
     retriever's embedder), NaN for other segments: what a dense retriever would have scored."""
-    from specprefill_rag.retrieval import load_embedder
+    from specprefill_rag.tools.retrieval import load_embedder
 
     if not _EMBEDDER:
         _EMBEDDER.append(load_embedder())

@@ -87,7 +87,7 @@ def stream(port: int, path: str, body: dict[str, Any], headers: dict[str, str] |
 def prompts(tokenizer: Any, n: int, top_k: int) -> list[dict[str, Any]]:
     """``n`` RAG prompts over the demo documents: question, passages and the full prompt's ids."""
     from specprefill_rag import prompt as prompt_lib
-    from specprefill_rag.retrieval import Retriever, demo_documents, demo_questions, split_passages
+    from specprefill_rag.tools.retrieval import Retriever, demo_documents, demo_questions, split_passages
 
     retriever = Retriever(split_passages(demo_documents()))
     questions = demo_questions()
@@ -107,7 +107,7 @@ class Gateway:
     def __init__(self, args: argparse.Namespace, vllm_url: str, log: Path) -> None:
         self.port = free_port()
         self._log = open(log, "wb")  # noqa: SIM115
-        command = [sys.executable, "-m", "specprefill_rag.cli", "gateway", "--backend", "vllm_server",
+        command = [sys.executable, "-m", "specprefill_rag.tools.cli", "gateway", "--backend", "vllm_server",
                    "--vllm-url", vllm_url, "--main", args.main, "--draft", args.draft,
                    "--keep-rate", str(args.keep_rate), "--max-concurrency", str(args.clients),
                    "--max-queue", str(max(64, args.clients)), "--port", str(self.port), "--log-level", "warning"]
@@ -198,8 +198,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     from urllib.parse import urlparse
 
-    from specprefill_rag.models import load_tokenizer, resolve_model_dir
-    from specprefill_rag.server import VLLMServer
+    from specprefill_rag.tools.models import load_tokenizer, resolve_model_dir
+    from specprefill_rag.tools.vllm_process import VLLMServer
 
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -22,7 +22,7 @@ import pytest
 
 from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig
 from specprefill_rag.engine import SpecPrefillEngine
-from specprefill_rag.server import VLLMServer
+from specprefill_rag.tools.vllm_process import VLLMServer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -79,7 +79,7 @@ class Gateway:
         self.log_path = log
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "specprefill_rag.cli", "gateway", "--backend", "vllm_server",
+            [sys.executable, "-m", "specprefill_rag.tools.cli", "gateway", "--backend", "vllm_server",
              "--vllm-url", vllm_url, "--main", MODEL, "--draft", MODEL, "--keep-rate", str(KEEP_RATE),
              "--max-new-tokens", str(MAX_NEW_TOKENS), "--api-key", KEY, "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "warning"],

@@ -21,7 +21,7 @@ import pytest
 from conftest import KEY, MAX_NEW_TOKENS
 
 from specprefill_rag.gateway.messages import to_segments
-from specprefill_rag.retrieval import demo_documents, demo_questions, split_passages
+from specprefill_rag.tools.retrieval import demo_documents, demo_questions, split_passages
 
 pytestmark = pytest.mark.timeout(1200)
 

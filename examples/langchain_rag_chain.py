@@ -24,7 +24,7 @@ from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 from langchain_specprefill import ChatSpecPrefill, create_specprefill_rag_chain  # noqa: E402
 
-from specprefill_rag.retrieval import demo_documents, load_embedder, split_passages  # noqa: E402
+from specprefill_rag.tools.retrieval import demo_documents, load_embedder, split_passages  # noqa: E402
 
 MODELS = {  # --models: (main, draft); both pairs share a tokenizer
     "smollm2": ("smollm2-135m-instruct", "smollm2-135m-instruct"),

@@ -29,7 +29,7 @@ from specprefill_rag import (
     available_backends,
 )
 from specprefill_rag import prompt as prompt_lib
-from specprefill_rag.retrieval import Document, Retriever, demo_documents, split_passages
+from specprefill_rag.tools.retrieval import Document, Retriever, demo_documents, split_passages
 
 __all__ = [
     "MODEL_PAIRS",

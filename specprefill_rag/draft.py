@@ -163,7 +163,7 @@ class DraftModel:
         dtype: torch.dtype = torch.float32, device: str = "cpu",
     ) -> DraftModel:
         """Load a draft by packaged short name, HF directory or GGUF path (see ``models``)."""
-        from .models import load_model
+        from .tools.models import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
         return cls(model, tokenizer, config)

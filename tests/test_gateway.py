@@ -91,8 +91,8 @@ class GatewayProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("SPECPREFILL_API_KEY", None)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "specprefill_rag.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "warning", *args],
+            [sys.executable, "-m", "specprefill_rag.tools.cli", "gateway", "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "warning", *args],
             cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )
 
@@ -579,7 +579,7 @@ def test_web_dependencies_are_imported_only_for_an_app():
 
 
 def test_cli_refuses_incomplete_gateway_commands(capsys):
-    from specprefill_rag.cli import main
+    from specprefill_rag.tools.cli import main
 
     assert main(["serve", "some-model", "--draft", "d"]) == 2
     assert "--gateway-port" in capsys.readouterr().err

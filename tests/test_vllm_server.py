@@ -27,7 +27,7 @@ from test_vllm_offline import MODEL, make_plan, prompt_ids, reference, sparse  #
 from specprefill_rag.backends import create_backend  # noqa: E402
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
 from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig  # noqa: E402
-from specprefill_rag.server import VLLMServer  # noqa: E402
+from specprefill_rag.tools.vllm_process import VLLMServer  # noqa: E402
 from specprefill_rag.types import PrefillPlan  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]

@@ -21,7 +21,7 @@ from test_vllm_server import free_port, steps_of  # noqa: E402
 from specprefill_rag.backends import create_backend  # noqa: E402
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
 from specprefill_rag.config import GenerationConfig  # noqa: E402
-from specprefill_rag.server import VLLMServer  # noqa: E402
+from specprefill_rag.tools.vllm_process import VLLMServer  # noqa: E402
 from specprefill_rag.types import PrefillPlan  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]

@@ -140,7 +140,7 @@ class Chat:
 def _documents(path: str | None) -> list | None:  # type: ignore[type-arg]
     if path is None:
         return None
-    from specprefill_rag.retrieval import load_documents
+    from specprefill_rag.tools.retrieval import load_documents
 
     root = Path(path).expanduser()
     if root.is_dir():

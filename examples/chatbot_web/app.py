@@ -40,7 +40,7 @@ from examples.rag_chat import (  # noqa: E402
     warm_up,
 )
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
-from specprefill_rag.retrieval import Retriever, demo_questions  # noqa: E402
+from specprefill_rag.tools.retrieval import Retriever, demo_questions  # noqa: E402
 
 logger = logging.getLogger("chatbot_web")
 

@@ -73,7 +73,7 @@ class VLLMOfflineBackend:
         import torch
         from vllm import LLM
 
-        from ..models import resolve_model_dir
+        from ..tools.models import resolve_model_dir
         from ..vllm_plugin import register
         from ..vllm_plugin.patches import WORKER_EXTENSION
 

@@ -42,7 +42,7 @@ class MiniLMEmbeddings(Embeddings):
     """LangChain embeddings over the packaged all-MiniLM-L6-v2 (``load_embedder()``), offline."""
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        from specprefill_rag.retrieval import load_embedder
+        from specprefill_rag.tools.retrieval import load_embedder
 
         vectors = load_embedder().encode(texts, normalize_embeddings=True, show_progress_bar=False)
         return [v.tolist() for v in vectors]

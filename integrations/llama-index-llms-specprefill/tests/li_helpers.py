@@ -49,7 +49,7 @@ class MiniLMEmbedding(BaseEmbedding):
         return "MiniLMEmbedding"
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
-        from specprefill_rag.retrieval import load_embedder
+        from specprefill_rag.tools.retrieval import load_embedder
 
         vectors = load_embedder().encode(texts, normalize_embeddings=True, show_progress_bar=False)
         return [v.tolist() for v in vectors]

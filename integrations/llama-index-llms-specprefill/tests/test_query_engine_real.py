@@ -8,7 +8,7 @@ from llama_index.core import VectorStoreIndex
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.schema import TextNode
 from specprefill_rag.prompt import kept_runs
-from specprefill_rag.retrieval import demo_documents, demo_questions, split_passages
+from specprefill_rag.tools.retrieval import demo_documents, demo_questions, split_passages
 
 from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM
 

@@ -6,7 +6,7 @@ import pytest
 from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
 from lc_helpers import MiniLMEmbeddings, smollm_engine
-from specprefill_rag.retrieval import demo_documents, demo_questions, split_passages
+from specprefill_rag.tools.retrieval import demo_documents, demo_questions, split_passages
 
 from langchain_specprefill import ChatSpecPrefill, create_specprefill_rag_chain
 

@@ -46,8 +46,8 @@ def _require_plugin(python: str | None = None) -> None:
     """Raise ``ServerStartError`` unless vLLM would load and apply the plugin (in the environment
     of the interpreter ``python``; default: this one)."""
     if python is not None and os.path.abspath(python) != os.path.abspath(sys.executable):  # venvs share a binary
-        check = subprocess.run([python, "-c", "from specprefill_rag.server import _require_plugin; _require_plugin()"],
-                               capture_output=True, text=True, timeout=300)
+        code = "from specprefill_rag.tools.vllm_process import _require_plugin; _require_plugin()"
+        check = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
         if check.returncode != 0:
             lines = (check.stderr or check.stdout).strip().splitlines()
             raise ServerStartError(f"cannot start vLLM with {python}: {lines[-1] if lines else check.returncode}")
@@ -59,7 +59,7 @@ def _require_plugin(python: str | None = None) -> None:
         )
     import vllm
 
-    from .vllm_plugin import UnsupportedVLLMError, check_vllm_version
+    from ..vllm_plugin import UnsupportedVLLMError, check_vllm_version
 
     try:
         check_vllm_version(vllm.__version__)

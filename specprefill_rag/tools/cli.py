@@ -131,8 +131,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build_engine(args: argparse.Namespace) -> Any:
-    from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
-    from .engine import SpecPrefillEngine
+    from ..config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
+    from ..engine import SpecPrefillEngine
     from .models import resolve_model_dir
 
     config = SpecPrefillConfig(
@@ -160,7 +160,7 @@ def _retrieve(args: argparse.Namespace, question: str) -> list[Any]:
 
 def _warm_up(engine: Any) -> None:
     """One short run of each model, so neither timed run pays first-call costs."""
-    from .config import GenerationConfig
+    from ..config import GenerationConfig
 
     engine.generate(
         "Warm-up?", ["Warm-up context. " * 40], keep_rate=0.5, generation=GenerationConfig(max_new_tokens=2)
@@ -228,7 +228,7 @@ def _ask(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import shlex
 
-    from .server import ServerStartError, serve
+    from .vllm_process import ServerStartError, serve
 
     if args.gateway_port is not None:
         return _serve_stack(args)
@@ -262,7 +262,7 @@ def _gateway_config(args: argparse.Namespace, base: Any) -> Any:
 
 
 def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int, model_name: str | None) -> int:
-    from .gateway import create_app, run_app
+    from ..gateway import create_app, run_app
 
     try:
         import fastapi  # noqa: F401
@@ -296,9 +296,9 @@ def _factory_engine(spec: str) -> Any:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from .config import SpecPrefillConfig
-    from .engine import SpecPrefillEngine
-    from .errors import BackendError
+    from ..config import SpecPrefillConfig
+    from ..engine import SpecPrefillEngine
+    from ..errors import BackendError
 
     if args.engine:
         engine = _factory_engine(args.engine)
@@ -330,9 +330,9 @@ def _serve_stack(args: argparse.Namespace) -> int:
     import shlex
     import signal
 
-    from .config import SpecPrefillConfig
-    from .engine import SpecPrefillEngine
-    from .server import ServerStartError, VLLMServer
+    from ..config import SpecPrefillConfig
+    from ..engine import SpecPrefillEngine
+    from .vllm_process import ServerStartError, VLLMServer
 
     if not args.draft:
         print("error: the gateway needs a draft model: add --draft DRAFT", file=sys.stderr)
@@ -366,7 +366,7 @@ def _bench(args: argparse.Namespace) -> int:
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if not (root / "benchmarks" / f"{args.suite}.py").is_file():
         print(
             "error: the benchmarks live in the source tree (benchmarks/): clone the repository and "
