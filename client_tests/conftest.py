@@ -8,44 +8,22 @@ are stopped by PID.
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig
 from specprefill_rag.engine import SpecPrefillEngine
 from specprefill_rag.tools.vllm_process import VLLMServer
+from tests.test_gateway import GatewayProcess, free_port  # the gateway's own test helpers
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 KEY = "client-test-key"
 KEEP_RATE = 0.3
 MAX_NEW_TOKENS = 12
 START_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get(port: int, path: str) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
 
 
 def engine_config() -> SpecPrefillConfig:
@@ -69,60 +47,16 @@ def vllm_server(tmp_path_factory) -> Iterator[VLLMServer]:
         server.stop()
 
 
-class Gateway:
-    """``specprefill-rag gateway --backend vllm_server`` in this environment, on a free port."""
-
-    def __init__(self, vllm_url: str, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self._log = open(log, "wb")  # noqa: SIM115
-        self.log_path = log
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "specprefill_rag.tools.cli", "gateway", "--backend", "vllm_server",
-             "--vllm-url", vllm_url, "--main", MODEL, "--draft", MODEL, "--keep-rate", str(KEEP_RATE),
-             "--max-new-tokens", str(MAX_NEW_TOKENS), "--api-key", KEY, "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning"],
-            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.stop()
-                pytest.fail(f"the gateway exited with code {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if get(self.port, "/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        pytest.fail(f"the gateway was not ready in time:\n{self.log_tail()}")
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def metrics(self) -> str:
-        return get(self.port, "/metrics")[1]
-
-    def health(self) -> dict:
-        return json.loads(get(self.port, "/health")[1])
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        self._log.close()
-
-
 @pytest.fixture(scope="session")
-def gateway(vllm_server, tmp_path_factory) -> Iterator[Gateway]:
-    process = Gateway(vllm_server.url, tmp_path_factory.mktemp("gateway") / "gateway.log")
+def gateway(vllm_server, tmp_path_factory) -> Iterator[GatewayProcess]:
+    """``specprefill-rag gateway --backend vllm_server`` in this environment, on a free port."""
+    process = GatewayProcess(
+        ["--backend", "vllm_server", "--vllm-url", vllm_server.url, "--main", MODEL, "--draft", MODEL,
+         "--keep-rate", str(KEEP_RATE), "--max-new-tokens", str(MAX_NEW_TOKENS), "--api-key", KEY],
+        tmp_path_factory.mktemp("gateway") / "gateway.log",
+    )
     try:
+        process.wait_ready(time.monotonic() + START_TIMEOUT_S)
         yield process
     finally:
         process.stop()

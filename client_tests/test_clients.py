@@ -16,14 +16,15 @@ import importlib.util
 import re
 from pathlib import Path
 
-import openai
 import pytest
 from conftest import KEY, MAX_NEW_TOKENS
 
 from specprefill_rag.gateway.messages import to_segments
 from specprefill_rag.tools.retrieval import demo_documents, demo_questions, split_passages
+from tests.test_gateway import metric
 
 pytestmark = pytest.mark.timeout(1200)
+URL = "http://127.0.0.1:{}/v1"
 
 QUESTION = demo_questions()[0]
 PASSAGES = [p.text for p in split_passages(demo_documents())[:6]]
@@ -39,18 +40,6 @@ def expected(engine, messages: list[dict]) -> object:
     """The engine's answer to the prompt the gateway derives from ``messages``."""
     segments, _ = to_segments([(m["role"], m["content"]) for m in messages])
     return engine.generate(list(segments))
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        key, value = line.rsplit(" ", 1)
-        sample, _, rest = key.partition("{")
-        if sample == name and ",".join(sorted(rest.rstrip("}").split(","))) == want:
-            return float(value)
-    return 0.0
 
 
 def tokens(gateway) -> dict[str, float]:
@@ -69,7 +58,7 @@ def test_the_client_environment_has_no_vllm_and_current_frameworks():
 def test_openai_client_streams_a_pruned_answer(gateway, engine):
     want = expected(engine, MESSAGES)
     assert want.plan.speculated and want.text
-    client = openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=300)
+    client = gateway.client(api_key=KEY, timeout=300)
     chunks = list(client.chat.completions.create(model="x", messages=MESSAGES, stream=True, temperature=0))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     answer = client.chat.completions.create(model="x", messages=MESSAGES, temperature=0)
@@ -86,7 +75,8 @@ def test_langchain_chat_openai_unmodified(gateway, engine):
     ChatOpenAI = pytest.importorskip("langchain_openai").ChatOpenAI
 
     want = expected(engine, MESSAGES)
-    llm = ChatOpenAI(base_url=gateway.url, api_key=KEY, model="x", temperature=0, max_retries=0, timeout=300)
+    llm = ChatOpenAI(base_url=URL.format(gateway.port), api_key=KEY, model="x", temperature=0, max_retries=0,
+                     timeout=300)
     before = tokens(gateway)
     streamed = "".join(chunk.text for chunk in llm.stream([(m["role"], m["content"]) for m in MESSAGES]))
     after = tokens(gateway)
@@ -103,7 +93,7 @@ def test_llamaindex_openai_like_unmodified(gateway, engine):
     chat = CHAT_TEXT_QA_PROMPT.format_messages(context_str="\n\n".join(PASSAGES), query_str=QUESTION.question)
     messages = [{"role": m.role.value, "content": m.content} for m in chat]
     want = expected(engine, messages)
-    llm = OpenAILike(api_base=gateway.url, api_key=KEY, model="x", is_chat_model=True, temperature=0,
+    llm = OpenAILike(api_base=URL.format(gateway.port), api_key=KEY, model="x", is_chat_model=True, temperature=0,
                      max_tokens=MAX_NEW_TOKENS, max_retries=0, timeout=300)
     before = tokens(gateway)
     streamed = "".join(r.delta or "" for r in llm.stream_chat(chat))
