@@ -24,6 +24,7 @@ PACKAGES = [
     "specprefill_rag.testing",
     "specprefill_rag.vllm_plugin",
     "specprefill_rag.tools.vllm_process",
+    "specprefill_rag.backends.vllm_http",
     "specprefill_rag.backends.vllm_server",
     "specprefill_rag.backends.vllm_offline",
     "specprefill_rag.gateway",

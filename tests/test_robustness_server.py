@@ -20,7 +20,7 @@ import torch
 from test_vllm_client import PLAN, client, free_port
 from test_vllm_client import tokenizer as eos_tokenizer
 
-from specprefill_rag.backends import vllm_server
+from specprefill_rag.backends import vllm_http
 from specprefill_rag.backends.vllm_server import VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
 from specprefill_rag.errors import BackendError, BackendTimeoutError, PlanError, ServerError
@@ -229,7 +229,7 @@ def test_stream_closed_early(serve):
 
 
 def test_overlong_line(serve, monkeypatch):
-    monkeypatch.setattr(vllm_server, "_MAX_LINE", 1000)
+    monkeypatch.setattr(vllm_http, "_MAX_LINE", 1000)
     server = serve(stream(b"data: " + b"x" * 5000))
     with pytest.raises(BackendError, match="stream line over 1000 bytes"):
         collect(client(server.port))
