@@ -8,19 +8,16 @@ For every prompt the modes run back to back (full, then each draft), so load on 
 machine hits them alike. The draft scores a prompt once; each keep rate then prefills its own
 plan, and its TTFT is draft + selection + main prefill to the first token. Run:
 
-    .venv/bin/python benchmarks/cross_family.py            # table on stdout, JSON in benchmarks/results/
+    .venv/bin/python -m benchmarks.cross_family            # table on stdout, JSON in benchmarks/results/
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,6 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from benchmarks.common import command_line, machine_info, write_results  # noqa: E402
 from specprefill_rag import (  # noqa: E402
     DraftConfig,
     DraftModel,
@@ -91,7 +89,7 @@ def evidence_kept(prompt: Any, plan: Any, evidence: str) -> float | None:
     return float(kept.float().mean())
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--main", default=DEFAULT_MAIN)
     parser.add_argument("--drafts", nargs="+", default=["smollm2-135m-instruct", DEFAULT_DRAFT])
@@ -103,10 +101,98 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/cross_family-<time>.json)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def build_engines(args: argparse.Namespace, config: SpecPrefillConfig) -> dict[str, SpecPrefillEngine]:
+    """One engine per draft, all on one main-model backend; each warmed up once."""
+    model, tokenizer = load_model(args.main)
+    backend = TransformersBackend(model, tokenizer, name=args.main)
+    engines = {}
+    for name in args.drafts:
+        draft, draft_tok = load_model(name)
+        engines[name] = SpecPrefillEngine(backend, DraftModel(draft, draft_tok), config)
+    for engine in engines.values():  # first calls pay one-off costs
+        engine.generate("Warm-up?", ["Warm-up context. " * 60], keep_rate=0.5,
+                        selection=SelectionConfig(keep_rate=0.5, min_prompt_tokens=16),
+                        generation=GenerationConfig(max_new_tokens=2))
+    return engines
+
+
+def row(case: dict[str, Any], prompt: Any, result: Any, **fields: Any) -> dict[str, Any]:
+    return {"case": case["name"], "n_prompt": prompt.n_tokens, "prefill_s": result.timings.prefill_s,
+            "prefilled": result.prefilled_tokens, "correct": correct(result.text, case["answer"]),
+            "answer": result.text.strip(), **fields}
+
+
+def measure_case(case: dict[str, Any], engines: dict[str, SpecPrefillEngine], config: SpecPrefillConfig,
+                 keep_rates: list[float]) -> list[dict[str, Any]]:
+    """Full prefill, then each draft at each keep rate (the draft scores the prompt once)."""
+    full_engine = next(iter(engines.values()))
+    prompt = full_engine.assemble(case["question"], case["passages"])
+    full_plan, _ = full_engine.plan(prompt, mode="full")
+    result = full_engine.execute(prompt, full_plan, generation=config.generation).wait()
+    full_ttft = result.timings.ttft_s
+    rows = [row(case, prompt, result, mode="full", draft=None, keep_rate=1.0, ttft_s=full_ttft, draft_s=None,
+                speedup=1.0, evidence_kept=1.0)]
+    print(f"{case['name']}: {prompt.n_tokens} tokens, full TTFT {full_ttft:.1f} s", flush=True)
+    for name, engine in engines.items():
+        scores = engine.score(prompt)
+        for keep in keep_rates:
+            t0 = time.perf_counter()
+            plan, _ = engine.plan(prompt, selection=dataclasses.replace(config.selection, keep_rate=keep),
+                                  scores=scores)
+            selection_s = time.perf_counter() - t0
+            result = engine.execute(prompt, plan, scores=scores, generation=config.generation).wait()
+            ttft = scores.seconds + selection_s + result.timings.ttft_s
+            rows.append(row(case, prompt, result, mode="specprefill", draft=name, keep_rate=keep, ttft_s=ttft,
+                            draft_s=scores.seconds, speedup=full_ttft / ttft,
+                            evidence_kept=evidence_kept(prompt, plan, case["evidence"]),
+                            maps_tokens=engine.maps_tokens))
+            print(f"  {name} keep {keep:.0%}: TTFT {ttft:.1f} s (draft {scores.seconds:.1f} s) "
+                  f"x{full_ttft / ttft:.2f} correct={rows[-1]['correct']}", flush=True)
+    return rows
+
+
+def summarise(rows: list[dict[str, Any]], drafts: list[str], keep_rates: list[float]) -> list[dict[str, Any]]:
+    """Per draft and keep rate: total-TTFT speedup over full prefill, answers right, r."""
+    full_rows = [r for r in rows if r["mode"] == "full"]
+    full_total = sum(r["ttft_s"] for r in full_rows)
+    summary = []
+    for name in drafts:
+        for keep in keep_rates:
+            mine = [r for r in rows if r["draft"] == name and r["keep_rate"] == keep]
+            summary.append({
+                "draft": name, "keep_rate": keep, "speedup": full_total / sum(r["ttft_s"] for r in mine),
+                "correct": sum(r["correct"] for r in mine), "n": len(mine),
+                "r": sum(r["draft_s"] for r in mine) / sum(r["prefill_s"] for r in full_rows),
+            })
+    return summary
+
+
+def print_tables(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> None:
+    print("\n| case | tokens | mode | draft | keep | TTFT s | draft s | main prefill s | speedup | correct "
+          "| evidence kept |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ev = "—" if r["evidence_kept"] is None else f"{r['evidence_kept']:.0%}"
+        draft_s = "—" if r["draft_s"] is None else f"{r['draft_s']:.1f}"
+        print(f"| {r['case']} | {r['n_prompt']} | {r['mode']} | {r['draft'] or '—'} | {r['keep_rate']:.0%} | "
+              f"{r['ttft_s']:.1f} | {draft_s} | {r['prefill_s']:.1f} | {r['speedup']:.2f}x | "
+              f"{'yes' if r['correct'] else 'no'} | {ev} |")
+    full_rows = [r for r in rows if r["mode"] == "full"]
+    print("\n| draft | keep | total TTFT speedup | correct | r = draft / full prefill |")
+    print("|---|---|---|---|---|")
+    print(f"| full | 100% | 1.00x | {sum(r['correct'] for r in full_rows)}/{len(full_rows)} | — |")
+    for s in summary:
+        print(f"| {s['draft']} | {s['keep_rate']:.0%} | {s['speedup']:.2f}x | {s['correct']}/{s['n']} | "
+              f"{s['r']:.2f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
     cases = [needle_case(args.needle_passages, args.needle_repeats)]
     if args.questions:
         cases += demo_cases(args.questions, args.top_k)
@@ -116,130 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens),
         instructions=INSTRUCTIONS,
     )
-    model, tokenizer = load_model(args.main)
-    backend = TransformersBackend(model, tokenizer, name=args.main)
-    engines = {}
-    for name in args.drafts:
-        draft, draft_tok = load_model(name)
-        engines[name] = SpecPrefillEngine(backend, DraftModel(draft, draft_tok), config)
-    full_engine = next(iter(engines.values()))
+    engines = build_engines(args, config)
     print(f"main {args.main}; drafts {args.drafts}; torch threads {torch.get_num_threads()}", flush=True)
-    for engine in engines.values():  # warm-up: first calls pay one-off costs
-        engine.generate(
-            "Warm-up?",
-            ["Warm-up context. " * 60],
-            keep_rate=0.5,
-            selection=SelectionConfig(keep_rate=0.5, min_prompt_tokens=16),
-            generation=GenerationConfig(max_new_tokens=2),
-        )
-
-    rows: list[dict[str, Any]] = []
-    for case in cases:
-        prompt = full_engine.assemble(case["question"], case["passages"])
-        base = {"case": case["name"], "n_prompt": prompt.n_tokens}
-        full_plan, _ = full_engine.plan(prompt, mode="full")
-        result = full_engine.execute(prompt, full_plan, generation=config.generation).wait()
-        full_ttft = result.timings.ttft_s
-        rows.append(
-            {
-                **base,
-                "mode": "full",
-                "draft": None,
-                "keep_rate": 1.0,
-                "ttft_s": full_ttft,
-                "draft_s": None,
-                "prefill_s": result.timings.prefill_s,
-                "prefilled": result.prefilled_tokens,
-                "speedup": 1.0,
-                "correct": correct(result.text, case["answer"]),
-                "evidence_kept": 1.0,
-                "answer": result.text.strip(),
-            }
-        )
-        print(f"{case['name']}: {prompt.n_tokens} tokens, full TTFT {full_ttft:.1f} s", flush=True)
-        for name, engine in engines.items():
-            scores = engine.score(prompt)
-            for keep in args.keep_rates:
-                t0 = time.perf_counter()
-                sel = dataclasses.replace(config.selection, keep_rate=keep)
-                plan, _ = engine.plan(prompt, selection=sel, scores=scores)
-                selection_s = time.perf_counter() - t0
-                result = engine.execute(prompt, plan, scores=scores, generation=config.generation).wait()
-                ttft = scores.seconds + selection_s + result.timings.ttft_s
-                rows.append(
-                    {
-                        **base,
-                        "mode": "specprefill",
-                        "draft": name,
-                        "keep_rate": keep,
-                        "ttft_s": ttft,
-                        "draft_s": scores.seconds,
-                        "prefill_s": result.timings.prefill_s,
-                        "prefilled": result.prefilled_tokens,
-                        "speedup": full_ttft / ttft,
-                        "correct": correct(result.text, case["answer"]),
-                        "evidence_kept": evidence_kept(prompt, plan, case["evidence"]),
-                        "maps_tokens": engine.maps_tokens,
-                        "answer": result.text.strip(),
-                    }
-                )
-                print(
-                    f"  {name} keep {keep:.0%}: TTFT {ttft:.1f} s (draft {scores.seconds:.1f} s) "
-                    f"x{full_ttft / ttft:.2f} correct={rows[-1]['correct']}",
-                    flush=True,
-                )
-
-    print(
-        "\n| case | tokens | mode | draft | keep | TTFT s | draft s | main prefill s | speedup | correct "
-        "| evidence kept |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        ev = "—" if r["evidence_kept"] is None else f"{r['evidence_kept']:.0%}"
-        draft_s = "—" if r["draft_s"] is None else f"{r['draft_s']:.1f}"
-        print(
-            f"| {r['case']} | {r['n_prompt']} | {r['mode']} | {r['draft'] or '—'} | {r['keep_rate']:.0%} | "
-            f"{r['ttft_s']:.1f} | {draft_s} | {r['prefill_s']:.1f} | {r['speedup']:.2f}x | "
-            f"{'yes' if r['correct'] else 'no'} | {ev} |"
-        )
-    summary = []
-    print("\n| draft | keep | total TTFT speedup | correct | r = draft / full prefill |")
-    print("|---|---|---|---|---|")
-    full_rows = [r for r in rows if r["mode"] == "full"]
-    full_total = sum(r["ttft_s"] for r in full_rows)
-    print(f"| full | 100% | 1.00x | {sum(r['correct'] for r in full_rows)}/{len(full_rows)} | — |")
-    for name in engines:
-        for keep in args.keep_rates:
-            mine = [r for r in rows if r["draft"] == name and r["keep_rate"] == keep]
-            s = {
-                "draft": name,
-                "keep_rate": keep,
-                "speedup": full_total / sum(r["ttft_s"] for r in mine),
-                "correct": sum(r["correct"] for r in mine),
-                "n": len(mine),
-                "r": sum(r["draft_s"] for r in mine) / sum(r["prefill_s"] for r in full_rows),
-            }
-            summary.append(s)
-            print(f"| {name} | {keep:.0%} | {s['speedup']:.2f}x | {s['correct']}/{s['n']} | {s['r']:.2f} |")
-
-    out = (
-        Path(args.out)
-        if args.out
-        else (Path(__file__).parent / "results" / f"cross_family-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "main": args.main,
-        "drafts": args.drafts,
-        "keep_rates": args.keep_rates,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "load_average": os.getloadavg(),
-        "command": " ".join(sys.argv),
-    }
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=2))
-    print(f"\nwrote {out}")
+    rows = [r for case in cases for r in measure_case(case, engines, config, args.keep_rates)]
+    summary = summarise(rows, args.drafts, args.keep_rates)
+    print_tables(rows, summary)
+    payload = {"benchmark": "cross_family", "command": command_line(argv, "cross_family"), "machine": machine_info(),
+               "models": {"main": args.main, "drafts": args.drafts}, "keep_rates": args.keep_rates,
+               "rows": rows, "summary": summary}
+    path = write_results(f"cross_family-{time.strftime('%Y%m%d-%H%M%S')}", payload, args.out)
+    print(f"\nwrote {path}")
     return 0
 
 
