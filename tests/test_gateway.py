@@ -653,3 +653,22 @@ def test_extension_passages_are_taken_as_given():
     assert shape == "extension"
     assert [(s.kind.value, s.id, s.text) for s in segments] == [
         ("passage", "x", "A b c."), ("passage", "2", "D e."), ("question", None, "Which?")]
+
+
+def test_gateway_options_validate_and_fold_into_keywords():
+    from specprefill_rag.errors import ConfigError
+    from specprefill_rag.gateway import GatewayOptions, create_app
+
+    with pytest.raises(ConfigError, match="max_queue must be >= 1, got 0"):
+        GatewayOptions(max_queue=0)
+    with pytest.raises(ConfigError, match="max_concurrency must be >= 1, got 0"):
+        GatewayOptions(max_concurrency=0)
+    engine = tiny_engine()
+    with pytest.raises(ConfigError, match="not both"):
+        create_app(engine, GatewayOptions(), api_key="k")
+    keywords = create_app(engine, api_key="k", max_queue=3, model_name="m")
+    explicit = create_app(engine, GatewayOptions(api_key="k", max_queue=3, model_name="m"))
+    for app in (keywords, explicit):
+        gateway = app.state.gateway
+        assert (gateway.api_key, gateway.max_queue, gateway.model_name) == ("k", 3, "m")
+        assert gateway.max_concurrency == 4  # max(4, the draft's max_batch)

@@ -12,16 +12,45 @@ and imported only when an app is built; the prompt mapping (``messages``) needs 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
 from .messages import DEFAULT_SHAPES, PromptShape, to_segments
 
 if TYPE_CHECKING:
     from ..engine import SpecPrefillEngine
 
-__all__ = ["DEFAULT_SHAPES", "INSTALL_HINT", "PromptShape", "create_app", "run_app", "to_segments"]
+__all__ = [
+    "DEFAULT_SHAPES", "INSTALL_HINT", "GatewayOptions", "PromptShape", "create_app", "run_app", "to_segments",
+]
 
 INSTALL_HINT = "pip install 'specprefill-rag[gateway]'"
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """How one gateway serves its engine (``create_app(engine, options)`` or the same as keywords).
+
+    ``api_key``: required as ``Authorization: Bearer KEY`` on ``/v1/*`` (None or "": open).
+    ``max_queue``: requests in flight (running or waiting) before HTTP 429. ``max_concurrency``:
+    requests generating at once (None: max(4, the draft's ``max_batch``)). ``model_name``: the
+    id in ``/v1/models`` and in answers (None: the backend's); requests may name any model.
+    ``shapes``: the prompt layouts whose documents are recognised as passages.
+    """
+
+    api_key: str | None = None
+    max_queue: int = 64
+    max_concurrency: int | None = None
+    model_name: str | None = None
+    shapes: Sequence[PromptShape] = field(default=DEFAULT_SHAPES)
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ConfigError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        object.__setattr__(self, "shapes", tuple(self.shapes))
 
 
 def _app_module() -> Any:
@@ -35,20 +64,10 @@ def _app_module() -> Any:
     return app
 
 
-def create_app(
-    engine: SpecPrefillEngine,
-    *,
-    api_key: str | None = None,
-    max_queue: int = 64,
-    max_concurrency: int | None = None,
-    model_name: str | None = None,
-    shapes: Sequence[PromptShape] = DEFAULT_SHAPES,
-) -> Any:
-    """A FastAPI app serving ``engine`` over the OpenAI API (see ``gateway.app.create_app``)."""
-    return _app_module().create_app(
-        engine, api_key=api_key, max_queue=max_queue, max_concurrency=max_concurrency,
-        model_name=model_name, shapes=shapes,
-    )
+def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None, **fields: Any) -> Any:
+    """A FastAPI app serving ``engine`` over the OpenAI API (``GatewayOptions`` fields may be given
+    as keywords instead of ``options``)."""
+    return _app_module().create_app(engine, options, **fields)
 
 
 def run_app(app: Any, *, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:

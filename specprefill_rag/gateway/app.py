@@ -18,7 +18,7 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from ..engine import AsyncTextStream, Mode, SpecPrefillEngine
 from ..errors import ConfigError, InputError
 from ..types import GenerationResult
-from .messages import DEFAULT_SHAPES, PromptShape
+from . import GatewayOptions
 from .metrics import GatewayMetrics
 from .protocol import GatewayRequest, parse_chat, parse_completion
 from .responses import RETRY_AFTER_S, APIError, StreamChunks, error_body, new_id, now, response, to_api_error
@@ -162,26 +162,13 @@ def _sse(obj: dict[str, Any]) -> str:
 class Gateway:
     """State of one gateway: the engine, admission counters, metrics. ``create_app`` wires it."""
 
-    def __init__(
-        self,
-        engine: SpecPrefillEngine,
-        *,
-        api_key: str | None = None,
-        max_queue: int = 64,
-        max_concurrency: int | None = None,
-        model_name: str | None = None,
-        shapes: Sequence[PromptShape] = DEFAULT_SHAPES,
-    ) -> None:
-        if max_queue < 1:
-            raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
-        self.max_concurrency = max_concurrency or max(4, engine.config.draft.max_batch)
-        if self.max_concurrency < 1:
-            raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    def __init__(self, engine: SpecPrefillEngine, options: GatewayOptions) -> None:
+        self.max_concurrency = options.max_concurrency or max(4, engine.config.draft.max_batch)
         self.engine = engine
-        self.api_key = api_key or None
-        self.max_queue = max_queue
-        self.model_name = model_name or engine.backend.model_name
-        self.shapes = tuple(shapes)
+        self.api_key = options.api_key or None
+        self.max_queue = options.max_queue
+        self.model_name = options.model_name or engine.backend.model_name
+        self.shapes = tuple(options.shapes)
         self.default_mode: Mode = "specprefill" if engine.draft is not None else "full"
         self.metrics = GatewayMetrics()
         self.slots = asyncio.Semaphore(self.max_concurrency)
@@ -298,25 +285,12 @@ class Gateway:
         }
 
 
-def create_app(
-    engine: SpecPrefillEngine,
-    *,
-    api_key: str | None = None,
-    max_queue: int = 64,
-    max_concurrency: int | None = None,
-    model_name: str | None = None,
-    shapes: Sequence[PromptShape] = DEFAULT_SHAPES,
-) -> FastAPI:
-    """An OpenAI-compatible app serving ``engine`` (docs/gateway.md).
-
-    ``api_key``: required as ``Authorization: Bearer KEY`` on ``/v1/*`` (None: open).
-    ``max_queue``: requests in flight (running or waiting) before HTTP 429. ``max_concurrency``:
-    requests generating at once (default: max(4, the draft's max_batch)). ``model_name``: the
-    id in ``/v1/models`` and in answers (default: the backend's); requests may name any model.
-    ``shapes``: the prompt layouts whose documents are recognised as passages.
-    """
-    gateway = Gateway(engine, api_key=api_key, max_queue=max_queue, max_concurrency=max_concurrency,
-                      model_name=model_name, shapes=shapes)
+def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None, **fields: Any) -> FastAPI:
+    """An OpenAI-compatible app serving ``engine`` (docs/gateway.md); ``options`` (or its fields as
+    keywords) say how: API key, queue and concurrency bounds, model name, prompt shapes."""
+    if options is not None and fields:
+        raise ConfigError("give GatewayOptions or its fields as keywords, not both")
+    gateway = Gateway(engine, options or GatewayOptions(**fields))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
