@@ -141,7 +141,74 @@ def passages_markdown(answer: Answer) -> str:
     return "\n".join(rows)
 
 
+def index_upload(files: list[str] | None, max_mb: float) -> Iterator[tuple[Any, ...]]:
+    """Upload handler: (this session's Retriever, status line, documents choice) as it goes."""
+    if not files:
+        yield None, "", gr.update()
+        return
+    yield None, "Indexing the uploaded files …", gr.update()
+    try:
+        documents = load_uploads(files, max_mb=max_mb)
+        retriever = build_retriever(documents)
+    except (ValueError, OSError) as error:
+        yield None, f"⚠️ {error}", gr.update(value=DOCS_BUNDLED)
+        return
+    except Exception as error:  # a bad file must not leave a traceback on the page
+        logger.exception("indexing the upload failed")
+        yield None, f"⚠️ could not index the upload ({type(error).__name__}: {error})", gr.update()
+        return
+    names = ", ".join(d.source for d in documents)
+    yield retriever, f"Indexed {len(retriever.passages)} passages from {names}.", gr.update(value=DOCS_UPLOADED)
+
+
+def answer_turn(
+    models: Models, message: str, history: list[dict[str, Any]], rate: float, k: float, full: bool, pair_key: str,
+    backend_label: str, server_url: str, mode: str, upload_retriever: Retriever | None,
+) -> Iterator[tuple[Any, ...]]:
+    """Ask handler: (chat, question box, status, timing, kept text, passages) as the answer streams."""
+    history = list(history or [])
+    unchanged = gr.update()
+    if not (message or "").strip():
+        yield history, message, "⚠️ The question is empty: type a question first.", *[unchanged] * 3
+        return
+    try:
+        if mode == DOCS_UPLOADED:
+            if upload_retriever is None:
+                raise ValueError("no documents: upload .txt, .md or .pdf files first, or choose the bundled handbook")
+            retriever = upload_retriever
+        else:
+            retriever = models.bundled_retriever()
+        if models.engine_key is None or models.engine_key[:2] != (pair_key, BACKENDS[backend_label]):
+            yield history, "", "Loading models …", *[unchanged] * 3
+        engine = models.get_engine(pair_key, BACKENDS[backend_label], server_url or "")
+        session = ChatSession(
+            engine, retriever, keep_rate=float(rate), top_k=int(k), max_new_tokens=models.args.max_new_tokens
+        )
+        stream, pending = session.ask(message, _turns(history))
+        history += [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
+        yield history, "", "Reading the context with the draft model …", *[unchanged] * 3
+        text = ""
+        for delta in stream:
+            text += delta
+            history[-1] = {"role": "assistant", "content": text}
+            yield history, "", "Answering …", *[unchanged] * 3
+        if full:
+            yield history, "", "Measuring the full-prefill TTFT for comparison …", *[unchanged] * 3
+        answer = session.finish(stream, pending, compare_full=full)
+        if not answer.result.text.strip():
+            history[-1] = {"role": "assistant", "content": "(the model gave an empty answer)"}
+        logger.info("answer: %s", format_timing(answer))
+        yield history, "", "", stats_markdown(answer, pair_key), highlighted(answer), passages_markdown(answer)
+    except (ValueError, RuntimeError, OSError) as error:  # BackendError is a RuntimeError
+        yield history, message, f"⚠️ {error}", *[unchanged] * 3
+    except Exception as error:  # never a traceback on the page; the log has it
+        logger.exception("answering failed")
+        yield history, message, f"⚠️ Unexpected error ({type(error).__name__}): {error}", *[unchanged] * 3
+
+
 def build_app(models: Models) -> gr.Blocks:
+    """The page: chat and answer stats on the left, documents and settings on the right, the
+    kept/dropped context below; handlers are ``index_upload`` and ``answer_turn``."""
     args = models.args
     example = demo_questions()[0].question
     with gr.Blocks(title="SpecPrefill RAG chat") as app:
@@ -187,74 +254,12 @@ def build_app(models: Models) -> gr.Blocks:
         passages = gr.Markdown(elem_id="passages")
 
         def on_upload(files: list[str] | None) -> Iterator[tuple[Any, ...]]:
-            if not files:
-                yield None, "", gr.update()
-                return
-            yield None, "Indexing the uploaded files …", gr.update()
-            try:
-                documents = load_uploads(files, max_mb=args.max_upload_mb)
-                retriever = build_retriever(documents)
-            except (ValueError, OSError) as error:
-                yield None, f"⚠️ {error}", gr.update(value=DOCS_BUNDLED)
-                return
-            except Exception as error:  # a bad file must not leave a traceback on the page
-                logger.exception("indexing the upload failed")
-                yield None, f"⚠️ could not index the upload ({type(error).__name__}: {error})", gr.update()
-                return
-            names = ", ".join(d.source for d in documents)
-            yield (
-                retriever, f"Indexed {len(retriever.passages)} passages from {names}.", gr.update(value=DOCS_UPLOADED)
-            )
+            yield from index_upload(files, args.max_upload_mb)
+
+        def respond(*values: Any) -> Iterator[tuple[Any, ...]]:
+            yield from answer_turn(models, *values)
 
         upload.change(on_upload, [upload], [uploaded, upload_status, docs_mode])
-
-        def respond(
-            message: str, history: list[dict[str, Any]], rate: float, k: float, full: bool, pair_key: str,
-            backend_label: str, server_url: str, mode: str, upload_retriever: Retriever | None,
-        ) -> Iterator[tuple[Any, ...]]:
-            history = list(history or [])
-            unchanged = gr.update()
-            if not (message or "").strip():
-                yield history, message, "⚠️ The question is empty: type a question first.", *[unchanged] * 3
-                return
-            try:
-                if mode == DOCS_UPLOADED:
-                    if upload_retriever is None:
-                        raise ValueError(
-                            "no documents: upload .txt, .md or .pdf files first, or choose the bundled handbook"
-                        )
-                    retriever = upload_retriever
-                else:
-                    retriever = models.bundled_retriever()
-                if models.engine_key is None or models.engine_key[:2] != (pair_key, BACKENDS[backend_label]):
-                    yield history, "", "Loading models …", *[unchanged] * 3
-                engine = models.get_engine(pair_key, BACKENDS[backend_label], server_url or "")
-                session = ChatSession(
-                    engine, retriever, keep_rate=float(rate), top_k=int(k), max_new_tokens=args.max_new_tokens
-                )
-                stream, pending = session.ask(message, _turns(history))
-                history += [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
-                yield history, "", "Reading the context with the draft model …", *[unchanged] * 3
-                text = ""
-                for delta in stream:
-                    text += delta
-                    history[-1] = {"role": "assistant", "content": text}
-                    yield history, "", "Answering …", *[unchanged] * 3
-                if full:
-                    yield history, "", "Measuring the full-prefill TTFT for comparison …", *[unchanged] * 3
-                answer = session.finish(stream, pending, compare_full=full)
-                if not answer.result.text.strip():
-                    history[-1] = {"role": "assistant", "content": "(the model gave an empty answer)"}
-                logger.info("answer: %s", format_timing(answer))
-                yield (
-                    history, "", "", stats_markdown(answer, pair_key), highlighted(answer), passages_markdown(answer)
-                )
-            except (ValueError, RuntimeError, OSError) as error:  # BackendError is a RuntimeError
-                yield history, message, f"⚠️ {error}", *[unchanged] * 3
-            except Exception as error:  # never a traceback on the page; the log has it
-                logger.exception("answering failed")
-                yield history, message, f"⚠️ Unexpected error ({type(error).__name__}): {error}", *[unchanged] * 3
-
         inputs = [question, chat, keep_rate, top_k, compare, pair, backend, url, docs_mode, uploaded]
         outputs = [chat, question, status, timing, kept, passages]
         ask.click(respond, inputs, outputs)
