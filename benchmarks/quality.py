@@ -39,7 +39,7 @@ import re
 import string
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -474,6 +474,78 @@ REFERENCE_DRAFT = dict(lookahead=8, lookahead_weight=1.0, layers="all", heads="m
 REFERENCE_SELECTION = dict(unit="chunk", chunk_size=32)
 
 
+@dataclass
+class _Case:
+    """One example under measurement: its prompt, and the draft scores and plans its methods share."""
+
+    engine: Any
+    ex: Example
+    index: int
+    args: argparse.Namespace
+    lingua: LinguaCompressor | None
+    prompt: Any
+    passages: list[Any]
+    scores: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def scored(self, kind: str) -> Any:
+        """Draft scores, once per kind ("default": the library's; "reference": the paper's)."""
+        from specprefill_rag import DraftConfig
+
+        if kind not in self.scores:
+            config = None if kind == "default" else DraftConfig(**REFERENCE_DRAFT)  # type: ignore[arg-type]
+            self.scores[kind] = self.engine.score(self.prompt, draft=config)
+        return self.scores[kind]
+
+    def plan(self, sel: Any, scores: str = "default") -> Any:
+        return self.engine.plan(self.prompt, selection=sel, scores=self.scored(scores))[0]
+
+
+Outcome = tuple[str, int, dict[str, Any]]  # answer text, prefilled tokens, extra row fields
+
+
+def _specprefill(case: _Case, sel: Any) -> Outcome:
+    text, prefilled = answer(case.engine, case.prompt, case.plan(sel))
+    return text, prefilled, {"score_s": case.scored("default").seconds}
+
+
+def _reference(case: _Case, sel: Any) -> Outcome:
+    plan = case.plan(dataclasses.replace(sel, **REFERENCE_SELECTION), scores="reference")
+    return *answer(case.engine, case.prompt, plan), {}
+
+
+def _contiguous(case: _Case, sel: Any) -> Outcome:
+    return *answer(case.engine, case.prompt, case.plan(dataclasses.replace(sel, positions="contiguous"))), {}
+
+
+def _random(case: _Case, sel: Any) -> Outcome:
+    from specprefill_rag import selection as selection_lib
+
+    prompt = case.prompt
+    g = torch.Generator().manual_seed(case.args.seed * 1000 + case.index)
+    kept = selection_lib.select(torch.rand(prompt.n_tokens, generator=g), prompt.protected, prompt.segment_index,
+                                sel, prompt.sentence_start)
+    return *answer(case.engine, prompt, selection_lib.plan_from_indices(prompt, kept)), {}
+
+
+def _llmlingua(case: _Case, sel: Any) -> Outcome:
+    from specprefill_rag import Passage
+    from specprefill_rag import selection as selection_lib
+
+    assert case.lingua is not None
+    budget = max(case.plan(sel).n_kept - int(case.prompt.protected.sum()), 8)  # context tokens SpecPrefill kept
+    compressed, seconds = case.lingua.compress([p.text for p in case.passages], case.ex.question, budget)
+    lprompt = case.engine.assemble(case.ex.question, [Passage(compressed or ".", id="compressed")])
+    text, prefilled = answer(case.engine, lprompt, selection_lib.full_plan(lprompt))
+    return text, prefilled, {"compress_s": seconds, "budget_tokens": budget}
+
+
+# Method name → how it answers one example at one keep rate (the selection ``sel``).
+RUNNERS: dict[str, Callable[[_Case, Any], Outcome]] = {
+    "specprefill": _specprefill, "reference": _reference, "contiguous": _contiguous, "random": _random,
+    "llmlingua": _llmlingua,
+}
+
+
 def run_example(
     engine: Any,
     ex: Example,
@@ -485,29 +557,19 @@ def run_example(
 ) -> list[dict[str, Any]]:
     """Every (method, keep rate) row of one example; rows in ``done`` (from an earlier run,
     keyed by (method, keep rate)) are reused, so the full-prompt answer is computed once."""
-    from specprefill_rag import DraftConfig, Passage
+    from specprefill_rag import Passage
     from specprefill_rag import selection as selection_lib
 
     done = done or {}
     passages = [Passage(text, id=pid) for pid, text in ex.passages]
-    prompt = engine.assemble(ex.question, passages)
-    base = {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
+    case = _Case(engine, ex, index, args, lingua, engine.assemble(ex.question, passages), passages)
+    base = {"task": ex.task, "id": ex.id, "n_prompt": case.prompt.n_tokens, "n_context": case.prompt.n_context,
             **{f"meta_{k}": v for k, v in ex.meta.items() if k != "distractor_answers"}}
     rows: list[dict[str, Any]] = []
 
-    def record(method: str, keep: float | None, text: str, prefilled: int, **extra: Any) -> None:
-        rows.append(
-            {
-                **base,
-                "method": method,
-                "keep_rate": keep,
-                "prediction": text,
-                "answers": list(ex.answers),
-                "prefilled": prefilled,
-                **score_prediction(ex.task, text, ex.answers, ex.meta),
-                **extra,
-            }
-        )
+    def record(method: str, keep: float | None, text: str, prefilled: int, extra: dict[str, Any]) -> None:
+        rows.append({**base, "method": method, "keep_rate": keep, "prediction": text, "answers": list(ex.answers),
+                     "prefilled": prefilled, **score_prediction(ex.task, text, ex.answers, ex.meta), **extra})
         bar.update(1)
 
     def todo(method: str, keep: float | None) -> bool:
@@ -519,54 +581,12 @@ def run_example(
         return True
 
     if todo("full", None):
-        record("full", None, *answer(engine, prompt, selection_lib.full_plan(prompt)))
-    scores: dict[str, Any] = {}
-
-    def scored(kind: str) -> Any:
-        if kind not in scores:
-            config = None if kind == "default" else DraftConfig(**REFERENCE_DRAFT)  # type: ignore[arg-type]
-            scores[kind] = engine.score(prompt, draft=config)
-        return scores[kind]
-
+        record("full", None, *answer(engine, case.prompt, selection_lib.full_plan(case.prompt)), {})
     for keep in args.keep_rates:
         sel = dataclasses.replace(engine.config.selection, keep_rate=keep, token_budget=None)
-        plan = None
-        n_protected = int(prompt.protected.sum())
         for method in args.methods:
-            if not todo(method, keep):
-                continue
-            if method in ("specprefill", "contiguous", "llmlingua"):
-                plan, _ = engine.plan(prompt, selection=sel, scores=scored("default"))
-            if method == "specprefill":
-                record(method, keep, *answer(engine, prompt, plan), score_s=scored("default").seconds)
-            elif method == "reference":
-                rsel = dataclasses.replace(sel, **REFERENCE_SELECTION)
-                rplan, _ = engine.plan(prompt, selection=rsel, scores=scored("reference"))
-                record(method, keep, *answer(engine, prompt, rplan))
-            elif method == "contiguous":
-                cplan, _ = engine.plan(
-                    prompt, selection=dataclasses.replace(sel, positions="contiguous"), scores=scored("default")
-                )
-                record(method, keep, *answer(engine, prompt, cplan))
-            elif method == "random":
-                g = torch.Generator().manual_seed(args.seed * 1000 + index)
-                kept = selection_lib.select(
-                    torch.rand(prompt.n_tokens, generator=g), prompt.protected, prompt.segment_index, sel,
-                    prompt.sentence_start,
-                )
-                record(method, keep, *answer(engine, prompt, selection_lib.plan_from_indices(prompt, kept)))
-            elif method == "llmlingua":
-                assert lingua is not None and plan is not None
-                budget = max(plan.n_kept - n_protected, 8)  # the context tokens SpecPrefill kept
-                compressed, seconds = lingua.compress([p.text for p in passages], ex.question, budget)
-                lprompt = engine.assemble(ex.question, [Passage(compressed or ".", id="compressed")])
-                record(
-                    method,
-                    keep,
-                    *answer(engine, lprompt, selection_lib.full_plan(lprompt)),
-                    compress_s=seconds,
-                    budget_tokens=budget,
-                )
+            if todo(method, keep):
+                record(method, keep, *RUNNERS[method](case, sel))
     return rows
 
 

@@ -172,7 +172,8 @@ def test_peak_memory_sees_a_short_lived_tensor() -> None:
 @needs_data
 def test_quality_bench_tiny_smoke(tmp_path: Path) -> None:
     out = tmp_path / "quality.json"
-    methods = ["specprefill", "contiguous", "random"] + (["llmlingua"] if HAS_LINGUA else [])
+    methods = ["specprefill", "reference", "contiguous", "random"] + (["llmlingua"] if HAS_LINGUA else [])
+    assert tuple(quality.RUNNERS) == quality.METHODS  # every method the CLI accepts has a runner
     assert (
         quality.main(
             [
