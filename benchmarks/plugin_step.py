@@ -13,7 +13,7 @@ Per case and code path, the host time of a step (on CUDA the device is synchroni
 timer after every step: blocking copies count, queued kernels do not):
 
     base          the stand-in original: refills positions with contiguous slots (one tensor copy)
-    current       base + ``patches._wrap_prepare_inputs`` (the vectorised rewrite)
+    current       base + ``plugin_runner._wrap_prepare_inputs`` (the vectorised rewrite)
     legacy        base + the per-request rewrite it replaced (kept here only for this comparison)
     overhead      wrapper time = path − base, per step
     vllm_prepare  an emulation of vLLM 0.32's own ``_prepare_inputs`` host work for the batch (the
@@ -48,7 +48,8 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/plugin_step.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specprefill_rag.vllm_plugin import patches, plan_to_xargs
+from specprefill_rag.vllm_plugin import plan_to_xargs
+from specprefill_rag.vllm_plugin import runner as plugin_runner
 from specprefill_rag.vllm_plugin.patches import remap_positions
 from specprefill_rag.vllm_plugin.protocol import PlanError, parse_plan
 
@@ -254,7 +255,7 @@ def legacy_wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATHS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "base": lambda original: original,
-    "current": patches._wrap_prepare_inputs,
+    "current": plugin_runner._wrap_prepare_inputs,
     "legacy": legacy_wrap,
 }
 
@@ -310,7 +311,7 @@ def run_case(case: Case, device: torch.device, *, steps: int, warmup: int, reps:
 def check_equal(case: Case, device: torch.device, steps: int = 4) -> None:
     """The current and the legacy rewrite write the same positions (a sanity check of the mock)."""
     got = []
-    for wrap in (patches._wrap_prepare_inputs, legacy_wrap):
+    for wrap in (plugin_runner._wrap_prepare_inputs, legacy_wrap):
         runner, step, out = MockRunner(case, device), wrap(base_original), []
         for _ in range(steps):
             counts = runner.schedule()

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from specprefill_rag.vllm_plugin import patches, plan_to_xargs
+from specprefill_rag.vllm_plugin import plan_to_xargs
+from specprefill_rag.vllm_plugin import runner as plugin_runner
 from specprefill_rag.vllm_plugin.patches import planned_offsets, remap_positions
 
 
@@ -86,7 +87,7 @@ class SimulatedRunner:
         self.preempted: list[str] = []
         self.serial = 0
         self.misfits = 0  # ill-fitting plans sent
-        self.prepare = patches._wrap_prepare_inputs(self._contiguous)
+        self.prepare = plugin_runner._wrap_prepare_inputs(self._contiguous)
 
     def _contiguous(self, runner: Any, scheduler_output: Any, counts: Any) -> None:
         start = 0
@@ -168,7 +169,7 @@ class SimulatedRunner:
 @pytest.mark.parametrize("seed", range(12))
 def test_wrapper_equals_remap_positions_over_a_random_schedule(seed, caplog):
     sim = SimulatedRunner(random.Random(seed))
-    with caplog.at_level(logging.ERROR, logger=patches.__name__):
+    with caplog.at_level(logging.ERROR, logger=plugin_runner.__name__):
         tokens = sum(sim.step() for _ in range(150))
     assert tokens > 1000 and sim.serial > 20
     assert sum("not applied" in r.getMessage() for r in caplog.records) == sim.misfits  # once per request

@@ -34,7 +34,8 @@ from specprefill_rag.backends.vllm_server import VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
 from specprefill_rag.errors import BackendError, ServerError
 from specprefill_rag.types import PrefillPlan
-from specprefill_rag.vllm_plugin import patches, plan_to_xargs
+from specprefill_rag.vllm_plugin import admission, patches, plan_to_xargs
+from specprefill_rag.vllm_plugin import runner as plugin_runner
 from specprefill_rag.vllm_plugin.patches import POSITION_DEPENDENT_ARCHITECTURES, plan_refusal
 
 serve = fakes.serve  # the fake-server fixture of the transport tests
@@ -255,7 +256,7 @@ def processor(config: Any) -> Any:
         return SimpleNamespace(sampling_params=params, prompt_token_ids=prompt, cache_salt=None)
 
     return SimpleNamespace(vllm_config=config, model_config=config.model_config), \
-        patches._wrap_process_inputs(original)
+        admission._wrap_process_inputs(original)
 
 
 def params(extra: dict[str, Any] | None) -> SimpleNamespace:
@@ -287,9 +288,9 @@ def test_process_inputs_salts_an_honoured_plan():
 
 RENDERERS = {
     # server path → (wrap the renderer, what the original renderer returns for one 3-token prompt)
-    "completions": (lambda f: patches._wrap_render(f, patches._completion_inputs, patches._completion_max_tokens),
+    "completions": (lambda f: admission._wrap_render(f, admission._completion_inputs, admission._completion_max_tokens),
                     [SimpleNamespace(n=3)]),
-    "chat": (lambda f: patches._wrap_render(f, patches._chat_inputs, patches._chat_max_tokens),
+    "chat": (lambda f: admission._wrap_render(f, admission._chat_inputs, admission._chat_max_tokens),
              (["conversation"], [SimpleNamespace(n=3)])),
 }
 
@@ -330,7 +331,7 @@ def test_position_limit_is_max_model_len():
     """Rope-scaled models (YaRN): vLLM's max_model_len is the limit, not max_position_embeddings."""
     yarn = SimpleNamespace(max_position_embeddings=32768, rope_parameters={"rope_type": "yarn", "factor": 4.0})
     model_config = SimpleNamespace(max_model_len=131072, hf_config=yarn, hf_text_config=yarn)
-    assert patches.max_positions(model_config) == 131072
+    assert admission.max_positions(model_config) == 131072
 
 
 # -- the wrapped model runner (stub runner) ------------------------------------------------
@@ -371,7 +372,7 @@ class Runner:
         output = SimpleNamespace(finished_req_ids=set(finished),
                                  scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in self.sent])
         self.sent = []
-        patches._wrap_prepare_inputs(original)(self, output, np.array(counts, dtype=np.int32))
+        plugin_runner._wrap_prepare_inputs(original)(self, output, np.array(counts, dtype=np.int32))
         starts = self.query_start_loc.np
         return [self.positions[starts[i]:starts[i + 1]].tolist() for i in range(len(scheduled))]
 
@@ -414,7 +415,7 @@ def test_plan_that_does_not_fit_the_request_stays_contiguous(caplog):
     runner = Runner()
     runner.add("short", 4, plan_to_xargs([0, 5, 9], 20))  # 3 positions, 4 prompt tokens
     runner.add("ok", 2, plan_to_xargs([3, 7], 8))
-    with caplog.at_level(logging.ERROR, logger=patches.__name__):
+    with caplog.at_level(logging.ERROR, logger=plugin_runner.__name__):
         assert runner.step({"short": (0, 4), "ok": (0, 2)}) == [[0, 1, 2, 3], [3, 7]]
         assert runner.step({"short": (4, 1), "ok": (2, 1)}) == [[4], [8]]
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
@@ -437,7 +438,7 @@ def test_malformed_plan_reaching_the_runner_stays_contiguous(caplog, extra, mess
     """Admission refuses these; should one reach the runner anyway, it is logged, never applied."""
     runner = Runner()
     runner.add("m", 3, extra)
-    with caplog.at_level(logging.ERROR, logger=patches.__name__):
+    with caplog.at_level(logging.ERROR, logger=plugin_runner.__name__):
         assert runner.step({"m": (0, 3)}) == [[0, 1, 2]]
         assert runner.step({"m": (3, 1)}) == [[3]]
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
@@ -453,7 +454,7 @@ def test_streaming_update_of_a_request_is_reparsed(caplog):
     assert runner.step({"s": (2, 1)}) == [[10]]
     runner.requests["s"].num_prompt_tokens = 4  # the same dict, a longer prompt: no longer fits
     runner.sent.append("s")
-    with caplog.at_level(logging.ERROR, logger=patches.__name__):
+    with caplog.at_level(logging.ERROR, logger=plugin_runner.__name__):
         assert runner.step({"s": (3, 1)}) == [[3]]
         assert runner.step({"s": (4, 1)}) == [[4]]
     assert caplog.text.count("not applied") == 1
@@ -531,7 +532,7 @@ def test_offline_backend_without_the_extension_sends_a_function(monkeypatch):
     assert calls == [patches.runner_patched]
     worker = SimpleNamespace(model_runner=SimpleNamespace())
     assert patches.runner_patched(worker) is False  # a runner class without the wrapper
-    runner_cls = type("Runner", (), {"_prepare_inputs": patches._wrap_prepare_inputs(lambda *a: None)})
+    runner_cls = type("Runner", (), {"_prepare_inputs": plugin_runner._wrap_prepare_inputs(lambda *a: None)})
     assert patches.runner_patched(SimpleNamespace(model_runner=runner_cls())) is True
 
 

@@ -1,0 +1,235 @@
+"""Admission of planned requests: validation and refusal before a request reaches the engine.
+
+- ``InputProcessor.process_inputs``: every request entering an engine (offline ``LLM`` and the
+  server alike) has its plan validated (``ValueError`` → HTTP 400, never an engine crash) and
+  its prefix cache salted with the plan's hash. A plan the engine cannot honour (``plan_refusal``:
+  V2 runner, speculative decoding, M-RoPE, models that use positions beyond rotary embeddings) is
+  refused there too, never silently run at contiguous positions.
+- ``OpenAIServingCompletion.render_completion_request`` and ``OpenAIServingChat.render_chat_request``:
+  validate and refuse once the prompt is rendered, before a stream starts, so streaming requests
+  also get a plain HTTP 400 instead of an error event.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .protocol import PlanError, PositionPlan, parse_plan
+from .runner import MARK
+
+__all__ = [
+    "CHAT_SERVING_MODULE", "INPUT_PROCESSOR_MODULE", "POSITION_DEPENDENT_ARCHITECTURES", "SERVING_MODULE",
+    "max_positions", "plan_refusal",
+]
+
+INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"
+SERVING_MODULE = "vllm.entrypoints.openai.completion.serving"
+CHAT_SERVING_MODULE = "vllm.entrypoints.openai.chat_completion.serving"
+
+
+def max_positions(model_config: Any) -> int:
+    """Positions a model accepts: vLLM's ``max_model_len``.
+
+    Not the HF ``max_position_embeddings``: for rope-scaled models (YaRN, dynamic NTK, LongRoPE)
+    that is the pre-scaling length, and vLLM sizes its rotary cache and checks ``max_model_len``
+    against the scaled length itself.
+    """
+    return int(model_config.max_model_len)
+
+
+# -- engines that cannot honour a plan --------------------------------------------------------
+
+# Architectures whose vLLM 0.32 / 0.33 code reads positions for more than rotary embeddings: their
+# cache layout, sparse-attention bounds or state windows are computed from positions, so
+# rewritten positions would place or read KV at the wrong slots (docs/vllm.md, "Refusals").
+POSITION_DEPENDENT_ARCHITECTURES: frozenset[str] = frozenset({
+    # DeepSeek-V3.2 lightning indexer: k-pool slot = block * kpool + position % kpool
+    # (v1/attention/backends/mla/indexer.py, compute_kpool_tail_slot_mapping)
+    "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+    # the same indexer (SparseAttnIndexer) in other model families
+    "Dots3NoteForCausalLM", "HYV4ForCausalLM", "KimiK3ForConditionalGeneration",
+    # DeepSeek-V4/V4.1 KV compressors: cache rows from position // compress_ratio
+    "DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration", "DeepseekV41ForCausalLM",
+    # GLM-5-Next sparse indexer: causal top-k bounds and k-pool slots from positions
+    "Glm5NextForCausalLM", "Glm5NextForConditionalGeneration",
+    # MiniMax-M3 sparse indexer: per-token causal page count = position // page + 1
+    "MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration",
+    # Inkling short convolution: paged conv-state window addressed by absolute position
+    "InklingForCausalLM", "InklingForConditionalGeneration",
+    # Qwen4-Exp QSA: compressed side cache addressed by position % state size
+    "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration",
+    # Step5 (new in 0.33) CSA tail ring and summary cache: ring row = position % capacity
+    # (models/step5/nvidia/csa_tail_ring.py, ops/summary_update.py)
+    "Step5ForCausalLM", "Step5ForConditionalGeneration",
+})
+# A config field that switches a DeepSeek-V2-family model (DeepseekV3, Glm4MoeLite, LongCat,
+# Mistral-Large-3, ...) onto the DeepSeek-V3.2 indexer (model_executor/models/deepseek_v2.py).
+_SPARSE_INDEXER_FIELD = "index_topk"
+
+
+def _uses_v2_runner(vllm_config: Any) -> bool:
+    """vLLM's own decision (``VllmConfig.use_v2_model_runner``: the environment variable, or a
+    feature that forces V2 such as HiSparse or watermarking). Undecidable counts as V2."""
+    try:
+        return bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except Exception:  # the property raises on contradictory settings
+        return True
+
+
+def _position_dependent(model_config: Any) -> str | None:
+    """The architecture name when the model reads positions beyond rotary embeddings."""
+    names = [getattr(model_config, "architecture", None), *(getattr(model_config, "architectures", None) or ())]
+    for name in names:
+        if name in POSITION_DEPENDENT_ARCHITECTURES:
+            return str(name)
+    for config in (getattr(model_config, "hf_config", None), getattr(model_config, "hf_text_config", None)):
+        if config is not None and getattr(config, _SPARSE_INDEXER_FIELD, None) is not None:
+            return f"{next((n for n in names if n), 'this model')} with the DeepSeek-V3.2 sparse indexer"
+    return None
+
+
+def plan_refusal(vllm_config: Any) -> str | None:
+    """Why an engine with this ``VllmConfig`` cannot honour SpecPrefill plans; None when it can.
+
+    Reads configuration only (no vLLM import), so it runs on stubs in the tests.
+    """
+    if _uses_v2_runner(vllm_config):
+        return ("SpecPrefill plans are not supported with vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, "
+                "or a feature that requires it such as HiSparse or watermarking): the plugin rewrites positions "
+                "in the V1 runner only")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return ("SpecPrefill plans are not supported with speculative decoding (--speculative-config: EAGLE, "
+                "MTP, draft model, n-gram): draft steps derive their positions and KV slots from the rewritten "
+                "positions")
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "uses_mrope", False):
+        return "SpecPrefill plans are not supported for M-RoPE models"
+    name = _position_dependent(model_config)
+    if name is not None:
+        return (f"SpecPrefill plans are not supported for {name}: it derives KV-cache slots or sparse-attention "
+                "bounds from positions, not only rotary embeddings")
+    return None
+
+
+def _wrap_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        extra = getattr(params, "extra_args", None)
+        max_tokens_given = getattr(params, "max_tokens", None)
+        request = original(self, request_id, prompt, params, *args, **kwargs)
+        if not extra or request.sampling_params is None:
+            return request
+        limit = max_positions(self.model_config)
+        if max_tokens_given is None:  # vLLM filled in max_model_len - prompt_len: fit our positions
+            next_position = extra.get("specprefill_next_position")
+            if isinstance(next_position, int) and 0 <= next_position < limit:
+                request.sampling_params.max_tokens = min(request.sampling_params.max_tokens, limit - next_position)
+        plan = _parse_or_raise(
+            request.sampling_params.extra_args,
+            prompt_len=len(request.prompt_token_ids or ()),
+            max_tokens=request.sampling_params.max_tokens,
+            max_len=limit,
+        )
+        if plan is not None:
+            refusal = plan_refusal(self.vllm_config)
+            if refusal is not None:
+                raise _validation_error(refusal)
+            salt = plan.salt
+            if request.cache_salt is None:
+                request.cache_salt = salt
+            elif not request.cache_salt.endswith(salt):
+                request.cache_salt = f"{request.cache_salt}-{salt}"
+        return request
+
+    setattr(process_inputs, MARK, True)
+    return process_inputs
+
+
+def _validation_error(message: str) -> Exception:
+    from vllm.exceptions import VLLMValidationError
+
+    return VLLMValidationError(message, parameter="vllm_xargs")
+
+
+def _parse_or_raise(extra: Any, *, prompt_len: int, max_tokens: int | None, max_len: int) -> PositionPlan | None:
+    try:
+        return parse_plan(extra, prompt_len=prompt_len, max_tokens=max_tokens, max_len=max_len)
+    except PlanError as error:
+        raise _validation_error(f"invalid SpecPrefill plan in vllm_xargs: {error}") from None
+
+
+def _patch_input_processor(module: ModuleType) -> None:
+    cls = module.InputProcessor
+    if not getattr(cls.process_inputs, MARK, False):
+        cls.process_inputs = _wrap_process_inputs(cls.process_inputs)
+
+
+def _completion_inputs(result: Any) -> list[Any] | None:
+    """The engine inputs of ``render_completion_request``'s result (None: an error response)."""
+    return result if isinstance(result, list) else None
+
+
+def _chat_inputs(result: Any) -> list[Any] | None:
+    """The engine inputs of ``render_chat_request``'s ``(conversation, engine_inputs)``."""
+    return list(result[1]) if isinstance(result, tuple) and len(result) == 2 else None
+
+
+def _completion_max_tokens(request: Any) -> int | None:
+    return getattr(request, "max_tokens", None)
+
+
+def _chat_max_tokens(request: Any) -> int | None:
+    given = getattr(request, "max_completion_tokens", None)
+    return given if given is not None else getattr(request, "max_tokens", None)
+
+
+def _wrap_render(
+    original: Callable[..., Any],
+    engine_inputs: Callable[[Any], list[Any] | None],
+    max_tokens: Callable[[Any], int | None],
+) -> Callable[..., Any]:
+    """Validate and refuse a plan once the prompt is rendered, before any response starts."""
+
+    @functools.wraps(original)
+    async def render(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await original(self, request, *args, **kwargs)
+        extra = getattr(request, "vllm_xargs", None)
+        inputs = engine_inputs(result) if extra else None
+        if not inputs:
+            return result
+        planned = False
+        try:
+            for engine_input in inputs:
+                planned |= parse_plan(
+                    extra,
+                    prompt_len=int(self._extract_prompt_len(engine_input)),
+                    max_tokens=max_tokens(request),
+                    max_len=max_positions(self.model_config),
+                ) is not None
+        except PlanError as error:
+            return self.create_error_response(f"invalid SpecPrefill plan in vllm_xargs: {error}", param="vllm_xargs")
+        vllm_config = getattr(getattr(self, "engine_client", None), "vllm_config", None)
+        refusal = plan_refusal(vllm_config) if planned and vllm_config is not None else None
+        if refusal is not None:
+            return self.create_error_response(refusal, param="vllm_xargs")
+        return result
+
+    setattr(render, MARK, True)
+    return render
+
+
+def _patch_serving(module: ModuleType) -> None:
+    cls = module.OpenAIServingCompletion
+    if not getattr(cls.render_completion_request, MARK, False):
+        cls.render_completion_request = _wrap_render(
+            cls.render_completion_request, _completion_inputs, _completion_max_tokens
+        )
+
+
+def _patch_chat_serving(module: ModuleType) -> None:
+    cls = module.OpenAIServingChat
+    if not getattr(cls.render_chat_request, MARK, False):
+        cls.render_chat_request = _wrap_render(cls.render_chat_request, _chat_inputs, _chat_max_tokens)
