@@ -113,9 +113,7 @@ def build_engines(args: argparse.Namespace, config: SpecPrefillConfig) -> dict[s
         draft, draft_tok = load_model(name)
         engines[name] = SpecPrefillEngine(backend, DraftModel(draft, draft_tok), config)
     for engine in engines.values():  # first calls pay one-off costs
-        engine.generate("Warm-up?", ["Warm-up context. " * 60], keep_rate=0.5,
-                        selection=SelectionConfig(keep_rate=0.5, min_prompt_tokens=16),
-                        generation=GenerationConfig(max_new_tokens=2))
+        engine.warm_up()
     return engines
 
 

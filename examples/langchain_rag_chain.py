@@ -24,12 +24,8 @@ from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 from langchain_specprefill import ChatSpecPrefill, create_specprefill_rag_chain  # noqa: E402
 
+from specprefill_rag.tools.models import MODEL_PAIRS  # noqa: E402
 from specprefill_rag.tools.retrieval import demo_documents, load_embedder, split_passages  # noqa: E402
-
-MODELS = {  # --models: (main, draft); both pairs share a tokenizer
-    "smollm2": ("smollm2-135m-instruct", "smollm2-135m-instruct"),
-    "qwen": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
-}
 
 
 class MiniLMEmbeddings(Embeddings):
@@ -45,7 +41,7 @@ class MiniLMEmbeddings(Embeddings):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--question", default="On what date was Tindra Point Research Station officially opened?")
-    parser.add_argument("--models", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument("--models", choices=sorted(MODEL_PAIRS), default="smollm2")
     parser.add_argument("--keep-rate", type=float, default=0.3)
     parser.add_argument("--top-k", type=int, default=4)
     args = parser.parse_args()
@@ -53,7 +49,7 @@ def main() -> None:
     store = InMemoryVectorStore(MiniLMEmbeddings())
     passages = split_passages(demo_documents())
     store.add_documents([Document(p.text, id=p.id, metadata=dict(p.metadata)) for p in passages])
-    main_model, draft_model = MODELS[args.models]
+    main_model, draft_model = MODEL_PAIRS[args.models]
     llm = ChatSpecPrefill(model=main_model, draft_model=draft_model, keep_rate=args.keep_rate, max_tokens=64)
     chain = create_specprefill_rag_chain(store.as_retriever(search_kwargs={"k": args.top_k}), llm)
 

@@ -28,12 +28,8 @@ from llama_index.core.instrumentation.events.llm import LLMCompletionEndEvent  #
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM  # noqa: E402
 
+from specprefill_rag.tools.models import MODEL_PAIRS  # noqa: E402
 from specprefill_rag.tools.retrieval import demo_documents, load_embedder  # noqa: E402
-
-MODELS = {  # --models: (main, draft); both pairs share a tokenizer
-    "smollm2": ("smollm2-135m-instruct", "smollm2-135m-instruct"),
-    "qwen": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
-}
 
 
 class MiniLMEmbedding(BaseEmbedding):
@@ -66,7 +62,7 @@ class LastCompletion(BaseEventHandler):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--question", default="On what date was Tindra Point Research Station officially opened?")
-    parser.add_argument("--models", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument("--models", choices=sorted(MODEL_PAIRS), default="smollm2")
     parser.add_argument("--keep-rate", type=float, default=0.3)
     parser.add_argument("--top-k", type=int, default=4)
     args = parser.parse_args()
@@ -75,7 +71,7 @@ def main() -> None:
     index = VectorStoreIndex.from_documents(
         documents, embed_model=MiniLMEmbedding(), transformations=[SentenceSplitter(chunk_size=200, chunk_overlap=0)]
     )
-    main_model, draft_model = MODELS[args.models]
+    main_model, draft_model = MODEL_PAIRS[args.models]
     llm = SpecPrefillLLM(model_name=main_model, draft_model=draft_model, keep_rate=args.keep_rate, max_new_tokens=64)
     query_engine = index.as_query_engine(
         llm=llm,

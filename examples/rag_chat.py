@@ -29,6 +29,7 @@ from specprefill_rag import (
     available_backends,
 )
 from specprefill_rag import prompt as prompt_lib
+from specprefill_rag.tools.models import MODEL_PAIRS as MODEL_PAIRS_BY_NAME
 from specprefill_rag.tools.retrieval import Document, Retriever, demo_documents, split_passages
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
     "build_retriever",
     "format_timing",
     "load_uploads",
-    "warm_up",
     "passage_views",
 ]
 
@@ -71,9 +71,8 @@ class ModelPair:
 MODEL_PAIRS: dict[str, ModelPair] = {
     pair.key: pair
     for pair in (
-        ModelPair("smollm2", "smollm2-135m-instruct", "smollm2-135m-instruct",
-                  "SmolLM2-135M as draft and main (fast on CPU)"),
-        ModelPair("qwen", "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct",
+        ModelPair("smollm2", *MODEL_PAIRS_BY_NAME["smollm2"], "SmolLM2-135M as draft and main (fast on CPU)"),
+        ModelPair("qwen", *MODEL_PAIRS_BY_NAME["qwen"],
                   "Qwen2.5-Coder 0.5B draft → 1.5B main (real speedup, slow on CPU)"),
     )
 }
@@ -154,13 +153,6 @@ def build_engine(
         kwargs["base_url"] = server_url.strip()
     # Draft == main on transformers: from_pretrained loads one set of weights for both roles.
     return SpecPrefillEngine.from_pretrained(pair.main, pair.draft, backend=backend, config=config, **kwargs)
-
-
-def warm_up(engine: SpecPrefillEngine) -> None:
-    """One tiny run of both models, so the first real answer does not pay first-call costs."""
-    engine.generate(
-        "Warm-up?", ["Warm-up context. " * 40], keep_rate=0.5, generation=GenerationConfig(max_new_tokens=2)
-    )
 
 
 # --------------------------------------------------------------------------- documents

@@ -154,6 +154,13 @@ class SpecPrefillEngine:
             draft_model = None
         return cls(main_backend, draft_model, config)
 
+    def warm_up(self) -> None:
+        """One tiny answer through the draft and the main model, so that the first real request
+        (and any timing) does not pay one-off costs: lazy initialisation, kernel selection, caches."""
+        probe = SelectionConfig(keep_rate=0.5, min_prompt_tokens=16)
+        self.generate("Warm-up?", ["Warm-up context. " * 40], mode="specprefill" if self.draft else "full",
+                      selection=probe, generation=GenerationConfig(max_new_tokens=2))
+
     # -- building blocks -------------------------------------------------------------------
 
     def assemble(

@@ -242,3 +242,15 @@ def test_generation_overrides_skip_unset_values():
     assert (changed.max_new_tokens, changed.stop, changed.timeout) == (3, ("x",), 2.0)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         base.with_overrides(max_new_tokens=0)
+
+
+def test_warm_up_runs_the_draft_and_the_main_model(monkeypatch):
+    engine = make_engine(make_tokenizer())
+    drafted, prefilled = [], []
+    score, stream = engine.draft.score_batch, engine.backend.stream_tokens
+    monkeypatch.setattr(engine.draft, "score_batch", lambda ids, **kw: drafted.append(len(ids)) or score(ids, **kw))
+    monkeypatch.setattr(engine.backend, "stream_tokens", lambda plan, gen: prefilled.append(plan) or stream(plan, gen))
+    engine.warm_up()
+    assert drafted == [1] and len(prefilled) == 1 and prefilled[0].speculated
+    no_draft = make_engine(make_tokenizer(), draft=False)
+    no_draft.warm_up()  # full prefill only

@@ -30,7 +30,6 @@ from examples.rag_chat import (  # noqa: E402
     build_retriever,
     format_timing,
     load_uploads,
-    warm_up,
 )
 
 HELP = """commands:
@@ -181,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         retriever = build_retriever(_documents(args.docs))
         engine = build_engine(pair, backend=args.backend, server_url=args.server_url)
-        warm_up(engine)
+        engine.warm_up()
         session = ChatSession(
             engine, retriever, keep_rate=args.keep_rate, top_k=args.top_k, max_new_tokens=args.max_new_tokens
         )

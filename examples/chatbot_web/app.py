@@ -37,7 +37,6 @@ from examples.rag_chat import (  # noqa: E402
     build_retriever,
     format_timing,
     load_uploads,
-    warm_up,
 )
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
 from specprefill_rag.tools.retrieval import Retriever, demo_questions  # noqa: E402
@@ -67,7 +66,7 @@ class Models:
             if self.engine is None or self.engine_key != key:
                 self.engine = None  # free the old weights before loading new ones
                 engine = build_engine(MODEL_PAIRS[pair_key], backend=backend, server_url=url)
-                warm_up(engine)
+                engine.warm_up()
                 self.engine, self.engine_key = engine, key
             return self.engine
 

@@ -158,15 +158,6 @@ def _retrieve(args: argparse.Namespace, question: str) -> list[Any]:
     return retriever.retrieve(question, top_k=args.top_k)
 
 
-def _warm_up(engine: Any) -> None:
-    """One short run of each model, so neither timed run pays first-call costs."""
-    from ..config import GenerationConfig
-
-    engine.generate(
-        "Warm-up?", ["Warm-up context. " * 40], keep_rate=0.5, generation=GenerationConfig(max_new_tokens=2)
-    )
-
-
 def _summary(label: str, result: Any) -> str:
     t = result.timings
     parts = [f"{label:<12} TTFT {t.ttft_s:6.1f} s"]
@@ -190,7 +181,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"\nQuestion: {question}")
     print(f"Retrieved {len(passages)} passages; prompt is {prompt.n_tokens} tokens.")
     print("Warming up both models ...", flush=True)
-    _warm_up(engine)
+    engine.warm_up()
 
     print("\n[1/2] Full prefill (baseline) ...", flush=True)
     full = engine.generate(question, passages, mode="full")

@@ -38,7 +38,9 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_DRAFT",
     "DEFAULT_MAIN",
+    "MODEL_PAIRS",
     "PACKAGED_MODELS",
+    "SMALL_MODEL",
     "ModelNotFoundError",
     "PackagedModel",
     "cache_dir",
@@ -52,6 +54,13 @@ logger = logging.getLogger(__name__)
 # The pair the CLI, the benchmarks and the docs use by default: one tokenizer, a real speedup.
 DEFAULT_MAIN = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+# The smallest packaged model: drafts for itself in quick examples and tests (no speedup).
+SMALL_MODEL = "smollm2-135m-instruct"
+# The (main, draft) pairs the examples offer by name.
+MODEL_PAIRS: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "smollm2": (SMALL_MODEL, SMALL_MODEL),
+    "qwen": (DEFAULT_MAIN, DEFAULT_DRAFT),
+})
 
 _CHUNK = 8 << 20  # bytes per read while streaming wheel members
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>")  # extra eos ids, if in vocab
