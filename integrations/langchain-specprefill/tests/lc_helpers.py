@@ -10,13 +10,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from langchain_core.embeddings import Embeddings  # noqa: E402
 from specprefill_rag import (  # noqa: E402
-    SelectionConfig,
-    SpecPrefillConfig,
     SpecPrefillEngine,
     testing,
 )
-
-SMOLLM = "smollm2-135m-instruct"
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,8 +30,7 @@ def tiny_cross_family_engine() -> SpecPrefillEngine:
 @functools.lru_cache(maxsize=1)
 def smollm_engine() -> SpecPrefillEngine:
     """Real SmolLM2-135M-Instruct; one set of weights serves as draft and main."""
-    spec = SpecPrefillConfig(selection=SelectionConfig(keep_rate=0.5, min_prompt_tokens=128))
-    return SpecPrefillEngine.from_pretrained(SMOLLM, SMOLLM, config=spec)
+    return testing.small_real_engine()
 
 
 class MiniLMEmbeddings(Embeddings):

@@ -9,14 +9,9 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMCompletionEndEvent
 from specprefill_rag import (
-    GenerationConfig,
-    SelectionConfig,
-    SpecPrefillConfig,
     SpecPrefillEngine,
     testing,
 )
-
-SMOLLM = "smollm2-135m-instruct"
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,11 +29,7 @@ def tiny_cross_family_engine() -> SpecPrefillEngine:
 @functools.lru_cache(maxsize=1)
 def smollm_engine() -> SpecPrefillEngine:
     """Real SmolLM2-135M-Instruct; one set of weights serves as draft and main."""
-    spec = SpecPrefillConfig(
-        selection=SelectionConfig(keep_rate=0.5, min_prompt_tokens=128),
-        generation=GenerationConfig(max_new_tokens=48),
-    )
-    return SpecPrefillEngine.from_pretrained(SMOLLM, SMOLLM, config=spec)
+    return testing.small_real_engine(max_new_tokens=48)
 
 
 class MiniLMEmbedding(BaseEmbedding):
