@@ -123,7 +123,9 @@ def test_public_api() -> None:
     assert set(models.__all__) == {
         "DEFAULT_DRAFT",
         "DEFAULT_MAIN",
+        "MODEL_PAIRS",
         "PACKAGED_MODELS",
+        "SMALL_MODEL",
         "ModelNotFoundError",
         "PackagedModel",
         "cache_dir",
@@ -131,6 +133,7 @@ def test_public_api() -> None:
         "load_tokenizer",
         "resolve_model_dir",
     }
+    assert all(name in PACKAGED_MODELS for pair in models.MODEL_PAIRS.values() for name in pair)
     assert set(PACKAGED_MODELS) == {
         "smollm2-135m-instruct",
         "qwen2.5-coder-0.5b-instruct",
