@@ -17,7 +17,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .protocol import PlanError, PositionPlan, parse_plan
+from .protocol import NEXT_POSITION_KEY, PlanError, PositionPlan, parse_plan
 from .runner import MARK
 
 __all__ = [
@@ -124,7 +124,7 @@ def _wrap_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
             return request
         limit = max_positions(self.model_config)
         if max_tokens_given is None:  # vLLM filled in max_model_len - prompt_len: fit our positions
-            next_position = extra.get("specprefill_next_position")
+            next_position = extra.get(NEXT_POSITION_KEY)
             if isinstance(next_position, int) and 0 <= next_position < limit:
                 request.sampling_params.max_tokens = min(request.sampling_params.max_tokens, limit - next_position)
         plan = _parse_or_raise(
