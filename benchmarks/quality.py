@@ -705,13 +705,65 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+Earlier = dict[tuple[str, str], dict[tuple[str, float | None], dict[str, Any]]]  # (task, id) → (method, keep) → row
+
+
+def load_earlier(path: Path, fresh: bool) -> Earlier:
+    """The rows of an earlier run in ``path`` (nothing with ``--fresh``), for resuming."""
+    earlier: Earlier = collections.defaultdict(dict)
+    if path.exists() and not fresh:
+        for r in json.loads(path.read_text()).get("rows", []):
+            earlier[(r["task"], r["id"])][(r["method"], r["keep_rate"])] = r
+        print(f"resuming: {sum(map(len, earlier.values()))} rows of {len(earlier)} examples in {path}", flush=True)
+    return earlier
+
+
+@dataclass
+class ResultFile:
+    """The result JSON, rewritten after every example: this run's rows and every earlier row it
+    did not redo (examples not reached yet or not covered, methods or keep rates not run)."""
+
+    name: str
+    path: Path
+    payload: dict[str, Any]
+    earlier: Earlier
+    seed: int
+    started: float
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def all_rows(self) -> list[dict[str, Any]]:
+        """Every row to keep: earlier rows this run did not produce (examples not reached yet, or
+        methods and keep rates it does not run) and this run's rows."""
+        produced = {(r["task"], r["id"], r["method"], r["keep_rate"]) for r in self.rows}
+        earlier = [r for (task, ex_id), by in self.earlier.items() for (method, keep), r in by.items()
+                   if (task, ex_id, method, keep) not in produced]
+        return earlier + self.rows
+
+    def save(self, complete: bool) -> Path:
+        all_rows = self.all_rows()
+        done = collections.Counter(r["task"] for r in all_rows if r["method"] == "full")
+        return write_results(self.name, {
+            **self.payload, "complete": complete, "done": dict(done), "elapsed_s": time.perf_counter() - self.started,
+            "summary": summarize(all_rows, self.seed), "rows": all_rows,
+        }, self.path)
+
+
+def print_summary(entries: list[dict[str, Any]]) -> None:
+    for e in entries:
+        m = e["metric"]
+        keep = "  -  " if e["keep_rate"] is None else f"{e['keep_rate']:.0%}"
+        lo, hi = e[f"{m}_ci"]
+        ret = "" if e["retention_vs_full"] is None else f"  retention {e['retention_vs_full']:.2f}"
+        print(f"{e['task']:<9} {e['method']:<12} {keep:>5}  n={e['n']}  {m}={e[m]:.3f} [{lo:.3f}, {hi:.3f}]"
+              f"  prefilled {e['prefilled_ratio']:.1%}{ret}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = command_line(argv, "quality")
     started = time.perf_counter()
     engine = build_engine(args)
     print(f"models ready in {time.perf_counter() - started:.1f} s", flush=True)
@@ -719,29 +771,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "llmlingua" in args.methods:
         assert engine.draft is not None
         lingua = LinguaCompressor(engine.draft.model, engine.draft.tokenizer, args.draft)
-
-    def count_tokens(text: str) -> int:
-        return len(engine.tokenizer.encode(text, add_special_tokens=False))
-
-    examples = examples_for(args, count_tokens)
+    examples = examples_for(args, lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
     counts = collections.Counter(ex.task for ex in examples)
-    print(
-        f"examples: {dict(counts)} (seed {args.seed}); keep rates {args.keep_rates}; methods full + {args.methods}",
-        flush=True,
-    )
+    print(f"examples: {dict(counts)} (seed {args.seed}); keep rates {args.keep_rates}; methods full + {args.methods}",
+          flush=True)
     name = result_name("quality", main=args.main, draft=args.draft, tiny=args.tiny, quick=args.quick)
     path = Path(args.out) if args.out else RESULTS_DIR / f"{name}.json"
-    earlier: dict[tuple[str, str], dict[tuple[str, float | None], dict[str, Any]]] = collections.defaultdict(dict)
-    if path.exists() and not args.fresh:
-        for r in json.loads(path.read_text()).get("rows", []):
-            earlier[(r["task"], r["id"])][(r["method"], r["keep_rate"])] = r
-        print(f"resuming: {sum(map(len, earlier.values()))} rows of {len(earlier)} examples in {path}", flush=True)
-    per_example = 1 + len(args.keep_rates) * len(args.methods)
     payload: dict[str, Any] = {
-        "benchmark": "quality",
-        "command": command,
-        "quick": args.quick,
-        "tiny": args.tiny,
+        "benchmark": "quality", "command": command_line(argv, "quality"), "quick": args.quick, "tiny": args.tiny,
         "machine": machine_info(),
         "models": {
             "main": "tiny-random-llama" if args.tiny else args.main,
@@ -751,44 +788,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "counts": dict(counts),
     }
-    rows: list[dict[str, Any]] = []
-    wanted = {(ex.task, ex.id) for ex in examples}
-    # Rows of examples this run does not cover (another --tasks or n) stay in the file.
-    kept_rows = [r for key, by in earlier.items() if key not in wanted for r in by.values()]
-
-    def save(complete: bool) -> Path:
-        # Earlier rows of examples this run has not reached yet stay in the file too.
-        reached = {(r["task"], r["id"]) for r in rows}
-        pending = [r for key in wanted - reached for r in earlier.get(key, {}).values()]
-        all_rows = kept_rows + pending + rows
-        done = collections.Counter(r["task"] for r in all_rows if r["method"] == "full")
-        return write_results(
-            name,
-            {
-                **payload,
-                "complete": complete,
-                "done": dict(done),
-                "elapsed_s": time.perf_counter() - started,
-                "summary": summarize(all_rows, args.seed),
-                "rows": all_rows,
-            },
-            path,
-        )
-
+    results = ResultFile(name, path, payload, load_earlier(path, args.fresh), args.seed, started)
+    per_example = 1 + len(args.keep_rates) * len(args.methods)
     with tqdm(total=len(examples) * per_example, desc="quality", unit="answer") as bar:
         for i, ex in enumerate(examples):
-            rows += run_example(engine, ex, i, args, lingua, bar, earlier.get((ex.task, ex.id)))
-            save(complete=False)
-    path = save(complete=True)
-    for e in summarize(kept_rows + rows, args.seed):
-        m = e["metric"]
-        keep = "  -  " if e["keep_rate"] is None else f"{e['keep_rate']:.0%}"
-        lo, hi = e[f"{m}_ci"]
-        ret = "" if e["retention_vs_full"] is None else f"  retention {e['retention_vs_full']:.2f}"
-        print(
-            f"{e['task']:<9} {e['method']:<12} {keep:>5}  n={e['n']}  {m}={e[m]:.3f} [{lo:.3f}, {hi:.3f}]"
-            f"  prefilled {e['prefilled_ratio']:.1%}{ret}"
-        )
+            results.rows += run_example(engine, ex, i, args, lingua, bar, results.earlier.get((ex.task, ex.id)))
+            results.save(complete=False)
+    path = results.save(complete=True)
+    print_summary(summarize(results.all_rows(), args.seed))
     print(f"\nwrote {path}")
     return 0
 

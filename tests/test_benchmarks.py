@@ -459,3 +459,15 @@ def test_gateway_load_summary_and_report_section() -> None:
             "models": {"main": "m", "draft": "d"}, "machine": {}, "command": "c"}
     text = "\n".join(report.gateway_section(data))
     assert "| gateway, SpecPrefill | 4 | 2 | 1 | 1 | 1.50 s |" in text and "p50 2.67×" in text
+
+
+def test_quality_resume_keeps_rows_it_does_not_redo(tmp_path: Path) -> None:
+    """A resumed run with fewer methods or examples keeps every earlier row it does not redo."""
+    out = tmp_path / "quality.json"
+    common = ["--tiny", "--tasks", "needle", "--needle-lengths", "256", "--keep-rates", "0.3", "--out", str(out)]
+    assert quality.main([*common, "--needle-depths", "0.25", "0.75", "--methods", "specprefill", "random"]) == 0
+    first = {(r["id"], r["method"]): r["prediction"] for r in json.loads(out.read_text())["rows"]}
+    assert len(first) == 6
+    assert quality.main([*common, "--needle-depths", "0.25", "--methods", "specprefill"]) == 0
+    second = {(r["id"], r["method"]): r["prediction"] for r in json.loads(out.read_text())["rows"]}
+    assert second == first  # the random rows and the 0.75 example survive; nothing was recomputed
