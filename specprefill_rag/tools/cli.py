@@ -59,22 +59,7 @@ def _gateway_args(group: Any) -> None:
         help="uvicorn's log level (%(default)s)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specprefill-rag", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log library progress")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser("demo", help="answer a question over the bundled documents, full prefill vs SpecPrefill")
-    demo.add_argument("--question", default=None, help="question (default: the bundled demo question)")
-    demo.add_argument("--docs", default=None, help="directory or file of .md/.txt documents (default: bundled)")
-    _engine_args(demo, keep_rate=0.1, top_k=12, max_new_tokens=40)
-
-    ask = sub.add_parser("ask", help="answer one question over your documents with SpecPrefill")
-    ask.add_argument("question")
-    ask.add_argument("--docs", required=True, help="directory or file of .md/.txt documents")
-    ask.add_argument("--full", action="store_true", help="full prefill instead of SpecPrefill")
-    _engine_args(ask, keep_rate=0.2, top_k=8, max_new_tokens=128)
-
+def _add_serve(sub: Any) -> None:
     serve = sub.add_parser(
         "serve",
         help="start vLLM's OpenAI server with the SpecPrefill plugin (docs/vllm.md); with --gateway-port, "
@@ -92,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     stack.add_argument("--vllm-log", default=None, help="write vLLM's output to this file (default: discarded)")
     _gateway_args(stack)
 
+
+def _add_gateway(sub: Any) -> None:
     gateway = sub.add_parser(
         "gateway", help="an OpenAI-compatible HTTP server answering with SpecPrefill (docs/gateway.md)"
     )
@@ -115,6 +102,26 @@ def _parser() -> argparse.ArgumentParser:
     gateway.add_argument("--port", type=int, default=8080, help="port (%(default)s)")
     gateway.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     _gateway_args(gateway)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specprefill-rag", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log library progress")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="answer a question over the bundled documents, full prefill vs SpecPrefill")
+    demo.add_argument("--question", default=None, help="question (default: the bundled demo question)")
+    demo.add_argument("--docs", default=None, help="directory or file of .md/.txt documents (default: bundled)")
+    _engine_args(demo, keep_rate=0.1, top_k=12, max_new_tokens=40)
+
+    ask = sub.add_parser("ask", help="answer one question over your documents with SpecPrefill")
+    ask.add_argument("question")
+    ask.add_argument("--docs", required=True, help="directory or file of .md/.txt documents")
+    ask.add_argument("--full", action="store_true", help="full prefill instead of SpecPrefill")
+    _engine_args(ask, keep_rate=0.2, top_k=8, max_new_tokens=128)
+
+    _add_serve(sub)
+    _add_gateway(sub)
 
     bench = sub.add_parser(
         "bench",
