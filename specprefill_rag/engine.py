@@ -63,6 +63,29 @@ def _check_deadline(deadline: float | None, timeout: float | None) -> None:
         raise BackendTimeoutError(f"no complete answer within timeout={timeout:g} s")
 
 
+def _result(planned: PlannedPrompt, decoder: IncrementalDecoder, finish: str, *, started: float,
+            prefill_start: float, first: float | None) -> GenerationResult:
+    """The answer of one ``run_plan``: text, tokens and the timings of each stage (perf_counter
+    values: the request's start, the prefill's start, the first token; now is the end)."""
+    end = time.perf_counter()
+    first = end if first is None else first
+    n_generated = len(decoder.token_ids)
+    timings = Timings(
+        assemble_s=planned.assemble_s,
+        draft_s=planned.scores.seconds if planned.scores is not None else None,
+        selection_s=planned.selection_s,
+        prefill_s=first - prefill_start,
+        ttft_s=first - started,
+        decode_s=end - first,
+        total_s=end - started,
+        decode_tokens_per_s=(n_generated - 1) / (end - first) if n_generated > 1 and end > first else None,
+    )
+    plan = planned.plan
+    return GenerationResult(text=decoder.text, token_ids=decoder.token_ids, finish_reason=finish,
+                            prompt_tokens=plan.n_prompt, prefilled_tokens=plan.n_kept, plan=plan, timings=timings,
+                            prompt=planned.prompt)
+
+
 def _same_tokenizer(draft: Any, main: Any) -> bool:
     if draft is main:
         return True
@@ -390,33 +413,11 @@ class SpecPrefillEngine:
         rest = decoder.finish()
         if rest:
             yield rest
-        end = time.perf_counter()
-        first = end if first is None else first
-        n_generated = len(decoder.token_ids)
-        timings = Timings(
-            assemble_s=planned.assemble_s,
-            draft_s=planned.scores.seconds if planned.scores is not None else None,
-            selection_s=planned.selection_s,
-            prefill_s=first - prefill_start,
-            ttft_s=first - started,
-            decode_s=end - first,
-            total_s=end - started,
-            decode_tokens_per_s=(n_generated - 1) / (end - first) if n_generated > 1 and end > first else None,
-        )
         if stop is not None and stop.is_set():
             finish = "cancelled"
         else:
-            finish = "stop" if decoder.stopped or n_generated < limit else "length"
-        return GenerationResult(
-            text=decoder.text,
-            token_ids=decoder.token_ids,
-            finish_reason=finish,
-            prompt_tokens=plan.n_prompt,
-            prefilled_tokens=plan.n_kept,
-            plan=plan,
-            timings=timings,
-            prompt=planned.prompt,
-        )
+            finish = "stop" if decoder.stopped or len(decoder.token_ids) < limit else "length"
+        return _result(planned, decoder, finish, started=started, prefill_start=prefill_start, first=first)
 
     def execute(
         self,
