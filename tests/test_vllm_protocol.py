@@ -152,3 +152,16 @@ def test_request_body_sends_plan_only_when_positions_differ():
     body = request_body(sparse, GenerationConfig(), model="m", max_tokens=5, logprobs=False, stream=True,
                         cache_salt="tenant-a")
     assert body["cache_salt"] == f"tenant-a-{plan_salt(kept, 30)}"
+
+
+def test_server_in_another_environment_is_checked_there(tmp_path):
+    """VLLMServer(python=...) checks the plugin with that interpreter, and says what it answered."""
+    from specprefill_rag.tools import vllm_process
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named vllm' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(vllm_process.ServerStartError, match=f"cannot start vLLM with {fake}: ModuleNotFoundError"):
+        vllm_process._require_plugin(str(fake))
+    command = vllm_process.server_command("/models/m", python=str(fake), cpu=True)
+    assert command[:3] == [str(fake), "-m", "vllm.entrypoints.openai.api_server"]
