@@ -32,7 +32,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -317,18 +318,49 @@ def draft_token_ids(engine: Any, prompt: Any) -> torch.Tensor:
     return prompt_lib.assemble(engine.draft.tokenizer, prompt.segments).token_ids
 
 
-def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> dict[str, Any]:
+@dataclass
+class _Length:
+    """One prompt length under measurement: its passages, prompt and the draft's token ids."""
+
+    engine: Any
+    passages: list[Any]
+    assembled: Any
+    ids: Any
+    gen: Any
+
+
+def _measure_full(c: _Length, keep: float | None) -> dict[str, float]:
+    res = c.engine.generate(QUESTION, c.passages, mode="full", generation=c.gen)
+    return {"ttft_s": res.timings.ttft_s, "prefill_s": res.timings.prefill_s}
+
+
+def _measure_spec(c: _Length, keep: float | None) -> dict[str, float]:
     from specprefill_rag import SelectionConfig
 
+    assert keep is not None
+    res = c.engine.generate(QUESTION, c.passages, selection=SelectionConfig(keep_rate=keep, min_prompt_tokens=0),
+                            generation=c.gen)
+    t = res.timings
+    return {"ttft_s": t.ttft_s, "draft_s": t.draft_s or 0.0, "selection_s": t.selection_s or 0.0,
+            "prefill_s": t.prefill_s, "keep_ratio": res.keep_ratio}
+
+
+# What is timed, by name: each returns one repetition's measurement (keep: the spec keep rate).
+MEASURES: dict[str, Callable[[_Length, float | None], Any]] = {
+    "full": _measure_full,
+    "spec": _measure_spec,
+    "plain": lambda c, keep: plain_forward_s(c.engine.draft.model, c.ids),
+    "capture": lambda c, keep: capture_only_s(c.engine.draft, c.ids),
+    "early": lambda c, keep: early_exit_s(c.engine, c.assembled),
+}
+
+
+def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> dict[str, Any]:
+    """Every measurement of one prompt length, ``args.reps`` times, the order rotating per repetition."""
     passages, n_tokens = build_passages(engine, target)
     assembled = engine.assemble(QUESTION, passages)
-    ids = draft_token_ids(engine, assembled)
-    gen = generation_config()
-    full: list[dict[str, float]] = []
-    spec: dict[float, list[dict[str, float]]] = {k: [] for k in args.keep_rates}
-    plain: list[float] = []
-    capture: list[float] = []
-    early: list[float] = []
+    case = _Length(engine, passages, assembled, draft_token_ids(engine, assembled), generation_config())
+    raw: dict[tuple[str, float | None], list[Any]] = {}
     items: list[tuple[str, float | None]] = [("full", None), *(("spec", k) for k in args.keep_rates), ("plain", None)]
     if not args.no_capture_breakdown:
         items += [("capture", None), ("early", None)]
@@ -340,35 +372,21 @@ def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> 
                 # vLLM's prefix cache would serve a repeated prompt from memory: every request gets a
                 # salt of its own, so each prefill is measured cold.
                 engine.backend.cache_salt = f"bench-{target}-{rep}-{what}-{keep}-{time.time_ns()}"
-            if what == "full":
-                res = engine.generate(QUESTION, passages, mode="full", generation=gen)
-                full.append({"ttft_s": res.timings.ttft_s, "prefill_s": res.timings.prefill_s})
-            elif what == "spec":
-                assert keep is not None
-                sel = SelectionConfig(keep_rate=keep, min_prompt_tokens=0)
-                res = engine.generate(QUESTION, passages, selection=sel, generation=gen)
-                t = res.timings
-                spec[keep].append(
-                    {
-                        "ttft_s": t.ttft_s,
-                        "draft_s": t.draft_s or 0.0,
-                        "selection_s": t.selection_s or 0.0,
-                        "prefill_s": t.prefill_s,
-                        "keep_ratio": res.keep_ratio,
-                    }
-                )
-            elif what == "plain":
-                plain.append(plain_forward_s(engine.draft.model, ids))
-            elif what == "early":
-                early.append(early_exit_s(engine, assembled))
-            else:
-                capture.append(capture_only_s(engine.draft, ids))
+            raw.setdefault((what, keep), []).append(MEASURES[what](case, keep))
             bar.update(1)
+    return summarise_length(target, n_tokens, raw, args.keep_rates)
+
+
+def summarise_length(target: int, n_tokens: int, raw: dict[tuple[str, float | None], list[Any]],
+                     keep_rates: list[float]) -> dict[str, Any]:
+    """Medians, r (draft scoring cost over the main model's full prefill) and one cell per keep rate."""
+    full, plain = raw[("full", None)], raw[("plain", None)]
+    capture, early = raw.get(("capture", None), []), raw.get(("early", None), [])
+    spec = {keep: raw[("spec", keep)] for keep in keep_rates}
     main_plain = median([f["prefill_s"] for f in full])
     draft_plain = median(plain)
     r = draft_plain / main_plain
     ttft_full = median([f["ttft_s"] for f in full])
-    cells = [ttft_cell(keep, spec[keep], ttft_full, r) for keep in args.keep_rates]
     draft_scoring = median([x["draft_s"] for rows in spec.values() for x in rows])
     return {
         "target_tokens": target,
@@ -388,7 +406,7 @@ def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> 
         "plain_raw": plain,
         "capture_raw": capture,
         "early_raw": early,
-        "cells": cells,
+        "cells": [ttft_cell(keep, spec[keep], ttft_full, r) for keep in keep_rates],
     }
 
 
