@@ -332,38 +332,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    started = time.perf_counter()
+def build_models(args: argparse.Namespace, device: str) -> tuple[Any, Any, int]:
+    """(main model, DraftModel, vocabulary size) with random bf16 weights, warmed up on ``device``."""
     from specprefill_rag import DraftConfig
     from specprefill_rag.draft import DraftModel
 
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.tiny:
-        print("no GPU: run with --tiny for a CPU dry run", file=sys.stderr)
-        return 2
-    device = "cuda" if cuda else "cpu"
-    lengths = args.lengths or ([256, 512] if args.tiny else [8192, 16384, 32768])
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
     draft_shape, main_shape = (TINY_DRAFT, TINY_MAIN) if args.tiny else (LLAMA_3_2_1B, LLAMA_3_1_8B)
-    dtype = torch.bfloat16
-    print(
-        f"building {'tiny' if args.tiny else 'Llama-3.2-1B / Llama-3.1-8B'}-shaped models"
-        f" (random bf16) on {device} ...",
-        flush=True,
-    )
-    main_model = build(main_shape, dtype, device, seed=1)
-    draft = DraftModel(build(draft_shape, dtype, device, seed=2), None, DraftConfig(lookahead=args.lookahead))
+    print(f"building {'tiny' if args.tiny else 'Llama-3.2-1B / Llama-3.1-8B'}-shaped models"
+          f" (random bf16) on {device} ...", flush=True)
+    main_model = build(main_shape, torch.bfloat16, device, seed=1)
+    draft = DraftModel(build(draft_shape, torch.bfloat16, device, seed=2), None, DraftConfig(lookahead=args.lookahead))
     vocab = int(draft_shape["vocab_size"])
-    print(f"built in {time.perf_counter() - started:.1f} s; warming up ...", flush=True)
-    ids, protected, segment = synthetic_prompt(min(lengths), vocab, seed=0)
+    ids, protected, segment = synthetic_prompt(min(args.lengths), vocab, seed=0)
     prefill(main_model, ids, torch.arange(ids.numel()))
     spec_ttft(draft, main_model, ids, protected, segment, 0.3)
     plain_forward(draft.model, ids)
-    rows: list[dict[str, Any]] = []
-    payload: dict[str, Any] = {
+    return main_model, draft, vocab
+
+
+def new_payload(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    return {
         "benchmark": "ttft",
         "command": "python benchmarks/gpu_ttft.py" + (" --tiny" if args.tiny else ""),
         "tiny": args.tiny,
@@ -373,21 +361,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             "main": "tiny-llama (random)" if args.tiny else "Llama-3.1-8B-shaped (random bf16)",
             "draft": "tiny-llama (random)" if args.tiny else "Llama-3.2-1B-shaped (random bf16)",
         },
-        "settings": {
-            "lengths": lengths,
-            "keep_rates": args.keep_rates,
-            "reps": args.reps,
-            "lookahead": args.lookahead,
-            "device": device,
-            "dtype": "bfloat16",
-        },
+        "settings": {"lengths": args.lengths, "keep_rates": args.keep_rates, "reps": args.reps,
+                     "lookahead": args.lookahead, "device": device, "dtype": "bfloat16"},
         "targets": {"efficiency": 0.85, "capture_overhead": 1.10, "memory": 1.15},
         "memory": None,
         "complete": False,
     }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    started = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        print("no GPU: run with --tiny for a CPU dry run", file=sys.stderr)
+        return 2
+    device = "cuda" if cuda else "cpu"
+    args.lengths = args.lengths or ([256, 512] if args.tiny else [8192, 16384, 32768])
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    main_model, draft, vocab = build_models(args, device)
+    print(f"built and warmed up in {time.perf_counter() - started:.1f} s", flush=True)
+    payload = new_payload(args, device)
     name = "gpu_ttft_tiny" if args.tiny else "gpu_ttft"
+    rows: list[dict[str, Any]] = []
     last_s, last_n = 0.0, 1
-    for n in lengths:
+    for n in args.lengths:
         # Cost grows between linearly and quadratically with n: skip what would not fit the budget.
         estimate = last_s * (n / last_n) ** 1.5
         if time.perf_counter() - started + estimate > args.time_budget_s:
@@ -399,15 +399,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload["runs"] = [{"backend": "transformers", "status": "partial", "lengths": rows}]
         write_results(name, payload, args.out)
     if rows and args.concurrency > 1:
-        payload["concurrency"] = concurrency_row(draft, lengths[0], vocab, args.concurrency, args.reps)
+        payload["concurrency"] = concurrency_row(draft, args.lengths[0], vocab, args.concurrency, args.reps)
         write_results(name, payload, args.out)
     if cuda and rows:
         mem = memory_row(draft, synthetic_prompt(rows[-1]["n_tokens"], vocab, seed=1)[0])
-        print(
-            f"memory at {mem['length']} tokens: plain +{mem['plain']['delta_bytes'] / 2**20:.0f} MiB, scoring"
-            f" +{mem['score']['delta_bytes'] / 2**20:.0f} MiB ({mem['delta_ratio']:.2f}x of activations;"
-            f" {mem['peak_ratio']:.2f}x with the draft's weights)"
-        )
+        print(f"memory at {mem['length']} tokens: plain +{mem['plain']['delta_bytes'] / 2**20:.0f} MiB, scoring"
+              f" +{mem['score']['delta_bytes'] / 2**20:.0f} MiB ({mem['delta_ratio']:.2f}x of activations;"
+              f" {mem['peak_ratio']:.2f}x with the draft's weights)")
         payload["memory"] = mem
     payload["runs"] = [{"backend": "transformers", "status": "ok", "lengths": rows}]
     payload["complete"] = True
