@@ -543,7 +543,11 @@ def headline(
                 for method, label in (("reference", "reference scoring"), ("llmlingua", "LongLLMLingua")):
                     peer = by.get((e["task"], method, e["keep_rate"]))
                     if peer:
-                        peers.append(f"{label}: {_ci(peer.get('retention_vs_full'), peer.get('retention_ci'))}")
+                        n = "" if peer["n"] == e["n"] else f" (n={peer['n']})"
+                        peers.append(f"{label}{n}: {_ci(peer.get('retention_vs_full'), peer.get('retention_ci'))}")
+                if by.get((e["task"], "llmlingua", e["keep_rate"])) and e.get("vs_llmlingua") is not None:
+                    peers.append(f"SpecPrefill − LongLLMLingua, paired: "
+                                 f"{_ci(e['vs_llmlingua'], e.get('vs_llmlingua_ci'), sign=True)}")
                 line = (
                     f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}: SpecPrefill {METRIC_NAMES.get(m, m)} "
                     f"{_ci(e.get(m), e.get(f'{m}_ci'))}, retention vs full "
