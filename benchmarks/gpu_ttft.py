@@ -27,7 +27,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/gpu_ttft.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine_info, ttft_cell, write_results
+from benchmarks.common import machine_info, summarise_length, write_results
 
 # Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B).
 LLAMA_3_2_1B: dict[str, Any] = dict(
@@ -237,63 +237,41 @@ def memory_row(draft: Any, ids: torch.Tensor) -> dict[str, Any]:
 
 
 def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Every measurement at ``n`` tokens, ``args.reps`` times, the order rotating per repetition."""
     ids, protected, segment = synthetic_prompt(n, vocab, seed=n)
     positions = torch.arange(n)
-    full: list[float] = []
-    spec: dict[float, list[dict[str, float]]] = {k: [] for k in args.keep_rates}
-    plain: list[float] = []
-    capture: list[float] = []
-    early: list[float] = []
+
+    def full(keep: float | None) -> dict[str, float]:
+        seconds = timed(prefill, main, ids, positions)[0]
+        return {"ttft_s": seconds, "prefill_s": seconds}
+
+    def capture_once() -> None:
+        draft.capture(ids, lookahead=1)
+        sync(draft.device)
+
+    measures: dict[str, Callable[[float | None], Any]] = {
+        "full": full,
+        "spec": lambda keep: spec_ttft(draft, main, ids, protected, segment, keep or 0.0),
+        "plain": lambda keep: timed(plain_forward, draft.model, ids)[0],
+        "capture": lambda keep: timed(capture_once)[0],
+        "early": lambda keep: early_exit_s(draft, ids, protected),
+    }
     items: list[tuple[str, float | None]] = [
-        ("full", None),
-        *(("spec", k) for k in args.keep_rates),
-        ("plain", None),
-        ("capture", None),
-        ("early", None),
+        ("full", None), *(("spec", k) for k in args.keep_rates), ("plain", None), ("capture", None), ("early", None),
     ]
+    raw: dict[tuple[str, float | None], list[Any]] = {}
     for rep in range(args.reps):
         shift = rep % len(items)
         for what, keep in items[shift:] + items[:shift]:
-            if what == "full":
-                full.append(timed(prefill, main, ids, positions)[0])
-            elif what == "spec":
-                assert keep is not None
-                spec[keep].append(spec_ttft(draft, main, ids, protected, segment, keep))
-            elif what == "plain":
-                plain.append(timed(plain_forward, draft.model, ids)[0])
-            elif what == "early":
-                early.append(early_exit_s(draft, ids, protected))
-            else:
+            raw.setdefault((what, keep), []).append(measures[what](keep))
+    row = summarise_length(n, n, raw, args.keep_rates)
+    report_length(row)
+    return row
 
-                def capture_once() -> None:
-                    draft.capture(ids, lookahead=1)
-                    sync(draft.device)
 
-                capture.append(timed(capture_once)[0])
-    med = statistics.median
-    main_plain, draft_plain = med(full), med(plain)
-    r = draft_plain / main_plain
-    cells = [ttft_cell(keep, rows, main_plain, r) for keep, rows in spec.items()]
-    scoring = med([x["draft_s"] for rows in spec.values() for x in rows])
-    row = {
-        "target_tokens": n,
-        "n_tokens": n,
-        "main_plain_s": main_plain,
-        "draft_plain_s": draft_plain,
-        "draft_scoring_s": scoring,
-        "capture_only_s": med(capture),
-        "r": r,
-        "capture_overhead": scoring / draft_plain,
-        "hook_overhead": med(capture) / draft_plain,
-        "early_exit_s": med(early),
-        "r_early_exit": med(early) / main_plain,
-        "early_exit_overhead": med(early) / draft_plain,
-        "full_raw": full,
-        "plain_raw": plain,
-        "capture_raw": capture,
-        "early_raw": early,
-        "cells": cells,
-    }
+def report_length(row: dict[str, Any]) -> None:
+    n, r, scoring = row["n_tokens"], row["r"], row["draft_scoring_s"]
+    main_plain, draft_plain, cells = row["main_plain_s"], row["draft_plain_s"], row["cells"]
     print(
         f"{n} tokens: early exit (question only) {row['early_exit_overhead']:.2f}x a plain draft forward,"
         f" r = {row['r_early_exit']:.3f}",
@@ -311,7 +289,6 @@ def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: i
             f"  ideal {c['ideal']:.2f}x  efficiency {c['efficiency']:.2f}",
             flush=True,
         )
-    return row
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -50,10 +50,9 @@ from benchmarks.common import (
     command_line,
     essay_text,
     machine_info,
-    median,
     result_name,
+    summarise_length,
     tiny_engine,
-    ttft_cell,
     write_results,
 )
 
@@ -375,39 +374,6 @@ def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> 
             raw.setdefault((what, keep), []).append(MEASURES[what](case, keep))
             bar.update(1)
     return summarise_length(target, n_tokens, raw, args.keep_rates)
-
-
-def summarise_length(target: int, n_tokens: int, raw: dict[tuple[str, float | None], list[Any]],
-                     keep_rates: list[float]) -> dict[str, Any]:
-    """Medians, r (draft scoring cost over the main model's full prefill) and one cell per keep rate."""
-    full, plain = raw[("full", None)], raw[("plain", None)]
-    capture, early = raw.get(("capture", None), []), raw.get(("early", None), [])
-    spec = {keep: raw[("spec", keep)] for keep in keep_rates}
-    main_plain = median([f["prefill_s"] for f in full])
-    draft_plain = median(plain)
-    r = draft_plain / main_plain
-    ttft_full = median([f["ttft_s"] for f in full])
-    draft_scoring = median([x["draft_s"] for rows in spec.values() for x in rows])
-    return {
-        "target_tokens": target,
-        "n_tokens": n_tokens,
-        "main_plain_s": main_plain,
-        "draft_plain_s": draft_plain,
-        "draft_scoring_s": draft_scoring,
-        "capture_only_s": median(capture) if capture else None,
-        "r": r,
-        "capture_overhead": draft_scoring / draft_plain,
-        "hook_overhead": median(capture) / draft_plain if capture else None,
-        # Question-only scoring with early exit: its r, and its cost against a plain draft forward.
-        "early_exit_s": median(early) if early else None,
-        "r_early_exit": median(early) / main_plain if early else None,
-        "early_exit_overhead": median(early) / draft_plain if early else None,
-        "full_raw": full,
-        "plain_raw": plain,
-        "capture_raw": capture,
-        "early_raw": early,
-        "cells": [ttft_cell(keep, spec[keep], ttft_full, r) for keep in keep_rates],
-    }
 
 
 def run_backend(backend: str, args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
