@@ -13,7 +13,6 @@ the plugin into the worker itself and plans give transformers' tokens.
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
@@ -80,10 +79,9 @@ def engine(hf_backend):
     """(backend, stock outputs recorded before the plugin was registered)."""
     from specprefill_rag.backends.vllm_offline import VLLMOfflineBackend
 
-    saved = {k: os.environ.get(k) for k in ("VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    os.environ["VLLM_PLUGINS"] = ""  # no general plugin: this engine starts as stock vLLM
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
-    try:
+    with pytest.MonkeyPatch.context() as env:  # restored when the module's tests are done
+        env.setenv("VLLM_PLUGINS", "")  # no general plugin: this engine starts as stock vLLM
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core and worker in this process
         from vllm import LLM, SamplingParams, TokensPrompt
 
         llm = LLM(model=_model_dir(), dtype="float32",
@@ -102,12 +100,6 @@ def engine(hf_backend):
 
         register()
         yield VLLMOfflineBackend(llm, name=MODEL), prompts, stock, params
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     del llm
     gc.collect()
 
@@ -229,25 +221,21 @@ def checkout_backend():
 
     from specprefill_rag.backends.vllm_offline import VLLMOfflineBackend
 
-    env = {"VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    vllm.envs.disable_envs_cache()  # an in-process engine of this module cached the environment
     backend = None
-    try:
-        backend = VLLMOfflineBackend.from_pretrained(MODEL, max_model_len=2048, max_num_batched_tokens=CHUNK,
-                                                     max_num_seqs=8, seed=0)
-        yield backend
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if backend is not None:
-            backend.llm.llm_engine.engine_core.shutdown()
-        del backend
-        gc.collect()
+    with pytest.MonkeyPatch.context() as env:  # restored when the module's tests are done
+        for key, value in {"VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                           "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}.items():
+            env.setenv(key, value)
+        vllm.envs.disable_envs_cache()  # an in-process engine of this module cached the environment
+        try:
+            backend = VLLMOfflineBackend.from_pretrained(MODEL, max_model_len=2048, max_num_batched_tokens=CHUNK,
+                                                         max_num_seqs=8, seed=0)
+            yield backend
+        finally:
+            if backend is not None:
+                backend.llm.llm_engine.engine_core.shutdown()
+    del backend
+    gc.collect()
 
 
 def test_from_pretrained_loads_the_plugin_into_workers(checkout_backend, hf_backend):
