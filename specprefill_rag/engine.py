@@ -38,6 +38,7 @@ from .types import (
     Timings,
     TokenScores,
 )
+from .vllm_plugin.protocol import is_contiguous
 
 __all__ = ["AsyncTextStream", "Mode", "PlannedPrompt", "SpecPrefillEngine", "TextStream"]
 
@@ -356,11 +357,7 @@ class SpecPrefillEngine:
         capabilities = getattr(self.backend, "capabilities", None)
         if capabilities is None or capabilities.exact_positions or not plan.speculated:
             return
-        k = plan.n_kept
-        contiguous = plan.next_position == k and bool(
-            torch.equal(plan.position_ids, torch.arange(k, dtype=plan.position_ids.dtype))
-        )
-        if not contiguous:
+        if not is_contiguous(plan.position_ids.tolist(), plan.next_position):
             raise ConfigError(
                 f"the {self.backend.name} backend cannot prefill tokens at their original positions "
                 "(capabilities.exact_positions is False): use SelectionConfig(positions='contiguous') or "

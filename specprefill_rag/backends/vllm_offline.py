@@ -104,9 +104,10 @@ class VLLMOfflineBackend:
         from ..vllm_plugin import disabled_reason
         from ..vllm_plugin.patches import WORKER_EXTENSION, runner_patched
 
-        if disabled_reason() is not None:
+        reason = disabled_reason()
+        if reason is not None:
             raise BackendError(f"refusing SpecPrefill plans on this vllm.LLM: the specprefill plugin is "
-                               f"disabled: {disabled_reason()}")
+                               f"disabled: {reason}")
 
         engine = self.llm.llm_engine
         extension = getattr(getattr(engine.vllm_config, "parallel_config", None), "worker_extension_cls", "")

