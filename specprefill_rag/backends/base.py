@@ -11,7 +11,7 @@ from ..errors import BackendError, PlanError
 from ..types import PrefillPlan
 from ..vllm_plugin.protocol import is_contiguous, parse_plan, plan_to_xargs
 
-__all__ = ["Backend", "BackendCapabilities", "BackendError", "checked_xargs", "max_new_tokens"]
+__all__ = ["Backend", "BackendCapabilities", "BackendError", "ModelIdentity", "checked_xargs", "max_new_tokens"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,33 @@ class Backend(Protocol):
         the iterator early (stop strings).
         """
         ...
+
+
+class ModelIdentity:
+    """The ``Backend`` properties that only report what a backend was built with.
+
+    A backend sets ``_tokenizer``, ``_max_context`` and ``_name`` in its constructor; these
+    read-only properties expose them (``tokenizer``, ``max_context``, ``model_name``).
+    """
+
+    _tokenizer: Any
+    _max_context: int
+    _name: str
+
+    @property
+    def tokenizer(self) -> Any:
+        """The main model's (fast) tokenizer: prompts are assembled with it."""
+        return self._tokenizer
+
+    @property
+    def max_context(self) -> int:
+        """Largest position the main model supports, plus one (its context window)."""
+        return self._max_context
+
+    @property
+    def model_name(self) -> str:
+        """A human-readable name of the main model."""
+        return self._name
 
 
 def max_new_tokens(plan: PrefillPlan, generation: GenerationConfig, window: int) -> int:

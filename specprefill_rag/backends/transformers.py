@@ -16,7 +16,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..types import PrefillPlan
-from .base import BackendCapabilities
+from .base import BackendCapabilities, ModelIdentity
 
 __all__ = ["PrefillState", "TransformersBackend", "sample_token"]
 
@@ -49,7 +49,7 @@ def sample_token(logits: torch.Tensor, generation: GenerationConfig, generator: 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-class TransformersBackend:
+class TransformersBackend(ModelIdentity):
     """A transformers causal LM serving prefill plans in-process."""
 
     name = "transformers"
@@ -59,6 +59,7 @@ class TransformersBackend:
         self.model = model.eval()
         self._tokenizer = tokenizer
         self._name = name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+        self._max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
         if eos is None:
             eos = tokenizer.eos_token_id
@@ -73,18 +74,6 @@ class TransformersBackend:
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
         return cls(model, tokenizer, name=str(name_or_path))
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def max_context(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
-
-    @property
-    def model_name(self) -> str:
-        return self._name
 
     @property
     def device(self) -> torch.device:

@@ -37,7 +37,7 @@ from ..config import GenerationConfig
 from ..errors import BackendError, ConfigError, ServerError
 from ..types import PrefillPlan
 from ..vllm_plugin.protocol import is_contiguous, plan_salt, plan_to_xargs
-from .base import BackendCapabilities, checked_xargs, max_new_tokens
+from .base import BackendCapabilities, ModelIdentity, checked_xargs, max_new_tokens
 from .vllm_http import _IO_ERRORS, _NO_DEADLINE, VLLMHTTPClient, _Deadline, _describe
 
 __all__ = ["ServerError", "TokenStep", "VLLMServerBackend", "request_body"]
@@ -115,7 +115,7 @@ def request_body(
 _UNKNOWN_CONTEXT = 1 << 30  # the server states no max_model_len
 
 
-class VLLMServerBackend(VLLMHTTPClient):
+class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
     """HTTP client for ``vllm serve`` with the plugin; TTFT is the first streamed token here.
 
     ``generation.timeout`` bounds a whole request (connect, retries, stream); ``read_timeout``
@@ -165,7 +165,7 @@ class VLLMServerBackend(VLLMHTTPClient):
             model = model or str(card["id"])
             if max_context is None:
                 max_context = card.get("max_model_len") or None
-        self._model = model
+        self._name = model
         self._max_context = max_context or _UNKNOWN_CONTEXT
 
     @classmethod
@@ -186,18 +186,6 @@ class VLLMServerBackend(VLLMHTTPClient):
             # server's limit is above the config's pre-scaling max_position_embeddings
             backend._max_context = embeddings
         return backend
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
-
-    @property
-    def model_name(self) -> str:
-        return self._model
 
     def _model_card(self, model: str | None) -> dict[str, Any]:
         exchange = self._open("GET", "/v1/models", None, _NO_DEADLINE)
