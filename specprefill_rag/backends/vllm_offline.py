@@ -21,7 +21,7 @@ from typing import Any
 from ..config import GenerationConfig
 from ..errors import BackendError
 from ..types import PrefillPlan
-from .base import BackendCapabilities, checked_xargs, max_new_tokens
+from .base import BackendCapabilities, ModelIdentity, checked_xargs, max_new_tokens
 from .vllm_server import TokenStep
 
 __all__ = ["VLLMOfflineBackend"]
@@ -35,7 +35,7 @@ def _require_vllm() -> None:
         raise ImportError(f"the vllm_offline backend needs vLLM: {_INSTALL_HINT}")
 
 
-class VLLMOfflineBackend:
+class VLLMOfflineBackend(ModelIdentity):
     """A ``vllm.LLM`` serving prefill plans in this process (batched with ``generate_many``)."""
 
     name = "vllm_offline"
@@ -64,29 +64,24 @@ class VLLMOfflineBackend:
     ) -> VLLMOfflineBackend:
         """Load ``name_or_path`` (packaged name, HF dir or .gguf) into ``vllm.LLM``.
 
-        On CPU, float32 and eager mode are used unless given. ``llm_kwargs`` go to ``vllm.LLM``
-        (e.g. ``max_num_batched_tokens``, ``enable_prefix_caching``).
+        On CPU, the server's CPU defaults are used unless given (float32, eager, a 1 GiB KV cache
+        unless ``VLLM_CPU_KVCACHE_SPACE`` is set: ``tools.vllm_process.cpu_engine_args``).
+        ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``max_num_batched_tokens``, ``enable_prefix_caching``).
         """
         _require_vllm()
-        import os
-
-        import torch
         from vllm import LLM
 
         from ..tools.models import resolve_model_dir
+        from ..tools.vllm_process import cpu_engine_args, on_cpu
         from ..vllm_plugin import register
         from ..vllm_plugin.patches import WORKER_EXTENSION
 
-        on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-                llm_kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)  # vLLM would reserve 92% of RAM
-            dtype = "float32" if dtype == "auto" else dtype
-            llm_kwargs.setdefault("enforce_eager", True)
+        engine_args = dict(llm_kwargs, dtype=dtype, max_model_len=max_model_len)
+        if on_cpu():
+            engine_args = cpu_engine_args(engine_args)
         register()  # before vLLM starts: engine processes forked from here inherit the patches
-        llm_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)  # ensure_plugin reaches every worker
-        llm = LLM(model=str(resolve_model_dir(name_or_path)), dtype=dtype,  # type: ignore[arg-type]
-                  max_model_len=max_model_len, **llm_kwargs)
+        engine_args.setdefault("worker_extension_cls", WORKER_EXTENSION)  # ensure_plugin reaches every worker
+        llm = LLM(model=str(resolve_model_dir(name_or_path)), **engine_args)
         return cls(llm, name=str(name_or_path))
 
     def ensure_plugin(self) -> None:
@@ -129,18 +124,6 @@ class VLLMOfflineBackend:
                 f"contiguous positions. {_fix()}"
             )
         self._plugin_verified = True
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
-
-    @property
-    def model_name(self) -> str:
-        return self._name
 
     def _request(self, plan: PrefillPlan, generation: GenerationConfig, logprobs: bool) -> tuple[Any, Any]:
         from vllm import SamplingParams, TokensPrompt

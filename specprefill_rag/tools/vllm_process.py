@@ -21,16 +21,22 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, Any
 
 __all__ = [
-    "ServerStartError", "VLLMServer", "cpu_binding", "numa_nodes", "parallel_ranks", "plugin_installed", "serve",
-    "server_command", "server_env",
+    "CPU_ENGINE_ARGS", "CPU_KV_CACHE_GIB", "ServerStartError", "VLLMServer", "cpu_binding", "cpu_engine_args",
+    "numa_nodes", "on_cpu", "parallel_ranks", "plugin_installed", "serve", "server_command", "server_env",
 ]
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_ENTRY_POINT = "specprefill_rag.vllm_plugin:register"
+
+# vLLM on a machine without CUDA, for the server and the offline backend alike: its CPU backend
+# runs float32 in eager mode, and its KV cache would otherwise reserve most of the RAM.
+CPU_ENGINE_ARGS: Mapping[str, Any] = MappingProxyType({"dtype": "float32", "enforce_eager": True})
+CPU_KV_CACHE_GIB = 1
 
 
 class ServerStartError(RuntimeError):
@@ -67,10 +73,33 @@ def _require_plugin(python: str | None = None) -> None:
         raise ServerStartError(str(error)) from error
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
+    """True on a machine without CUDA, where vLLM runs its CPU backend."""
     import torch
 
     return not torch.cuda.is_available()
+
+
+def cpu_engine_args(given: Mapping[str, Any], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``vllm.LLM`` arguments ``given`` with the CPU defaults where they are absent (``dtype``
+    also where it is ``"auto"``): ``CPU_ENGINE_ARGS``, and a ``CPU_KV_CACHE_GIB`` KV cache unless
+    ``VLLM_CPU_KVCACHE_SPACE`` is set in ``env`` (default: this process's environment)."""
+    args = dict(given)
+    for name, value in CPU_ENGINE_ARGS.items():
+        if args.get(name) in (None, "auto"):
+            args[name] = value
+    if not (os.environ if env is None else env).get("VLLM_CPU_KVCACHE_SPACE"):
+        args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB << 30)
+    return args
+
+
+def cli_flags(args: Mapping[str, Any]) -> list[str]:
+    """vLLM command-line flags for engine arguments (``enforce_eager=True`` → ``--enforce-eager``)."""
+    flags: list[str] = []
+    for name, value in args.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
 
 
 def server_command(
@@ -92,8 +121,8 @@ def server_command(
         cmd += ["--served-model-name", served_model_name]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
-    if _on_cpu() if cpu is None else cpu:
-        cmd += ["--dtype", "float32", "--enforce-eager"]
+    if on_cpu() if cpu is None else cpu:
+        cmd += cli_flags(CPU_ENGINE_ARGS)
     return cmd + list(extra_args)
 
 
@@ -141,8 +170,8 @@ def server_env(
     """
     env = dict(os.environ if base is None else base)
     env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    if _on_cpu() if cpu is None else cpu:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    if on_cpu() if cpu is None else cpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
         ranks = parallel_ranks(extra_args)
         if "VLLM_CPU_OMP_THREADS_BIND" not in env and ranks > numa_nodes():
             binding = cpu_binding(ranks, sorted(os.sched_getaffinity(0)))
