@@ -7,7 +7,7 @@ prefills only the best chunks, at their original position ids, and decodes from 
 from .backends import Backend, BackendCapabilities, BackendError, available_backends, create_backend, register_backend
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
 from .draft import DraftModel
-from .engine import AsyncTextStream, PlannedPrompt, SpecPrefillEngine, TextStream
+from .engine import AsyncTextStream, PlannedPrompt, RequestOptions, SpecPrefillEngine, TextStream
 from .errors import (
     BackendTimeoutError,
     ConfigError,
@@ -51,6 +51,7 @@ __all__ = [
     "Passage",
     "PlanError",
     "PlannedPrompt",
+    "RequestOptions",
     "PrefillPlan",
     "Segment",
     "SegmentKind",

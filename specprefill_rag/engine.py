@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypedDict, Unpack, cast
 
 import torch
 
@@ -40,11 +40,22 @@ from .types import (
 )
 from .vllm_plugin.protocol import is_contiguous
 
-__all__ = ["AsyncTextStream", "Mode", "PlannedPrompt", "SpecPrefillEngine", "TextStream"]
+__all__ = ["AsyncTextStream", "Mode", "PlannedPrompt", "RequestOptions", "SpecPrefillEngine", "TextStream"]
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["specprefill", "full"]
+
+
+class RequestOptions(TypedDict, total=False):
+    """The per-call keywords of ``generate``, ``agenerate`` and ``astream``: exactly those of
+    ``SpecPrefillEngine.stream``, which documents them and rejects any other."""
+
+    instructions: str | None
+    mode: Mode
+    keep_rate: float | None
+    selection: SelectionConfig | None
+    generation: GenerationConfig | None
 PromptInput = str | Sequence[Segment]
 
 
@@ -475,41 +486,33 @@ class SpecPrefillEngine:
         return TextStream(run(), stop)
 
     def generate(
-        self,
-        question: PromptInput,
-        passages: Passages = (),
-        *,
-        instructions: str | None = None,
-        mode: Mode = "specprefill",
-        keep_rate: float | None = None,
-        selection: SelectionConfig | None = None,
-        generation: GenerationConfig | None = None,
+        self, question: PromptInput, passages: Passages = (), **options: Unpack[RequestOptions]
     ) -> GenerationResult:
         """Answer ``question`` from ``passages`` (or answer a list of ``Segment``).
 
-        ``mode="full"`` prefills the whole prompt (the baseline); ``keep_rate`` overrides the
-        configured keep rate for this call.
+        The keywords are ``stream``'s: ``mode="full"`` prefills the whole prompt (the baseline),
+        ``keep_rate`` overrides the configured keep rate for this call, and so on.
         """
-        stream = self.stream(
-            question, passages, instructions=instructions, mode=mode,
-            keep_rate=keep_rate, selection=selection, generation=generation,
-        )
-        return stream.wait()
+        return self.stream(question, passages, **options).wait()
 
-    async def agenerate(self, *args: Any, **kwargs: Any) -> GenerationResult:
+    async def agenerate(
+        self, question: PromptInput, passages: Passages = (), **options: Unpack[RequestOptions]
+    ) -> GenerationResult:
         """``generate`` with each step in a worker thread, so the event loop stays free.
 
         Cancelling the awaiting task stops the generation at the next token and closes the
         backend's stream.
         """
-        stream = await self.astream(*args, **kwargs)
+        stream = await self.astream(question, passages, **options)
         async with stream:
             async for _ in stream:
                 pass
         assert stream.result is not None
         return stream.result
 
-    async def astream(self, *args: Any, **kwargs: Any) -> AsyncTextStream:
+    async def astream(
+        self, question: PromptInput, passages: Passages = (), **options: Unpack[RequestOptions]
+    ) -> AsyncTextStream:
         """``stream`` as an async iterator of text deltas (``.result`` once exhausted)."""
-        stream = await asyncio.to_thread(self.stream, *args, **kwargs)
+        stream = await asyncio.to_thread(self.stream, question, passages, **options)
         return AsyncTextStream(stream)
