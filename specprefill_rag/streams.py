@@ -18,7 +18,8 @@ __all__ = ["AsyncTextStream", "TextStream"]
 
 
 class TextStream(Iterator[str]):
-    """Text deltas of one answer; ``result`` holds the ``GenerationResult`` once exhausted.
+    """Text deltas of one answer; ``text`` is what has been streamed so far, ``result`` holds
+    the ``GenerationResult`` once exhausted.
 
     A context manager: leaving the ``with`` block (a ``break``, an exception) stops the
     generation and closes the backend's stream (the HTTP response, for a server) at once,
@@ -31,6 +32,7 @@ class TextStream(Iterator[str]):
         self._run = run
         self._stop = stop or threading.Event()
         self.result: GenerationResult | None = None
+        self.text = ""  # the deltas so far, joined
 
     def wait(self) -> GenerationResult:
         """Run to the end (discarding the deltas) and return the result."""
@@ -51,10 +53,12 @@ class TextStream(Iterator[str]):
 
     def __next__(self) -> str:
         try:
-            return next(self._run)
+            delta = next(self._run)
         except StopIteration as stop:
             self.result = stop.value
             raise StopIteration from None
+        self.text += delta
+        return delta
 
     def close(self) -> None:
         """Stop generating (the backend stops decoding and closes its stream)."""
@@ -79,6 +83,11 @@ class AsyncTextStream(AsyncIterator[str]):
     @property
     def result(self) -> GenerationResult | None:
         return self._stream.result
+
+    @property
+    def text(self) -> str:
+        """The deltas streamed so far, joined."""
+        return self._stream.text
 
     async def __anext__(self) -> str:
         if self._step is None:

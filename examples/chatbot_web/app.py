@@ -186,10 +186,8 @@ def answer_turn(
         stream, pending = session.ask(message, _turns(history))
         history += [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
         yield history, "", "Reading the context with the draft model …", *[unchanged] * 3
-        text = ""
-        for delta in stream:
-            text += delta
-            history[-1] = {"role": "assistant", "content": text}
+        for _ in stream:
+            history[-1] = {"role": "assistant", "content": stream.text}
             yield history, "", "Answering …", *[unchanged] * 3
         if full:
             yield history, "", "Measuring the full-prefill TTFT for comparison …", *[unchanged] * 3

@@ -250,6 +250,11 @@ class SpecPrefillLLM(CustomLLM):
     def _response(self, result: GenerationResult) -> CompletionResponse:
         return CompletionResponse(text=result.text, additional_kwargs=_result_kwargs(result, str(self.model_name)))
 
+    def _last_chunk(self, text: str, result: GenerationResult | None) -> CompletionResponse:
+        """The stream's closing chunk: no new text, the result's metadata."""
+        assert result is not None
+        return CompletionResponse(text=text, delta="", additional_kwargs=self._response(result).additional_kwargs)
+
     def _run(self, segments: list[Segment], kwargs: dict[str, Any]) -> CompletionResponse:
         return self._response(self.engine.generate(**self._request(segments, kwargs)))
 
@@ -260,14 +265,10 @@ class SpecPrefillLLM(CustomLLM):
         stream = self.engine.stream(**self._request(segments, kwargs))
 
         def gen() -> CompletionResponseGen:
-            text = ""
             with stream:
                 for delta in stream:
-                    text += delta
-                    yield CompletionResponse(text=text, delta=delta)
-            assert stream.result is not None
-            final = self._response(stream.result)
-            yield CompletionResponse(text=text, delta="", additional_kwargs=final.additional_kwargs)
+                    yield CompletionResponse(text=stream.text, delta=delta)
+            yield self._last_chunk(stream.text, stream.result)
 
         return gen()
 
@@ -275,14 +276,10 @@ class SpecPrefillLLM(CustomLLM):
         stream = await self.engine.astream(**self._request(segments, kwargs))
 
         async def gen() -> CompletionResponseAsyncGen:
-            text = ""
             async with stream:
                 async for delta in stream:
-                    text += delta
-                    yield CompletionResponse(text=text, delta=delta)
-            assert stream.result is not None
-            final = self._response(stream.result)
-            yield CompletionResponse(text=text, delta="", additional_kwargs=final.additional_kwargs)
+                    yield CompletionResponse(text=stream.text, delta=delta)
+            yield self._last_chunk(stream.text, stream.result)
 
         return gen()
 
