@@ -9,7 +9,9 @@ testing code built on the engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,8 +21,8 @@ from .draft import DraftModel
 from .engine import SpecPrefillEngine
 
 __all__ = [
-    "CHATML", "INST_TEMPLATE", "small_real_engine", "tiny_engine", "tiny_inst_tokenizer", "tiny_model",
-    "tiny_tokenizer",
+    "CHATML", "INST_TEMPLATE", "LoopTicks", "counting_loop_ticks", "recording_score_maps", "small_real_engine",
+    "tiny_engine", "tiny_inst_tokenizer", "tiny_model", "tiny_tokenizer",
 ]
 
 CHATML = (
@@ -152,6 +154,51 @@ def tiny_engine(
         max_position_embeddings=max_position_embeddings,
     )
     return SpecPrefillEngine(backend, DraftModel(draft, draft_tokenizer), config)
+
+
+class LoopTicks:
+    """How many times a ticker task ran on the event loop (``count``)."""
+
+    count = 0
+
+
+@contextlib.asynccontextmanager
+async def counting_loop_ticks(interval: float = 0.001) -> AsyncIterator[LoopTicks]:
+    """Count event-loop ticks while the block runs: an async call that blocks the loop for its
+    whole duration lets none through, one that runs its work in threads lets many."""
+    ticks = LoopTicks()
+
+    async def tick() -> None:
+        while True:
+            ticks.count += 1
+            await asyncio.sleep(interval)
+
+    task = asyncio.create_task(tick())
+    try:
+        yield ticks
+    finally:
+        task.cancel()
+
+
+@contextlib.contextmanager
+def recording_score_maps() -> Iterator[list[tuple[int, int]]]:
+    """Record each cross-family score mapping made inside the block as (draft prompt tokens,
+    main prompt tokens): proof that a draft's scores reached the main prompt through
+    ``tokenmap.map_scores``. Not thread-safe (it patches the module function)."""
+    from . import tokenmap
+
+    original = tokenmap.map_scores
+    mapped: list[tuple[int, int]] = []
+
+    def recording(draft_scores: torch.Tensor, draft: Any, main: Any) -> torch.Tensor:
+        mapped.append((draft.n_tokens, main.n_tokens))
+        return original(draft_scores, draft, main)
+
+    tokenmap.map_scores = recording
+    try:
+        yield mapped
+    finally:
+        tokenmap.map_scores = original
 
 
 def small_real_engine(*, keep_rate: float = 0.5, max_new_tokens: int | None = None) -> SpecPrefillEngine:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from conftest import make_model, make_tokenizer
@@ -17,6 +15,7 @@ from specprefill_rag import (
     SelectionConfig,
     SpecPrefillConfig,
     SpecPrefillEngine,
+    testing,
 )
 from specprefill_rag.backends.transformers import TransformersBackend
 from specprefill_rag.detokenize import IncrementalDecoder
@@ -88,9 +87,13 @@ def test_full_mode_is_the_baseline(engine):
 
 def test_stream_deltas_make_the_text(engine):
     stream = engine.stream(QUESTION, PASSAGES)
-    deltas = list(stream)
+    deltas, so_far = [], []
+    for delta in stream:
+        deltas.append(delta)
+        so_far.append(stream.text)
     assert stream.result is not None
-    assert "".join(deltas) == stream.result.text
+    assert "".join(deltas) == stream.result.text == stream.text
+    assert so_far == ["".join(deltas[: i + 1]) for i in range(len(deltas))]  # .text is the prefix so far
     assert stream.result.token_ids == engine.generate(QUESTION, PASSAGES).token_ids
 
 
@@ -100,22 +103,15 @@ async def test_async_variants_match_sync(engine):
     assert result.token_ids == sync.token_ids
     stream = await engine.astream(QUESTION, PASSAGES)
     deltas = [d async for d in stream]
-    assert "".join(deltas) == sync.text and stream.result.token_ids == sync.token_ids
+    assert "".join(deltas) == sync.text == stream.text and stream.result.token_ids == sync.token_ids
+    with pytest.raises(TypeError, match="keep_ratio"):  # the typed keywords are stream's, checked there
+        await engine.agenerate(QUESTION, PASSAGES, keep_ratio=0.5)
 
 
 async def test_async_does_not_block_the_loop(engine):
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0.001)
-
-    task = asyncio.create_task(ticker())
-    await engine.agenerate(QUESTION, PASSAGES)
-    task.cancel()
-    assert ticks > 5
+    async with testing.counting_loop_ticks() as ticks:
+        await engine.agenerate(QUESTION, PASSAGES)
+    assert ticks.count > 5
 
 
 def test_contiguous_positions_ablation_changes_only_positions(engine):

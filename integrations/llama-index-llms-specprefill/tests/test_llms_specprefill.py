@@ -14,7 +14,7 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms import CustomLLM
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import NodeWithScore
-from specprefill_rag import BackendTimeoutError, SpecPrefillEngine, tokenmap
+from specprefill_rag import BackendTimeoutError, SpecPrefillEngine, testing
 
 import llama_index.llms.specprefill as package
 from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM, split_context
@@ -87,19 +87,12 @@ def test_predict_with_context_and_query_protects_the_question(recorder):
     assert [s["kind"] for s in recorder.responses[-1].additional_kwargs["kept_spans"]] == ["context"]
 
 
-def test_cross_family_draft_scores_through_character_offsets(recorder, monkeypatch):
+def test_cross_family_draft_scores_through_character_offsets(recorder):
     engine = tiny_cross_family_engine()
     assert engine.maps_tokens
-    mapped: list[tuple[int, int]] = []
-    original = tokenmap.map_scores
-
-    def spy(draft_scores, draft, main):
-        mapped.append((draft.n_tokens, main.n_tokens))
-        return original(draft_scores, draft, main)
-
-    monkeypatch.setattr(tokenmap, "map_scores", spy)
     llm = SpecPrefillLLM(engine=engine)
-    text = llm.predict(QA.partial_format(query_str="what is the passkey?"), context_str=CONTEXT)
+    with testing.recording_score_maps() as mapped:
+        text = llm.predict(QA.partial_format(query_str="what is the passkey?"), context_str=CONTEXT)
     kw = recorder.responses[-1].additional_kwargs
     # The draft read its own rendering (another token count); its scores reached the main prompt.
     assert len(mapped) == 1 and mapped[0][1] == kw["prompt_tokens"] and mapped[0][0] != mapped[0][1]
@@ -130,25 +123,17 @@ def test_chat_maps_roles():
 async def test_async_variants_match_and_do_not_block():
     llm = SpecPrefillLLM(engine=tiny_engine())
     sync = llm.complete(CONTEXT).text
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0.001)
-
-    task = asyncio.create_task(ticker())
-    assert (await llm.acomplete(CONTEXT)).text == sync
-    assert "".join([r.delta async for r in await llm.astream_complete(CONTEXT)]) == sync
-    chat = await llm.achat([ChatMessage(role=MessageRole.USER, content=CONTEXT)])
-    streamed = [r async for r in await llm.astream_chat([ChatMessage(role=MessageRole.USER, content=CONTEXT)])]
-    answer = await llm.apredict(QA, context_str=CONTEXT, query_str="what is the passkey?")
-    tokens = [t async for t in await llm.astream(QA, context_str=CONTEXT, query_str="what is the passkey?")]
-    task.cancel()
+    messages = [ChatMessage(role=MessageRole.USER, content=CONTEXT)]
+    async with testing.counting_loop_ticks() as ticks:
+        assert (await llm.acomplete(CONTEXT)).text == sync
+        assert "".join([r.delta async for r in await llm.astream_complete(CONTEXT)]) == sync
+        chat = await llm.achat(messages)
+        streamed = [r async for r in await llm.astream_chat(messages)]
+        answer = await llm.apredict(QA, context_str=CONTEXT, query_str="what is the passkey?")
+        tokens = [t async for t in await llm.astream(QA, context_str=CONTEXT, query_str="what is the passkey?")]
     assert streamed[-1].message.content == chat.message.content
     assert "".join(tokens) == answer
-    assert ticks > 5
+    assert ticks.count > 5
 
 
 @pytest.mark.parametrize("marked", [True, False])

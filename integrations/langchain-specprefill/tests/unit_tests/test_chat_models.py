@@ -10,7 +10,7 @@ import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
 from lc_helpers import tiny_cross_family_engine, tiny_engine
-from specprefill_rag import BackendTimeoutError, InputTypeError, SegmentKind, SpecPrefillEngine, tokenmap
+from specprefill_rag import BackendTimeoutError, InputTypeError, SegmentKind, SpecPrefillEngine, testing
 
 import langchain_specprefill
 from langchain_specprefill import ChatSpecPrefill, messages_to_segments
@@ -85,47 +85,32 @@ def test_stream_matches_invoke_and_full_mode_is_baseline():
     assert not baseline.response_metadata["speculated"]
 
 
-def test_cross_family_draft_scores_through_character_offsets(monkeypatch):
+def test_cross_family_draft_scores_through_character_offsets():
     engine = tiny_cross_family_engine()
     assert engine.maps_tokens
-    mapped: list[tuple[int, int]] = []
-    original = tokenmap.map_scores
-
-    def spy(draft_scores, draft, main):
-        mapped.append((draft.n_tokens, main.n_tokens))
-        return original(draft_scores, draft, main)
-
-    monkeypatch.setattr(tokenmap, "map_scores", spy)
     llm = ChatSpecPrefill(engine=engine, max_tokens=3)
-    message = llm.invoke("what is the passkey?", passages=DOCS)
+    with testing.recording_score_maps() as mapped:
+        message = llm.invoke("what is the passkey?", passages=DOCS)
+        chunks = list(llm.stream("what is the passkey?", passages=DOCS))
     meta = message.response_metadata
-    # The draft read its own rendering (another token count); its scores reached the main prompt.
-    assert len(mapped) == 1 and mapped[0][1] == meta["prompt_tokens"] and mapped[0][0] != mapped[0][1]
+    # The draft read its own rendering (another token count); its scores reached the main prompt,
+    # once per call (invoke, then stream).
+    assert len(mapped) == 2 and mapped[0] == mapped[1]
+    assert mapped[0][1] == meta["prompt_tokens"] and mapped[0][0] != mapped[0][1]
     assert meta["speculated"] and meta["prefilled_tokens"] < meta["prompt_tokens"]
     spans = {s["kind"]: s for s in meta["kept_spans"]}
     assert spans["question"]["keep_ratio"] == 1.0
-    chunks = list(llm.stream("what is the passkey?", passages=DOCS))
     assert sum(chunks[1:], chunks[0]).text == message.text
-    assert len(mapped) == 2
 
 
 async def test_async_matches_sync_and_keeps_the_loop_free():
     llm = ChatSpecPrefill(engine=tiny_engine(), max_tokens=3)
     sync = llm.invoke("what is the passkey?", passages=DOCS)
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0.001)
-
-    task = asyncio.create_task(ticker())
-    result = await llm.ainvoke("what is the passkey?", passages=DOCS)
-    chunks = [c async for c in llm.astream("what is the passkey?", passages=DOCS)]
-    task.cancel()
+    async with testing.counting_loop_ticks() as ticks:
+        result = await llm.ainvoke("what is the passkey?", passages=DOCS)
+        chunks = [c async for c in llm.astream("what is the passkey?", passages=DOCS)]
     assert result.text == sync.text == "".join(c.text for c in chunks)
-    assert ticks > 3
+    assert ticks.count > 3
 
 
 def test_standard_params_reach_the_engine():
