@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import threading
 import time
 
@@ -296,11 +297,27 @@ def test_with_block_closes_the_stream(engine):
 
 
 def test_ten_thousand_passages_plan_fast(tokenizer):
-    passages = [Passage(f"The sky is blue {i}.", id=f"p{i}") for i in range(10_000)]
-    p = prompt.assemble(tokenizer, prompt.build_segments(QUESTION, passages))
-    began = time.perf_counter()
+    def assembled(n):
+        passages = [Passage(f"The sky is blue {i}.", id=f"p{i}") for i in range(n)]
+        return prompt.assemble(tokenizer, prompt.build_segments(QUESTION, passages))
+
+    def seconds(p):
+        began = time.perf_counter()
+        selection.full_plan(p)
+        return time.perf_counter() - began
+
+    # Linear in the passages: 20x the passages may cost ~20x, never the ~400x of a quadratic plan.
+    # A ratio measured side by side (interleaved, best of 5, no GC pauses), not an absolute time:
+    # these machines are shared.
+    small, p = assembled(500), assembled(10_000)
+    gc.collect()
+    gc.disable()
+    try:
+        times = [(seconds(small), seconds(p)) for _ in range(5)]
+    finally:
+        gc.enable()
+    assert min(t for _, t in times) < 150 * min(t for t, _ in times)
     plan = selection.full_plan(p)
-    assert time.perf_counter() - began < 0.5
     assert len(plan.kept_spans) == 10_001 and plan.n_kept == p.n_tokens
     spans = [s for s in plan.kept_spans if s.kind is SegmentKind.PASSAGE]
     assert all(s.n_kept == s.n_tokens > 0 for s in spans)
