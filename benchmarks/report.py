@@ -124,55 +124,13 @@ def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]
     )
     if data.get("reduced"):
         out.append("- **reduced run** (fewer lengths / keep rates / repetitions than the default command)")
-    t = data.get("targets", {"efficiency": 0.85, "capture_overhead": 1.1, "memory": 1.15})
+    targets = data.get("targets", {"efficiency": 0.85, "capture_overhead": 1.1, "memory": 1.15})
     out.append("")
     for run in data.get("runs", []):
         if run.get("status") == "skipped":
             out += [f"**Backend `{run['backend']}`: not measured** — {run['reason']}", ""]
-            continue
-        out += [
-            f"### Backend `{run['backend']}`",
-            "",
-            "| prompt | keep | TTFT full | TTFT SpecPrefill | speedup | draft scoring | selection | main prefill "
-            "| kept | r | ideal 1/(r+k) | efficiency |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for row in run["lengths"]:
-            for c in row["cells"]:
-                out.append(
-                    f"| {row['n_tokens']} | {c['keep_rate']:.0%} | {_s(c['ttft_full_s'], unit)}"
-                    f" | {_s(c['ttft_spec_s'], unit)}"
-                    f" | **{c['speedup']:.2f}×** | {_s(c['draft_s'], unit)} | {_s(c['selection_s'], 'ms')}"
-                    f" | {_s(c['prefill_s'], unit)} | {c['keep_ratio']:.1%} | {row['r']:.3f} | {c['ideal']:.2f}×"
-                    f" | {c['efficiency']:.2f} {_ok(c['efficiency'], t['efficiency'], True)} |"
-                )
-        out += [
-            "",
-            f"Efficiency target ≥ {t['efficiency']}. r = plain draft forward / plain main forward at the same "
-            "length, both measured in this run (the main forward is the full-prefill baseline's prefill).",
-            "",
-            "| prompt | plain main forward | plain draft forward | draft scoring (prefill + look-ahead + scoring) "
-            "| capture overhead | capture, no look-ahead | early exit, question only: cost / r |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for row in run["lengths"]:
-            hook = row.get("hook_overhead")
-            early = row.get("early_exit_overhead")
-            early_cell = "–" if early is None else f"{early:.2f}× / r = {row['r_early_exit']:.3f}"
-            out.append(
-                f"| {row['n_tokens']} | {_s(row['main_plain_s'], unit)} | {_s(row['draft_plain_s'], unit)}"
-                f" | {_s(row['draft_scoring_s'], unit)} | {row['capture_overhead']:.2f}× "
-                f"{_ok(row['capture_overhead'], t['capture_overhead'], False)}"
-                f" | {'–' if hook is None else f'{hook:.2f}×'} | {early_cell} |"
-            )
-        out += [
-            "",
-            f"Capture-overhead target ≤ {t['capture_overhead']}× a plain draft forward. Draft scoring includes "
-            "the L − 1 look-ahead decode steps; \"capture, no look-ahead\" is the capture hooks alone; the "
-            "early-exit column is question-only scoring (`lookahead_weight=0`) that stops after the highest "
-            "aggregated layer (`DraftConfig.early_exit`), against a plain draft forward, and its r.",
-            "",
-        ]
+        else:
+            out += _ttft_table(run, targets, unit) + _draft_cost_table(run, targets, unit)
     conc = data.get("concurrency")
     if conc:
         out += [
@@ -183,39 +141,98 @@ def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]
         ]
     mem = data.get("memory")
     if mem and "error" not in mem:
-        plain, score = mem["plain"], mem["score"]
-        src = {
-            "rss": "process RSS sampled by psutil, each run in a fresh subprocess",
-            "heap": "draft weights + the peak of what the run allocated, from glibc malloc statistics sampled "
-            "every millisecond, each run in a fresh subprocess",
-        }.get(mem["source"], "torch.cuda.max_memory_allocated")
-        line = f"**Memory** at {mem['length']} tokens ({src}): "
-        if "peak_bytes" in plain:
-            line += (
-                f"peak {plain['peak_bytes'] / 2**20:.0f} MiB for a plain draft forward vs "
-                f"{score['peak_bytes'] / 2**20:.0f} MiB for scoring = **{mem['peak_ratio']:.2f}×** "
-                f"{_ok(mem['peak_ratio'], t['memory'], False)} (target ≤ {t['memory']}×); "
-            )
-        else:
-            line += (
-                f"draft weights {mem['draft_weight_bytes'] / 2**20:.0f} MiB + activations: "
-                f"**{mem['peak_ratio']:.2f}×** {_ok(mem['peak_ratio'], t['memory'], False)} (target ≤ {t['memory']}×); "
-            )
-        line += (
-            f"memory added by the run itself: {plain['delta_bytes'] / 2**20:.0f} MiB vs "
-            f"{score['delta_bytes'] / 2**20:.0f} MiB ({mem['delta_ratio']:.2f}×)."
-        )
-        if "rss_peak_bytes" in plain and mem["source"] != "rss":
-            line += (
-                f" Process RSS, for reference: {plain['rss_peak_bytes'] / 2**20:.0f} MiB vs "
-                f"{score['rss_peak_bytes'] / 2**20:.0f} MiB."
-            )
-        if data.get("memory_command"):
-            line += f" Measured separately: `{data['memory_command']}`."
-        out += [line, ""]
+        out += [_memory_line(mem, targets, data.get("memory_command")), ""]
     elif mem:
         out += [f"**Memory:** not measured ({mem['error']})", ""]
     return out
+
+
+def _ttft_table(run: dict[str, Any], targets: dict[str, float], unit: str) -> list[str]:
+    """One backend's TTFT per prompt length and keep rate, against the ideal 1/(r + k)."""
+    out = [
+        f"### Backend `{run['backend']}`",
+        "",
+        "| prompt | keep | TTFT full | TTFT SpecPrefill | speedup | draft scoring | selection | main prefill "
+        "| kept | r | ideal 1/(r+k) | efficiency |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in run["lengths"]:
+        for c in row["cells"]:
+            out.append(
+                f"| {row['n_tokens']} | {c['keep_rate']:.0%} | {_s(c['ttft_full_s'], unit)}"
+                f" | {_s(c['ttft_spec_s'], unit)}"
+                f" | **{c['speedup']:.2f}×** | {_s(c['draft_s'], unit)} | {_s(c['selection_s'], 'ms')}"
+                f" | {_s(c['prefill_s'], unit)} | {c['keep_ratio']:.1%} | {row['r']:.3f} | {c['ideal']:.2f}×"
+                f" | {c['efficiency']:.2f} {_ok(c['efficiency'], targets['efficiency'], True)} |"
+            )
+    return out + [
+        "",
+        f"Efficiency target ≥ {targets['efficiency']}. r = plain draft forward / plain main forward at the same "
+        "length, both measured in this run (the main forward is the full-prefill baseline's prefill).",
+        "",
+    ]
+
+
+def _draft_cost_table(run: dict[str, Any], targets: dict[str, float], unit: str) -> list[str]:
+    """One backend's draft scoring cost per prompt length, against a plain draft forward."""
+    out = [
+        "| prompt | plain main forward | plain draft forward | draft scoring (prefill + look-ahead + scoring) "
+        "| capture overhead | capture, no look-ahead | early exit, question only: cost / r |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in run["lengths"]:
+        hook = row.get("hook_overhead")
+        early = row.get("early_exit_overhead")
+        early_cell = "–" if early is None else f"{early:.2f}× / r = {row['r_early_exit']:.3f}"
+        out.append(
+            f"| {row['n_tokens']} | {_s(row['main_plain_s'], unit)} | {_s(row['draft_plain_s'], unit)}"
+            f" | {_s(row['draft_scoring_s'], unit)} | {row['capture_overhead']:.2f}× "
+            f"{_ok(row['capture_overhead'], targets['capture_overhead'], False)}"
+            f" | {'–' if hook is None else f'{hook:.2f}×'} | {early_cell} |"
+        )
+    return out + [
+        "",
+        f"Capture-overhead target ≤ {targets['capture_overhead']}× a plain draft forward. Draft scoring includes "
+        "the L − 1 look-ahead decode steps; \"capture, no look-ahead\" is the capture hooks alone; the "
+        "early-exit column is question-only scoring (`lookahead_weight=0`) that stops after the highest "
+        "aggregated layer (`DraftConfig.early_exit`), against a plain draft forward, and its r.",
+        "",
+    ]
+
+
+_MEMORY_SOURCES = {
+    "rss": "process RSS sampled by psutil, each run in a fresh subprocess",
+    "heap": "draft weights + the peak of what the run allocated, from glibc malloc statistics sampled "
+    "every millisecond, each run in a fresh subprocess",
+}
+
+
+def _memory_line(mem: dict[str, Any], targets: dict[str, float], command: str | None) -> str:
+    """Peak memory of draft scoring against a plain draft forward, in one paragraph."""
+    plain, score = mem["plain"], mem["score"]
+    src = _MEMORY_SOURCES.get(mem["source"], "torch.cuda.max_memory_allocated")
+    verdict = f"{_ok(mem['peak_ratio'], targets['memory'], False)} (target ≤ {targets['memory']}×); "
+    line = f"**Memory** at {mem['length']} tokens ({src}): "
+    if "peak_bytes" in plain:
+        line += (
+            f"peak {plain['peak_bytes'] / 2**20:.0f} MiB for a plain draft forward vs "
+            f"{score['peak_bytes'] / 2**20:.0f} MiB for scoring = **{mem['peak_ratio']:.2f}×** " + verdict
+        )
+    else:
+        line += f"draft weights {mem['draft_weight_bytes'] / 2**20:.0f} MiB + activations: " \
+                f"**{mem['peak_ratio']:.2f}×** " + verdict
+    line += (
+        f"memory added by the run itself: {plain['delta_bytes'] / 2**20:.0f} MiB vs "
+        f"{score['delta_bytes'] / 2**20:.0f} MiB ({mem['delta_ratio']:.2f}×)."
+    )
+    if "rss_peak_bytes" in plain and mem["source"] != "rss":
+        line += (
+            f" Process RSS, for reference: {plain['rss_peak_bytes'] / 2**20:.0f} MiB vs "
+            f"{score['rss_peak_bytes'] / 2**20:.0f} MiB."
+        )
+    if command:
+        line += f" Measured separately: `{command}`."
+    return line
 
 
 def plot_ttft(datasets: list[tuple[str, dict[str, Any]]], path: Path) -> bool:
@@ -265,8 +282,24 @@ def quality_section(data: dict[str, Any]) -> list[str]:
     )
     if data.get("quick"):
         out.append("- **`--quick` run: a handful of examples; differences of one example are noise**")
-    out += [
-        "",
+    out += [""] + _quality_table(data["summary"])
+    rows = data.get("rows", [])
+    lingua_s = [r["compress_s"] for r in rows if r.get("compress_s") is not None]
+    score_s = [r["score_s"] for r in rows if r.get("score_s") is not None]
+    if lingua_s:
+        line = f"LongLLMLingua compression took {sum(lingua_s) / len(lingua_s):.0f} s per call on average"
+        if score_s:
+            mean = sum(score_s) / len(score_s)
+            line += f"; SpecPrefill's draft scoring {mean:.0f} s per example (once for all rates)"
+        out += [line + " (same draft LM, same machine).", ""]
+    if rows and len(rows) <= 60:
+        out += _answers_table(rows)
+    return out
+
+
+def _quality_table(summary: list[dict[str, Any]]) -> list[str]:
+    """Each task × method × keep rate: score, retention and Δ vs LongLLMLingua with their CIs."""
+    out = [
         "| task | method | keep | n | metric | score [95% CI] | EM | retention vs full [95% CI] "
         "| Δ vs LongLLMLingua [95% CI] | context kept | prefilled | distractor answers [95% CI] |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -277,7 +310,7 @@ def quality_section(data: dict[str, Any]) -> list[str]:
         method = order.index(e["method"]) if e["method"] in order else len(order)
         return e["task"], method, e["keep_rate"] or 0.0
 
-    for e in sorted(data["summary"], key=rank):
+    for e in sorted(summary, key=rank):
         keep = "–" if e["keep_rate"] is None else f"{e['keep_rate']:.0%}"
         m = e["metric"]
         if e["method"] == "full":
@@ -293,7 +326,7 @@ def quality_section(data: dict[str, Any]) -> list[str]:
             f" | {'–' if _nan(kept) else f'{kept:.1%}'} | {e['prefilled_ratio']:.1%}"
             f" | {_ci(e.get('distractor'), e.get('distractor_ci'))} |"
         )
-    out += [
+    return out + [
         "",
         "Retention = the method's score (F1 for HotpotQA and SQuAD, accuracy for needle and near-miss) / the "
         "full prompt's on the same examples and Δ = the paired difference to LongLLMLingua at the same keep rate; "
@@ -302,33 +335,26 @@ def quality_section(data: dict[str, Any]) -> list[str]:
         "the whole prompt; distractor answers = near-miss answers that contain a distractor passage's value.",
         "",
     ]
-    rows = data.get("rows", [])
-    lingua_s = [r["compress_s"] for r in rows if r.get("compress_s") is not None]
-    score_s = [r["score_s"] for r in rows if r.get("score_s") is not None]
-    if lingua_s:
-        line = f"LongLLMLingua compression took {sum(lingua_s) / len(lingua_s):.0f} s per call on average"
-        if score_s:
-            mean = sum(score_s) / len(score_s)
-            line += f"; SpecPrefill's draft scoring {mean:.0f} s per example (once for all rates)"
-        out += [line + " (same draft LM, same machine).", ""]
-    if rows and len(rows) <= 60:
-        out += [
-            "Every answer (greedy, first line):",
-            "",
-            "| example | gold | method | keep | prefilled | answer |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            keep = "–" if r["keep_rate"] is None else f"{r['keep_rate']:.0%}"
-            answer = " ".join(str(r["prediction"]).split()).replace("|", "/")[:80]
-            gold = " / ".join(r.get("answers", [])) or "–"
-            method = METHOD_LABELS.get(r["method"], r["method"])
-            out.append(
-                f"| {r['task']} {r['id'][:12]} | {gold} | {method} | {keep}"
-                f" | {r['prefilled']}/{r['n_prompt']} | {answer} |"
-            )
-        out.append("")
-    return out
+
+
+def _answers_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Every answer of a small run, one line each."""
+    out = [
+        "Every answer (greedy, first line):",
+        "",
+        "| example | gold | method | keep | prefilled | answer |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        keep = "–" if r["keep_rate"] is None else f"{r['keep_rate']:.0%}"
+        answer = " ".join(str(r["prediction"]).split()).replace("|", "/")[:80]
+        gold = " / ".join(r.get("answers", [])) or "–"
+        method = METHOD_LABELS.get(r["method"], r["method"])
+        out.append(
+            f"| {r['task']} {r['id'][:12]} | {gold} | {method} | {keep}"
+            f" | {r['prefilled']}/{r['n_prompt']} | {answer} |"
+        )
+    return out + [""]
 
 
 def _bounds(value: float, ci: Sequence[float] | None) -> tuple[float, float]:
@@ -407,8 +433,6 @@ def evidence_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def evidence_section(rows: list[dict[str, Any]], summary: list[dict[str, Any]] | None = None) -> list[str]:
     """Evidence recall per task: the pinned variants and the best others, from ``bench evidence`` rows."""
-    from benchmarks import evidence
-
     summary = evidence_summary(rows) if summary is None else summary
     n_variants = len({key.rsplit("@", 1)[0] for r in rows for key in r["results"]})
     out = ["## Evidence recall (draft only)", ""]
@@ -429,26 +453,7 @@ def evidence_section(rows: list[dict[str, Any]], summary: list[dict[str, Any]] |
         "",
     ]
     for task in tasks:
-        out += [
-            f"### {task}",
-            "",
-            "| keep | variant | n | recall [95% CI] | complete [95% CI] | context kept |",
-            "|---|---|---|---|---|---|",
-        ]
-        mine = [e for e in summary if e["task"] == task]
-        for keep in sorted({e["keep_rate"] for e in mine}):
-            at = sorted((e for e in mine if e["keep_rate"] == keep), key=lambda e: -e["recall"])
-            others = [e for e in at if not evidence.pinned(e["variant"])][:EVIDENCE_TOP]
-            shown = sorted([e for e in at if evidence.pinned(e["variant"])] + others, key=lambda e: -e["recall"])
-            for e in shown:
-                bold = e["variant"] == EVIDENCE_DEFAULT
-                name = e["variant"].replace("|", "\\|")
-                out.append(
-                    f"| {keep:.0%} | {f'**{name}**' if bold else name} | {e['n']}"
-                    f" | {_ci(e['recall'], e.get('recall_ci'), bold=bold)}"
-                    f" | {_ci(e['complete'], e.get('complete_ci'))} | {e['context_kept']:.1%} |"
-                )
-        out.append("")
+        out += _evidence_table(task, [e for e in summary if e["task"] == task])
     out += [
         "Recall = share of the gold evidence tokens kept (HotpotQA: the supporting-fact sentences; SQuAD: the "
         "answer span; needle: the needle sentence; near-miss: the evidence sentence). Complete = every key span "
@@ -467,6 +472,31 @@ def evidence_section(rows: list[dict[str, Any]], summary: list[dict[str, Any]] |
         "",
     ]
     return out
+
+
+def _evidence_table(task: str, summary: list[dict[str, Any]]) -> list[str]:
+    """One task's evidence recall per keep rate: the pinned variants and the best others."""
+    from benchmarks import evidence
+
+    out = [
+        f"### {task}",
+        "",
+        "| keep | variant | n | recall [95% CI] | complete [95% CI] | context kept |",
+        "|---|---|---|---|---|---|",
+    ]
+    for keep in sorted({e["keep_rate"] for e in summary}):
+        at = sorted((e for e in summary if e["keep_rate"] == keep), key=lambda e: -e["recall"])
+        others = [e for e in at if not evidence.pinned(e["variant"])][:EVIDENCE_TOP]
+        shown = sorted([e for e in at if evidence.pinned(e["variant"])] + others, key=lambda e: -e["recall"])
+        for e in shown:
+            bold = e["variant"] == EVIDENCE_DEFAULT
+            name = e["variant"].replace("|", "\\|")
+            out.append(
+                f"| {keep:.0%} | {f'**{name}**' if bold else name} | {e['n']}"
+                f" | {_ci(e['recall'], e.get('recall_ci'), bold=bold)}"
+                f" | {_ci(e['complete'], e.get('complete_ci'))} | {e['context_kept']:.1%} |"
+            )
+    return out + [""]
 
 
 EVIDENCE_PLOTTED = ("library default", "reference", "random chunks", "random sentences", "oracle sentences")
