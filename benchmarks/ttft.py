@@ -489,8 +489,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(memory_child(args.memory_child, args.draft, args.lengths[-1], args.tiny, args.device)))
         return 0
     command = command_line(argv, "ttft")
-    memory_length = args.memory_length or max(args.lengths)
-    payload: dict[str, Any] = {
+    payload = new_payload(args, command)
+    name = result_name("ttft", main=args.main, draft=args.draft, backends=args.backend, tiny=args.tiny)
+    if not args.no_memory or args.memory_only:
+        payload["memory"] = memory_run(args, payload["settings"]["memory_length"])
+    if args.memory_only:
+        return replace_memory(name, payload, command, args.out)
+    runs: list[dict[str, Any]] = []
+
+    def save(partial: dict[str, Any]) -> None:
+        write_results(name, {**payload, "runs": [*runs, partial]}, args.out)
+
+    for backend in args.backend:
+        runs.append(run_backend(backend, args, save))
+    payload.update(runs=runs, complete=True)
+    path = write_results(name, payload, args.out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def new_payload(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """The results file before any measurement: what was asked for, on which machine."""
+    return {
         "benchmark": "ttft",
         "command": command,
         "reduced": args.lengths != [1024, 2048, 4096] or args.keep_rates != [0.1, 0.2, 0.3, 0.5] or args.reps < 3,
@@ -507,42 +527,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             "lookahead": args.lookahead,
             "device": args.device,
             "dtype": "float32",
-            "memory_length": memory_length,
+            "memory_length": args.memory_length or max(args.lengths),
         },
         "targets": TARGETS,
         "complete": False,
         "runs": [],
         "memory": None,
     }
-    name = result_name("ttft", main=args.main, draft=args.draft, backends=args.backend, tiny=args.tiny)
-    if not args.no_memory or args.memory_only:
+
+
+def memory_run(args: argparse.Namespace, length: int) -> dict[str, Any]:
+    """Peak memory of a plain draft forward vs scoring at ``length`` tokens, printed as it is measured."""
+    print(f"Peak memory at {length} tokens: plain draft forward vs scoring (fresh subprocesses) ...", flush=True)
+    memory = measure_memory(args.draft, length, args.tiny, args.device)
+    if "error" in memory:
+        print(f"  {memory['error']}")
+    else:
         print(
-            f"Peak memory at {memory_length} tokens: plain draft forward vs scoring (fresh subprocesses) ...",
+            f"  peak {memory['plain']['peak_bytes'] / 2**20:.0f} MiB vs {memory['score']['peak_bytes'] / 2**20:.0f}"
+            f" MiB ({memory['peak_ratio']:.2f}x); added by the run {memory['delta_ratio']:.2f}x",
             flush=True,
         )
-        memory = measure_memory(args.draft, memory_length, args.tiny, args.device)
-        if "error" in memory:
-            print(f"  {memory['error']}")
-        else:
-            print(
-                f"  peak {memory['plain']['peak_bytes'] / 2**20:.0f} MiB vs {memory['score']['peak_bytes'] / 2**20:.0f}"
-                f" MiB ({memory['peak_ratio']:.2f}x); added by the run {memory['delta_ratio']:.2f}x",
-                flush=True,
-            )
-        payload["memory"] = memory
-    if args.memory_only:
-        return replace_memory(name, payload, command, args.out)
-    runs: list[dict[str, Any]] = []
-
-    def save(partial: dict[str, Any]) -> None:
-        write_results(name, {**payload, "runs": [*runs, partial]}, args.out)
-
-    for backend in args.backend:
-        runs.append(run_backend(backend, args, save))
-    payload.update(runs=runs, complete=True)
-    path = write_results(name, payload, args.out)
-    print(f"\nwrote {path}")
-    return 0
+    return memory
 
 
 if __name__ == "__main__":
