@@ -226,29 +226,14 @@ class DraftModel:
         if not token_ids or len(questions) != len(token_ids):
             raise InputError("pass one question (or None) per prompt, and at least one prompt")
         lengths = [int(ids.numel()) for ids in token_ids]
-        for n, question in zip(lengths, questions, strict=True):
-            if n == 0:
-                raise InputError("cannot score an empty prompt")
-            if not self.fits(n, lookahead):
-                raise InputError(
-                    f"prompt of {n} tokens plus {lookahead - 1} look-ahead tokens exceeds the draft "
-                    f"model's window of {self.max_context}: shorten the context or use a draft "
-                    "with a longer window"
-                )
-            if question is not None and question.numel() and (int(question.min()) < 0 or int(question.max()) >= n):
-                raise InputError(f"question token indices must lie in [0, {n})")
+        self._check_batch(lengths, questions, lookahead)
         wanted = None if layers is None else frozenset(int(i) for i in layers)
         stop_after = max(wanted) if wanted and early_exit and lookahead == 1 else None
         recorder = _Recorder(
             lengths, [None if q is None else q.to(torch.int64).cpu() for q in questions], wanted, stop_after
         )
-        batch, width = len(lengths), max(lengths)
-        ids = torch.zeros(batch, width, dtype=torch.int64)
-        mask = torch.zeros(batch, width, dtype=torch.int64)
-        for b, row in enumerate(token_ids):
-            ids[b, : lengths[b]] = row.to(torch.int64).cpu()
-            mask[b, : lengths[b]] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        batch = len(lengths)
+        ids, mask = self._right_padded(token_ids, lengths)
         last = torch.tensor(lengths, device=self.device) - 1  # (batch,) each prompt's last token
         lookahead_ids: list[list[int]] = [[] for _ in lengths]
         with _recording(recorder):
@@ -275,6 +260,29 @@ class DraftModel:
                 )
                 logits = out.logits[:, -1]
         return recorder.captures(lookahead_ids)
+
+    def _check_batch(self, lengths: list[int], questions: list[torch.Tensor | None], lookahead: int) -> None:
+        """``InputError`` for an empty prompt, one over the window, or question indices outside it."""
+        for n, question in zip(lengths, questions, strict=True):
+            if n == 0:
+                raise InputError("cannot score an empty prompt")
+            if not self.fits(n, lookahead):
+                raise InputError(
+                    f"prompt of {n} tokens plus {lookahead - 1} look-ahead tokens exceeds the draft "
+                    f"model's window of {self.max_context}: shorten the context or use a draft "
+                    "with a longer window"
+                )
+            if question is not None and question.numel() and (int(question.min()) < 0 or int(question.max()) >= n):
+                raise InputError(f"question token indices must lie in [0, {n})")
+
+    def _right_padded(self, token_ids: Sequence[torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, attention mask), each (batch, longest prompt), padded after each prompt, on the device."""
+        ids = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+        mask = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+        for b, row in enumerate(token_ids):
+            ids[b, : lengths[b]] = row.to(torch.int64).cpu()
+            mask[b, : lengths[b]] = 1
+        return ids.to(self.device), mask.to(self.device)
 
     def score(
         self,
