@@ -708,14 +708,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 Earlier = dict[tuple[str, str], dict[tuple[str, float | None], dict[str, Any]]]  # (task, id) → (method, keep) → row
 
 
-def load_earlier(path: Path, fresh: bool) -> Earlier:
-    """The rows of an earlier run in ``path`` (nothing with ``--fresh``), for resuming."""
+def load_earlier(path: Path, fresh: bool) -> tuple[Earlier, dict[str, Any]]:
+    """The rows of earlier runs in ``path``, for resuming, and that file's other fields (nothing
+    with ``--fresh``)."""
     earlier: Earlier = collections.defaultdict(dict)
-    if path.exists() and not fresh:
-        for r in json.loads(path.read_text()).get("rows", []):
-            earlier[(r["task"], r["id"])][(r["method"], r["keep_rate"])] = r
-        print(f"resuming: {sum(map(len, earlier.values()))} rows of {len(earlier)} examples in {path}", flush=True)
-    return earlier
+    if not path.exists() or fresh:
+        return earlier, {}
+    before = json.loads(path.read_text())
+    for r in before.get("rows", []):
+        earlier[(r["task"], r["id"])][(r["method"], r["keep_rate"])] = r
+    print(f"resuming: {sum(map(len, earlier.values()))} rows of {len(earlier)} examples in {path}", flush=True)
+    return earlier, before
+
+
+def merged_plan(payload: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` with what the earlier runs in the same file asked for: every task's planned
+    count (the largest asked for) and every distinct command, in order, this one last."""
+    commands = [c for c in before.get("commands", [before.get("command")]) if c and c != payload["command"]]
+    counts = dict(before.get("counts", {}))
+    for task, n in payload["counts"].items():
+        counts[task] = max(n, counts.get(task, 0))
+    return {**payload, "counts": counts, "commands": [*commands, payload["command"]]}
 
 
 @dataclass
@@ -788,7 +801,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "counts": dict(counts),
     }
-    results = ResultFile(name, path, payload, load_earlier(path, args.fresh), args.seed, started)
+    earlier, before = load_earlier(path, args.fresh)
+    results = ResultFile(name, path, merged_plan(payload, before), earlier, args.seed, started)
     per_example = 1 + len(args.keep_rates) * len(args.methods)
     with tqdm(total=len(examples) * per_example, desc="quality", unit="answer") as bar:
         for i, ex in enumerate(examples):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import quality
+from benchmarks import quality, report
 
 needs_data = pytest.mark.skipif(
     importlib.util.find_spec("long_context_eval") is None,
@@ -471,3 +471,8 @@ def test_quality_resume_keeps_rows_it_does_not_redo(tmp_path: Path) -> None:
     assert quality.main([*common, "--needle-depths", "0.25", "--methods", "specprefill"]) == 0
     second = {(r["id"], r["method"]): r["prediction"] for r in json.loads(out.read_text())["rows"]}
     assert second == first  # the random rows and the 0.75 example survive; nothing was recomputed
+    data = json.loads(out.read_text())
+    # The file says what every run into it asked for: both commands, the larger planned count.
+    assert len(data["commands"]) == 2 and "random" in data["commands"][0] and "random" not in data["commands"][1]
+    assert data["counts"] == {"needle": 2} == data["done"]
+    assert "- commands (resumed into one results file" in "\n".join(report.meta_lines(data))
