@@ -325,7 +325,8 @@ class SpecPrefillEngine:
         """The prefill plan for ``prompt`` (reuses ``scores`` when given, e.g. across keep rates)."""
         if mode not in ("specprefill", "full"):
             raise ConfigError(f"mode must be 'specprefill' or 'full', got {mode!r}")
-        return self._plan(prompt, mode, selection or self.config.selection, scores, None)
+        planned = self._plan(prompt, mode, selection or self.config.selection, scores, None)
+        return planned.plan, planned.scores
 
     def _plan(
         self,
@@ -334,23 +335,25 @@ class SpecPrefillEngine:
         sel: SelectionConfig,
         scores: TokenScores | None,
         read: AssembledPrompt | None,
-    ) -> tuple[PrefillPlan, TokenScores | None]:
-        """``plan``, reusing the draft's rendering ``read`` of ``prompt`` when given."""
+    ) -> PlannedPrompt:
+        """``plan``, reusing the draft's rendering ``read`` of ``prompt`` when given; the selection
+        is timed here (``assemble_s`` is left to the caller, 0.0)."""
         n = prompt.n_tokens
         n_context = prompt.n_context
         if mode == "full" or n < sel.min_prompt_tokens or sel.budget(n_context) >= n_context:
-            return selection_lib.full_plan(prompt), scores
+            return PlannedPrompt(prompt, selection_lib.full_plan(prompt), scores, 0.0, None)
         if scores is None:
             if self.draft is None:
                 raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
             read = read or self._draft_prompt(prompt)
             if self._overflow(prompt, read):
-                return selection_lib.full_plan(prompt), None
+                return PlannedPrompt(prompt, selection_lib.full_plan(prompt), None, 0.0, None)
             config = self.config.draft
             if config.max_batch > 1:
                 scores = self._batcher.submit(config, (prompt, read))
             else:
                 scores = self._score_rendered([(prompt, read)], config)[0]
+        began = time.perf_counter()
         prior = prompt_lib.retriever_scores(prompt.segments) if sel.retriever_weight else None
         kept = selection_lib.select(
             scores.scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start, prior
@@ -358,7 +361,7 @@ class SpecPrefillEngine:
         plan = selection_lib.plan_from_indices(
             prompt, kept, contiguous_positions=sel.positions == "contiguous"
         )
-        return plan, scores
+        return PlannedPrompt(prompt, plan, scores, 0.0, time.perf_counter() - began)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -475,11 +478,8 @@ class SpecPrefillEngine:
 
         def run() -> Generator[str, None, GenerationResult]:
             assembled = time.perf_counter()
-            plan, scores = self._plan(planned_prompt, mode, sel, None, read)
-            selection_s = None
-            if scores is not None:
-                selection_s = time.perf_counter() - assembled - scores.seconds
-            planned = PlannedPrompt(planned_prompt, plan, scores, assembled - started, selection_s)
+            planned = self._plan(planned_prompt, mode, sel, None, read)
+            planned = dataclasses.replace(planned, assemble_s=assembled - started)
             return (yield from self.run_plan(planned, generation, started=started, stop=stop))
 
         stop = threading.Event()

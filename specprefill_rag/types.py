@@ -151,7 +151,7 @@ class Timings:
 
     assemble_s: float
     draft_s: float | None  # draft prefill + look-ahead + scoring
-    selection_s: float | None
+    selection_s: float | None  # choosing the kept tokens from the scores (None when the draft did not run)
     prefill_s: float  # main-model prefill up to the first token's logits
     ttft_s: float  # request start → first generated token
     decode_s: float  # first token → last token

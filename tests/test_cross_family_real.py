@@ -13,12 +13,10 @@ from test_needle_real import NEEDLE, PASSKEY, QUESTION, haystack
 from specprefill_rag import (
     DraftModel,
     GenerationConfig,
-    PlannedPrompt,
     SegmentKind,
     SelectionConfig,
     SpecPrefillConfig,
     SpecPrefillEngine,
-    TextStream,
 )
 from specprefill_rag.backends.transformers import TransformersBackend
 
@@ -60,11 +58,7 @@ def test_smollm2_draft_keeps_the_needle_for_qwen(engine, record_property):
     spans = {s.id: s for s in plan.kept_spans if s.kind is SegmentKind.PASSAGE}
 
     # Prefill the plan just made (one draft run for the whole test).
-    stream = TextStream(engine.run_plan(PlannedPrompt(prompt, plan, scores, 0.0, 0.0)))
-    for _ in stream:
-        pass
-    result = stream.result
-    assert result is not None
+    result = engine.execute(prompt, plan, scores=scores).wait()
     assert PASSKEY in result.text, result.text
     report = (
         f"prompt {prompt.n_tokens} Qwen tokens, kept {result.prefilled_tokens} ({result.keep_ratio:.1%}); "
