@@ -42,14 +42,12 @@ logger = logging.getLogger(__name__)
 PassageLike: TypeAlias = Document | Passage | str
 
 
-def _to_passage(item: PassageLike, number: int) -> Passage:
+def _to_passage(item: PassageLike, number: int) -> Passage | str:
+    """A Document as a Passage (its id, else the core numbers it); Passages and str as they are."""
     if isinstance(item, Document):
-        pid = item.id if item.id is not None else str(number)
-        return Passage(text=item.page_content, id=pid, metadata=dict(item.metadata))
-    if isinstance(item, Passage):
+        return Passage(text=item.page_content, id=item.id, metadata=dict(item.metadata))
+    if isinstance(item, (Passage, str)):
         return item
-    if isinstance(item, str):
-        return Passage(text=item, id=str(number))
     raise InputTypeError(f"passage {number - 1} must be a Document, Passage or str, got {type(item).__name__}")
 
 
