@@ -799,6 +799,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "llmlingua_scorer": "draft" if lingua else None,
         },
         "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
+        "draft_config": dataclasses.asdict(engine.config.draft),  # what scored, defaults included
         "counts": dict(counts),
     }
     earlier, before = load_earlier(path, args.fresh)

@@ -600,27 +600,43 @@ def headline(
     return out + [""]
 
 
+def run_label(data: dict[str, Any], default_draft: str) -> str:
+    """What sets a quality run apart from the default run: its draft, else its look-ahead."""
+    draft = data["models"]["draft"]
+    lookahead = data.get("settings", {}).get("lookahead")
+    if draft == default_draft and lookahead:
+        return f"look-ahead {lookahead}"
+    return f"draft {draft}" + (f", look-ahead {lookahead}" if lookahead else "")
+
+
 def cross_draft_section(quality: dict[str, Any] | None, others: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """SpecPrefill with another draft next to the default draft, same main model and examples."""
+    """SpecPrefill with another draft, or other draft settings, next to the default run on the
+    same examples, same main model."""
     from benchmarks.quality import summarize
 
-    out = ["## Drafts from another family (quality)", ""]
+    out = ["## Other drafts and draft settings (quality)", ""]
     for stem, data in others:
         # The default draft's rows on exactly the examples this run answered.
         ids = {(r["task"], r["id"]) for r in data.get("rows", [])}
         matched = [r for r in (quality or {}).get("rows", []) if (r["task"], r["id"]) in ids]
         base = {(e["task"], e["method"], e["keep_rate"]): e for e in summarize(matched)} if matched else {}
         s = data["settings"]
-        out += [f"### {pair(data)} (`benchmarks/results/{stem}.json`)", ""] + meta_lines(data)
+        title = pair(data) + (f", look-ahead {s['lookahead']}" if s.get("lookahead") else "")
+        out += [f"### {title} (`benchmarks/results/{stem}.json`)", ""] + meta_lines(data)
         out.append(
             f"- examples: {data.get('done') or data.get('counts')} (planned {data.get('counts')}), seed "
             f"{s['seed']}; the default draft's columns are recomputed on the same examples (matched by id)"
         )
         default_draft = (quality or {}).get("models", {}).get("draft", "default draft")
+        default_lookahead = (quality or {}).get("draft_config", {}).get("lookahead")
+        label = run_label(data, default_draft)
+        mine = f"draft {default_draft}"
+        if label.startswith("look-ahead"):
+            mine = f"look-ahead {default_lookahead}" if default_lookahead else "the default run's look-ahead"
         out += [
             "",
-            f"| task | keep | n | full prompt | SpecPrefill, draft {data['models']['draft']} "
-            f"| SpecPrefill, draft {default_draft} | LongLLMLingua ({default_draft}) |",
+            f"| task | keep | n | full prompt | SpecPrefill, {label} "
+            f"| SpecPrefill, {mine} | LongLLMLingua ({default_draft}) |",
             "|---|---|---|---|---|---|---|",
         ]
         rows = {(e["task"], e["method"], e["keep_rate"]): e for e in data["summary"]}

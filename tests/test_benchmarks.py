@@ -274,7 +274,7 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
     text = doc.read_text()
     assert "| needle | SpecPrefill | 30% |" in text and "efficiency" in text
     assert "served-draft → m" in text and "smoke" not in text
-    assert "## Drafts from another family" in text
+    assert "## Other drafts and draft settings" in text
     assert "| needle | 30% | 1 | 1.00 (n=1) | **0.00** | 1.00 (n=1) | – |" in text
     # The quality table and the headline show bootstrap CIs: accuracy 0.50 over examples a (1) and b (0).
     assert "| needle | SpecPrefill | 30% | 2 | accuracy | 0.50 [0.00, 1.00] |" in text
@@ -476,3 +476,11 @@ def test_quality_resume_keeps_rows_it_does_not_redo(tmp_path: Path) -> None:
     assert len(data["commands"]) == 2 and "random" in data["commands"][0] and "random" not in data["commands"][1]
     assert data["counts"] == {"needle": 2} == data["done"]
     assert "- commands (resumed into one results file" in "\n".join(report.meta_lines(data))
+
+
+def test_quality_runs_are_labelled_by_what_differs() -> None:
+    """Another draft is named by its draft; the default draft with another look-ahead by that."""
+    assert report.run_label({"models": {"draft": "small"}, "settings": {}}, "qwen") == "draft small"
+    assert report.run_label({"models": {"draft": "qwen"}, "settings": {"lookahead": 4}}, "qwen") == "look-ahead 4"
+    assert report.run_label({"models": {"draft": "small"}, "settings": {"lookahead": 4}}, "qwen") == \
+        "draft small, look-ahead 4"
