@@ -782,7 +782,9 @@ def _ttft_part(ttfts: list[tuple[str, dict[str, Any]]], gpu: dict[str, Any] | No
         lines += ttft_section(ttft, f"Time to first token: {pair(ttft)} (CPU, `benchmarks/results/{stem}.json`)")
     if not ttfts:
         lines += ["## Time to first token", "", "Not measured yet: run `make bench-ttft`.", ""]
-    datasets = [(f"CPU, {pair(d)}", d) for _, d in ttfts] + ([("GPU", gpu)] if gpu else [])
+    pairs = [pair(d) for _, d in ttfts]
+    datasets = [(f"CPU, {pair(d)}" + (f" ({stem})" if pairs.count(pair(d)) > 1 else ""), d) for stem, d in ttfts]
+    datasets += [("GPU", gpu)] if gpu else []
     if plot_ttft(datasets, images / "bench_ttft_speedup.png"):
         lines += [
             f"![TTFT speedup vs prompt length]({Path('images') / 'bench_ttft_speedup.png'})",
