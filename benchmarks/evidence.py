@@ -93,7 +93,7 @@ def _variants() -> list[Variant]:
                     out.append(Variant(f"{tag} | chunks 32", d, CHUNKS))
                     out.append(Variant(f"{tag} | sentences", d, SENTENCES))
     best = DraftConfig()  # the library default
-    for lookahead in (1, 4):
+    for lookahead in sorted({1, 4, 8} - {best.lookahead}):
         d = dataclasses.replace(best, lookahead=lookahead)
         out.append(Variant(f"default scoring, look-ahead {lookahead} | sentences", d, SENTENCES))
     def sentences(**overrides: Any) -> SelectionConfig:
@@ -319,7 +319,8 @@ def assemble(tokenizer: Any, ex: quality.Example) -> AssembledPrompt:
 def reevaluate(
     tokenizer: Any, todo: Sequence[quality.Example], path: Path, variants: Sequence[Variant], args: argparse.Namespace
 ) -> int:
-    """Rewrite the results file with ``variants`` recomputed from the capture cache."""
+    """Rewrite the results file with ``variants`` recomputed from the capture cache; results of
+    variants no longer in ``VARIANTS`` (renamed or dropped) are removed."""
     index = {(ex.task, ex.id): (i, ex) for i, ex in enumerate(todo)}
     rows = load_rows(path)
     draft_name = "tiny" if args.tiny else args.draft
@@ -329,6 +330,7 @@ def reevaluate(
         if found is None or not cache_path(found[1], draft_name).exists():
             continue
         i, ex = found
+        row["results"] = {key: v for key, v in row["results"].items() if key.rsplit("@", 1)[0] in VARIANTS}
         prompt = assemble(tokenizer, ex)
         cached = torch.load(cache_path(ex, draft_name))
         row["results"].update(evaluate(prompt, ex, cached, variants, args.keep_rates, args.seed * 1000 + i))

@@ -123,8 +123,10 @@ def test_draft_rejects_empty_and_too_long_prompts(tokenizer):
     draft = DraftModel(make_model("llama", len(tokenizer)), tokenizer)
     with pytest.raises(ValueError, match="empty prompt"):
         draft.score(torch.tensor([], dtype=torch.int64))
+    one_over = 2048 - (draft.config.lookahead - 1) + 1  # prompt + L - 1 look-ahead tokens > the window
     with pytest.raises(ValueError, match="window of 2048"):
-        draft.score(torch.zeros(2045, dtype=torch.int64))
+        draft.score(torch.zeros(one_over, dtype=torch.int64))
+    assert draft.score(torch.zeros(one_over - 1, dtype=torch.int64)).scores.numel() == one_over - 1
 
 
 def test_recorder_keeps_only_the_query_rows_it_needs():
