@@ -554,7 +554,9 @@ def headline(
     other_quality: Sequence[tuple[str, dict[str, Any]]] = (),
 ) -> list[str]:
     out = ["## Headline", ""]
-    for _, ttft in ttfts:
+    for stem, ttft in ttfts:
+        settings = ttft.get("settings", {})
+        source = f" (`{stem}`, look-ahead {settings['lookahead']})" if settings.get("lookahead") else f" (`{stem}`)"
         for run in ttft.get("runs", []):
             if run.get("status") == "skipped":
                 continue
@@ -564,7 +566,7 @@ def headline(
                         out.append(
                             f"- {pair(ttft)}, {run['backend']}, {row['n_tokens']} tokens, keep {c['keep_rate']:.0%}: "
                             f"speedup **{c['speedup']:.2f}×**, ideal {c['ideal']:.2f}×, efficiency "
-                            f"**{c['efficiency']:.2f}**"
+                            f"**{c['efficiency']:.2f}**{source}"
                         )
     if quality:
         by = {(e["task"], e["method"], e["keep_rate"]): e for e in quality["summary"]}
@@ -588,12 +590,14 @@ def headline(
                 if not _nan(e.get("distractor")):
                     line += f", distractor answers {_ci(e['distractor'], e.get('distractor_ci'))}"
                 out.append(line + (f" ({'; '.join(peers)})" if peers else ""))
+    default_draft = (quality or {}).get("models", {}).get("draft", "")
     for _, other in other_quality:
+        label = run_label(other, default_draft)
         for e in other["summary"]:
             if e["method"] == "specprefill" and e["keep_rate"] in (0.1, 0.3):
                 m = e["metric"]
                 out.append(
-                    f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}, draft {other['models']['draft']}: "
+                    f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}, {label}: "
                     f"SpecPrefill {METRIC_NAMES.get(m, m)} {_ci(e.get(m), e.get(f'{m}_ci'))}, retention vs full "
                     f"{_ci(e.get('retention_vs_full'), e.get('retention_ci'), bold=True)}"
                 )
