@@ -70,10 +70,10 @@ class DraftConfig:
     ``bench evidence`` (docs/benchmarks.md, docs/algorithm.md).
     """
 
-    # L: queries of the last prompt token + (L - 1) greedy draft tokens. 4 keeps the same evidence
-    # and answers as the reference's 8 (paired, within the CIs) for under half the decode steps,
-    # a fixed cost that dominates the scoring overhead on short prompts.
-    lookahead: int = 4
+    # L: queries of the last prompt token + (L - 1) greedy draft tokens. 4 matched 8 with the Qwen
+    # 0.5B draft for under half the decode steps (docs/configuration.md), but lost a real RAG
+    # answer with the SmolLM2-135M draft, so 8 stays the default.
+    lookahead: int = 8
     # Share of the look-ahead queries in the score, in [0, 1]; the question's tokens get the rest.
     # 0 skips the look-ahead decode entirely: the draft then costs one plain prefill.
     lookahead_weight: float = 0.5
