@@ -743,8 +743,8 @@ GPU_NOT_RUN = [
 QUALITY_NOTES = [
         "Methods: *SpecPrefill* is the library's scoring and selection as shipped when the rows were measured "
         "(`DraftConfig()` scoring, `SelectionConfig()` selection: the draft's best sentences kept at their original "
-        "positions; the draft config is in the results file, look-ahead 8 for `quality.json`; the default look-ahead "
-        "is 4 since 2026-12-01, measured in its own run below); *reference scoring* is the "
+        "positions; the draft config is in the results file: look-ahead 8, the default, for `quality.json`; the "
+        "look-ahead of 4 is measured in its own run below); *reference scoring* is the "
         "reference implementation's choice (look-ahead 8 queries weighted like the question's, all layers, "
         "max over heads, best 32-token chunks) under the same context budget; the *contiguous* ablation "
         "prefills SpecPrefill's selection re-indexed 0..k−1; *random chunks* keeps random units under the same "
