@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import InputError, InputTypeError
-from .types import AssembledPrompt, Passage, PrefillPlan, Segment, SegmentKind
+from .types import AssembledPrompt, Passage, PrefillPlan, Segment, SegmentKind, lone_surrogate
 
 __all__ = [
     "RETRIEVER_SCORE_KEY",
@@ -194,32 +194,61 @@ def _user_content(segments: Sequence[Segment]) -> tuple[str, list[tuple[int, int
     return "".join(parts).rstrip("\n"), spans
 
 
+def _system_content(segments: Sequence[Segment]) -> tuple[str, list[tuple[int, int, int]]]:
+    """System message text (the instructions, joined by blank lines) and their character spans."""
+    parts: list[str] = []
+    spans: list[tuple[int, int, int]] = []
+    length = 0
+    for i, s in enumerate(segments):
+        if s.kind is SegmentKind.INSTRUCTIONS:
+            if parts:
+                parts.append("\n\n")
+                length += 2
+            spans.append((i, length, length + len(s.text)))
+            parts.append(s.text)
+            length += len(s.text)
+    return "".join(parts), spans
+
+
 def render(tokenizer: Any, segments: Sequence[Segment]) -> tuple[str, list[tuple[int, int, int]], bool]:
-    """Full prompt text, segment character spans in it, and whether a chat template was used."""
+    """Full prompt text, segment character spans in it, and whether a chat template was used.
+
+    Spans come from construction, never from searching the rendered text (client text may
+    repeat the template's own strings): the template is rendered with a placeholder for each
+    message's content, and the content is put in its place.
+    """
+    system, system_spans = _system_content(segments)
     user, user_spans = _user_content(segments)
-    system = "\n\n".join(s.text for s in segments if s.kind is SegmentKind.INSTRUCTIONS)
-    system_index = [i for i, s in enumerate(segments) if s.kind is SegmentKind.INSTRUCTIONS]
+    contents = [(system, system_spans)] if system else []
+    contents.append((user, user_spans))
+    markers = [f"\x00specprefill-content-{n}\x00" for n in range(len(contents))]
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": user}]
+        messages = [{"role": "user", "content": markers[-1]}]
         if system:
-            messages.insert(0, {"role": "system", "content": system})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            messages.insert(0, {"role": "system", "content": markers[0]})
+        layout = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         chat = True
     else:
-        text = f"{system}\n\n{user}\nAnswer:" if system else f"{user}\nAnswer:"
+        layout = f"{markers[0]}\n\n{markers[1]}\nAnswer:" if system else f"{markers[0]}\nAnswer:"
         chat = False
+    pieces: list[str] = []
     spans: list[tuple[int, int, int]] = []
-    if system:
-        at = text.find(system)
-        if at < 0:
-            raise ValueError("the chat template rewrote the instructions; cannot locate them")
-        # Several instruction segments are joined; only the first gets a precise span.
-        spans.append((system_index[0], at, at + len(system)))
-    at = text.find(user)
-    if at < 0:
-        raise ValueError("the chat template rewrote the user message; cannot locate segments")
-    spans.extend((i, at + a, at + b) for i, a, b in user_spans)
-    return text, spans, chat
+    at = length = 0
+    for marker, (content, content_spans) in zip(markers, contents, strict=True):
+        found = layout.find(marker, at)
+        if found < 0 or marker in layout[found + len(marker):]:
+            raise ValueError(
+                "the chat template does not place each message's content once and verbatim; "
+                "cannot locate the segments"
+            )
+        pieces.append(layout[at:found])
+        length += found - at
+        spans.extend((i, length + a, length + b) for i, a, b in content_spans)
+        pieces.append(content)
+        length += len(content)
+        at = found + len(marker)
+    pieces.append(layout[at:])
+    return "".join(pieces), spans, chat
 
 
 def sentence_breaks(text: str, start: int = 0, end: int | None = None) -> list[int]:
@@ -332,6 +361,13 @@ def assemble(
     segments = tuple(segments)
     if not any(s.text.strip() for s in segments):
         raise InputError("the prompt is empty: pass a question and at least one passage")
+    for n, segment in enumerate(segments):
+        at = lone_surrogate(segment.text)
+        if at is not None:
+            raise InputError(
+                f"segment {n} ({segment.kind.value}) holds a lone surrogate (U+{ord(segment.text[at]):04X}) at "
+                f"character {at}: text must be valid Unicode (UTF-8 cannot encode it, no tokenizer reads it)"
+            )
     if not getattr(tokenizer, "is_fast", False):
         raise InputError(
             f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; "

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 import torch
+
+from .errors import InputError
 
 __all__ = [
     "AssembledPrompt",
@@ -25,9 +28,35 @@ __all__ = [
     "SegmentKind",
     "Timings",
     "TokenScores",
+    "lone_surrogate",
 ]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Index of the first surrogate code point (U+D800 to U+DFFF) in ``text``, or None.
+
+    A Python str holds one only when it is not valid Unicode (JSON's ``"\\ud800"`` unpaired, a
+    bad decode): UTF-8 cannot encode it, so neither a tokenizer nor an answer can carry it.
+    """
+    if text.isascii():  # O(1) in CPython
+        return None
+    found = _SURROGATE.search(text)
+    return None if found is None else found.start()
+
+
+def _check_id(owner: str, pid: object) -> None:
+    """Ids come back in answers (``kept_spans``): they must be encodable text."""
+    if not isinstance(pid, str):
+        return
+    at = lone_surrogate(pid)
+    if at is not None:
+        raise InputError(
+            f"the {owner} id {pid!r:.80} holds a lone surrogate (U+{ord(pid[at]):04X}) at character {at}: "
+            "ids are returned in answers and must be valid Unicode"
+        )
 
 
 class SegmentKind(enum.StrEnum):
@@ -47,6 +76,9 @@ class Passage:
     id: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
 
+    def __post_init__(self) -> None:
+        _check_id("passage", self.id)
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -56,6 +88,9 @@ class Segment:
     text: str
     id: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+
+    def __post_init__(self) -> None:
+        _check_id("segment", self.id)
 
     @property
     def prunable(self) -> bool:

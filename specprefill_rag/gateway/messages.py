@@ -15,6 +15,7 @@ Pure functions, no web framework: ``to_segments`` is what the gateway calls per 
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,37 +114,46 @@ DEFAULT_SHAPES: tuple[PromptShape, ...] = (
 # Explicit form: <document id="...">...</document> (one passage each, optionally inside
 # <documents>...</documents>), or a <context>...</context> block of blank-line-separated documents
 # (LangChain hub "langchain-ai/retrieval-qa-chat" uses the latter in its system prompt).
-_TAGS = {
-    name: re.compile(rf"<(?P<close>/?){name}(?P<attrs>\s[^<>]{{0,200}})?>", re.IGNORECASE)
-    for name in ("document", "context")
-}
-_DOCUMENTS_WRAPPER = re.compile(r"</?documents\s*>", re.IGNORECASE)
+_TAG = re.compile(r"<(?P<close>/?)(?P<name>document|context)(?P<attrs>\s[^<>]{0,200})?>", re.IGNORECASE)
+_WRAPPER_OPEN = re.compile(r"<documents\s*>\s*\Z", re.IGNORECASE)
+_WRAPPER_CLOSE = re.compile(r"\s*</documents\s*>", re.IGNORECASE)
 _ID_ATTR = re.compile(r"""\b(?:id|index)\s*=\s*["']([^"']*)["']""", re.IGNORECASE)
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
 
 
-def _blocks(text: str, name: str) -> list[tuple[int, int, str, str]]:
-    """(start, end, attributes, inner text) of each ``<name ...>...</name>`` block, in one pass
-    over the tags (linear: no pattern rescans the text after an unclosed tag)."""
-    blocks = []
+@dataclass(frozen=True)
+class _Block:
+    start: int  # of the opening tag
+    end: int  # after the closing tag
+    name: str  # "document" or "context"
+    attrs: str
+    inner: str
+
+
+def _blocks(text: str) -> list[_Block] | None:
+    """The outermost ``<document>`` / ``<context>`` blocks, in one pass over the tags (linear).
+
+    Tags inside an open block are data (a retrieved document may quote the tags); a block
+    closes at its own matching tag, counted by depth. None when the tags do not pair up (a
+    block left open, a stray closing tag): the layout is then ambiguous, retrieved text may
+    have made it, and nothing is recognised.
+    """
+    blocks: list[_Block] = []
     opened: re.Match[str] | None = None
-    for tag in _TAGS[name].finditer(text):
-        if not tag.group("close"):
-            opened = opened or tag
-        elif opened is not None:
-            blocks.append((opened.start(), tag.end(), opened.group("attrs") or "", text[opened.end():tag.start()]))
-            opened = None
-    return blocks
-
-
-def _without(text: str, blocks: list[tuple[int, int, str, str]]) -> str:
-    """``text`` with the blocks cut out (each replaced by a line break)."""
-    parts, at = [], 0
-    for start, end, _, _ in blocks:
-        parts.append(text[at:start])
-        at = end
-    parts.append(text[at:])
-    return "\n".join(parts)
+    depth = 0
+    for tag in _TAG.finditer(text):
+        name = tag.group("name").lower()
+        if opened is None:
+            if tag.group("close"):
+                return None
+            opened, depth = tag, 1
+        elif name == opened.group("name").lower():
+            depth += -1 if tag.group("close") else 1
+            if depth == 0:
+                inner = text[opened.end():tag.start()]
+                blocks.append(_Block(opened.start(), tag.end(), name, opened.group("attrs") or "", inner))
+                opened = None
+    return blocks if opened is None else None
 
 
 @dataclass(frozen=True)
@@ -162,26 +172,36 @@ def split_documents(text: str) -> list[Passage]:
 
 
 def _tagged(text: str) -> Recognised | None:
-    documents = _blocks(text, "document")
-    if documents:
-        passages = []
-        for _, _, attrs, inner in documents:
-            found = _ID_ATTR.search(attrs)
-            passages.append(Passage(inner.strip(), id=found.group(1) if found else None))
-        rest = _DOCUMENTS_WRAPPER.sub("", _without(text, documents))
-        return Recognised("tagged", tuple(p for p in passages if p.text), rest.strip())
-    contexts = _blocks(text, "context")
-    if contexts:
-        passages = [p for _, _, _, inner in contexts for p in split_documents(inner)]
-        return Recognised("tagged", tuple(passages), _without(text, contexts).strip())
-    return None
+    """Documents given in tags: each ``<document>`` block one passage (its ``id`` attribute the
+    passage id), each ``<context>`` block documents joined by blank lines; the text outside the
+    blocks (a ``<documents>`` wrapper right around them dropped) is the rest."""
+    blocks = _blocks(text)
+    if not blocks:
+        return None
+    passages: list[Passage] = []
+    for block in blocks:
+        if block.name == "document":
+            found = _ID_ATTR.search(block.attrs)
+            passages.append(Passage(block.inner.strip(), id=found.group(1) if found else None))
+        else:
+            passages.extend(split_documents(block.inner))
+    head, tail = text[:blocks[0].start], text[blocks[-1].end:]
+    wrapper = _WRAPPER_OPEN.search(head)
+    closing = _WRAPPER_CLOSE.match(tail)
+    if wrapper is not None and closing is not None:
+        head, tail = head[:wrapper.start()], tail[closing.end():]
+    between = [text[a.end:b.start] for a, b in itertools.pairwise(blocks)]
+    rest = "\n".join(part for part in (head, *between, tail) if part.strip())
+    return Recognised("tagged", tuple(p for p in passages if p.text), rest.strip())
 
 
 def recognise(text: str, role: Role, shapes: Sequence[PromptShape] = DEFAULT_SHAPES) -> Recognised | None:
-    """Documents in one message (the last user message or a system message), or None."""
-    tagged = _tagged(text)
-    if tagged is not None:
-        return tagged
+    """Documents in one message (the last user message or a system message), or None.
+
+    The documented ``shapes`` are tried first: each matches the whole message on its template's
+    own literal text, so documents inside it are data whatever they contain (tags included).
+    Only a message that follows none of them is read for ``<document>`` / ``<context>`` tags.
+    """
     stripped = text.strip()
     for shape in shapes:
         if shape.role != role:
@@ -196,7 +216,7 @@ def recognise(text: str, role: Role, shapes: Sequence[PromptShape] = DEFAULT_SHA
         if role == "user":
             return Recognised(shape.name, passages, match.group("question").strip(), "\n".join(parts))
         return Recognised(shape.name, passages, "\n".join(parts))
-    return None
+    return _tagged(text)
 
 
 def _last_user(turns: Sequence[tuple[str, str]]) -> int:
