@@ -21,6 +21,7 @@ TokenizerMapping = Literal["auto", "same", "offsets"]
 OverflowPolicy = Literal["full", "raise"]
 
 __all__ = [
+    "GREEDY_BELOW",
     "DraftConfig",
     "GenerationConfig",
     "HeadReduction",
@@ -32,6 +33,12 @@ __all__ = [
     "SpecPrefillConfig",
     "TokenizerMapping",
 ]
+
+
+# Temperatures below this decode greedily, in every backend: vLLM's rule (its _SAMPLING_EPS), and
+# dividing logits by less overflows float32 into inf/nan probabilities.
+GREEDY_BELOW = 1e-5
+_INT64 = (-(1 << 63), (1 << 63) - 1)  # the range of a seed: OpenAI's and vLLM's int64
 
 
 def _check(condition: bool, message: str) -> None:
@@ -260,10 +267,10 @@ class GenerationConfig:
     """Decoding settings for the main model."""
 
     max_new_tokens: int = 256  # tokens
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0  # nucleus sampling mass, in (0, 1]
     top_k: int = 0  # 0 = no top-k filter
-    seed: int | None = None  # sampling seed; None = nondeterministic
+    seed: int | None = None  # sampling seed, a signed 64-bit int; None = nondeterministic
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before the first match
     # Seconds for the whole request (draft, prefill and every token); past it the request stops
     # with BackendTimeoutError. The engine hands a backend the time that is left. None: no deadline.
@@ -279,6 +286,10 @@ class GenerationConfig:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
         _check(
+            self.seed is None or _INT64[0] <= self.seed <= _INT64[1],
+            f"seed must be a signed 64-bit integer, in [{_INT64[0]}, {_INT64[1]}], got {self.seed}",
+        )
+        _check(
             isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
             "stop must be a tuple of non-empty strings",
         )
@@ -286,6 +297,11 @@ class GenerationConfig:
             self.timeout is None or (math.isfinite(self.timeout) and self.timeout > 0),
             f"timeout must be a positive number of seconds or None, got {self.timeout}",
         )
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding takes the most likely token: a temperature below ``GREEDY_BELOW``."""
+        return self.temperature < GREEDY_BELOW
 
     def with_overrides(self, **changes: Any) -> GenerationConfig:
         """A validated copy with ``changes`` applied; ``None`` values are skipped (a per-call

@@ -20,7 +20,7 @@ import torch
 
 from . import prompt as prompt_lib
 from . import selection as selection_lib
-from . import tokenmap
+from . import tokenbound, tokenmap
 from .backends import Backend, create_backend
 from .batching import MicroBatcher
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
@@ -45,6 +45,9 @@ __all__ = ["AsyncTextStream", "Mode", "PlannedPrompt", "RequestOptions", "SpecPr
 logger = logging.getLogger(__name__)
 
 Mode = Literal["specprefill", "full"]
+# Characters of prompt text tokenized to count them whatever their length (milliseconds); a longer
+# prompt whose length alone shows it cannot fit the window is refused before tokenizing.
+_COUNT_EXACTLY_BELOW = 100_000
 
 
 class RequestOptions(TypedDict, total=False):
@@ -148,6 +151,8 @@ class SpecPrefillEngine:
         self.draft = draft
         self.config = config or SpecPrefillConfig()
         self.tokenizer = backend.tokenizer
+        # Characters one main token covers at most (None: no bound): refuses a prompt by its length.
+        self._chars_per_token = tokenbound.max_chars_per_token(self.tokenizer)
         self.maps_tokens = False  # True: the draft has its own tokenizer (scores mapped by offsets)
         draft_config = self.config.draft
         # Concurrent requests (threads, async tasks) share draft passes (DraftConfig.max_batch).
@@ -224,19 +229,36 @@ class SpecPrefillEngine:
             if not all(isinstance(s, Segment) for s in segments):
                 raise InputError("a prompt given as a list must hold Segment objects; pass a question str otherwise")
         sel = selection or self.config.selection
+        window = self.backend.max_context
+        self._check_length(segments, window)
         prompt = prompt_lib.assemble(
             self.tokenizer,
             segments,
             protect_instructions=sel.protect_instructions,
             protect_tail_tokens=sel.protect_tail_tokens,
         )
-        window = self.backend.max_context
         if prompt.n_tokens >= window:
             raise InputError(
                 f"the prompt has {prompt.n_tokens} tokens but the main model's window is {window}: "
                 "retrieve fewer or shorter passages"
             )
         return prompt
+
+    def _check_length(self, segments: Sequence[Segment], window: int) -> None:
+        """The window's ``InputError`` for segments too long to fit by their length alone, before
+        tokenizing them (seconds and gigabytes for millions of characters). Never refuses a prompt
+        that fits: it has at least chars / ``_chars_per_token`` tokens (``tokenbound``). Prompts
+        cheap to tokenize are left to the exact count, whose message says how many tokens."""
+        per_token = self._chars_per_token
+        if per_token is None:
+            return
+        chars = sum(len(s.text) for s in segments if isinstance(s.text, str))
+        if chars > max(per_token * (window - 1), _COUNT_EXACTLY_BELOW):
+            raise InputError(
+                f"the prompt has at least {-(-chars // per_token)} tokens ({chars} characters, at most "
+                f"{per_token} per token) but the main model's window is {window}: "
+                "retrieve fewer or shorter passages"
+            )
 
     def score(self, prompt: AssembledPrompt, *, draft: DraftConfig | None = None) -> TokenScores:
         """Draft importance of every token of ``prompt`` (``draft`` overrides the engine's

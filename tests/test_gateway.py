@@ -429,7 +429,7 @@ def test_extension_controls_mode_and_keep_rate(gateway, engine):
     ({"max_tokens": 0}, "max_tokens"),
     ({"extra_body": {"specprefill": {"keep_rate": 2}}}, "specprefill.keep_rate"),
     ({"extra_body": {"specprefill": {"mode": "fast"}}}, "specprefill.mode"),
-    ({"messages": [{"role": "system", "content": "only a system message"}]}, None),
+    ({"messages": [{"role": "system", "content": "only a system message"}]}, "messages"),
 ])
 def test_bad_requests_get_openai_shaped_400(gateway, change, param):
     with pytest.raises(openai.BadRequestError) as info:

@@ -15,6 +15,7 @@ PACKAGES = [
     "specprefill_rag.engine",
     "specprefill_rag.streams",
     "specprefill_rag.errors",
+    "specprefill_rag.tokenbound",
     "specprefill_rag.tools.models",
     "specprefill_rag.prompt",
     "specprefill_rag.tools.retrieval",

@@ -32,8 +32,9 @@ class PrefillState:
 
 
 def sample_token(logits: torch.Tensor, generation: GenerationConfig, generator: torch.Generator | None) -> int:
-    """Greedy when temperature is 0, else temperature / top-k / top-p sampling."""
-    if generation.temperature == 0.0:
+    """Greedy when ``generation.greedy`` (temperature below ``GREEDY_BELOW``), else temperature /
+    top-k / top-p sampling."""
+    if generation.greedy:
         return int(logits.argmax())
     logits = logits.float() / generation.temperature
     if generation.top_k:
@@ -111,7 +112,7 @@ class TransformersBackend(ModelIdentity):
 
     def stream_tokens(self, plan: PrefillPlan, generation: GenerationConfig) -> Generator[int, None, None]:
         generator = None
-        if generation.temperature > 0.0 and generation.seed is not None:
+        if not generation.greedy and generation.seed is not None:
             generator = torch.Generator().manual_seed(generation.seed)
         max_new = min(generation.max_new_tokens, self.max_context - plan.next_position)
         state = self.prefill(plan)

@@ -133,7 +133,7 @@ class VLLMOfflineBackend(ModelIdentity):
         extra = checked_xargs(plan, max_tokens=max_tokens, window=self.max_context, model=self.model_name)
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=generation.temperature,
+            temperature=0.0 if generation.greedy else generation.temperature,
             top_p=generation.top_p,
             top_k=generation.top_k,
             seed=generation.seed,

@@ -91,7 +91,7 @@ def request_body(
         "model": model,
         "prompt": plan.token_ids.tolist(),
         "max_tokens": max_tokens,
-        "temperature": generation.temperature,
+        "temperature": 0.0 if generation.greedy else generation.temperature,
         "top_p": generation.top_p,
         "stream": stream,
         "return_token_ids": True,

@@ -37,6 +37,7 @@ class GatewayOptions:
     requests generating at once (None: max(4, the draft's ``max_batch``)). ``model_name``: the
     id in ``/v1/models`` and in answers (None: the backend's); requests may name any model.
     ``shapes``: the prompt layouts whose documents are recognised as passages.
+    ``max_body_bytes``: a larger request body is refused with HTTP 413 before it is read whole.
     """
 
     api_key: str | None = None
@@ -44,8 +45,13 @@ class GatewayOptions:
     max_concurrency: int | None = None
     model_name: str | None = None
     shapes: Sequence[PromptShape] = field(default=DEFAULT_SHAPES)
+    max_body_bytes: int = 8 << 20  # bytes; 8 MiB holds about two million tokens of English text
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int):
+            raise ConfigError(f"max_body_bytes must be an int, got {self.max_body_bytes!r}")
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.max_concurrency is not None and self.max_concurrency < 1:

@@ -6,9 +6,10 @@ Every request is admitted or refused at once: at most ``max_queue`` requests are
 worker thread, so the event loop only moves bytes. Concurrent requests score in one draft
 batch when the engine's ``DraftConfig.max_batch`` allows.
 
-Failures before the first token are plain HTTP errors (400, 502, 503, 504, OpenAI-shaped);
-after it, an ``{"error": ...}`` event ends the stream. A client that goes away stops its
-generation: the engine stream is closed (and with it the request to an upstream vLLM).
+Failures before the first token are plain HTTP errors (400, 413, 502, 503, 504, OpenAI-shaped);
+after it, an ``{"error": ...}`` event ends the stream, and every stream ends with ``[DONE]``. A
+client that goes away stops its generation: the engine stream is closed (and with it the
+request to an upstream vLLM). A body over ``max_body_bytes`` is refused before it is read whole.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from ..engine import AsyncTextStream, Mode, SpecPrefillEngine
@@ -45,6 +47,13 @@ T = TypeVar("T")
 
 class ClientGone(Exception):
     """The client closed the connection before the answer was complete."""
+
+
+def _too_large(size: int | None, limit: int) -> APIError:
+    """413 for a body of ``size`` bytes (None: more than ``limit``, read up to there)."""
+    what = f"has {size} bytes, over" if size is not None else "has more bytes than"
+    return APIError(413, f"the request body {what} this gateway's limit of {limit} bytes (--max-body-bytes)",
+                    code="request_too_large")
 
 
 async def _disconnected(request: Request) -> None:
@@ -140,7 +149,7 @@ class _EventStream(StreamingResponse):
     going away, even before the first event was sent), the generator is closed and the run's
     slots are freed at once: Starlette cancels a response without closing its iterator."""
 
-    def __init__(self, events: AsyncGenerator[str, None], run: _Run) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], run: _Run) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
@@ -155,8 +164,13 @@ class _EventStream(StreamingResponse):
                 await self._run.close(499)  # a no-op when the events closed it
 
 
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def _sse(obj: dict[str, Any]) -> bytes:
+    """One event, encoded here: text that UTF-8 cannot carry fails in the events' own ``try``."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def _sse_error(error: APIError) -> bytes:
+    return f"data: {json.dumps(error.body())}\n\n".encode()  # ASCII: always encodable
 
 
 class Gateway:
@@ -167,6 +181,7 @@ class Gateway:
         self.engine = engine
         self.api_key = options.api_key or None
         self.max_queue = options.max_queue
+        self.max_body_bytes = options.max_body_bytes
         self.model_name = options.model_name or engine.backend.model_name
         self.shapes = tuple(options.shapes)
         self.default_mode: Mode = "specprefill" if engine.draft is not None else "full"
@@ -187,13 +202,33 @@ class Gateway:
             raise APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
 
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused with 413 as soon as it is known to exceed ``max_body_bytes``:
+        by its Content-Length, else once the bytes read pass the limit (reading stops there)."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(None, limit)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone from None
+        return b"".join(chunks)
+
     async def _parse(self, request: Request, endpoint: str) -> GatewayRequest:
         self.authorize(request)
-        raw = await request.body()
+        raw = await self._body(request)
         try:
             body = json.loads(raw)
         except ValueError:
             raise APIError(400, "the request body is not valid JSON") from None
+        except RecursionError:  # the C decoder counts its depth against the recursion limit
+            raise APIError(400, "the request body nests JSON arrays or objects too deeply") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         parse = parse_chat if endpoint == "chat" else parse_completion
@@ -206,9 +241,13 @@ class Gateway:
         """One ``/v1/chat/completions`` (``endpoint="chat"``) or ``/v1/completions`` request."""
         try:
             req = await self._parse(request, endpoint)
-        except APIError as error:
+        except ClientGone:  # before the whole body came
+            self.metrics.finished(endpoint, "none", 499)
+            return Response(status_code=499)
+        except Exception as exc:
+            error = to_api_error(exc)  # an unexpected failure too: OpenAI-shaped and counted
             self.metrics.finished(endpoint, "none", error.status)
-            raise
+            raise error from exc
         if self.admitted >= self.max_queue:
             self.metrics.finished(endpoint, req.mode, 429)
             raise APIError(
@@ -217,11 +256,17 @@ class Gateway:
             )
         run = _Run(self, req, endpoint)
         first: str | None = None
+        answer: JSONResponse | None = None
         try:
             if req.stream:  # wait for the first text: until then a failure is still an HTTP status
                 first = await _unless_disconnected(request, run.start())
             else:
                 await _unless_disconnected(request, run.collect())
+                result = run.result
+                assert result is not None
+                # Rendered here, so that text UTF-8 cannot carry is this request's error, counted as such.
+                answer = JSONResponse(response(req.kind, new_id(req.kind), now(), self.model_name, result,
+                                               req.prompt_shape))
         except ClientGone:
             await run.close(499)
             return Response(status_code=499)
@@ -234,13 +279,13 @@ class Gateway:
             raise
         if req.stream:
             return _EventStream(self._events(run, first), run)
-        result = run.result
         await run.close(200)
-        assert result is not None
-        body = response(req.kind, new_id(req.kind), now(), self.model_name, result, req.prompt_shape)
-        return JSONResponse(body)
+        assert answer is not None
+        return answer
 
-    async def _events(self, run: _Run, first: str | None) -> AsyncGenerator[str, None]:
+    async def _events(self, run: _Run, first: str | None) -> AsyncGenerator[bytes, None]:
+        """The stream's events; whatever fails after the first token (the engine, or encoding an
+        event) ends it with an error event, counted with the error's status, then ``[DONE]``."""
         req = run.request
         chunks = StreamChunks(req.kind, new_id(req.kind), now(), self.model_name, req.prompt_shape)
         status = 499  # unless the stream ends or fails: the client went away (cancelled, closed)
@@ -253,18 +298,18 @@ class Gateway:
                 delta = await run.next()
             result = run.result
             assert result is not None
+            tail = [_sse(chunks.last(result))] + ([_sse(chunks.usage(result))] if req.include_usage else [])
             status = 200
-            tail = [chunks.last(result)] + ([chunks.usage(result)] if req.include_usage else [])
         except Exception as exc:  # after the first token: an error event ends the stream
             error = to_api_error(exc)
             status = error.status
-            tail = [error.body()]
+            tail = [_sse_error(error)]
         finally:
             # Free the slots before the last event: a client may send its next request at once.
             await run.close(status)
-        for obj in tail:
-            yield _sse(obj)
-        yield "data: [DONE]\n\n"
+        for event in tail:
+            yield event
+        yield b"data: [DONE]\n\n"
 
     # -- other endpoints -------------------------------------------------------------------
 
@@ -301,7 +346,8 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
         yield
         executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="SpecPrefill gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No docs pages and no schema: /openapi.json would describe the API to anyone, key or not.
+    app = FastAPI(title="SpecPrefill gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
 
     @app.exception_handler(APIError)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from ..config import GenerationConfig
 from ..engine import Mode
 from ..errors import ConfigError
-from ..types import Passage, Segment
+from ..types import Passage, Segment, lone_surrogate
 from .messages import DEFAULT_SHAPES, PromptShape, to_segments
 from .responses import APIError, Kind
 
@@ -27,6 +28,14 @@ __all__ = ["GatewayRequest", "parse_chat", "parse_completion"]
 
 _ROLES = {"system", "developer", "user", "assistant"}
 _EXTENSION_KEYS = {"keep_rate", "mode", "passages", "question"}
+# Values quoted in error messages: short, and shallow (a client's value may be megabytes, or
+# nested thousands deep, which the built-in repr would recurse into).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 2, 60, 60, 4, 4
+
+
+def _shown(value: object) -> str:
+    return _SHOWN.repr(value)
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -35,6 +44,16 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
 
 def _unsupported(param: str, what: str) -> APIError:
     return _bad(f"{what} is not supported by the SpecPrefill gateway", param=param, code="unsupported_parameter")
+
+
+def _text(value: str, param: str) -> str:
+    """``value``, unless it holds a lone surrogate (JSON's unpaired ``"\\ud800"``): not valid
+    Unicode, it cannot be tokenized nor sent back. Every string the gateway reads passes here."""
+    at = lone_surrogate(value)
+    if at is not None:
+        raise _bad(f"{param} is not valid Unicode: a lone surrogate (U+{ord(value[at]):04X}) at character {at}",
+                   param=param)
+    return value
 
 
 @dataclass(frozen=True)
@@ -59,7 +78,12 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond any float (JSON allows any number of digits)
+        return False
 
 
 def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
@@ -68,7 +92,7 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, low_
         return None
     if not _is_number(value) or value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
-        raise _bad(f"{name} must be a number in {bracket}{low:g}, {high:g}], got {value!r}", param=name)
+        raise _bad(f"{name} must be a number in {bracket}{low:g}, {high:g}], got {_shown(value)}", param=name)
     return float(value)
 
 
@@ -77,7 +101,7 @@ def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or value < 1:
-        raise _bad(f"{name} must be an integer >= 1, got {value!r}", param=name)
+        raise _bad(f"{name} must be an integer >= 1, got {_shown(value)}", param=name)
     return int(value)
 
 
@@ -118,36 +142,41 @@ def _refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
 
 
 def _generation(body: Mapping[str, Any], defaults: GenerationConfig) -> GenerationConfig:
-    changes: dict[str, Any] = {}
-    max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
-    if max_tokens is not None:
-        changes["max_new_tokens"] = max_tokens
+    changes: dict[str, tuple[str, Any]] = {}  # GenerationConfig field -> (request field, value)
+    for name in ("max_completion_tokens", "max_tokens"):
+        max_tokens = _positive_int(body, name)
+        if max_tokens is not None:
+            changes["max_new_tokens"] = (name, max_tokens)
+            break
     temperature = _number(body, "temperature", 0.0, 2.0)
     if temperature is not None:
-        changes["temperature"] = temperature
+        changes["temperature"] = ("temperature", temperature)
     top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
     if top_p is not None:
-        changes["top_p"] = top_p
+        changes["top_p"] = ("top_p", top_p)
     top_k = body.get("top_k")  # a vLLM extension; -1 or 0 means no filter
     if top_k is not None:
         if not _is_int(top_k) or top_k < -1:
-            raise _bad(f"top_k must be an integer >= -1, got {top_k!r}", param="top_k")
-        changes["top_k"] = max(int(top_k), 0)
+            raise _bad(f"top_k must be an integer >= -1, got {_shown(top_k)}", param="top_k")
+        changes["top_k"] = ("top_k", max(int(top_k), 0))
     seed = body.get("seed")
     if seed is not None:
         if not _is_int(seed):
-            raise _bad(f"seed must be an integer, got {seed!r}", param="seed")
-        changes["seed"] = int(seed)
+            raise _bad(f"seed must be an integer, got {_shown(seed)}", param="seed")
+        changes["seed"] = ("seed", int(seed))
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise _bad("stop must be a non-empty string or a list of non-empty strings", param="stop")
-        changes["stop"] = tuple(stops)
-    try:
-        return dataclasses.replace(defaults, **changes)
-    except ConfigError as error:
-        raise _bad(str(error)) from None
+        changes["stop"] = ("stop", tuple(_text(s, "stop") for s in stops))
+    config = defaults
+    for field, (param, value) in changes.items():  # one at a time: a refusal names its field
+        try:
+            config = dataclasses.replace(config, **{field: value})
+        except ConfigError as error:
+            raise _bad(str(error), param=param) from None
+    return config
 
 
 def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -155,11 +184,15 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise _bad(f"stream must be true or false, got {stream!r}", param="stream")
-    options = body.get("stream_options") or {}
+        raise _bad(f"stream must be true or false, got {_shown(stream)}", param="stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:  # as OpenAI and vLLM answer
+        raise _bad("stream_options is only allowed when stream is true", param="stream_options")
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", param="stream_options")
-    return stream, bool(options.get("include_usage")) and stream
+    return stream, bool(options.get("include_usage"))
 
 
 def _extension(body: Mapping[str, Any], default_mode: Mode
@@ -175,14 +208,17 @@ def _extension(body: Mapping[str, Any], default_mode: Mode
         raise _bad(f"unknown specprefill field(s) {unknown}; known: {sorted(_EXTENSION_KEYS)}", param="specprefill")
     mode = ext.get("mode", default_mode)
     if mode not in ("full", "specprefill"):
-        raise _bad(f"specprefill.mode must be 'full' or 'specprefill', got {mode!r}", param="specprefill.mode")
+        raise _bad(f"specprefill.mode must be 'full' or 'specprefill', got {_shown(mode)}",
+                   param="specprefill.mode")
     keep_rate = ext.get("keep_rate")
     if keep_rate is not None and (not _is_number(keep_rate) or not 0 < keep_rate <= 1):
-        raise _bad(f"specprefill.keep_rate must be a number in (0, 1], got {keep_rate!r}",
+        raise _bad(f"specprefill.keep_rate must be a number in (0, 1], got {_shown(keep_rate)}",
                    param="specprefill.keep_rate")
     question = ext.get("question")
     if question is not None and (not isinstance(question, str) or not question.strip()):
         raise _bad("specprefill.question must be a non-empty string", param="specprefill.question")
+    if question is not None:
+        _text(question, "specprefill.question")
     raw = ext.get("passages")
     passages: list[Passage] | None = None
     if raw is not None:
@@ -195,33 +231,39 @@ def _extension(body: Mapping[str, Any], default_mode: Mode
 def _passage(item: object, n: int) -> Passage:
     param = f"specprefill.passages[{n}]"
     if isinstance(item, str):
-        return Passage(item)
+        return Passage(_text(item, param))
     if isinstance(item, dict) and isinstance(item.get("text"), str):
         pid = item.get("id")
         metadata = item.get("metadata") or {}
         if pid is not None and not isinstance(pid, (str, int)):
-            raise _bad(f"{param}.id must be a string", param=param)
+            raise _bad(f"{param}.id must be a string", param=f"{param}.id")
         if not isinstance(metadata, dict):
-            raise _bad(f"{param}.metadata must be an object", param=param)
-        return Passage(item["text"], id=None if pid is None else str(pid), metadata=metadata)
+            raise _bad(f"{param}.metadata must be an object", param=f"{param}.metadata")
+        pid = None if pid is None else _text(str(pid), f"{param}.id")
+        return Passage(_text(item["text"], f"{param}.text"), id=pid, metadata=metadata)
     raise _bad(f"{param} must be a string or an object with a string 'text'", param=param)
 
 
 def _content(message: Mapping[str, Any], n: int) -> str:
+    param = f"messages[{n}].content"
     content = message.get("content")
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise _unsupported(f"messages[{n}].content", f"content of type {kind!r} (only text)")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise _bad(f"messages[{n}].content must be a string or a list of text parts", param=f"messages[{n}].content")
+        return _text(content, param)
+    if not isinstance(content, list):
+        raise _bad(f"{param} must be a string or a list of text parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise _bad(f"{param}[{j}] must be a content part object, got {_shown(part)}", param=f"{param}[{j}]")
+        if part.get("type") != "text":
+            raise _unsupported(param, f"content of type {_shown(part.get('type'))} (only text)")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _bad(f"{param}[{j}].text must be a string, got {_shown(text)}", param=f"{param}[{j}].text")
+        texts.append(_text(text, f"{param}[{j}].text"))
+    return "\n".join(texts)
 
 
 def _turns(body: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -235,10 +277,23 @@ def _turns(body: Mapping[str, Any]) -> list[tuple[str, str]]:
         role = message.get("role")
         if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
             raise _unsupported(f"messages[{n}]", "tool and function calling")
-        if role not in _ROLES:
-            raise _bad(f"messages[{n}].role must be one of {sorted(_ROLES)}, got {role!r}", param=f"messages[{n}].role")
-        turns.append((str(role), _content(message, n)))
+        if not isinstance(role, str) or role not in _ROLES:  # a list or dict is no role (nor hashable)
+            raise _bad(f"messages[{n}].role must be one of {sorted(_ROLES)}, got {_shown(role)}",
+                       param=f"messages[{n}].role")
+        turns.append((role, _content(message, n)))
     return turns
+
+
+def _check_question(turns: list[tuple[str, str]]) -> None:
+    """The last user message is the question: it must say something (before any shape is
+    recognised in it, which would blame the documents)."""
+    users = [n for n, (role, _) in enumerate(turns) if role == "user"]
+    if not users:
+        raise _bad("messages hold no user message: the last user message is the question", param="messages")
+    n = users[-1]
+    if not turns[n][1].strip():
+        raise _bad(f"messages[{n}].content is empty: the last user message is the question",
+                   param=f"messages[{n}].content")
 
 
 def _prompt(body: Mapping[str, Any]) -> str:
@@ -246,12 +301,14 @@ def _prompt(body: Mapping[str, Any]) -> str:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, list):
-        if prompt and all(isinstance(p, str) for p in prompt):
+        if not prompt:
+            raise _bad("prompt is empty: send the prompt as a non-empty string", param="prompt")
+        if all(isinstance(p, str) for p in prompt):
             raise _unsupported("prompt", "several prompts in one request")
         raise _unsupported("prompt", "a prompt given as token ids")
     if not isinstance(prompt, str) or not prompt.strip():
         raise _bad("prompt must be a non-empty string", param="prompt")
-    return prompt
+    return _text(prompt, "prompt")
 
 
 def _parse(kind: Kind, body: Mapping[str, Any], turns: list[tuple[str, str]], defaults: GenerationConfig,
@@ -260,6 +317,8 @@ def _parse(kind: Kind, body: Mapping[str, Any], turns: list[tuple[str, str]], de
     stream, include_usage = _stream_options(body)
     generation = _generation(body, defaults)
     mode, keep_rate, passages, question = _extension(body, default_mode)
+    if question is None:
+        _check_question(turns)
     segments, shape = to_segments(turns, passages=passages, question=question, shapes=shapes)
     return GatewayRequest(kind, segments, shape, mode, keep_rate, generation, stream, include_usage)
 

@@ -55,6 +55,9 @@ def _gateway_args(group: Any) -> None:
         help="concurrent requests scored in one draft batch, DraftConfig.max_batch (default: the engine's; "
         "worth raising on a GPU)")
     add("--model-name", default=None, help="model id shown to clients (default: the main model's name)")
+    add("--max-body-bytes", type=int, default=8 << 20,
+        help="request bodies larger than this are refused with HTTP 413 before they are read whole "
+        "(%(default)s = 8 MiB)")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level (%(default)s)")
 
@@ -268,8 +271,8 @@ def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int,
     except ImportError as error:
         print(f"error: the gateway needs {error.name}: pip install 'specprefill-rag[gateway]'", file=sys.stderr)
         return 2
-    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue,
-                     max_concurrency=args.max_concurrency, model_name=args.model_name or model_name)
+    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_concurrency=args.max_concurrency,
+                     model_name=args.model_name or model_name, max_body_bytes=args.max_body_bytes)
     try:
         run_app(app, host=host, port=port, log_level=args.log_level)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
