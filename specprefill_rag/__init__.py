@@ -4,11 +4,12 @@ A small draft model scores which prompt tokens matter for the answer; the main m
 prefills only the best chunks, at their original position ids, and decodes from there.
 """
 
-from .backends import Backend, BackendCapabilities, BackendError, available_backends, create_backend, register_backend
+from .backends import Backend, BackendCapabilities, available_backends, create_backend, register_backend
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
 from .draft import DraftModel
 from .engine import AsyncTextStream, PlannedPrompt, RequestOptions, SpecPrefillEngine, TextStream
 from .errors import (
+    BackendError,
     BackendTimeoutError,
     ConfigError,
     ConfigTypeError,

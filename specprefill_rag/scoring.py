@@ -18,7 +18,6 @@ import torch.nn.functional as F
 __all__ = [
     "attention_rows",
     "importance",
-    "layer_maxima",
     "layer_rows",
     "normalize_rows",
     "pool_rows",
@@ -105,14 +104,6 @@ def layer_rows(
     if heads == "mean":
         return rows.mean(dim=0)
     raise ValueError(f"heads must be 'max' or 'mean', got {heads!r}")
-
-
-def layer_maxima(
-    queries: torch.Tensor, keys: torch.Tensor, scaling: float, pool_kernel: int
-) -> torch.Tensor:
-    """The reference's per-layer reduction: pooled rows, maximum over heads (no mask, no
-    renormalisation). (heads, L, head_dim), (kv_heads, N, head_dim) → (L, N)."""
-    return layer_rows(queries, keys, scaling, pool_kernel)
 
 
 def query_weights(n_question: int, n_lookahead: int, lookahead_weight: float) -> torch.Tensor:

@@ -16,7 +16,7 @@ from .config import SelectionConfig
 from .errors import InputError, PlanError
 from .types import AssembledPrompt, KeptSpan, PrefillPlan
 
-__all__ = ["chunk_bounds", "full_plan", "plan_from_indices", "select", "unit_bounds", "unit_ranks", "unit_sums"]
+__all__ = ["full_plan", "plan_from_indices", "select", "unit_bounds", "unit_ranks", "unit_sums"]
 
 
 def unit_bounds(
@@ -45,11 +45,6 @@ def unit_bounds(
     if start >= 0:
         bounds.append((start, len(seg)))
     return torch.tensor(bounds, dtype=torch.int64).reshape(-1, 2)
-
-
-def chunk_bounds(segment_index: torch.Tensor, prunable: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Fixed-size chunks: ``unit_bounds`` without sentence starts (the reference's 32-token chunks)."""
-    return unit_bounds(segment_index, prunable, chunk_size)
 
 
 def unit_sums(scores: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:

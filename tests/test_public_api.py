@@ -66,28 +66,3 @@ def test_library_imports_no_optional_dependencies():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-
-
-@pytest.mark.parametrize("old, new", [("models", "models"), ("retrieval", "retrieval"), ("server", "vllm_process"),
-                                      ("cli", "cli")])
-def test_moved_modules_keep_their_old_names(old, new):
-    """specprefill_rag.{models,retrieval,server,cli} moved into specprefill_rag.tools: the old names
-    are deprecated aliases of the very same module objects."""
-    import subprocess
-    import sys
-
-    code = (f"import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-            f"try:\n    import specprefill_rag.{old}\nexcept DeprecationWarning as w:\n    print(w)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert f"specprefill_rag.{old} moved to specprefill_rag.tools.{new}" in out.stdout, out.stderr
-    moved = importlib.import_module(f"specprefill_rag.tools.{new}")
-    assert importlib.import_module(f"specprefill_rag.{old}") is moved
-
-
-def test_old_cli_module_still_runs():
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "specprefill_rag.cli", "--help"], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0 and "usage: specprefill-rag" in out.stdout

@@ -356,13 +356,9 @@ def test_closed_port_without_deadline():
     assert isinstance(info.value.__cause__, ConnectionRefusedError)
 
 
-def test_connect_retries_is_a_deprecated_alias():
-    with pytest.warns(DeprecationWarning, match="use max_retries"):
-        backend = client(free_port(), connect_retries=1)
-    assert backend.max_retries == 1
+def test_max_retries_defaults_to_two_and_is_validated():
+    assert client(free_port(), max_retries=1).max_retries == 1
     assert client(free_port()).max_retries == 2
-    with pytest.raises(ValueError, match="not both"):
-        client(free_port(), max_retries=2, connect_retries=1)
     with pytest.raises(ValueError, match="max_retries must be an int >= 0"):
         client(free_port(), max_retries=-1)
 

@@ -111,7 +111,7 @@ def test_score_uses_chosen_layers(tokenizer):
     all_layers = DraftModel(model, tokenizer, DraftConfig(lookahead=2, layers="all")).score(ids)
     cap = DraftModel(model, tokenizer, DraftConfig(lookahead=2)).capture(ids)
     upper = DraftModel(model, tokenizer, DraftConfig(lookahead=2, layers="upper_half")).score(ids)
-    per_layer = torch.stack([scoring.layer_maxima(cap.queries[i], cap.keys[i], cap.scaling[i], 13) for i in range(4)])
+    per_layer = torch.stack([scoring.layer_rows(cap.queries[i], cap.keys[i], cap.scaling[i], 13) for i in range(4)])
     torch.testing.assert_close(all_layers.scores, scoring.importance(per_layer))
     torch.testing.assert_close(upper.scores, scoring.importance(per_layer[2:]))
     assert all_layers.scores.shape == (64,) and all_layers.scores.dtype == torch.float32

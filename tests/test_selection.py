@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specprefill_rag.config import SelectionConfig
-from specprefill_rag.selection import chunk_bounds, full_plan, plan_from_indices, select, unit_bounds, unit_ranks
+from specprefill_rag.selection import full_plan, plan_from_indices, select, unit_bounds, unit_ranks
 from specprefill_rag.types import AssembledPrompt, Segment, SegmentKind
 
 
@@ -17,15 +17,15 @@ def layout(*parts: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
     return seg, prot
 
 
-def test_chunk_bounds_cut_at_size_segments_and_protected_tokens():
+def test_unit_bounds_without_sentences_cut_at_size_segments_and_protected_tokens():
     seg, prot = layout((-1, 3, True), (0, 70, False), (1, 10, False), (-1, 2, True), (2, 5, False))
-    bounds = chunk_bounds(seg, ~prot, 32).tolist()
+    bounds = unit_bounds(seg, ~prot, 32).tolist()
     assert bounds == [[3, 35], [35, 67], [67, 73], [73, 83], [85, 90]]
 
 
-def test_chunk_bounds_empty_when_nothing_prunable():
+def test_unit_bounds_empty_when_nothing_prunable():
     seg, prot = layout((-1, 10, True))
-    assert chunk_bounds(seg, ~prot, 4).shape == (0, 2)
+    assert unit_bounds(seg, ~prot, 4).shape == (0, 2)
 
 
 def test_select_keeps_protected_and_best_chunks_within_budget():

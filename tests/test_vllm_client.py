@@ -10,9 +10,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from specprefill_rag.backends import BackendError, available_backends
-from specprefill_rag.backends.vllm_server import ServerError, VLLMServerBackend
+from specprefill_rag.backends import available_backends
+from specprefill_rag.backends.vllm_server import VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
+from specprefill_rag.errors import BackendError, ServerError
 from specprefill_rag.types import PrefillPlan
 
 PLAN = PrefillPlan(torch.tensor([5, 6, 7]), torch.tensor([0, 4, 9]), 12, 12, (), True)

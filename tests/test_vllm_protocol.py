@@ -113,7 +113,7 @@ def test_unsupported_vllm_disables_the_plugin_without_aborting(monkeypatch, capl
 
 
 def test_server_binds_cpu_ranks_when_numa_nodes_are_fewer(monkeypatch):
-    from specprefill_rag import server
+    from specprefill_rag.tools import vllm_process as server
 
     assert server.parallel_ranks(["--tensor-parallel-size", "2"]) == 2
     assert server.parallel_ranks(["-tp=2", "--pipeline-parallel-size", "3"]) == 6

@@ -10,12 +10,11 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from .base import Backend, BackendCapabilities, BackendError
+from .base import Backend, BackendCapabilities
 
 __all__ = [
     "Backend",
     "BackendCapabilities",
-    "BackendError",
     "available_backends",
     "create_backend",
     "register_backend",

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from ..config import GenerationConfig
-from ..errors import BackendError, PlanError
+from ..errors import PlanError
 from ..types import PrefillPlan
 from ..vllm_plugin.protocol import is_contiguous, parse_plan, plan_to_xargs
 
-__all__ = ["Backend", "BackendCapabilities", "BackendError", "ModelIdentity", "checked_xargs", "max_new_tokens"]
+__all__ = ["Backend", "BackendCapabilities", "ModelIdentity", "checked_xargs", "max_new_tokens"]
 
 
 @dataclass(frozen=True)

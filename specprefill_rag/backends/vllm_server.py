@@ -28,28 +28,20 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import warnings
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import GenerationConfig
-from ..errors import BackendError, ConfigError, ServerError
+from ..errors import BackendError, ServerError
 from ..types import PrefillPlan
 from ..vllm_plugin.protocol import is_contiguous, plan_salt, plan_to_xargs
 from .base import BackendCapabilities, ModelIdentity, checked_xargs, max_new_tokens
 from .vllm_http import _IO_ERRORS, _NO_DEADLINE, VLLMHTTPClient, _Deadline, _describe
 
-__all__ = ["ServerError", "TokenStep", "VLLMServerBackend", "request_body"]
+__all__ = ["TokenStep", "VLLMServerBackend", "request_body"]
 
 logger = logging.getLogger(__name__)
-
-class _DefaultRetries(int):
-    """The default of ``max_retries`` (2), told apart from an explicit 2 by identity."""
-
-
-_DEFAULT_RETRIES = _DefaultRetries(2)
-
 
 @dataclass(frozen=True)
 class TokenStep:
@@ -137,17 +129,11 @@ class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
         eos_token_ids: frozenset[int] = frozenset(),
         connect_timeout: float = 5.0,  # seconds per connection attempt
         read_timeout: float = 300.0,  # seconds without any byte from the server
-        max_retries: int = _DEFAULT_RETRIES,  # extra attempts after a failed connect or HTTP 502/503/504
+        max_retries: int = 2,  # extra attempts after a failed connect or HTTP 502/503/504
         retry_backoff: float = 0.5,  # seconds before the first retry, doubled each time
         cache_salt: str | None = None,  # vLLM prefix-cache salt sent with every request (None: shared cache)
-        connect_retries: int | None = None,  # deprecated alias of max_retries
         verify_plugin: bool = True,  # check once that the server honours plans before sending one
     ) -> None:
-        if connect_retries is not None:
-            if max_retries is not _DEFAULT_RETRIES:
-                raise ConfigError("give max_retries or its deprecated alias connect_retries, not both")
-            warnings.warn("connect_retries is deprecated; use max_retries", DeprecationWarning, stacklevel=2)
-            max_retries = connect_retries
         super().__init__(base_url, connect_timeout=connect_timeout, read_timeout=read_timeout,
                          max_retries=max_retries, retry_backoff=retry_backoff)
         self._tokenizer = tokenizer
