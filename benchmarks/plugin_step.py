@@ -48,10 +48,10 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/plugin_step.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specprefill_rag.vllm_plugin import plan_to_xargs
+from specprefill_rag.errors import PlanError
 from specprefill_rag.vllm_plugin import runner as plugin_runner
 from specprefill_rag.vllm_plugin.patches import remap_positions
-from specprefill_rag.vllm_plugin.protocol import PlanError, parse_plan
+from specprefill_rag.wire import parse_plan, plan_to_xargs
 
 __all__ = ["Case", "MockRunner", "emulated_prepare_inputs", "legacy_wrap", "main", "run_case"]
 

@@ -38,7 +38,7 @@ from .types import (
     Timings,
     TokenScores,
 )
-from .vllm_plugin.protocol import is_contiguous
+from .wire import is_contiguous
 
 __all__ = ["AsyncTextStream", "Mode", "PlannedPrompt", "RequestOptions", "SpecPrefillEngine", "TextStream"]
 

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from specprefill_rag.vllm_plugin import plan_to_xargs
 from specprefill_rag.vllm_plugin import runner as plugin_runner
 from specprefill_rag.vllm_plugin.patches import planned_offsets, remap_positions
+from specprefill_rag.wire import plan_to_xargs
 
 
 def random_plan(rng: random.Random, k: int) -> tuple[list[int], int]:

@@ -22,6 +22,7 @@ PACKAGES = [
     "specprefill_rag.scoring",
     "specprefill_rag.selection",
     "specprefill_rag.types",
+    "specprefill_rag.wire",
     "specprefill_rag.testing",
     "specprefill_rag.vllm_plugin",
     "specprefill_rag.vllm_plugin.admission",

@@ -181,9 +181,9 @@ def test_every_error_has_one_base_and_its_builtin():
     assert issubclass(InputError, ValueError) and issubclass(ConfigError, ValueError)
     assert issubclass(InputTypeError, TypeError) and issubclass(ConfigTypeError, TypeError)
     assert issubclass(PlanError, ValueError) and issubclass(BackendTimeoutError, TimeoutError)
-    from specprefill_rag.vllm_plugin import protocol
+    from specprefill_rag import wire
 
-    assert protocol.PlanError is PlanError
+    assert wire.PlanError is PlanError  # the plugin's workers raise the engine's own PlanError
     with pytest.raises(PlanError, match="strictly increasing"):
         selection.plan_from_indices(
             prompt.assemble(make_tokenizer(), prompt.build_segments("q?", ["a b c"])), torch.tensor([2, 1])

@@ -34,9 +34,10 @@ from specprefill_rag.backends.vllm_server import VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
 from specprefill_rag.errors import BackendError, ServerError
 from specprefill_rag.types import PrefillPlan
-from specprefill_rag.vllm_plugin import admission, patches, plan_to_xargs
+from specprefill_rag.vllm_plugin import admission, patches
 from specprefill_rag.vllm_plugin import runner as plugin_runner
 from specprefill_rag.vllm_plugin.patches import POSITION_DEPENDENT_ARCHITECTURES, plan_refusal
+from specprefill_rag.wire import plan_to_xargs
 
 serve = fakes.serve  # the fake-server fixture of the transport tests
 GEN = GenerationConfig(max_new_tokens=3)

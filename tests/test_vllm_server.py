@@ -217,7 +217,7 @@ def test_engine_serves_after_bad_plans(server, backend, hf_backend):
 
 def test_plugin_check_passes(server):
     from specprefill_rag.backends.vllm_server import PLUGIN_ERROR_MARK
-    from specprefill_rag.vllm_plugin import plan_to_xargs
+    from specprefill_rag.wire import plan_to_xargs
 
     fresh = create_backend("vllm_server", MODEL, base_url=server.url)
     fresh.ensure_plugin()  # the plugin answered the probe with its 400

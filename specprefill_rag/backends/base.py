@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..config import GenerationConfig
 from ..errors import PlanError
 from ..types import PrefillPlan
-from ..vllm_plugin.protocol import is_contiguous, parse_plan, plan_to_xargs
+from ..wire import is_contiguous, parse_plan, plan_to_xargs
 
 __all__ = ["Backend", "BackendCapabilities", "ModelIdentity", "checked_xargs", "max_new_tokens"]
 

@@ -35,7 +35,7 @@ from typing import Any
 from ..config import GenerationConfig
 from ..errors import BackendError, ServerError
 from ..types import PrefillPlan
-from ..vllm_plugin.protocol import is_contiguous, plan_salt, plan_to_xargs
+from ..wire import is_contiguous, plan_salt, plan_to_xargs
 from .base import BackendCapabilities, ModelIdentity, checked_xargs, max_new_tokens
 from .vllm_http import _IO_ERRORS, _NO_DEADLINE, VLLMHTTPClient, _Deadline, _describe
 

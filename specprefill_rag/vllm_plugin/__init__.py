@@ -5,8 +5,8 @@ Installed with ``specprefill-rag`` as the ``vllm.general_plugins`` entry point
 process it starts (API server, engine core, each TP/PP worker). Without the entry point (a
 source checkout), the offline backend registers it in vLLM's workers itself, through the worker
 extension ``runner.SpecPrefillWorkerExtension``. Requests without a plan are untouched. The
-wire format is in ``protocol``; the wrapped vLLM functions are in ``patches``; the how-to is
-docs/vllm.md.
+wire format is ``specprefill_rag.wire`` (which the plugin imports, never the other way round);
+the wrapped vLLM functions are in ``patches``; the how-to is docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -14,30 +14,11 @@ from __future__ import annotations
 import logging
 import os
 
-from .protocol import (
-    NEXT_POSITION_KEY,
-    POSITIONS_KEY,
-    PlanError,
-    PositionPlan,
-    is_contiguous,
-    parse_plan,
-    plan_salt,
-    plan_to_xargs,
-)
-
 __all__ = [
-    "NEXT_POSITION_KEY",
-    "POSITIONS_KEY",
     "SUPPORTED_VLLM_VERSIONS",
-    "PlanError",
-    "PositionPlan",
     "UnsupportedVLLMError",
     "check_vllm_version",
     "disabled_reason",
-    "is_contiguous",
-    "parse_plan",
-    "plan_salt",
-    "plan_to_xargs",
     "register",
 ]
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from .protocol import NEXT_POSITION_KEY, PlanError, PositionPlan, parse_plan
+from ..errors import PlanError
+from ..wire import NEXT_POSITION_KEY, PositionPlan, parse_plan
 from .runner import MARK
 
 __all__ = [

@@ -6,7 +6,7 @@
   plans, refuse those the engine cannot honour, and salt the prefix cache.
 
 This module applies them (``apply_patches``) and re-exports their public names. Only these three
-modules touch vLLM internals; ``protocol`` holds the rules.
+modules touch vLLM internals; ``specprefill_rag.wire`` holds the rules.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .protocol import NEXT_POSITION_KEY, POSITIONS_KEY, PlanError, parse_plan
+from ..errors import PlanError
+from ..wire import NEXT_POSITION_KEY, POSITIONS_KEY, parse_plan
 
 __all__ = [
     "RUNNER_MODULE", "WORKER_EXTENSION", "SpecPrefillWorkerExtension", "planned_offsets", "remap_positions",

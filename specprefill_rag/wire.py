@@ -1,8 +1,9 @@
-"""The wire format of a position plan, shared by the vLLM plugin and our clients.
+"""The plan on the wire: how a position plan travels to vLLM, and the rules it must meet.
 
-Pure Python, no vLLM import: the client validates and encodes with the same code the
-server validates with. A request carries its plan in ``SamplingParams.extra_args`` (over
-HTTP: the ``vllm_xargs`` field of ``/v1/completions``)::
+Shared by our clients (the engine, the vLLM backends) and the vLLM plugin, which imports it and
+never the other way round. Pure Python, no vLLM import: the client validates and encodes with the
+same code the server validates with. A request carries its plan in ``SamplingParams.extra_args``
+(over HTTP: the ``vllm_xargs`` field of ``/v1/completions``)::
 
     {"specprefill_positions": [0, 1, 2, 40, 41, ...],   # one original position per prompt token
      "specprefill_next_position": 512}                   # position of the first generated token
@@ -18,12 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PlanError
+from .errors import PlanError
 
 __all__ = [
     "NEXT_POSITION_KEY",
     "POSITIONS_KEY",
-    "PlanError",
     "PositionPlan",
     "is_contiguous",
     "parse_plan",

@@ -1,4 +1,5 @@
-"""The plugin's wire format and validation rules (pure Python: no vLLM, no server)."""
+"""The plan on the wire (``specprefill_rag.wire``) and its validation rules, and the plugin's version check
+(pure Python: no vLLM, no server)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,11 @@ import torch
 
 from specprefill_rag.backends.vllm_server import request_body
 from specprefill_rag.config import GenerationConfig
+from specprefill_rag.errors import PlanError
 from specprefill_rag.types import PrefillPlan
-from specprefill_rag.vllm_plugin import (
-    NEXT_POSITION_KEY,
-    POSITIONS_KEY,
-    PlanError,
-    UnsupportedVLLMError,
-    check_vllm_version,
-    parse_plan,
-    plan_salt,
-    plan_to_xargs,
-)
+from specprefill_rag.vllm_plugin import UnsupportedVLLMError, check_vllm_version
 from specprefill_rag.vllm_plugin.patches import remap_positions
+from specprefill_rag.wire import NEXT_POSITION_KEY, POSITIONS_KEY, parse_plan, plan_salt, plan_to_xargs
 
 
 def xargs(positions, next_position):
