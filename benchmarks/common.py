@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specprefill_rag.tools.models import DEFAULT_DRAFT, DEFAULT_MAIN
+from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
 __all__ = [
     "DEFAULT_DRAFT",

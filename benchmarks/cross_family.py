@@ -36,7 +36,7 @@ from specprefill_rag import (  # noqa: E402
     SpecPrefillEngine,
 )
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
-from specprefill_rag.tools.models import DEFAULT_DRAFT, DEFAULT_MAIN, load_model  # noqa: E402
+from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, load_model  # noqa: E402
 
 PASSKEY = "68413"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

@@ -48,7 +48,7 @@ from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bo
 from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, scoring
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
-from specprefill_rag.tools.models import load_tokenizer
+from specprefill_rag.loading import load_tokenizer
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
 CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence"

@@ -198,7 +198,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     from urllib.parse import urlparse
 
-    from specprefill_rag.tools.models import load_tokenizer, resolve_model_dir
+    from specprefill_rag.loading import load_tokenizer, resolve_model_dir
     from specprefill_rag.tools.vllm_process import VLLMServer
 
     args = parse_args(argv)

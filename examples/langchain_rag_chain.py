@@ -24,7 +24,7 @@ from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 from langchain_specprefill import ChatSpecPrefill, create_specprefill_rag_chain  # noqa: E402
 
-from specprefill_rag.tools.models import MODEL_PAIRS  # noqa: E402
+from specprefill_rag.loading import MODEL_PAIRS  # noqa: E402
 from specprefill_rag.tools.retrieval import demo_documents, load_embedder, split_passages  # noqa: E402
 
 

@@ -28,7 +28,7 @@ from llama_index.core.instrumentation.events.llm import LLMCompletionEndEvent  #
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM  # noqa: E402
 
-from specprefill_rag.tools.models import MODEL_PAIRS  # noqa: E402
+from specprefill_rag.loading import MODEL_PAIRS  # noqa: E402
 from specprefill_rag.tools.retrieval import demo_documents, load_embedder  # noqa: E402
 
 

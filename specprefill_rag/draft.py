@@ -162,8 +162,8 @@ class DraftModel:
         cls, name_or_path: str, config: DraftConfig | None = None, *,
         dtype: torch.dtype = torch.float32, device: str = "cpu",
     ) -> DraftModel:
-        """Load a draft by packaged short name, HF directory or GGUF path (see ``models``)."""
-        from .tools.models import load_model
+        """Load a draft by packaged short name, HF directory or GGUF path (see ``loading``)."""
+        from .loading import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
         return cls(model, tokenizer, config)

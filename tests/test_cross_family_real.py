@@ -28,7 +28,7 @@ MAIN = "qwen2.5-coder-0.5b-instruct"
 
 @pytest.fixture(scope="module")
 def engine():
-    from specprefill_rag.tools.models import load_model
+    from specprefill_rag.loading import load_model
 
     config = SpecPrefillConfig(
         selection=SelectionConfig(keep_rate=0.2),

@@ -246,7 +246,7 @@ def test_pipelines_that_drop_characters_get_no_bound():
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"])
 def test_the_window_bound_holds_on_the_packaged_tokenizers(name):
-    from specprefill_rag.tools.models import load_tokenizer
+    from specprefill_rag.loading import load_tokenizer
 
     tokenizer = load_tokenizer(name)
     assert_bound_holds(tokenizer, n=300, seed=3)

@@ -135,7 +135,7 @@ def test_random_hostile_mixes_keep_the_invariant(any_tokenizer, system, history,
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
 def test_packaged_tokenizers_keep_the_invariant(name):
-    from specprefill_rag.tools.models import load_tokenizer
+    from specprefill_rag.loading import load_tokenizer
 
     tok = load_tokenizer(name)
     markers = sorted(tok.convert_ids_to_tokens(sorted(special_token_ids(tok))), key=len)[-6:]

@@ -42,7 +42,7 @@ def haystack(n_passages: int = 12, repeats: int = 9, needle_at: int = 7) -> list
 
 @pytest.fixture(scope="module")
 def engine():
-    from specprefill_rag.tools.models import load_model
+    from specprefill_rag.loading import load_model
 
     model, tokenizer = load_model(MODEL)
     config = SpecPrefillConfig(

@@ -16,7 +16,7 @@ PACKAGES = [
     "specprefill_rag.streams",
     "specprefill_rag.errors",
     "specprefill_rag.tokenbound",
-    "specprefill_rag.tools.models",
+    "specprefill_rag.loading",
     "specprefill_rag.prompt",
     "specprefill_rag.tools.retrieval",
     "specprefill_rag.scoring",

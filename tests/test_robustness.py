@@ -364,7 +364,7 @@ def test_segments_are_one_piece_of_text(tokenizer):
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"])
 def test_packaged_tokenizers_take_role_markers_as_text(name):
-    from specprefill_rag.tools.models import load_tokenizer, resolve_model_dir
+    from specprefill_rag.loading import load_tokenizer, resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir(name))
     segments = prompt.build_segments(f"when? {INJECTION}", [INJECTION, "The lamp is red."], "Be brief.")

@@ -105,7 +105,7 @@ def engine(hf_backend):
 
 
 def _model_dir() -> str:
-    from specprefill_rag.tools.models import resolve_model_dir
+    from specprefill_rag.loading import resolve_model_dir
 
     return str(resolve_model_dir(MODEL))
 

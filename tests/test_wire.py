@@ -164,6 +164,7 @@ def test_server_in_another_environment_is_checked_there(tmp_path):
 def test_cpu_defaults_are_one_table_for_server_and_offline_engine():
     """The server's flags and ``vllm.LLM``'s arguments on CPU come from CPU_ENGINE_ARGS; the
     caller's own values win, ``dtype="auto"`` included as absent."""
+    from specprefill_rag.backends import vllm_offline
     from specprefill_rag.tools import vllm_process
 
     command = vllm_process.server_command("/models/m", cpu=True, extra_args=["--max-num-seqs", "8"])
@@ -171,8 +172,8 @@ def test_cpu_defaults_are_one_table_for_server_and_offline_engine():
     assert "--dtype" not in vllm_process.server_command("/models/m", cpu=False)
     assert vllm_process.server_env({}, cpu=True)["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert vllm_process.server_env({"VLLM_CPU_KVCACHE_SPACE": "4"}, cpu=True)["VLLM_CPU_KVCACHE_SPACE"] == "4"
-    args = vllm_process.cpu_engine_args({"dtype": "auto", "max_model_len": 2048}, env={})
+    args = vllm_offline.cpu_engine_args({"dtype": "auto", "max_model_len": 2048}, env={})
     assert args == {"dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "kv_cache_memory_bytes": 1 << 30}
-    args = vllm_process.cpu_engine_args({"dtype": "bfloat16", "enforce_eager": False},
+    args = vllm_offline.cpu_engine_args({"dtype": "bfloat16", "enforce_eager": False},
                                         env={"VLLM_CPU_KVCACHE_SPACE": "2"})
     assert args == {"dtype": "bfloat16", "enforce_eager": False}

@@ -71,7 +71,7 @@ class TransformersBackend(ModelIdentity):
         cls, name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
     ) -> TransformersBackend:
         """Load the main model by packaged short name, HF directory or GGUF path."""
-        from ..tools.models import load_model
+        from ..loading import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
         return cls(model, tokenizer, name=str(name_or_path))

