@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # `python benchmarks/plugin_step.py`
 
 from specprefill_rag.errors import PlanError
 from specprefill_rag.vllm_plugin import runner as plugin_runner
-from specprefill_rag.vllm_plugin.patches import remap_positions
+from specprefill_rag.vllm_plugin.runner import remap_positions
 from specprefill_rag.wire import parse_plan, plan_to_xargs
 
 __all__ = ["Case", "MockRunner", "emulated_prepare_inputs", "legacy_wrap", "main", "run_case"]

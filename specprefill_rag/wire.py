@@ -22,6 +22,7 @@ from typing import Any
 from .errors import PlanError
 
 __all__ = [
+    "INVALID_PLAN",
     "NEXT_POSITION_KEY",
     "POSITIONS_KEY",
     "PositionPlan",
@@ -33,6 +34,9 @@ __all__ = [
 
 POSITIONS_KEY = "specprefill_positions"
 NEXT_POSITION_KEY = "specprefill_next_position"
+# How the plugin words a refused plan (HTTP 400, VLLMValidationError): "<INVALID_PLAN>: <the rule>".
+# A client that gets it for an invalid plan knows the plugin is active in the server.
+INVALID_PLAN = "invalid SpecPrefill plan in vllm_xargs"
 _SALT_PREFIX = "specprefill-"
 _SALT_HEX = 32  # hex digits of sha256 kept in the salt (128 bits)
 

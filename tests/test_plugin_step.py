@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from specprefill_rag.vllm_plugin import runner as plugin_runner
-from specprefill_rag.vllm_plugin.patches import planned_offsets, remap_positions
+from specprefill_rag.vllm_plugin.runner import planned_offsets, remap_positions
 from specprefill_rag.wire import plan_to_xargs
 
 

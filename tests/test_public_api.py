@@ -26,7 +26,6 @@ PACKAGES = [
     "specprefill_rag.testing",
     "specprefill_rag.vllm_plugin",
     "specprefill_rag.vllm_plugin.admission",
-    "specprefill_rag.vllm_plugin.patches",
     "specprefill_rag.vllm_plugin.runner",
     "specprefill_rag.tools.vllm_process",
     "specprefill_rag.backends.vllm_http",

@@ -197,7 +197,7 @@ def test_unpatched_runner_refuses_plans(engine, hf_backend, monkeypatch):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from specprefill_rag.backends.vllm_offline import VLLMOfflineBackend
-    from specprefill_rag.vllm_plugin.patches import WORKER_EXTENSION
+    from specprefill_rag.vllm_plugin.runner import WORKER_EXTENSION
 
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", GPUModelRunner._prepare_inputs.__wrapped__)
     fresh = VLLMOfflineBackend(engine[0].llm, name=MODEL)

@@ -34,9 +34,9 @@ from specprefill_rag.backends.vllm_server import VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
 from specprefill_rag.errors import BackendError, ServerError
 from specprefill_rag.types import PrefillPlan
-from specprefill_rag.vllm_plugin import admission, patches
+from specprefill_rag.vllm_plugin import admission
 from specprefill_rag.vllm_plugin import runner as plugin_runner
-from specprefill_rag.vllm_plugin.patches import POSITION_DEPENDENT_ARCHITECTURES, plan_refusal
+from specprefill_rag.vllm_plugin.admission import POSITION_DEPENDENT_ARCHITECTURES, plan_refusal
 from specprefill_rag.wire import plan_to_xargs
 
 serve = fakes.serve  # the fake-server fixture of the transport tests
@@ -485,7 +485,7 @@ def test_preempted_request_is_recomputed_at_its_positions():
 # -- the offline backend's worker check (stub vllm.LLM) ------------------------------------
 
 
-def offline(answer: Any, monkeypatch: Any, extension: str = patches.WORKER_EXTENSION) -> tuple[Any, list[Any]]:
+def offline(answer: Any, monkeypatch: Any, extension: str = plugin_runner.WORKER_EXTENSION) -> tuple[Any, list[Any]]:
     """A ``VLLMOfflineBackend`` on a stub ``vllm.LLM`` whose workers answer ``collective_rpc`` with ``answer``."""
     from specprefill_rag.backends.vllm_offline import VLLMOfflineBackend
 
@@ -521,7 +521,7 @@ def test_offline_backend_refuses_plans_without_the_plugin_in_a_worker(monkeypatc
     backend, calls = offline(answer, monkeypatch)
     with pytest.raises(BackendError, match=message) as info:
         backend.ensure_plugin()
-    assert "from_pretrained" in str(info.value) and patches.WORKER_EXTENSION in str(info.value)
+    assert "from_pretrained" in str(info.value) and plugin_runner.WORKER_EXTENSION in str(info.value)
     with pytest.raises(BackendError):  # failure is not remembered: checked again
         backend.ensure_plugin()
     assert len(calls) == 2
@@ -530,11 +530,11 @@ def test_offline_backend_refuses_plans_without_the_plugin_in_a_worker(monkeypatc
 def test_offline_backend_without_the_extension_sends_a_function(monkeypatch):
     backend, calls = offline([True], monkeypatch, extension="")
     backend.ensure_plugin()
-    assert calls == [patches.runner_patched]
+    assert calls == [plugin_runner.runner_patched]
     worker = SimpleNamespace(model_runner=SimpleNamespace())
-    assert patches.runner_patched(worker) is False  # a runner class without the wrapper
+    assert plugin_runner.runner_patched(worker) is False  # a runner class without the wrapper
     runner_cls = type("Runner", (), {"_prepare_inputs": plugin_runner._wrap_prepare_inputs(lambda *a: None)})
-    assert patches.runner_patched(SimpleNamespace(model_runner=runner_cls())) is True
+    assert plugin_runner.runner_patched(SimpleNamespace(model_runner=runner_cls())) is True
 
 
 # -- a real vLLM server without the plugin -------------------------------------------------

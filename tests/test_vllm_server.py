@@ -216,14 +216,13 @@ def test_engine_serves_after_bad_plans(server, backend, hf_backend):
 
 
 def test_plugin_check_passes(server):
-    from specprefill_rag.backends.vllm_server import PLUGIN_ERROR_MARK
-    from specprefill_rag.wire import plan_to_xargs
+    from specprefill_rag.wire import INVALID_PLAN, plan_to_xargs
 
     fresh = create_backend("vllm_server", MODEL, base_url=server.url)
     fresh.ensure_plugin()  # the plugin answered the probe with its 400
     status, text = post(server, {"model": str(server.model_dir), "prompt": [0], "max_tokens": 1,
                                  "stream": False, "vllm_xargs": plan_to_xargs([0], 0)})  # the probe
-    assert status == 400 and PLUGIN_ERROR_MARK in json.loads(text)["error"]["message"]
+    assert status == 400 and INVALID_PLAN in json.loads(text)["error"]["message"]
 
 
 def test_reused_request_id_gets_its_own_plan(server, hf_backend):

@@ -11,7 +11,7 @@ from specprefill_rag.config import GenerationConfig
 from specprefill_rag.errors import PlanError
 from specprefill_rag.types import PrefillPlan
 from specprefill_rag.vllm_plugin import UnsupportedVLLMError, check_vllm_version
-from specprefill_rag.vllm_plugin.patches import remap_positions
+from specprefill_rag.vllm_plugin.runner import remap_positions
 from specprefill_rag.wire import NEXT_POSITION_KEY, POSITIONS_KEY, parse_plan, plan_salt, plan_to_xargs
 
 
@@ -87,7 +87,6 @@ def test_unsupported_vllm_disables_the_plugin_without_aborting(monkeypatch, capl
     """An untested vLLM or a forced V2 runner: one error line, nothing patched, vLLM starts."""
     vllm = pytest.importorskip("vllm")
     import specprefill_rag.vllm_plugin as plugin
-    from specprefill_rag.vllm_plugin import patches
 
     monkeypatch.setattr(vllm, "__version__", version)
     monkeypatch.setattr(plugin, "_registered", False)
@@ -96,7 +95,7 @@ def test_unsupported_vllm_disables_the_plugin_without_aborting(monkeypatch, capl
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     applied = []
-    monkeypatch.setattr(patches, "apply_patches", lambda: applied.append(1))
+    monkeypatch.setattr(plugin, "apply_patches", lambda: applied.append(1))
     with caplog.at_level("ERROR", logger="specprefill_rag.vllm_plugin"):
         plugin.register()
         plugin.register()  # once per process

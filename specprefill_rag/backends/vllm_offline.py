@@ -70,7 +70,7 @@ class VLLMOfflineBackend(ModelIdentity):
 
     def __init__(self, llm: Any, *, name: str | None = None) -> None:
         from ..vllm_plugin import register
-        from ..vllm_plugin.patches import max_positions
+        from ..vllm_plugin.admission import max_positions
 
         register()  # this process's admission (process_inputs); a no-op when vLLM loaded the entry point
         self.llm = llm
@@ -100,7 +100,7 @@ class VLLMOfflineBackend(ModelIdentity):
 
         from ..loading import resolve_model_dir
         from ..vllm_plugin import register
-        from ..vllm_plugin.patches import WORKER_EXTENSION
+        from ..vllm_plugin.runner import WORKER_EXTENSION
 
         engine_args = dict(llm_kwargs, dtype=dtype, max_model_len=max_model_len)
         if on_cpu():
@@ -123,7 +123,7 @@ class VLLMOfflineBackend(ModelIdentity):
         if self._plugin_verified:
             return
         from ..vllm_plugin import disabled_reason
-        from ..vllm_plugin.patches import WORKER_EXTENSION, runner_patched
+        from ..vllm_plugin.runner import WORKER_EXTENSION, runner_patched
 
         reason = disabled_reason()
         if reason is not None:
@@ -221,7 +221,7 @@ class VLLMOfflineBackend(ModelIdentity):
 
 
 def _fix() -> str:
-    from ..vllm_plugin.patches import WORKER_EXTENSION
+    from ..vllm_plugin.runner import WORKER_EXTENSION
 
     return (
         "Build the engine with VLLMOfflineBackend.from_pretrained(...), which loads the plugin into every "

@@ -35,7 +35,7 @@ from typing import Any
 from ..config import GenerationConfig
 from ..errors import BackendError, ServerError
 from ..types import PrefillPlan
-from ..wire import is_contiguous, plan_salt, plan_to_xargs
+from ..wire import INVALID_PLAN, is_contiguous, plan_salt, plan_to_xargs
 from .base import BackendCapabilities, ModelIdentity, checked_xargs, max_new_tokens
 from .vllm_http import _IO_ERRORS, _NO_DEADLINE, VLLMHTTPClient, _Deadline, _describe
 
@@ -51,8 +51,6 @@ class TokenStep:
     logprob: float | None
 
 
-# The plugin's answer to a malformed plan: HTTP 400 with a message that starts with this.
-PLUGIN_ERROR_MARK = "invalid SpecPrefill plan"
 # One prompt token at position 0 whose next position is not above it: every plugin rejects it.
 _PROBE_XARGS = plan_to_xargs([0], 0)
 _PLUGIN_FIX = (
@@ -218,7 +216,7 @@ class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
         try:
             exchange = self._open("POST", "/v1/completions", body, _NO_DEADLINE)
         except ServerError as exc:
-            if exc.status == 400 and PLUGIN_ERROR_MARK in str(exc):
+            if exc.status == 400 and INVALID_PLAN in str(exc):
                 logger.debug("vLLM server at %s: SpecPrefill plugin active", self.base_url)
                 return
             if exc.status is not None and exc.status >= 500:

@@ -4,19 +4,33 @@ Installed with ``specprefill-rag`` as the ``vllm.general_plugins`` entry point
 ``specprefill = specprefill_rag.vllm_plugin:register``, so vLLM calls ``register()`` in every
 process it starts (API server, engine core, each TP/PP worker). Without the entry point (a
 source checkout), the offline backend registers it in vLLM's workers itself, through the worker
-extension ``runner.SpecPrefillWorkerExtension``. Requests without a plan are untouched. The
-wire format is ``specprefill_rag.wire`` (which the plugin imports, never the other way round);
-the wrapped vLLM functions are in ``patches``; the how-to is docs/vllm.md.
+extension ``runner.SpecPrefillWorkerExtension``. Requests without a plan are untouched.
+
+- this module: ``register()``, the version check, and applying the patches as vLLM imports the
+  modules they wrap (``apply_patches``);
+- ``admission``: validation and refusal of planned requests before they reach an engine;
+- ``runner``: the per-step position rewrite in vLLM's model runner, and the worker extension.
+
+Only ``admission`` and ``runner`` touch vLLM internals. The wire format is
+``specprefill_rag.wire``, which the plugin imports, never the other way round; the how-to is
+docs/vllm.md.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import logging
 import os
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
 
 __all__ = [
     "SUPPORTED_VLLM_VERSIONS",
     "UnsupportedVLLMError",
+    "apply_patches",
     "check_vllm_version",
     "disabled_reason",
     "register",
@@ -97,8 +111,49 @@ def register() -> None:
         return
     os.environ[_V2_RUNNER_ENV] = "0"
 
-    from .patches import apply_patches
-
     apply_patches()
     _registered = True
     logger.debug("specprefill-rag vLLM plugin registered (vLLM %s)", vllm.__version__)
+
+
+# -- applying patches when vLLM imports the modules ------------------------------------------
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs a patch right after a module executes, so the plugin never imports it eagerly."""
+
+    def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.patches = patches
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        loader = spec.loader
+        original_exec = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            original_exec(module)
+            patch(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def apply_patches() -> None:
+    """Patch the modules vLLM already imported (``admission.PATCHES``, ``runner.PATCHES``); patch
+    the others as they get imported."""
+    from . import admission, runner
+
+    pending = {}
+    for name, patch in {**runner.PATCHES, **admission.PATCHES}.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+        else:
+            pending[name] = patch
+    if pending and not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportFinder(pending))

@@ -18,11 +18,11 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import PlanError
-from ..wire import NEXT_POSITION_KEY, PositionPlan, parse_plan
+from ..wire import INVALID_PLAN, NEXT_POSITION_KEY, PositionPlan, parse_plan
 from .runner import MARK
 
 __all__ = [
-    "CHAT_SERVING_MODULE", "INPUT_PROCESSOR_MODULE", "POSITION_DEPENDENT_ARCHITECTURES", "SERVING_MODULE",
+    "CHAT_SERVING_MODULE", "INPUT_PROCESSOR_MODULE", "PATCHES", "POSITION_DEPENDENT_ARCHITECTURES", "SERVING_MODULE",
     "max_positions", "plan_refusal",
 ]
 
@@ -159,7 +159,7 @@ def _parse_or_raise(extra: Any, *, prompt_len: int, max_tokens: int | None, max_
     try:
         return parse_plan(extra, prompt_len=prompt_len, max_tokens=max_tokens, max_len=max_len)
     except PlanError as error:
-        raise _validation_error(f"invalid SpecPrefill plan in vllm_xargs: {error}") from None
+        raise _validation_error(f"{INVALID_PLAN}: {error}") from None
 
 
 def _patch_input_processor(module: ModuleType) -> None:
@@ -211,7 +211,7 @@ def _wrap_render(
                     max_len=max_positions(self.model_config),
                 ) is not None
         except PlanError as error:
-            return self.create_error_response(f"invalid SpecPrefill plan in vllm_xargs: {error}", param="vllm_xargs")
+            return self.create_error_response(f"{INVALID_PLAN}: {error}", param="vllm_xargs")
         vllm_config = getattr(getattr(self, "engine_client", None), "vllm_config", None)
         refusal = plan_refusal(vllm_config) if planned and vllm_config is not None else None
         if refusal is not None:
@@ -234,3 +234,11 @@ def _patch_chat_serving(module: ModuleType) -> None:
     cls = module.OpenAIServingChat
     if not getattr(cls.render_chat_request, MARK, False):
         cls.render_chat_request = _wrap_render(cls.render_chat_request, _chat_inputs, _chat_max_tokens)
+
+
+# vLLM module → the patch applied to it once vLLM imports it (``vllm_plugin.apply_patches``).
+PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    INPUT_PROCESSOR_MODULE: _patch_input_processor,
+    SERVING_MODULE: _patch_serving,
+    CHAT_SERVING_MODULE: _patch_chat_serving,
+}

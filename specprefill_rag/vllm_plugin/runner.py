@@ -24,8 +24,8 @@ from ..errors import PlanError
 from ..wire import NEXT_POSITION_KEY, POSITIONS_KEY, parse_plan
 
 __all__ = [
-    "RUNNER_MODULE", "WORKER_EXTENSION", "SpecPrefillWorkerExtension", "planned_offsets", "remap_positions",
-    "runner_patched",
+    "PATCHES", "RUNNER_MODULE", "WORKER_EXTENSION", "SpecPrefillWorkerExtension", "planned_offsets",
+    "remap_positions", "runner_patched",
 ]
 
 logger = logging.getLogger(__name__)
@@ -325,3 +325,7 @@ def _patch_runner(module: ModuleType) -> None:
             "vLLM 0.32) reads to keep its plans current; refusing to patch"
         )
     runner._prepare_inputs = _wrap_prepare_inputs(original)
+
+
+# vLLM module → the patch applied to it once vLLM imports it (``vllm_plugin.apply_patches``).
+PATCHES: dict[str, Callable[[ModuleType], None]] = {RUNNER_MODULE: _patch_runner}
