@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import ConfigError, ConfigTypeError
+from .types import is_int, is_number
 
 LayerChoice = Literal["all", "upper_half", "lower_half", "middle_half"]
 HeadReduction = Literal["max", "mean"]
@@ -46,23 +47,15 @@ def _check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_types(obj: object, ints: tuple[str, ...] = (), numbers: tuple[str, ...] = ()) -> None:
     """ConfigTypeError for a field of the wrong type (a bool is not a number; 2.5 is not a count)."""
     for name in ints:
         value = getattr(obj, name)
-        if value is not None and not _is_int(value):
+        if value is not None and not is_int(value):
             raise ConfigTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     for name in numbers:
         value = getattr(obj, name)
-        if value is not None and not _is_number(value):
+        if value is not None and not is_number(value):
             raise ConfigTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
 
 
@@ -131,7 +124,7 @@ class DraftConfig:
         )
         if isinstance(self.layers, tuple):
             _check(len(self.layers) > 0, "layers must name at least one layer index")
-            _check(all(_is_int(i) and i >= 0 for i in self.layers), f"layer indices must be ints >= 0: {self.layers}")
+            _check(all(is_int(i) and i >= 0 for i in self.layers), f"layer indices must be ints >= 0: {self.layers}")
         else:
             _check(
                 self.layers in ("all", "upper_half", "lower_half", "middle_half"),

@@ -22,6 +22,7 @@ from . import prompt as prompt_lib
 from . import selection as selection_lib
 from . import tokenbound, tokenmap
 from .backends import Backend, create_backend
+from .backends.base import max_new_tokens
 from .batching import MicroBatcher
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
 from .detokenize import IncrementalDecoder
@@ -418,7 +419,7 @@ class SpecPrefillEngine:
         plan = planned.plan
         self._check_positions(plan)
         decoder = IncrementalDecoder(self.tokenizer, gen.stop)
-        limit = min(gen.max_new_tokens, self.backend.max_context - plan.next_position)
+        limit = max_new_tokens(plan, gen, self.backend.max_context)
         prefill_start = time.perf_counter()
         first: float | None = None
         timeout = gen.timeout

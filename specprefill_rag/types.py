@@ -1,7 +1,8 @@
 """Typed values that flow through the pipeline: prompt segments, plans and results.
 
 Data flow: ``Segment`` list → ``AssembledPrompt`` → ``TokenScores`` → ``PrefillPlan`` →
-backend → ``GenerationResult``. Everything here is plain data; no model code.
+backend → ``GenerationResult``. Everything here is plain data; no model code. The checks every
+layer applies to values it is handed (``is_int``, ``is_number``, ``lone_surrogate``) live here too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -28,6 +29,8 @@ __all__ = [
     "SegmentKind",
     "Timings",
     "TokenScores",
+    "is_int",
+    "is_number",
     "lone_surrogate",
 ]
 
@@ -45,6 +48,16 @@ def lone_surrogate(text: str) -> int | None:
         return None
     found = _SURROGATE.search(text)
     return None if found is None else found.start()
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an integer (a ``bool`` is not, though Python says it is an ``int``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """Whether ``value`` is an int or a float (a ``bool`` is not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_id(owner: str, pid: object) -> None:

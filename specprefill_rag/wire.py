@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import PlanError
+from .types import is_int
 
 __all__ = [
     "INVALID_PLAN",
@@ -51,10 +52,6 @@ class PositionPlan:
     @property
     def salt(self) -> str:
         return plan_salt(self.positions, self.next_position)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_contiguous(positions: Sequence[int], next_position: int) -> bool:
@@ -94,9 +91,9 @@ def parse_plan(
     if POSITIONS_KEY not in extra_args or NEXT_POSITION_KEY not in extra_args:
         raise PlanError(f"a SpecPrefill plan needs both {POSITIONS_KEY!r} and {NEXT_POSITION_KEY!r}")
     positions, next_position = extra_args[POSITIONS_KEY], extra_args[NEXT_POSITION_KEY]
-    if not isinstance(positions, list | tuple) or not all(_is_int(p) for p in positions):
+    if not isinstance(positions, list | tuple) or not all(is_int(p) for p in positions):
         raise PlanError(f"{POSITIONS_KEY} must be a list of integers, got {_describe(positions)}")
-    if not _is_int(next_position):
+    if not is_int(next_position):
         raise PlanError(f"{NEXT_POSITION_KEY} must be an integer, got {_describe(next_position)}")
     if len(positions) != prompt_len:
         raise PlanError(

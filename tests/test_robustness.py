@@ -387,7 +387,7 @@ def test_backend_without_exact_positions_refuses_original_positions(engine):
     from specprefill_rag.backends import BackendCapabilities
 
     backend = SlowBackend(engine.backend, delay=0.0)
-    backend.capabilities = BackendCapabilities(exact_positions=False, streaming=True, native_async=False)
+    backend.capabilities = BackendCapabilities(exact_positions=False)
     config = SpecPrefillConfig(draft=engine.config.draft, selection=engine.config.selection,
                                generation=GenerationConfig(max_new_tokens=2))
     loose = SpecPrefillEngine(backend, engine.draft, config)

@@ -357,8 +357,8 @@ def test_closed_port_without_deadline():
 
 
 def test_max_retries_defaults_to_two_and_is_validated():
-    assert client(free_port(), max_retries=1).max_retries == 1
-    assert client(free_port()).max_retries == 2
+    assert client(free_port(), max_retries=1).http.max_retries == 1
+    assert client(free_port()).http.max_retries == 2
     with pytest.raises(ValueError, match="max_retries must be an int >= 0"):
         client(free_port(), max_retries=-1)
 

@@ -1,8 +1,14 @@
-"""The contract every main-model backend meets."""
+"""The contract every main-model backend meets, and the rules every backend shares.
+
+The ``Backend`` protocol and ``BackendCapabilities``; ``ModelIdentity`` for the read-only
+properties; ``max_new_tokens`` (the generation limit: the configured one, cut at the end of the
+window), ``eos_ids`` (the ids that end an answer), ``TokenStep`` (a token with its log-probability)
+and ``checked_xargs`` (a plan's ``vllm_xargs``, validated as the plugin validates them).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -11,7 +17,10 @@ from ..errors import PlanError
 from ..types import PrefillPlan
 from ..wire import is_contiguous, parse_plan, plan_to_xargs
 
-__all__ = ["Backend", "BackendCapabilities", "ModelIdentity", "checked_xargs", "max_new_tokens"]
+__all__ = [
+    "Backend", "BackendCapabilities", "ModelIdentity", "TokenStep", "check_window", "checked_xargs", "eos_ids",
+    "max_new_tokens",
+]
 
 
 @dataclass(frozen=True)
@@ -19,14 +28,18 @@ class BackendCapabilities:
     """What a backend can do, declared by the backend.
 
     The engine reads ``exact_positions``: without it, a plan at original (non-contiguous)
-    positions is refused with a ``ConfigError`` instead of being run re-indexed. ``streaming``
-    and ``native_async`` describe the backend to callers (e.g. whether a measured TTFT is a real
-    first-token time); the engine runs every backend's ``stream_tokens`` in a thread.
+    positions is refused with a ``ConfigError`` instead of being run re-indexed.
     """
 
     exact_positions: bool  # prefills kept tokens at their original position ids
-    streaming: bool  # yields tokens as they are decoded (TTFT is real)
-    native_async: bool  # has its own async path (none of ours: the engine uses a thread)
+
+
+@dataclass(frozen=True)
+class TokenStep:
+    """One generated token and, when asked for, its log-probability under the main model."""
+
+    token_id: int
+    logprob: float | None
 
 
 @runtime_checkable
@@ -88,13 +101,27 @@ class ModelIdentity:
         return self._name
 
 
-def max_new_tokens(plan: PrefillPlan, generation: GenerationConfig, window: int) -> int:
-    """Tokens to generate: the configured limit, cut at the end of the window (as transformers)."""
+def check_window(plan: PrefillPlan, window: int) -> None:
+    """``PlanError`` unless the plan's prompt ends inside the main model's ``window``."""
     if plan.next_position > window:
         raise PlanError(
             f"plan reaches position {plan.next_position}, beyond the main model's window of {window} tokens"
         )
+
+
+def max_new_tokens(plan: PrefillPlan, generation: GenerationConfig, window: int) -> int:
+    """Tokens to generate: the configured limit, cut at the end of the window (as transformers)."""
+    check_window(plan, window)
     return min(generation.max_new_tokens, window - plan.next_position)
+
+
+def eos_ids(configured: int | Sequence[int] | None, tokenizer: Any) -> frozenset[int]:
+    """The ids that end an answer: the model's generation config's (``configured``: one id, a
+    list or None) and the tokenizer's EOS, as vLLM stops at both."""
+    ids = {configured} if isinstance(configured, int) else set(configured or ())
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(int(i) for i in ids)
 
 
 def checked_xargs(plan: PrefillPlan, *, max_tokens: int, window: int, model: str) -> dict[str, Any] | None:

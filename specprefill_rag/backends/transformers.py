@@ -16,7 +16,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..types import PrefillPlan
-from .base import BackendCapabilities, ModelIdentity
+from .base import BackendCapabilities, ModelIdentity, check_window, eos_ids, max_new_tokens
 
 __all__ = ["PrefillState", "TransformersBackend", "sample_token"]
 
@@ -54,17 +54,15 @@ class TransformersBackend(ModelIdentity):
     """A transformers causal LM serving prefill plans in-process."""
 
     name = "transformers"
-    capabilities = BackendCapabilities(exact_positions=True, streaming=True, native_async=False)
+    capabilities = BackendCapabilities(exact_positions=True)
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None) -> None:
         self.model = model.eval()
         self._tokenizer = tokenizer
         self._name = name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
         self._max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
-        if eos is None:
-            eos = tokenizer.eos_token_id
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        generation_config = getattr(model, "generation_config", None)
+        self.eos_token_ids = eos_ids(getattr(generation_config, "eos_token_id", None), tokenizer)
 
     @classmethod
     def from_pretrained(
@@ -94,11 +92,7 @@ class TransformersBackend(ModelIdentity):
     @torch.inference_mode()
     def prefill(self, plan: PrefillPlan) -> PrefillState:
         """Run the main model over the plan's kept tokens at the plan's positions."""
-        if plan.next_position > self.max_context:
-            raise ValueError(
-                f"plan reaches position {plan.next_position}, beyond the main model's window "
-                f"of {self.max_context} tokens"
-            )
+        check_window(plan, self.max_context)
         out = self._forward(plan.token_ids, plan.position_ids, None, 0)
         return PrefillState(out.logits[0, -1].float(), out.past_key_values, plan.n_kept, plan.next_position)
 
@@ -114,7 +108,7 @@ class TransformersBackend(ModelIdentity):
         generator = None
         if not generation.greedy and generation.seed is not None:
             generator = torch.Generator().manual_seed(generation.seed)
-        max_new = min(generation.max_new_tokens, self.max_context - plan.next_position)
+        max_new = max_new_tokens(plan, generation, self.max_context)
         state = self.prefill(plan)
         for step in range(max_new):
             token = sample_token(state.logits, generation, generator)

@@ -1,11 +1,12 @@
 """HTTP to a vLLM OpenAI-compatible server: deadlines, retries and server-sent events.
 
-Standard library only (``http.client``). ``VLLMHTTPClient`` is the transport half of
-``VLLMServerBackend`` (which adds requests, plans and the plugin check): it opens a request,
-re-sending it only when no connection was made or the server answered 502/503/504, and reads a
-streamed answer line by line under a per-request deadline and a per-read silence limit. Every
-failure is a ``BackendError`` naming the server (``ServerError`` for HTTP errors and error
-events, ``BackendTimeoutError`` past the deadline).
+Standard library only (``http.client``). ``VLLMHTTPClient`` is the transport of
+``VLLMServerBackend`` (which adds requests, plans and the plugin check) and private to it: the
+backend holds one and calls ``get``, ``post`` and ``stream``. A request is re-sent only when no
+connection was made or the server answered 502/503/504; a streamed answer is read line by line
+under a per-request deadline and a per-read silence limit. Every failure is a ``BackendError``
+naming the server (``ServerError`` for HTTP errors and error events, ``BackendTimeoutError`` past
+the deadline).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BackendError, BackendTimeoutError, ConfigError, ServerError
+from ..types import is_int
 
-__all__ = ["RETRY_STATUSES", "VLLMHTTPClient"]
+__all__ = ["RETRY_STATUSES", "VLLMHTTPClient", "describe"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ class VLLMHTTPClient:
         parsed = urllib.parse.urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ConfigError(f"base_url must look like http://HOST:PORT, got {base_url!r}")
-        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+        if not is_int(max_retries) or max_retries < 0:
             raise ConfigError(f"max_retries must be an int >= 0, got {max_retries!r}")
         self.base_url = base_url.rstrip("/")
         self._scheme, self._host = parsed.scheme, parsed.hostname
@@ -95,6 +97,40 @@ class VLLMHTTPClient:
         self._prefix = parsed.path.rstrip("/")
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.max_retries, self.retry_backoff = int(max_retries), retry_backoff
+
+    def get(self, path: str) -> bytes:
+        """The body of the 2xx answer to ``GET path`` (no deadline: the connect and read timeouts
+        bound it; retried as any request)."""
+        exchange = self._open("GET", path, None, _NO_DEADLINE)
+        try:
+            return exchange.response.read()
+        except _IO_ERRORS as exc:
+            raise self._io_error(exc, self.read_timeout, _NO_DEADLINE, f"while answering {path}") from exc
+        finally:
+            exchange.close()
+
+    def post(self, path: str, body: dict[str, Any]) -> int:
+        """The status of the 2xx answer to ``POST path`` (its body unread; no deadline);
+        ``ServerError`` for any other answer."""
+        exchange = self._open("POST", path, body, _NO_DEADLINE)
+        exchange.close()
+        return exchange.response.status
+
+    def stream(self, path: str, body: dict[str, Any], timeout: float | None) -> Generator[dict[str, Any], None, None]:
+        """The server-sent events of ``POST path``, until ``[DONE]``. ``timeout`` (seconds, counted
+        from the first ``next``; None: none) bounds the whole exchange, retries included; closing
+        the iterator closes the connection, which cancels the request on the server."""
+        deadline = _Deadline.start(timeout)
+        exchange = self._open("POST", path, body, deadline)
+        try:
+            yield from self._events(exchange, deadline)
+        finally:
+            exchange.close()
+
+    def malformed(self, exc: Exception, data: bytes) -> BackendError:
+        """The error for an event (``data``) that is not shaped as expected (``exc`` says how)."""
+        return BackendError(f"the vLLM server at {self.base_url} sent a malformed stream event "
+                            f"({describe(exc)}): {data[:200]!r}")
 
     def _open(self, method: str, path: str, body: dict[str, Any] | None, deadline: _Deadline) -> _Exchange:
         """Send a request and return its 2xx answer, retrying failed connects and 502/503/504
@@ -115,19 +151,19 @@ class VLLMHTTPClient:
             if attempts > self.max_retries or (left is not None and left < delay):
                 break
             logger.warning("vLLM server at %s: %s; retry %d of %d in %.2g s",
-                           self.base_url, _describe(failure), attempts, self.max_retries, delay)
+                           self.base_url, describe(failure), attempts, self.max_retries, delay)
             time.sleep(delay)
             delay *= 2
         tried = f"{attempts} attempt{'s' if attempts > 1 else ''} over {time.monotonic() - began:.1f} s"
         if attempts <= self.max_retries or deadline.passed():  # the deadline cut the retries short
-            raise self._timed_out(deadline, f"before answering {path}", f"{tried}; last: {_describe(failure)}"
+            raise self._timed_out(deadline, f"before answering {path}", f"{tried}; last: {describe(failure)}"
                                   ) from failure
         if isinstance(failure, ServerError):
             if attempts == 1:
                 raise failure
             raise ServerError(f"{failure} ({tried})", failure.status) from failure
         raise BackendError(
-            f"cannot reach the vLLM server at {self.base_url} ({_describe(failure)}; {tried}). "
+            f"cannot reach the vLLM server at {self.base_url} ({describe(failure)}; {tried}). "
             "Is it running? Start it with: specprefill-rag serve MODEL"
         ) from failure
 
@@ -171,7 +207,7 @@ class VLLMHTTPClient:
             if limit < self.read_timeout:  # the deadline, not the read timeout, set the limit
                 return self._timed_out(deadline, where)
             return BackendError(f"the vLLM server at {self.base_url} sent nothing for {self.read_timeout:g} s {where}")
-        return BackendError(f"the connection to the vLLM server at {self.base_url} failed {where}: {_describe(exc)}")
+        return BackendError(f"the connection to the vLLM server at {self.base_url} failed {where}: {describe(exc)}")
 
     def _timed_out(self, deadline: _Deadline, where: str, detail: str = "") -> BackendTimeoutError:
         return BackendTimeoutError(
@@ -217,18 +253,15 @@ class VLLMHTTPClient:
                 if not isinstance(event, dict):
                     raise TypeError(f"an event must be a JSON object, got {type(event).__name__}")
             except (TypeError, ValueError) as exc:  # ValueError covers bad JSON and bad UTF-8
-                raise self._malformed(exc, data) from exc
+                raise self.malformed(exc, data) from exc
             if event.get("error") is not None:
                 raise ServerError(f"the vLLM server at {self.base_url} failed mid-stream: "
                                   f"{_error_message(json.dumps(event))}", None)
             yield event
 
-    def _malformed(self, exc: Exception, data: bytes) -> BackendError:
-        return BackendError(f"the vLLM server at {self.base_url} sent a malformed stream event "
-                            f"({_describe(exc)}): {data[:200]!r}")
 
-
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
+    """An exception as its type and message, for error messages."""
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

@@ -23,8 +23,7 @@ from typing import Any
 from ..config import GenerationConfig
 from ..errors import BackendError
 from ..types import PrefillPlan
-from .base import BackendCapabilities, ModelIdentity, checked_xargs, max_new_tokens
-from .vllm_server import TokenStep
+from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, eos_ids, max_new_tokens
 
 __all__ = ["CPU_ENGINE_ARGS", "CPU_KV_CACHE_GIB", "VLLMOfflineBackend", "cpu_engine_args", "on_cpu"]
 
@@ -66,7 +65,7 @@ class VLLMOfflineBackend(ModelIdentity):
     """A ``vllm.LLM`` serving prefill plans in this process (batched with ``generate_many``)."""
 
     name = "vllm_offline"
-    capabilities = BackendCapabilities(exact_positions=True, streaming=False, native_async=False)
+    capabilities = BackendCapabilities(exact_positions=True)
 
     def __init__(self, llm: Any, *, name: str | None = None) -> None:
         from ..vllm_plugin import register
@@ -173,7 +172,8 @@ class VLLMOfflineBackend(ModelIdentity):
         self, plans: Sequence[PrefillPlan], generation: GenerationConfig, *, logprobs: bool = False
     ) -> list[list[TokenStep]]:
         """All plans in one batched ``generate`` call; per plan, its tokens (EOS excluded)."""
-        todo = [i for i, plan in enumerate(plans) if max_new_tokens(plan, generation, self.max_context) > 0]
+        limits = [max_new_tokens(plan, generation, self.max_context) for plan in plans]
+        todo = [i for i, limit in enumerate(limits) if limit > 0]
         requests = [self._request(plans[i], generation, logprobs) for i in todo]
         if any(params.extra_args is not None for _, params in requests):
             self.ensure_plugin()  # before the first plan reaches a worker
@@ -183,14 +183,13 @@ class VLLMOfflineBackend(ModelIdentity):
             outputs[i] = output
         eos = self._eos_ids()
         results = []
-        for plan, output in zip(plans, outputs, strict=True):
+        for limit, output in zip(limits, outputs, strict=True):
             steps: list[TokenStep] = []
             if output is None:  # the plan already fills the window
                 results.append(steps)
                 continue
             completion = output.outputs[0]
-            limit = min(generation.max_new_tokens, self.max_context - plan.next_position)
-            for j, token in enumerate(completion.token_ids[: max(limit, 0)]):
+            for j, token in enumerate(completion.token_ids[:limit]):
                 if token in eos:
                     break
                 logprob = None
@@ -201,14 +200,8 @@ class VLLMOfflineBackend(ModelIdentity):
         return results
 
     def _eos_ids(self) -> frozenset[int]:
-        config = self.llm.llm_engine.model_config
-        ids: set[int] = set()
-        generation = config.try_get_generation_config() or {}
-        eos = generation.get("eos_token_id", self._tokenizer.eos_token_id)
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-        if self._tokenizer.eos_token_id is not None:
-            ids.add(int(self._tokenizer.eos_token_id))
-        return frozenset(ids)
+        generation = self.llm.llm_engine.model_config.try_get_generation_config() or {}
+        return eos_ids(generation.get("eos_token_id"), self._tokenizer)
 
     def stream_steps(
         self, plan: PrefillPlan, generation: GenerationConfig, *, logprobs: bool = False

@@ -4,8 +4,9 @@ Each plan becomes one streamed ``/v1/completions`` request: the kept token ids a
 their original positions in ``vllm_xargs`` and a ``cache_salt`` derived from them (so the
 prefix cache never mixes blocks computed at different positions). A full plan is sent as a
 plain request, exactly what stock vLLM serves. The tokenizer is loaded locally from the same
-HF directory the server serves. Standard library HTTP only (``http.client``, through
-``vllm_http.VLLMHTTPClient``: deadlines, retries, server-sent events), no extra dependency.
+HF directory the server serves. Standard library HTTP only (``http.client``, through the
+backend's own ``vllm_http.VLLMHTTPClient``: deadlines, retries, server-sent events), no extra
+dependency.
 Start the server with ``specprefill-rag serve MODEL`` (docs/vllm.md).
 
 Failures: every failure of the server path is a ``BackendError`` (``ServerError`` for an HTTP
@@ -25,31 +26,23 @@ check. ``verify_plugin=False`` skips it (fake servers in tests).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 from collections.abc import Generator
-from dataclasses import dataclass
 from typing import Any
 
 from ..config import GenerationConfig
 from ..errors import BackendError, ServerError
-from ..types import PrefillPlan
+from ..types import PrefillPlan, is_int, is_number
 from ..wire import INVALID_PLAN, is_contiguous, plan_salt, plan_to_xargs
-from .base import BackendCapabilities, ModelIdentity, checked_xargs, max_new_tokens
-from .vllm_http import _IO_ERRORS, _NO_DEADLINE, VLLMHTTPClient, _Deadline, _describe
+from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, eos_ids, max_new_tokens
+from .vllm_http import VLLMHTTPClient, describe
 
-__all__ = ["TokenStep", "VLLMServerBackend", "request_body"]
+__all__ = ["VLLMServerBackend", "request_body"]
 
 logger = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class TokenStep:
-    """One generated token and, when asked for, its log-probability under the main model."""
-
-    token_id: int
-    logprob: float | None
-
 
 # One prompt token at position 0 whose next position is not above it: every plugin rejects it.
 _PROBE_XARGS = plan_to_xargs([0], 0)
@@ -105,7 +98,7 @@ def request_body(
 _UNKNOWN_CONTEXT = 1 << 30  # the server states no max_model_len
 
 
-class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
+class VLLMServerBackend(ModelIdentity):
     """HTTP client for ``vllm serve`` with the plugin; TTFT is the first streamed token here.
 
     ``generation.timeout`` bounds a whole request (connect, retries, stream); ``read_timeout``
@@ -115,7 +108,7 @@ class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
     """
 
     name = "vllm_server"
-    capabilities = BackendCapabilities(exact_positions=True, streaming=True, native_async=False)
+    capabilities = BackendCapabilities(exact_positions=True)
 
     def __init__(
         self,
@@ -132,8 +125,9 @@ class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
         cache_salt: str | None = None,  # vLLM prefix-cache salt sent with every request (None: shared cache)
         verify_plugin: bool = True,  # check once that the server honours plans before sending one
     ) -> None:
-        super().__init__(base_url, connect_timeout=connect_timeout, read_timeout=read_timeout,
-                         max_retries=max_retries, retry_backoff=retry_backoff)
+        # The transport (``http.base_url``, timeouts, ``http.max_retries``): private to this backend.
+        self.http = VLLMHTTPClient(base_url, connect_timeout=connect_timeout, read_timeout=read_timeout,
+                                   max_retries=max_retries, retry_backoff=retry_backoff)
         self._tokenizer = tokenizer
         # Public: requests share prefix-cache blocks only with requests of the same salt (tenants,
         # or a benchmark that must measure cold prefills); may be changed between requests.
@@ -141,9 +135,7 @@ class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
         self.verify_plugin = verify_plugin
         self._plugin_verified = False  # set once the plugin answered the check; never unset
         self._plugin_lock = threading.Lock()
-        self.eos_token_ids = eos_token_ids or frozenset(
-            [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        )
+        self.eos_token_ids = eos_token_ids or eos_ids(None, tokenizer)
         if model is None or max_context is None:
             card = self._model_card(model)
             model = model or str(card["id"])
@@ -160,10 +152,7 @@ class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
 
         model_dir = resolve_model_dir(name_or_path)
         tokenizer = load_tokenizer(model_dir)
-        eos = set(_generation_eos(model_dir))
-        if tokenizer.eos_token_id is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        backend = cls(base_url, tokenizer, eos_token_ids=frozenset(eos), **kwargs)
+        backend = cls(base_url, tokenizer, eos_token_ids=eos_ids(_generation_eos(model_dir), tokenizer), **kwargs)
         embeddings = _max_position_embeddings(model_dir)
         if embeddings and backend._max_context == _UNKNOWN_CONTEXT:
             # only when the server states no max_model_len: for rope-scaled models (YaRN) the
@@ -172,23 +161,17 @@ class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
         return backend
 
     def _model_card(self, model: str | None) -> dict[str, Any]:
-        exchange = self._open("GET", "/v1/models", None, _NO_DEADLINE)
-        try:
-            raw = exchange.response.read()
-        except _IO_ERRORS as exc:
-            raise self._io_error(exc, self.read_timeout, _NO_DEADLINE, "while answering /v1/models") from exc
-        finally:
-            exchange.close()
+        raw = self.http.get("/v1/models")
         try:
             cards = _model_cards(raw)
         except (TypeError, ValueError) as exc:
-            raise BackendError(f"the vLLM server at {self.base_url} answered /v1/models with no valid model "
-                               f"list ({_describe(exc)}): {raw[:200]!r}") from exc
+            raise BackendError(f"the vLLM server at {self.http.base_url} answered /v1/models with no valid model "
+                               f"list ({describe(exc)}): {raw[:200]!r}") from exc
         for card in cards:
             if model is None or card["id"] == model:
                 return card
         raise BackendError(
-            f"the vLLM server at {self.base_url} does not serve {model!r}; it serves "
+            f"the vLLM server at {self.http.base_url} does not serve {model!r}; it serves "
             f"{', '.join(str(c['id']) for c in cards) or 'nothing'}"
         )
 
@@ -214,22 +197,21 @@ class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
         body = {"model": self.model_name, "prompt": [0], "max_tokens": 1, "temperature": 0.0,
                 "stream": False, "vllm_xargs": _PROBE_XARGS}
         try:
-            exchange = self._open("POST", "/v1/completions", body, _NO_DEADLINE)
+            status = self.http.post("/v1/completions", body)  # a 2xx answer: nothing in it matters
         except ServerError as exc:
             if exc.status == 400 and INVALID_PLAN in str(exc):
-                logger.debug("vLLM server at %s: SpecPrefill plugin active", self.base_url)
+                logger.debug("vLLM server at %s: SpecPrefill plugin active", self.http.base_url)
                 return
             if exc.status is not None and exc.status >= 500:
                 raise  # the server failed (after retries on 502/503/504): no verdict, checked again next time
             raise BackendError(
-                f"refusing to send SpecPrefill plans to the vLLM server at {self.base_url}: it did not answer "
+                f"refusing to send SpecPrefill plans to the vLLM server at {self.http.base_url}: it did not answer "
                 f"the plugin check (an invalid plan) with the plugin's HTTP 400 ({exc}), so its plugin is not "
                 f"active. {_PLUGIN_FIX}"
             ) from exc
-        exchange.close()  # a 2xx answer: nothing in it matters
         raise BackendError(
-            f"refusing to send SpecPrefill plans to the vLLM server at {self.base_url}: it accepted an invalid "
-            f"plan (HTTP {exchange.response.status}), so the specprefill plugin is not active there and a plan "
+            f"refusing to send SpecPrefill plans to the vLLM server at {self.http.base_url}: it accepted an invalid "
+            f"plan (HTTP {status}), so the specprefill plugin is not active there and a plan "
             f"would be answered at contiguous positions, silently wrong. {_PLUGIN_FIX}"
         )
 
@@ -255,20 +237,17 @@ class VLLMServerBackend(ModelIdentity, VLLMHTTPClient):
                             logprobs=logprobs, stream=True, cache_salt=self.cache_salt)
         if "vllm_xargs" in body and self.verify_plugin:
             self.ensure_plugin()  # before the deadline starts: bounded by its own timeouts
-        deadline = _Deadline.start(generation.timeout)
-        exchange = self._open("POST", "/v1/completions", body, deadline)
-        try:
-            for event in self._events(exchange, deadline):
+        # Closed when this generator is: that cancels the request on the server when the caller stops early.
+        with contextlib.closing(self.http.stream("/v1/completions", body, generation.timeout)) as events:
+            for event in events:
                 try:
                     steps = _token_steps(event, logprobs)
                 except (TypeError, ValueError) as exc:
-                    raise self._malformed(exc, json.dumps(event).encode()) from exc
+                    raise self.http.malformed(exc, json.dumps(event).encode()) from exc
                 for step in steps:
                     if step.token_id in self.eos_token_ids:
                         return
                     yield step
-        finally:
-            exchange.close()  # also cancels the request on the server when the caller stops early
 
     def stream_tokens(self, plan: PrefillPlan, generation: GenerationConfig) -> Generator[int, None, None]:
         for step in self.stream_steps(plan, generation):
@@ -290,14 +269,14 @@ def _token_steps(event: dict[str, Any], logprobs: bool) -> list[TokenStep]:
         if ids is None and choice.get("text"):
             raise TypeError("text came without 'token_ids': the server ignores return_token_ids (old vLLM?)")
         ids = [] if ids is None else ids
-        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        if not isinstance(ids, list) or not all(is_int(t) for t in ids):
             raise TypeError(f"'token_ids' must be a list of ints, got {ids!r:.100}")
         block = choice.get("logprobs") if logprobs else None
         if block is not None and not isinstance(block, dict):
             raise TypeError(f"'logprobs' must be a JSON object, got {type(block).__name__}")
         lps = (block or {}).get("token_logprobs")
         lps = [] if lps is None else lps
-        if not isinstance(lps, list) or not all(lp is None or _is_number(lp) for lp in lps):
+        if not isinstance(lps, list) or not all(lp is None or is_number(lp) for lp in lps):
             raise TypeError(f"'logprobs.token_logprobs' must be a list of numbers, got {lps!r:.100}")
         steps += [TokenStep(t, float(lps[j]) if j < len(lps) and lps[j] is not None else None)
                   for j, t in enumerate(ids)]
@@ -314,17 +293,9 @@ def _model_cards(raw: bytes) -> list[dict[str, Any]]:
         if not isinstance(card, dict) or not isinstance(card.get("id"), str):
             raise TypeError(f"a model card must be an object with a string 'id', got {card!r:.100}")
         length = card.get("max_model_len")
-        if length is not None and not (_is_int(length) and length > 0):
+        if length is not None and not (is_int(length) and length > 0):
             raise TypeError(f"'max_model_len' must be a positive int, got {length!r:.100}")
     return cards
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _generation_eos(model_dir: Any) -> list[int]:

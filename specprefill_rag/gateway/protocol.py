@@ -20,7 +20,7 @@ from typing import Any
 from ..config import GenerationConfig
 from ..engine import Mode
 from ..errors import ConfigError
-from ..types import Passage, Segment, lone_surrogate
+from ..types import Passage, Segment, is_int, is_number, lone_surrogate
 from .messages import DEFAULT_SHAPES, PromptShape, to_segments
 from .responses import APIError, Kind
 
@@ -73,12 +73,9 @@ class GatewayRequest:
 # -- field checks ----------------------------------------------------------------------------
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+def _finite_number(value: object) -> bool:
+    """A finite number (JSON allows any number of digits, and Python reads NaN and Infinity)."""
+    if not is_number(value):
         return False
     try:
         return math.isfinite(value)
@@ -90,7 +87,7 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, low_
     value = body.get(name)
     if value is None:
         return None
-    if not _is_number(value) or value > high or value < low or (low_open and value == low):
+    if not _finite_number(value) or value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise _bad(f"{name} must be a number in {bracket}{low:g}, {high:g}], got {_shown(value)}", param=name)
     return float(value)
@@ -100,7 +97,7 @@ def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise _bad(f"{name} must be an integer >= 1, got {_shown(value)}", param=name)
     return int(value)
 
@@ -156,12 +153,12 @@ def _generation(body: Mapping[str, Any], defaults: GenerationConfig) -> Generati
         changes["top_p"] = ("top_p", top_p)
     top_k = body.get("top_k")  # a vLLM extension; -1 or 0 means no filter
     if top_k is not None:
-        if not _is_int(top_k) or top_k < -1:
+        if not is_int(top_k) or top_k < -1:
             raise _bad(f"top_k must be an integer >= -1, got {_shown(top_k)}", param="top_k")
         changes["top_k"] = ("top_k", max(int(top_k), 0))
     seed = body.get("seed")
     if seed is not None:
-        if not _is_int(seed):
+        if not is_int(seed):
             raise _bad(f"seed must be an integer, got {_shown(seed)}", param="seed")
         changes["seed"] = ("seed", int(seed))
     stop = body.get("stop")
@@ -211,7 +208,7 @@ def _extension(body: Mapping[str, Any], default_mode: Mode
         raise _bad(f"specprefill.mode must be 'full' or 'specprefill', got {_shown(mode)}",
                    param="specprefill.mode")
     keep_rate = ext.get("keep_rate")
-    if keep_rate is not None and (not _is_number(keep_rate) or not 0 < keep_rate <= 1):
+    if keep_rate is not None and (not _finite_number(keep_rate) or not 0 < keep_rate <= 1):
         raise _bad(f"specprefill.keep_rate must be a number in (0, 1], got {_shown(keep_rate)}",
                    param="specprefill.keep_rate")
     question = ext.get("question")
