@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # `python benchmarks/evidence.py`
 
 from benchmarks import quality
 from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci
-from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, scoring
+from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat, scoring
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
 from specprefill_rag.loading import load_tokenizer
@@ -313,7 +313,7 @@ def print_summary(summary: list[dict[str, Any]]) -> None:
 def assemble(tokenizer: Any, ex: quality.Example) -> AssembledPrompt:
     """The prompt ``bench quality`` builds for ``ex`` (its instructions, default protection)."""
     passages = [Passage(text, id=pid) for pid, text in ex.passages]
-    return prompt_lib.assemble(tokenizer, prompt_lib.build_segments(ex.question, passages, quality.INSTRUCTIONS))
+    return prompt_lib.assemble(tokenizer, chat.build_segments(ex.question, passages, quality.INSTRUCTIONS))
 
 
 def reevaluate(

@@ -18,17 +18,17 @@ from typing import Any, Literal, TypedDict, Unpack, cast
 
 import torch
 
+from . import chat, tokenbound, tokenmap
 from . import prompt as prompt_lib
 from . import selection as selection_lib
-from . import tokenbound, tokenmap
 from .backends import Backend, create_backend
 from .backends.base import max_new_tokens
 from .batching import MicroBatcher
+from .chat import Passages
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
 from .detokenize import IncrementalDecoder
 from .draft import DraftModel
 from .errors import BackendTimeoutError, ConfigError, InputError, InputTypeError
-from .prompt import Passages
 from .streams import AsyncTextStream, TextStream
 from .types import (
     AssembledPrompt,
@@ -218,7 +218,7 @@ class SpecPrefillEngine:
         """
         if isinstance(question, str):
             instructions = self.config.instructions if instructions is None else instructions
-            segments = prompt_lib.build_segments(question, passages, instructions)
+            segments = chat.build_segments(question, passages, instructions)
         elif not isinstance(question, Sequence):
             raise InputTypeError(
                 f"the question must be a str (or a list of Segment), got {type(question).__name__}"
@@ -377,7 +377,7 @@ class SpecPrefillEngine:
             else:
                 scores = self._score_rendered([(prompt, read)], config)[0]
         began = time.perf_counter()
-        prior = prompt_lib.retriever_scores(prompt.segments) if sel.retriever_weight else None
+        prior = selection_lib.retriever_scores(prompt.segments) if sel.retriever_weight else None
         kept = selection_lib.select(
             scores.scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start, prior
         )

@@ -10,13 +10,18 @@ tokens are always kept; the context budget is filled with the best units, whole 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from .config import SelectionConfig
 from .errors import InputError, PlanError
-from .types import AssembledPrompt, KeptSpan, PrefillPlan
+from .types import RETRIEVER_SCORE_KEY, AssembledPrompt, KeptSpan, PrefillPlan, Segment, is_number
 
-__all__ = ["full_plan", "plan_from_indices", "select", "unit_bounds", "unit_ranks", "unit_sums"]
+__all__ = [
+    "full_plan", "plan_from_indices", "retriever_scores", "select", "unit_bounds", "unit_ranks", "unit_sums",
+]
 
 
 def unit_bounds(
@@ -93,6 +98,19 @@ def unit_ranks(
     low, span = known.min(), (known.max() - known.min()).clamp_min(1e-30)
     scaled = torch.where(torch.isfinite(prior), (prior.float() - low) / span, torch.tensor(0.5))
     return (1.0 - prior_weight) * ranks / ranks.max().clamp_min(1e-30) + prior_weight * scaled[owner]
+
+
+def retriever_scores(segments: Sequence[Segment]) -> torch.Tensor | None:
+    """(n_segments,) float32: each segment's retriever score (``metadata[RETRIEVER_SCORE_KEY]``),
+    NaN where it has none; None when no segment has one. What ``SelectionConfig.retriever_weight``
+    weighs (the ``prior`` of ``select``)."""
+    values = []
+    for segment in segments:
+        score = segment.metadata.get(RETRIEVER_SCORE_KEY)
+        values.append(float(score) if is_number(score) and math.isfinite(score) else math.nan)
+    if all(math.isnan(v) for v in values):
+        return None
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def select(

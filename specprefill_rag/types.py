@@ -20,6 +20,7 @@ import torch
 from .errors import InputError
 
 __all__ = [
+    "RETRIEVER_SCORE_KEY",
     "AssembledPrompt",
     "GenerationResult",
     "KeptSpan",
@@ -79,6 +80,11 @@ class SegmentKind(enum.StrEnum):
     PASSAGE = "passage"  # a retrieved passage: prunable
     CONTEXT = "context"  # free-form context without passage structure: prunable
     QUESTION = "question"  # the user query: always protected
+
+
+# The Passage.metadata key of the retriever's score (higher = more relevant, e.g. a cosine
+# similarity), which SelectionConfig.retriever_weight weighs; every retriever writes it here.
+RETRIEVER_SCORE_KEY = "score"
 
 
 @dataclass(frozen=True)

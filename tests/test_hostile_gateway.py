@@ -28,6 +28,7 @@ pytest.importorskip("prometheus_client")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from specprefill_rag import chat as chat_lib  # noqa: E402
 from specprefill_rag import prompt as prompt_lib  # noqa: E402
 from specprefill_rag import tokenbound  # noqa: E402
 from specprefill_rag.backends.transformers import sample_token  # noqa: E402
@@ -210,7 +211,7 @@ def test_the_window_bound_never_refuses_a_prompt_that_fits(make):
     rng = random.Random(1)
     texts = list(random_texts(tokenizer, 30, 2))
     for _ in range(30):
-        segments = prompt_lib.chat_segments(
+        segments = chat_lib.chat_segments(
             [("system", rng.choice(texts)), ("user", rng.choice(texts)), ("assistant", rng.choice(texts)),
              ("user", rng.choice(texts) + "?")], [rng.choice(texts) for _ in range(rng.randint(0, 3))])
         assembled = prompt_lib.assemble(tokenizer, segments)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specprefill_rag.prompt import assemble, build_segments
+from specprefill_rag.chat import build_segments
+from specprefill_rag.prompt import assemble
 from specprefill_rag.types import Passage, SegmentKind
 
 
@@ -79,7 +80,7 @@ def test_slow_tokenizer_is_rejected(tokenizer):
 
 
 def test_chat_segments_map_turns():
-    from specprefill_rag.prompt import chat_segments
+    from specprefill_rag.chat import chat_segments
 
     segments = chat_segments(
         [("system", "Be brief."), ("user", "hello"), ("assistant", "hi there"), ("user", "what is the passkey?")],
@@ -136,7 +137,7 @@ def test_kept_runs_cover_each_prunable_segment_exactly(tokenizer):
     from specprefill_rag import prompt
     from specprefill_rag.selection import plan_from_indices
 
-    segments = prompt.build_segments("what is the passkey?", ["The sky is blue. The sun is yellow.", "Alpha beta."])
+    segments = build_segments("what is the passkey?", ["The sky is blue. The sun is yellow.", "Alpha beta."])
     p = prompt.assemble(tokenizer, segments)
     first = (p.segment_index == 0).nonzero().flatten().tolist()
     kept = torch.tensor([i for i in range(p.n_tokens) if i not in first[1:3]])

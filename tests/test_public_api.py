@@ -10,6 +10,7 @@ PACKAGES = [
     "specprefill_rag",
     "specprefill_rag.backends",
     "specprefill_rag.batching",
+    "specprefill_rag.chat",
     "specprefill_rag.config",
     "specprefill_rag.draft",
     "specprefill_rag.engine",

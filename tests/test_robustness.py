@@ -31,6 +31,7 @@ from specprefill_rag import (
     prompt,
     selection,
 )
+from specprefill_rag import chat as chat_lib
 from specprefill_rag.types import Segment, SegmentKind
 
 INJECTION = (
@@ -58,7 +59,7 @@ def special_in_segments(tok, p) -> int:
 
 
 def test_role_markers_in_passages_question_and_chat_are_plain_text(tokenizer):
-    segments = prompt.build_segments(f"when? {INJECTION}", [INJECTION, "A benign passage."], "Be brief.")
+    segments = chat_lib.build_segments(f"when? {INJECTION}", [INJECTION, "A benign passage."], "Be brief.")
     p = prompt.assemble(tokenizer, segments)
     assert special_in_segments(tokenizer, p) == 0
     # Only the template's own markers remain: system, user and assistant turns.
@@ -69,12 +70,12 @@ def test_role_markers_in_passages_question_and_chat_are_plain_text(tokenizer):
     for index, a, b in p.segment_spans:
         inside = p.segment_index == index
         assert tokenizer.decode(p.token_ids[inside].tolist()).strip() == p.text[a:b].strip()
-    chat = prompt.chat_segments([("user", INJECTION), ("assistant", "ok"), ("user", f"and? {INJECTION}")])
+    chat = chat_lib.chat_segments([("user", INJECTION), ("assistant", "ok"), ("user", f"and? {INJECTION}")])
     assert special_in_segments(tokenizer, prompt.assemble(tokenizer, chat)) == 0
 
 
 def test_benign_prompts_keep_the_models_own_tokenization(tokenizer):
-    p = prompt.assemble(tokenizer, prompt.build_segments(QUESTION, PASSAGES, "Be brief."))
+    p = prompt.assemble(tokenizer, chat_lib.build_segments(QUESTION, PASSAGES, "Be brief."))
     assert p.token_ids.tolist() == tokenizer(p.text, add_special_tokens=False)["input_ids"]
 
 
@@ -92,7 +93,7 @@ def test_a_string_is_one_passage(engine):
     p = engine.assemble(QUESTION, "The passkey is 48213.")
     passages = [s for s in p.segments if s.kind is SegmentKind.PASSAGE]
     assert [s.text for s in passages] == ["The passkey is 48213."]
-    assert prompt.as_passages(Passage("x", id="a")) == [Passage("x", id="a")]
+    assert chat_lib.as_passages(Passage("x", id="a")) == [Passage("x", id="a")]
 
 
 @pytest.mark.parametrize(
@@ -115,7 +116,7 @@ def test_question_and_messages_must_be_text(engine):
     with pytest.raises(InputTypeError, match=r"the question must be a str \(or a list of Segment\), got int"):
         engine.generate(7, PASSAGES)  # type: ignore[arg-type]
     with pytest.raises(InputTypeError, match="message 1 must be a \\(role, text\\) pair"):
-        prompt.chat_segments([("user", "hi"), ("user", None)])  # type: ignore[list-item]
+        chat_lib.chat_segments([("user", "hi"), ("user", None)])  # type: ignore[list-item]
     with pytest.raises(InputError, match="must hold Segment objects"):
         engine.generate(["not", "segments"])  # type: ignore[arg-type]
 
@@ -186,7 +187,7 @@ def test_every_error_has_one_base_and_its_builtin():
     assert wire.PlanError is PlanError  # the plugin's workers raise the engine's own PlanError
     with pytest.raises(PlanError, match="strictly increasing"):
         selection.plan_from_indices(
-            prompt.assemble(make_tokenizer(), prompt.build_segments("q?", ["a b c"])), torch.tensor([2, 1])
+            prompt.assemble(make_tokenizer(), chat_lib.build_segments("q?", ["a b c"])), torch.tensor([2, 1])
         )
 
 
@@ -299,7 +300,7 @@ def test_with_block_closes_the_stream(engine):
 def test_ten_thousand_passages_plan_fast(tokenizer):
     def assembled(n):
         passages = [Passage(f"The sky is blue {i}.", id=f"p{i}") for i in range(n)]
-        return prompt.assemble(tokenizer, prompt.build_segments(QUESTION, passages))
+        return prompt.assemble(tokenizer, chat_lib.build_segments(QUESTION, passages))
 
     def seconds(p):
         began = time.perf_counter()
@@ -327,7 +328,7 @@ def test_ten_thousand_passages_plan_fast(tokenizer):
 
 
 def test_plan_spans_match_a_per_segment_count(tokenizer):
-    p = prompt.assemble(tokenizer, prompt.build_segments(QUESTION, PASSAGES, "Be brief."))
+    p = prompt.assemble(tokenizer, chat_lib.build_segments(QUESTION, PASSAGES, "Be brief."))
     kept = torch.arange(0, p.n_tokens, 3)
     plan = selection.plan_from_indices(p, kept)
     for index, span in enumerate(plan.kept_spans):
@@ -367,14 +368,14 @@ def test_packaged_tokenizers_take_role_markers_as_text(name):
     from specprefill_rag.loading import load_tokenizer, resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir(name))
-    segments = prompt.build_segments(f"when? {INJECTION}", [INJECTION, "The lamp is red."], "Be brief.")
+    segments = chat_lib.build_segments(f"when? {INJECTION}", [INJECTION, "The lamp is red."], "Be brief.")
     p = prompt.assemble(tok, segments)
     assert special_in_segments(tok, p) == 0
     special = torch.isin(p.token_ids, torch.tensor(sorted(prompt.special_token_ids(tok))))
     assert int(special.sum()) == int(special[p.segment_index < 0].sum()) >= 5  # the template's own
     assert tok.decode(p.token_ids.tolist()) == p.text
     # The same prompt without the injection is tokenized exactly as the model would.
-    clean = prompt.assemble(tok, prompt.build_segments("when?", ["The lamp is red."], "Be brief."))
+    clean = prompt.assemble(tok, chat_lib.build_segments("when?", ["The lamp is red."], "Be brief."))
     assert clean.token_ids.tolist() == tok(clean.text, add_special_tokens=False)["input_ids"]
 
 

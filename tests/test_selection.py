@@ -243,7 +243,8 @@ def test_retriever_prior_lifts_the_passage_the_retriever_ranks_first():
 
 
 def test_retriever_scores_come_from_passage_metadata():
-    from specprefill_rag.prompt import build_segments, retriever_scores
+    from specprefill_rag.chat import build_segments
+    from specprefill_rag.selection import retriever_scores
     from specprefill_rag.types import Passage
 
     segs = build_segments("q?", [Passage("a", metadata={"score": 0.7}), Passage("b"), "c"])

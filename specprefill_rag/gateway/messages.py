@@ -4,13 +4,16 @@ Rules (docs/gateway.md):
 
 * system (and developer) messages are the instructions: protected;
 * the last user message is the question: protected;
-* every other turn is prunable context ("User: ..." / "Assistant: ...", ``prompt.chat_segments``);
+* every other turn is prunable context ("User: ..." / "Assistant: ...", ``chat.chat_segments``);
 * retrieved documents are recognised, and become prunable passages, when a message follows a
   known shape: ``<document>`` / ``<context>`` tags, LlamaIndex's default ``text_qa_template``,
   or the prompts LangChain documents for ``create_stuff_documents_chain`` (documents joined by
-  blank lines). Anything else stays where the rules above put it: never pruned by guesswork.
+  blank lines, ``chat.split_documents``). Anything else stays where the rules above put it: never
+  pruned by guesswork.
 
-Pure functions, no web framework: ``to_segments`` is what the gateway calls per request.
+Pure functions, no web framework: ``to_segments`` is what the gateway calls per request. The
+recognition of documents in whole messages is the gateway's alone (the integrations get their
+documents as objects); the segments are built by ``specprefill_rag.chat``.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from ..chat import chat_segments, split_documents
 from ..errors import InputError
-from ..prompt import chat_segments
 from ..types import Passage, Segment
 
 __all__ = [
@@ -30,7 +33,6 @@ __all__ = [
     "PromptShape",
     "Recognised",
     "recognise",
-    "split_documents",
     "to_segments",
 ]
 
@@ -118,7 +120,6 @@ _TAG = re.compile(r"<(?P<close>/?)(?P<name>document|context)(?P<attrs>\s[^<>]{0,
 _WRAPPER_OPEN = re.compile(r"<documents\s*>\s*\Z", re.IGNORECASE)
 _WRAPPER_CLOSE = re.compile(r"\s*</documents\s*>", re.IGNORECASE)
 _ID_ATTR = re.compile(r"""\b(?:id|index)\s*=\s*["']([^"']*)["']""", re.IGNORECASE)
-_BLANK_LINE = re.compile(r"\n[ \t]*\n")
 
 
 @dataclass(frozen=True)
@@ -164,11 +165,6 @@ class Recognised:
     passages: tuple[Passage, ...]
     rest: str  # the question (a user message) or the instructions (a system message)
     instructions: str = ""  # instruction text a user-message shape carried
-
-
-def split_documents(text: str) -> list[Passage]:
-    """Documents joined by blank lines (LangChain's default separator, LlamaIndex's context_str)."""
-    return [Passage(part.strip()) for part in _BLANK_LINE.split(text) if part.strip()]
 
 
 def _tagged(text: str) -> Recognised | None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specprefill_rag.types import Passage
+from ..types import RETRIEVER_SCORE_KEY, Passage
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -303,7 +303,8 @@ class Retriever:
     def retrieve(self, question: str, top_k: int = 8) -> list[Passage]:
         """The ``top_k`` passages most similar to ``question``, best first.
 
-        Each returned passage is a copy whose metadata adds ``score`` (cosine similarity).
+        Each returned passage is a copy whose metadata adds ``RETRIEVER_SCORE_KEY`` (``"score"``: the cosine
+        similarity).
         Fewer than ``top_k`` come back when the index is smaller.
         """
         if not isinstance(question, str) or not question.strip():
@@ -316,6 +317,6 @@ class Retriever:
         results = []
         for score, index in zip(best.values.tolist(), best.indices.tolist(), strict=True):
             passage = self._passages[index]
-            metadata = MappingProxyType({**passage.metadata, "score": float(score)})
+            metadata = MappingProxyType({**passage.metadata, RETRIEVER_SCORE_KEY: float(score)})
             results.append(Passage(text=passage.text, id=passage.id, metadata=metadata))
         return results

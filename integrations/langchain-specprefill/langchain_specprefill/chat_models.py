@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
@@ -33,7 +33,8 @@ from specprefill_rag import (
     Segment,
     SpecPrefillEngine,
 )
-from specprefill_rag.prompt import chat_segments
+from specprefill_rag.chat import chat_segments
+from specprefill_rag.engine import Mode
 
 __all__ = ["ChatSpecPrefill", "messages_to_segments", "result_metadata"]
 
@@ -94,7 +95,7 @@ class ChatSpecPrefill(BaseChatModel):
     model_name: str | None = Field(default=None, alias="model", description="Main model (name, dir or GGUF).")
     draft_model: str | None = Field(default=None, description="Draft model; None serves mode='full' only.")
     backend: str = Field(default="transformers", description="Main-model backend, by registry name.")
-    mode: Literal["specprefill", "full"] = Field(default="specprefill", description="'full' = baseline.")
+    mode: Mode = Field(default="specprefill", description="'full' = baseline.")
     keep_rate: float | None = Field(
         default=None,
         description="Fraction of the context (retrieved passages, history) prefilled; the question always is.",

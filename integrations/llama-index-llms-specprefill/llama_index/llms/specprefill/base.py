@@ -22,7 +22,7 @@ import logging
 import re
 import threading
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import llama_index.core.instrumentation as instrument
 from llama_index.core.base.llms.types import (
@@ -45,7 +45,9 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import TokenAsyncGen, TokenGen
 from specprefill_rag import GenerationResult, Passage, Segment, SegmentKind, SpecPrefillEngine
-from specprefill_rag.prompt import chat_segments, passage_segments
+from specprefill_rag.chat import build_segments, chat_segments, split_documents
+from specprefill_rag.engine import Mode
+from specprefill_rag.types import RETRIEVER_SCORE_KEY
 
 __all__ = ["PassageIdPostprocessor", "SpecPrefillLLM", "split_context"]
 
@@ -62,15 +64,14 @@ def split_context(
     """Passages of a query engine's ``context_str`` (the rule in the module docstring).
 
     A ``score_key`` line right after a node's id marker (written by ``PassageIdPostprocessor``)
-    becomes the passage's ``metadata["score"]`` (the retriever's score, which
+    becomes the passage's ``metadata[RETRIEVER_SCORE_KEY]`` (the retriever's score, which
     ``SelectionConfig.retriever_weight`` can weigh) and is removed from the text.
     """
     marker = re.compile(rf"^{re.escape(id_key)}: *(\S+?) *$", re.MULTILINE)
     score_line = re.compile(rf"\s*{re.escape(score_key)}: *(-?[0-9.eE+-]+) *(?:\n|$)")
     marks = list(marker.finditer(context_str))
     if not marks:
-        blocks = (b.strip() for b in re.split(r"\n\s*\n", context_str))
-        return [Passage(text=b) for b in blocks if b]
+        return split_documents(context_str)
     passages = []
     head = context_str[: marks[0].start()].strip()
     if head:  # text before the first node (a repacked chunk that starts mid-node)
@@ -82,7 +83,7 @@ def split_context(
         scored = score_line.match(text)
         if scored:
             try:
-                metadata["score"] = float(scored.group(1))
+                metadata[RETRIEVER_SCORE_KEY] = float(scored.group(1))
                 text = text[scored.end() :]
             except ValueError:
                 pass
@@ -94,7 +95,8 @@ def split_context(
 class PassageIdPostprocessor(BaseNodePostprocessor):
     """Puts each node's id first in its LLM-visible metadata, so ``SpecPrefillLLM`` can cut
     ``context_str`` back into nodes and report kept spans per node id, and the retriever's score
-    second (read back as ``Passage.metadata["score"]``, never shown to the model). Nodes are copied."""
+    second (read back as ``Passage.metadata[RETRIEVER_SCORE_KEY]``, never shown to the model). Nodes are
+    copied."""
 
     id_key: str = Field(default=DEFAULT_PASSAGE_ID_KEY, description="Metadata key of the marker line.")
     score_key: str | None = Field(
@@ -137,7 +139,7 @@ class SpecPrefillLLM(CustomLLM):
     model_name: str | None = Field(default=None, description="Main model (packaged name, HF dir or GGUF).")
     draft_model: str | None = Field(default=None, description="Draft model; None serves mode='full' only.")
     backend: str = Field(default="transformers", description="Main-model backend, by registry name.")
-    mode: Literal["specprefill", "full"] = Field(default="specprefill", description="'full' = the baseline.")
+    mode: Mode = Field(default="specprefill", description="'full' = the baseline.")
     keep_rate: float | None = Field(
         default=None,
         description="Fraction of the context (retrieved passages, history) prefilled; the question always is.",
@@ -204,28 +206,27 @@ class SpecPrefillLLM(CustomLLM):
 
     # -- translation ----------------------------------------------------------------------
 
-    def _instructions(self, rag: bool) -> list[Segment]:
-        """``system_prompt``; for query-engine calls without one, ``instructions`` or the engine's."""
-        text = self.system_prompt or ((self.instructions or self.engine.config.instructions) if rag else None)
-        return [Segment(SegmentKind.INSTRUCTIONS, text.strip())] if text and text.strip() else []
-
     def _rag_segments(self, prompt: BasePromptTemplate, prompt_args: dict[str, Any]) -> list[Segment] | None:
-        """Segments for a query-engine template call, or None when it is not one."""
+        """Segments for a query-engine template call, or None when it is not one. The instructions:
+        ``system_prompt``, else ``instructions``, else the engine's."""
         if self.output_parser is not None or prompt.output_parser is not None:
             return None  # the parser's format instructions live in the template text
         args = {**prompt.kwargs, **prompt_args}
         context, question = args.get("context_str"), args.get("query_str")
         if not isinstance(context, str) or not isinstance(question, str) or not question.strip():
             return None
-        passages = passage_segments(split_context(context, self.passage_id_key))
+        passages = split_context(context, self.passage_id_key)
         if not passages:
             return None
-        return [*self._instructions(rag=True), *passages, Segment(SegmentKind.QUESTION, question.strip())]
+        instructions = self.system_prompt or self.instructions or self.engine.config.instructions
+        return list(build_segments(question, passages, instructions))
 
     def _prompt_segments(self, prompt: str) -> list[Segment]:
+        """A plain prompt: one prunable context segment after the ``system_prompt``, if any."""
         if not prompt.strip():
             raise ValueError("the prompt is empty")
-        return [*self._instructions(rag=False), Segment(SegmentKind.CONTEXT, prompt)]
+        system = (self.system_prompt or "").strip()
+        return [*([Segment(SegmentKind.INSTRUCTIONS, system)] if system else []), Segment(SegmentKind.CONTEXT, prompt)]
 
     def _chat_segments(self, messages: Sequence[ChatMessage]) -> list[Segment]:
         """System → instructions; last user message → question; other turns → prunable context."""

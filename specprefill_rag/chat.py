@@ -1,0 +1,140 @@
+"""Chat messages and retrieved documents → prompt segments: the one place segments are built.
+
+The engine (a question and its passages), the gateway (OpenAI messages) and both integrations
+(LangChain messages and documents, LlamaIndex chat messages and query-engine context) build
+their segments here:
+
+* ``build_segments``: the instructions, the passages in order, then the question;
+* ``chat_segments``: a chat given as (role, text) turns: system turns are the instructions, the
+  last user turn is the protected question, every other turn a prunable context segment, the
+  passages after the history;
+* ``as_passages`` / ``passage_segments``: what counts as a passage (a ``Passage`` or a str), and
+  its segment (a passage without an id gets its number);
+* ``split_documents``: documents joined by blank lines (LangChain's separator, LlamaIndex's
+  ``context_str``) back into passages.
+
+Rendering segments with a chat template into token ids is ``prompt``'s job.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+from .errors import InputError, InputTypeError
+from .types import Passage, Segment, SegmentKind
+
+__all__ = [
+    "Passages",
+    "as_passages",
+    "build_segments",
+    "chat_segments",
+    "passage_segments",
+    "split_documents",
+]
+
+_ROLE_NAMES = {"user": "User", "human": "User", "assistant": "Assistant", "ai": "Assistant", "tool": "Tool"}
+# A blank line: what joins documents (LangChain's default separator, LlamaIndex's context_str).
+_BLANK_LINE = re.compile(r"\n[ \t]*\n")
+
+
+Passages = Sequence[Passage | str] | Passage | str
+
+
+def as_passages(passages: Passages) -> list[Passage]:
+    """``passages`` as a list of ``Passage``; one ``str`` or ``Passage`` alone is one passage.
+
+    Anything else (a dict, bytes, a retriever's node object) raises ``InputTypeError``: it
+    would otherwise be read as text character by character, or key by key.
+    """
+    if isinstance(passages, (str, Passage)):
+        passages = [passages]
+    elif isinstance(passages, (bytes, Mapping)) or not isinstance(passages, Iterable):
+        raise InputTypeError(
+            f"passages must be a list of Passage or str (or one str), got {type(passages).__name__}"
+        )
+    items: list[Passage] = []
+    for n, item in enumerate(passages):
+        if isinstance(item, Passage) and isinstance(item.text, str):
+            items.append(item)
+        elif isinstance(item, str):
+            items.append(Passage(text=item))
+        else:
+            shown = type(item.text if isinstance(item, Passage) else item).__name__
+            raise InputTypeError(f"passage {n} must be a Passage (with str text) or a str, got {shown}")
+    return items
+
+
+def passage_segments(passages: Passages) -> list[Segment]:
+    """One prunable segment per non-empty passage; a passage without an id gets its number."""
+    return [
+        Segment(SegmentKind.PASSAGE, p.text.strip(), p.id if p.id is not None else str(number), p.metadata)
+        for number, p in enumerate(as_passages(passages), start=1)
+        if p.text.strip()
+    ]
+
+
+def _question(text: object, what: str = "the question") -> str:
+    if not isinstance(text, str):
+        raise InputTypeError(f"{what} must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise InputError(f"{what} is empty: pass the user's question as a non-empty string")
+    return text.strip()
+
+
+def build_segments(question: str, passages: Passages, instructions: str | None = None) -> tuple[Segment, ...]:
+    """The segments of a RAG prompt: instructions, passages in order, then the question."""
+    question = _question(question)
+    context = passage_segments(passages)
+    if not context:
+        raise InputError(
+            "the context is empty: pass at least one non-empty passage "
+            "(did the retriever return nothing?)"
+        )
+    segments: list[Segment] = []
+    if instructions and instructions.strip():
+        segments.append(Segment(SegmentKind.INSTRUCTIONS, instructions.strip()))
+    return (*segments, *context, Segment(SegmentKind.QUESTION, question))
+
+
+def chat_segments(
+    turns: Sequence[tuple[str, str]],
+    passages: Passages = (),
+    *,
+    instructions: str | None = None,
+) -> tuple[Segment, ...]:
+    """Segments for a chat given as (role, text) turns, oldest first.
+
+    System turns become the instructions (else ``instructions``); the last user turn is the
+    protected question; every other turn becomes a prunable context segment "User: ..." /
+    "Assistant: ..." with id ``turn-<i>`` (a long history is what SpecPrefill trims); passages
+    follow the history. Roles: "system", "user"/"human", "assistant"/"ai", others as named.
+    """
+    if not turns:
+        raise InputError("no messages: pass at least one message with the question")
+    for n, turn in enumerate(turns):
+        if not (isinstance(turn, tuple) and len(turn) == 2 and all(isinstance(x, str) for x in turn)):
+            raise InputTypeError(f"message {n} must be a (role, text) pair of str, got {turn!r:.80}")
+    system = [text.strip() for role, text in turns if role == "system" and text.strip()]
+    history = [(role, text) for role, text in turns if role != "system"]
+    if not history:
+        raise InputError("only system messages were given: add a user message with the question")
+    users = [i for i, (role, _) in enumerate(history) if role in ("user", "human")]
+    question_at = users[-1] if users else len(history) - 1
+    question = _question(history[question_at][1], "the last user message")
+    segments: list[Segment] = []
+    joined = "\n\n".join(system) or instructions
+    if joined:
+        segments.append(Segment(SegmentKind.INSTRUCTIONS, joined))
+    for i, (role, text) in enumerate(history):
+        if i != question_at and text.strip():
+            name = _ROLE_NAMES.get(role, role.capitalize())
+            segments.append(Segment(SegmentKind.CONTEXT, f"{name}: {text.strip()}", f"turn-{i}"))
+    segments.extend(passage_segments(passages))
+    segments.append(Segment(SegmentKind.QUESTION, question))
+    return tuple(segments)
+
+
+def split_documents(text: str) -> list[Passage]:
+    """Documents joined by blank lines (LangChain's default separator, LlamaIndex's context_str)."""
+    return [Passage(part.strip()) for part in _BLANK_LINE.split(text) if part.strip()]
