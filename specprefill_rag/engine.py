@@ -41,7 +41,9 @@ from .types import (
 )
 from .wire import is_contiguous
 
-__all__ = ["AsyncTextStream", "Mode", "PlannedPrompt", "RequestOptions", "SpecPrefillEngine", "TextStream"]
+__all__ = [
+    "AsyncTextStream", "LazyEngine", "Mode", "PlannedPrompt", "RequestOptions", "SpecPrefillEngine", "TextStream",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -539,3 +541,24 @@ class SpecPrefillEngine:
         """``stream`` as an async iterator of text deltas (``.result`` once exhausted)."""
         stream = await asyncio.to_thread(self.stream, question, passages, **options)
         return AsyncTextStream(stream)
+
+
+class LazyEngine:
+    """One engine, built from model names on the first ``get`` and only then, once even when many
+    threads ask at the same time: what the LangChain and LlamaIndex integrations hold when they are
+    given model names instead of an engine."""
+
+    def __init__(self) -> None:
+        self._engine: SpecPrefillEngine | None = None
+        self._lock = threading.Lock()
+
+    def get(self, main: str, draft: str | None, *, backend: str, max_retries: int) -> SpecPrefillEngine:
+        """The engine (``from_pretrained(main, draft, backend=backend)``; ``max_retries`` goes to the
+        ``vllm_server`` backend, the one that retries); later calls return the same one."""
+        if self._engine is None:
+            with self._lock:
+                if self._engine is None:
+                    logger.info("loading SpecPrefill engine: main=%s draft=%s", main, draft)
+                    options: dict[str, Any] = {"max_retries": max_retries} if backend == "vllm_server" else {}
+                    self._engine = SpecPrefillEngine.from_pretrained(main, draft, backend=backend, **options)
+        return self._engine

@@ -40,9 +40,11 @@ from ..wire import INVALID_PLAN, is_contiguous, plan_salt, plan_to_xargs
 from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, eos_ids, max_new_tokens
 from .vllm_http import VLLMHTTPClient, describe
 
-__all__ = ["VLLMServerBackend", "request_body"]
+__all__ = ["DEFAULT_MAX_RETRIES", "VLLMServerBackend", "request_body"]
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RETRIES = 2  # re-sends of a request whose connection failed or that got HTTP 502/503/504
 
 # One prompt token at position 0 whose next position is not above it: every plugin rejects it.
 _PROBE_XARGS = plan_to_xargs([0], 0)
@@ -120,7 +122,7 @@ class VLLMServerBackend(ModelIdentity):
         eos_token_ids: frozenset[int] = frozenset(),
         connect_timeout: float = 5.0,  # seconds per connection attempt
         read_timeout: float = 300.0,  # seconds without any byte from the server
-        max_retries: int = 2,  # extra attempts after a failed connect or HTTP 502/503/504
+        max_retries: int = DEFAULT_MAX_RETRIES,  # extra attempts after a failed connect or HTTP 502/503/504
         retry_backoff: float = 0.5,  # seconds before the first retry, doubled each time
         cache_salt: str | None = None,  # vLLM prefix-cache salt sent with every request (None: shared cache)
         verify_plugin: bool = True,  # check once that the server honours plans before sending one

@@ -14,8 +14,6 @@ metadata. How messages map to segments (see docs/integrations.md):
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -33,12 +31,12 @@ from specprefill_rag import (
     Segment,
     SpecPrefillEngine,
 )
+from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
 from specprefill_rag.chat import chat_segments
-from specprefill_rag.engine import Mode
+from specprefill_rag.engine import LazyEngine, Mode
 
 __all__ = ["ChatSpecPrefill", "messages_to_segments", "result_metadata"]
 
-logger = logging.getLogger(__name__)
 
 PassageLike: TypeAlias = Document | Passage | str
 
@@ -111,13 +109,13 @@ class ChatSpecPrefill(BaseChatModel):
         description="Seconds for the whole call (draft, prefill, every token, retries); then BackendTimeoutError.",
     )
     max_retries: int = Field(
-        default=2,
+        default=DEFAULT_MAX_RETRIES,
         description="Retries of a failed connection or a 502/503/504 before the first token, by the "
         "vllm_server backend this model builds (never a 4xx; the draft's plan is re-sent, not recomputed).",
     )
     streaming: bool = Field(default=False, description="invoke() streams internally (callbacks see tokens).")
 
-    _build_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _lazy: LazyEngine = PrivateAttr(default_factory=LazyEngine)
 
     @model_validator(mode="after")
     def _check_source(self) -> ChatSpecPrefill:
@@ -165,16 +163,9 @@ class ChatSpecPrefill(BaseChatModel):
     def _get_engine(self) -> SpecPrefillEngine:
         """The engine; built once on first use, even when many threads call at once."""
         if self.engine is None:
-            with self._build_lock:
-                if self.engine is None:
-                    assert self.model_name is not None
-                    logger.info("loading SpecPrefill engine: main=%s draft=%s", self.model_name, self.draft_model)
-                    options: dict[str, Any] = (
-                        {"max_retries": self.max_retries} if self.backend == "vllm_server" else {}
-                    )
-                    self.engine = SpecPrefillEngine.from_pretrained(
-                        self.model_name, self.draft_model, backend=self.backend, **options
-                    )
+            assert self.model_name is not None
+            self.engine = self._lazy.get(self.model_name, self.draft_model, backend=self.backend,
+                                         max_retries=self.max_retries)
         return self.engine
 
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:

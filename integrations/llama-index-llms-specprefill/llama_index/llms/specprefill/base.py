@@ -18,9 +18,7 @@ context segment whose last tokens are protected.
 
 from __future__ import annotations
 
-import logging
 import re
-import threading
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -45,13 +43,13 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import TokenAsyncGen, TokenGen
 from specprefill_rag import GenerationResult, Passage, Segment, SegmentKind, SpecPrefillEngine
+from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
 from specprefill_rag.chat import build_segments, chat_segments, split_documents
-from specprefill_rag.engine import Mode
+from specprefill_rag.engine import LazyEngine, Mode
 from specprefill_rag.types import RETRIEVER_SCORE_KEY
 
 __all__ = ["PassageIdPostprocessor", "SpecPrefillLLM", "split_context"]
 
-logger = logging.getLogger(__name__)
 dispatcher = instrument.get_dispatcher(__name__)
 
 DEFAULT_PASSAGE_ID_KEY = "passage_id"
@@ -154,7 +152,7 @@ class SpecPrefillLLM(CustomLLM):
         description="Seconds for the whole call (draft, prefill, every token, retries); then BackendTimeoutError.",
     )
     max_retries: int = Field(
-        default=3,
+        default=DEFAULT_MAX_RETRIES,
         description="Retries of a failed connection or a 502/503/504 before the first token, by the "
         "vllm_server backend this LLM builds (never a 4xx; the draft's plan is re-sent, not recomputed).",
     )
@@ -163,7 +161,7 @@ class SpecPrefillLLM(CustomLLM):
     )
 
     _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
-    _build_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _lazy: LazyEngine = PrivateAttr(default_factory=LazyEngine)
 
     def __init__(self, engine: SpecPrefillEngine | None = None, **kwargs: Any) -> None:
         if engine is not None and kwargs.get("model_name") is None:
@@ -182,16 +180,9 @@ class SpecPrefillLLM(CustomLLM):
         """The engine (built from ``model_name``/``draft_model`` on first use, once even when
         many threads ask at the same time)."""
         if self._engine is None:
-            with self._build_lock:
-                if self._engine is None:
-                    assert self.model_name is not None
-                    logger.info("loading SpecPrefill engine: main=%s draft=%s", self.model_name, self.draft_model)
-                    options: dict[str, Any] = (
-                        {"max_retries": self.max_retries} if self.backend == "vllm_server" else {}
-                    )
-                    self._engine = SpecPrefillEngine.from_pretrained(
-                        self.model_name, self.draft_model, backend=self.backend, **options
-                    )
+            assert self.model_name is not None
+            self._engine = self._lazy.get(self.model_name, self.draft_model, backend=self.backend,
+                                          max_retries=self.max_retries)
         return self._engine
 
     @property
