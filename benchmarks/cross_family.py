@@ -128,7 +128,7 @@ def measure_case(case: dict[str, Any], engines: dict[str, SpecPrefillEngine], co
     """Full prefill, then each draft at each keep rate (the draft scores the prompt once)."""
     full_engine = next(iter(engines.values()))
     prompt = full_engine.assemble(case["question"], case["passages"])
-    full_plan, _ = full_engine.plan(prompt, mode="full")
+    full_plan = full_engine.plan(prompt, mode="full").plan
     result = full_engine.execute(prompt, full_plan, generation=config.generation).wait()
     full_ttft = result.timings.ttft_s
     rows = [row(case, prompt, result, mode="full", draft=None, keep_rate=1.0, ttft_s=full_ttft, draft_s=None,
@@ -138,8 +138,8 @@ def measure_case(case: dict[str, Any], engines: dict[str, SpecPrefillEngine], co
         scores = engine.score(prompt)
         for keep in keep_rates:
             t0 = time.perf_counter()
-            plan, _ = engine.plan(prompt, selection=dataclasses.replace(config.selection, keep_rate=keep),
-                                  scores=scores)
+            plan = engine.plan(prompt, selection=dataclasses.replace(config.selection, keep_rate=keep),
+                               scores=scores).plan
             selection_s = time.perf_counter() - t0
             result = engine.execute(prompt, plan, scores=scores, generation=config.generation).wait()
             ttft = scores.seconds + selection_s + result.timings.ttft_s

@@ -497,7 +497,7 @@ class _Case:
         return self.scores[kind]
 
     def plan(self, sel: Any, scores: str = "default") -> Any:
-        return self.engine.plan(self.prompt, selection=sel, scores=self.scored(scores))[0]
+        return self.engine.plan(self.prompt, selection=sel, scores=self.scored(scores)).plan
 
 
 Outcome = tuple[str, int, dict[str, Any]]  # answer text, prefilled tokens, extra row fields

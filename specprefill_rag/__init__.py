@@ -7,7 +7,7 @@ prefills only the best chunks, at their original position ids, and decodes from 
 from .backends import Backend, BackendCapabilities, available_backends, create_backend, register_backend
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
 from .draft import DraftModel
-from .engine import AsyncTextStream, PlannedPrompt, RequestOptions, SpecPrefillEngine, TextStream
+from .engine import RequestOptions, SpecPrefillEngine
 from .errors import (
     BackendError,
     BackendTimeoutError,
@@ -19,11 +19,13 @@ from .errors import (
     ServerError,
     SpecPrefillError,
 )
+from .streams import AsyncTextStream, TextStream
 from .types import (
     AssembledPrompt,
     GenerationResult,
     KeptSpan,
     Passage,
+    PlannedPrompt,
     PrefillPlan,
     Segment,
     SegmentKind,

@@ -21,8 +21,8 @@ import torch
 from . import chat, tokenbound, tokenmap
 from . import prompt as prompt_lib
 from . import selection as selection_lib
-from .backends import Backend, create_backend
-from .backends.base import max_new_tokens
+from .backends import Backend, create_backend, loads_torch_model
+from .backends.base import SelfDrafting, max_new_tokens
 from .batching import MicroBatcher
 from .chat import Passages
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
@@ -33,6 +33,7 @@ from .streams import AsyncTextStream, TextStream
 from .types import (
     AssembledPrompt,
     GenerationResult,
+    PlannedPrompt,
     PrefillPlan,
     Segment,
     SegmentKind,
@@ -41,9 +42,7 @@ from .types import (
 )
 from .wire import is_contiguous
 
-__all__ = [
-    "AsyncTextStream", "LazyEngine", "Mode", "PlannedPrompt", "RequestOptions", "SpecPrefillEngine", "TextStream",
-]
+__all__ = ["LazyEngine", "Mode", "RequestOptions", "SpecPrefillEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +65,16 @@ PromptInput = str | Sequence[Segment]
 
 
 @dataclass(frozen=True)
-class PlannedPrompt:
-    """A prompt with its plan and the time spent getting there."""
+class _DraftInput:
+    """A prompt and the draft's rendering of it: the prompt itself when the draft shares the main
+    tokenizer, else the same segments in the draft's tokenizer and chat template."""
 
     prompt: AssembledPrompt
-    plan: PrefillPlan
-    scores: TokenScores | None  # None when the draft did not run
-    assemble_s: float
-    selection_s: float | None
+    read: AssembledPrompt
+
+
+def _prefilled_whole(prompt: AssembledPrompt, scores: TokenScores | None) -> PlannedPrompt:
+    return PlannedPrompt(prompt, selection_lib.full_plan(prompt), scores, 0.0, None)
 
 
 def _check_deadline(deadline: float | None, timeout: float | None) -> None:
@@ -83,7 +84,7 @@ def _check_deadline(deadline: float | None, timeout: float | None) -> None:
 
 def _result(planned: PlannedPrompt, decoder: IncrementalDecoder, finish: str, *, started: float,
             prefill_start: float, first: float | None) -> GenerationResult:
-    """The answer of one ``run_plan``: text, tokens and the timings of each stage (perf_counter
+    """The answer of one ``_run``: text, tokens and the timings of each stage (perf_counter
     values: the request's start, the prefill's start, the first token; now is the end)."""
     end = time.perf_counter()
     first = end if first is None else first
@@ -159,9 +160,8 @@ class SpecPrefillEngine:
         self.maps_tokens = False  # True: the draft has its own tokenizer (scores mapped by offsets)
         draft_config = self.config.draft
         # Concurrent requests (threads, async tasks) share draft passes (DraftConfig.max_batch).
-        # Items are (prompt, the draft's rendering of it), rendered once per request.
-        self._batcher: MicroBatcher[tuple[AssembledPrompt, AssembledPrompt], TokenScores] = MicroBatcher(
-            lambda config, items: self._score_rendered(items, config),  # type: ignore[arg-type]
+        self._batcher: MicroBatcher[_DraftInput, TokenScores] = MicroBatcher(
+            lambda config, items: self._score_inputs(items, config),  # type: ignore[arg-type]
             max_batch=draft_config.max_batch,
             window_s=draft_config.batch_window_s,
         )
@@ -181,16 +181,18 @@ class SpecPrefillEngine:
         device: str = "cpu",
         **backend_kwargs: Any,
     ) -> SpecPrefillEngine:
-        """Build an engine from model names (packaged short names, HF directories, GGUF files)."""
-        config = config or SpecPrefillConfig()
-        if backend == "transformers":
-            backend_kwargs = {"dtype": dtype, "device": device, **backend_kwargs}
-        main_backend = create_backend(backend, main, **backend_kwargs)
-        from .backends.transformers import TransformersBackend
+        """Build an engine from model names (packaged short names, HF directories, GGUF files).
 
-        if draft and draft == main and isinstance(main_backend, TransformersBackend):
+        ``dtype`` and ``device`` are the draft's, and the main model's on a backend that loads a
+        torch model in this process (``register_backend(..., torch_model=True)``: transformers).
+        A ``draft`` equal to ``main`` on a ``SelfDrafting`` backend shares the main model's weights.
+        """
+        config = config or SpecPrefillConfig()
+        torch_options = {"dtype": dtype, "device": device} if loads_torch_model(backend) else {}
+        main_backend = create_backend(backend, main, **torch_options, **backend_kwargs)
+        if draft and draft == main and isinstance(main_backend, SelfDrafting):
             # Self-drafting: one set of weights serves both roles (the capture is inert outside scoring).
-            draft_model: DraftModel | None = DraftModel(main_backend.model, main_backend.tokenizer, config.draft)
+            draft_model: DraftModel | None = main_backend.as_draft(config.draft)
         elif draft:
             draft_model = DraftModel.from_pretrained(draft, config.draft, dtype=dtype, device=device)
         else:
@@ -272,72 +274,14 @@ class SpecPrefillEngine:
                    ) -> list[TokenScores]:
         """``score`` for several prompts in one batched draft run (each result equals the
         prompt's own within floating-point tolerance); what concurrent requests share."""
-        if self.draft is None:
-            raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
-        return self._score_rendered([(p, self._draft_prompt(p)) for p in prompts], draft or self.config.draft)
-
-    def _score_rendered(self, items: Sequence[tuple[AssembledPrompt, AssembledPrompt]], config: DraftConfig
-                        ) -> list[TokenScores]:
-        """``score_many`` for (prompt, the draft's rendering of it) pairs."""
-        assert self.draft is not None
-        start = time.perf_counter()
-        prompts = [p for p, _ in items]
-        read = [d for _, d in items]  # what the draft reads: its own rendering
-        scored = self.draft.score_batch(
-            [d.token_ids for d in read],
-            questions=[d.positions_of(SegmentKind.QUESTION) for d in read],
-            contexts=[~d.protected for d in read],
-            config=config,
-        )
-        if not self.maps_tokens:
-            return scored
-        mapped = [tokenmap.map_scores(s.scores, d, p) for s, d, p in zip(scored, read, prompts, strict=True)]
-        seconds = time.perf_counter() - start
-        logger.debug("mapped draft scores onto %d prompts in %.3f s", len(prompts), seconds - scored[0].seconds)
-        return [
-            TokenScores(scores=m, lookahead_token_ids=s.lookahead_token_ids, seconds=seconds)
-            for m, s in zip(mapped, scored, strict=True)
-        ]
-
-    def _draft_prompt(self, prompt: AssembledPrompt) -> AssembledPrompt:
-        """The prompt as the draft reads it: itself, or the same segments in the draft's own
-        tokenizer and chat template (``tokenizer_mapping``)."""
-        if not self.maps_tokens:
-            return prompt
-        assert self.draft is not None
-        if not prompt.segment_spans:
-            raise InputError("the prompt carries no segment spans: build it with engine.assemble")
-        return prompt_lib.assemble(self.draft.tokenizer, prompt.segments, protect_tail_tokens=0)
+        self._require_draft()
+        return self._score_inputs([self._draft_input(p) for p in prompts], draft or self.config.draft)
 
     def draft_fits(self, prompt: AssembledPrompt, *, draft: DraftConfig | None = None) -> bool:
         """Whether the draft can read ``prompt`` (its own rendering, look-ahead included)."""
         if self.draft is None:
             return False
-        return self._draft_overflow(prompt, self._draft_prompt(prompt), draft or self.config.draft) is None
-
-    def _draft_overflow(self, prompt: AssembledPrompt, read: AssembledPrompt, config: DraftConfig) -> str | None:
-        """Why the draft cannot read ``prompt`` (rendered for the draft as ``read``), or None."""
-        assert self.draft is not None
-        lookahead = config.lookahead_for(int(prompt.positions_of(SegmentKind.QUESTION).numel()))
-        n = read.n_tokens
-        if self.draft.fits(n, lookahead):
-            return None
-        return (
-            f"the prompt of {n} draft tokens plus {lookahead - 1} look-ahead tokens exceeds the draft "
-            f"model's window of {self.draft.max_context}"
-        )
-
-    def _overflow(self, prompt: AssembledPrompt, read: AssembledPrompt) -> bool:
-        """True when ``prompt`` (rendered for the draft as ``read``) must be prefilled whole because
-        the draft cannot read it (``DraftConfig.on_overflow="full"``, logged); ``InputError``
-        under ``"raise"``."""
-        reason = self._draft_overflow(prompt, read, self.config.draft)
-        if reason is None:
-            return False
-        if self.config.draft.on_overflow == "raise":
-            raise InputError(f"{reason}: shorten the context or use a draft with a longer window")
-        logger.warning("%s: prefilling the whole prompt (DraftConfig.on_overflow='full')", reason)
-        return True
+        return self._overflow(self._draft_input(prompt), draft or self.config.draft) is None
 
     def plan(
         self,
@@ -346,38 +290,113 @@ class SpecPrefillEngine:
         mode: Mode = "specprefill",
         selection: SelectionConfig | None = None,
         scores: TokenScores | None = None,
-    ) -> tuple[PrefillPlan, TokenScores | None]:
-        """The prefill plan for ``prompt`` (reuses ``scores`` when given, e.g. across keep rates)."""
+    ) -> PlannedPrompt:
+        """The prefill plan for ``prompt``, with the scores it was made from (``scores``, when
+        given, are reused: e.g. one draft run across keep rates) and the selection's time."""
+        sel = self._request_selection(mode, None, selection)
+        if not self._speculates(prompt, mode, sel):
+            return _prefilled_whole(prompt, scores)
+        if scores is not None:
+            return self._select(prompt, sel, scores)
+        return self._plan(prompt, sel, self._readable(prompt))
+
+    # -- planning: one pipeline, each stage written once --------------------------------------
+    #   _request_selection  a request's options, checked: mode, keep rate, selection
+    #   assemble            question and passages (or segments) → the main model's prompt
+    #   _speculates         whether the prompt is pruned at all (else it is prefilled whole)
+    #   _readable           what the draft reads; a prompt too long for it is refused or prefilled whole
+    #   _draft_scores       the draft's scores, batched with concurrent requests
+    #   _select             scores → kept tokens → ``PrefillPlan``, timed
+
+    def _request_selection(self, mode: str, keep_rate: float | None, selection: SelectionConfig | None
+                           ) -> SelectionConfig:
+        """The selection settings of one request (``selection``, else the engine's, with ``keep_rate``
+        applied), once ``mode`` is known to be one of ``Mode``."""
         if mode not in ("specprefill", "full"):
             raise ConfigError(f"mode must be 'specprefill' or 'full', got {mode!r}")
-        planned = self._plan(prompt, mode, selection or self.config.selection, scores, None)
-        return planned.plan, planned.scores
+        sel = selection or self.config.selection
+        if not isinstance(sel, SelectionConfig):
+            raise ConfigError(f"selection must be a SelectionConfig, got {type(sel).__name__}")
+        if keep_rate is not None:
+            sel = dataclasses.replace(sel, keep_rate=keep_rate, token_budget=None)  # validates
+        return sel
 
-    def _plan(
-        self,
-        prompt: AssembledPrompt,
-        mode: Mode,
-        sel: SelectionConfig,
-        scores: TokenScores | None,
-        read: AssembledPrompt | None,
-    ) -> PlannedPrompt:
-        """``plan``, reusing the draft's rendering ``read`` of ``prompt`` when given; the selection
-        is timed here (``assemble_s`` is left to the caller, 0.0)."""
-        n = prompt.n_tokens
+    def _speculates(self, prompt: AssembledPrompt, mode: str, sel: SelectionConfig) -> bool:
+        """False when the prompt is prefilled whole: full mode, a prompt shorter than
+        ``min_prompt_tokens``, or a budget that keeps all the context."""
         n_context = prompt.n_context
-        if mode == "full" or n < sel.min_prompt_tokens or sel.budget(n_context) >= n_context:
-            return PlannedPrompt(prompt, selection_lib.full_plan(prompt), scores, 0.0, None)
-        if scores is None:
-            if self.draft is None:
-                raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
-            read = read or self._draft_prompt(prompt)
-            if self._overflow(prompt, read):
-                return PlannedPrompt(prompt, selection_lib.full_plan(prompt), None, 0.0, None)
-            config = self.config.draft
-            if config.max_batch > 1:
-                scores = self._batcher.submit(config, (prompt, read))
-            else:
-                scores = self._score_rendered([(prompt, read)], config)[0]
+        return mode != "full" and prompt.n_tokens >= sel.min_prompt_tokens and sel.budget(n_context) < n_context
+
+    def _require_draft(self) -> DraftModel:
+        if self.draft is None:
+            raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
+        return self.draft
+
+    def _draft_input(self, prompt: AssembledPrompt) -> _DraftInput:
+        """``prompt`` and what the draft reads of it: itself, or the same segments in the draft's
+        own tokenizer and chat template (``tokenizer_mapping``), rendered once per request."""
+        if not self.maps_tokens:
+            return _DraftInput(prompt, prompt)
+        if not prompt.segment_spans:
+            raise InputError("the prompt carries no segment spans: build it with engine.assemble")
+        tokenizer = self._require_draft().tokenizer
+        return _DraftInput(prompt, prompt_lib.assemble(tokenizer, prompt.segments, protect_tail_tokens=0))
+
+    def _overflow(self, item: _DraftInput, config: DraftConfig) -> str | None:
+        """Why the draft cannot read ``item`` (its rendering plus the look-ahead), or None."""
+        draft = self._require_draft()
+        lookahead = config.lookahead_for(int(item.prompt.positions_of(SegmentKind.QUESTION).numel()))
+        n = item.read.n_tokens
+        if draft.fits(n, lookahead):
+            return None
+        return (
+            f"the prompt of {n} draft tokens plus {lookahead - 1} look-ahead tokens exceeds the draft "
+            f"model's window of {draft.max_context}"
+        )
+
+    def _readable(self, prompt: AssembledPrompt) -> _DraftInput | None:
+        """What the draft reads for ``prompt``; None when it cannot read it and the prompt is
+        prefilled whole (``DraftConfig.on_overflow="full"``, logged), ``InputError`` under ``"raise"``."""
+        item = self._draft_input(prompt)
+        reason = self._overflow(item, self.config.draft)
+        if reason is None:
+            return item
+        if self.config.draft.on_overflow == "raise":
+            raise InputError(f"{reason}: shorten the context or use a draft with a longer window")
+        logger.warning("%s: prefilling the whole prompt (DraftConfig.on_overflow='full')", reason)
+        return None
+
+    def _draft_scores(self, item: _DraftInput) -> TokenScores:
+        config = self.config.draft
+        if config.max_batch > 1:
+            return self._batcher.submit(config, item)
+        return self._score_inputs([item], config)[0]
+
+    def _score_inputs(self, items: Sequence[_DraftInput], config: DraftConfig) -> list[TokenScores]:
+        """The draft's scores of each prompt, read in its own rendering (one batched run), mapped
+        onto the main tokens when the draft has its own tokenizer."""
+        draft = self._require_draft()
+        start = time.perf_counter()
+        read = [item.read for item in items]
+        scored = draft.score_batch(
+            [d.token_ids for d in read],
+            questions=[d.positions_of(SegmentKind.QUESTION) for d in read],
+            contexts=[~d.protected for d in read],
+            config=config,
+        )
+        if not self.maps_tokens:
+            return scored
+        mapped = [tokenmap.map_scores(s.scores, item.read, item.prompt) for s, item in zip(scored, items, strict=True)]
+        seconds = time.perf_counter() - start
+        logger.debug("mapped draft scores onto %d prompts in %.3f s", len(items), seconds - scored[0].seconds)
+        return [
+            TokenScores(scores=m, lookahead_token_ids=s.lookahead_token_ids, seconds=seconds)
+            for m, s in zip(mapped, scored, strict=True)
+        ]
+
+    def _select(self, prompt: AssembledPrompt, sel: SelectionConfig, scores: TokenScores) -> PlannedPrompt:
+        """The plan from the draft's ``scores``: the best units within the budget (timed here;
+        ``assemble_s`` is left to the caller, 0.0)."""
         began = time.perf_counter()
         prior = selection_lib.retriever_scores(prompt.segments) if sel.retriever_weight else None
         kept = selection_lib.select(
@@ -387,6 +406,13 @@ class SpecPrefillEngine:
             prompt, kept, contiguous_positions=sel.positions == "contiguous"
         )
         return PlannedPrompt(prompt, plan, scores, 0.0, time.perf_counter() - began)
+
+    def _plan(self, prompt: AssembledPrompt, sel: SelectionConfig, item: _DraftInput | None) -> PlannedPrompt:
+        """The plan of a prompt the draft reads as ``item``, scored and selected; prefilled whole
+        when there is nothing to read (``item`` None)."""
+        if item is None:
+            return _prefilled_whole(prompt, None)
+        return self._select(prompt, sel, self._draft_scores(item))
 
     # -- generation ------------------------------------------------------------------------
 
@@ -403,7 +429,7 @@ class SpecPrefillEngine:
                 "another backend"
             )
 
-    def run_plan(
+    def _run(
         self,
         planned: PlannedPrompt,
         generation: GenerationConfig | None = None,
@@ -467,7 +493,7 @@ class SpecPrefillEngine:
         timings count from this call, its ``draft_s`` is ``scores.seconds`` when given."""
         planned = PlannedPrompt(prompt, plan, scores, 0.0, None)
         stop = threading.Event()
-        return TextStream(self.run_plan(planned, generation, stop=stop), stop)
+        return TextStream(self._run(planned, generation, stop=stop), stop)
 
     def stream(
         self,
@@ -483,29 +509,21 @@ class SpecPrefillEngine:
         """Stream the answer as text deltas; ``.result`` is set once the stream ends.
 
         Bad input (empty question or context, prompt over the window, keep rate out of
-        range, a prompt the draft cannot read under ``on_overflow="raise"``) raises here,
-        before any model runs: ``InputError`` / ``ConfigError`` (both ``ValueError``), or
-        ``InputTypeError`` / ``ConfigTypeError`` (``TypeError``) for values of the wrong type.
+        range, SpecPrefill asked of an engine without a draft, a prompt the draft cannot read
+        under ``on_overflow="raise"``) raises here, before any model runs: ``InputError`` /
+        ``ConfigError`` (both ``ValueError``), or ``InputTypeError`` / ``ConfigTypeError``
+        (``TypeError``) for values of the wrong type. The draft scores and the selection run at
+        the first ``next``.
         """
         started = time.perf_counter()
-        if mode not in ("specprefill", "full"):
-            raise ConfigError(f"mode must be 'specprefill' or 'full', got {mode!r}")
-        sel = selection or self.config.selection
-        if not isinstance(sel, SelectionConfig):
-            raise ConfigError(f"selection must be a SelectionConfig, got {type(sel).__name__}")
-        if keep_rate is not None:
-            sel = dataclasses.replace(sel, keep_rate=keep_rate, token_budget=None)  # validates
-        planned_prompt = self.assemble(question, passages, instructions=instructions, selection=sel)
-        read = None  # the draft's rendering, made once per request
-        if mode == "specprefill" and self.config.draft.on_overflow == "raise" and self.draft is not None:
-            read = self._draft_prompt(planned_prompt)
-            self._overflow(planned_prompt, read)  # refuse up front, not at the first next()
+        sel = self._request_selection(mode, keep_rate, selection)
+        prompt = self.assemble(question, passages, instructions=instructions, selection=sel)
+        item = self._readable(prompt) if self._speculates(prompt, mode, sel) else None
 
         def run() -> Generator[str, None, GenerationResult]:
             assembled = time.perf_counter()
-            planned = self._plan(planned_prompt, mode, sel, None, read)
-            planned = dataclasses.replace(planned, assemble_s=assembled - started)
-            return (yield from self.run_plan(planned, generation, started=started, stop=stop))
+            planned = dataclasses.replace(self._plan(prompt, sel, item), assemble_s=assembled - started)
+            return (yield from self._run(planned, generation, started=started, stop=stop))
 
         stop = threading.Event()
         return TextStream(run(), stop)

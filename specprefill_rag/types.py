@@ -1,8 +1,9 @@
 """Typed values that flow through the pipeline: prompt segments, plans and results.
 
-Data flow: ``Segment`` list → ``AssembledPrompt`` → ``TokenScores`` → ``PrefillPlan`` →
-backend → ``GenerationResult``. Everything here is plain data; no model code. The checks every
-layer applies to values it is handed (``is_int``, ``is_number``, ``lone_surrogate``) live here too.
+Data flow: ``Segment`` list → ``AssembledPrompt`` → ``TokenScores`` → ``PrefillPlan`` (with its
+prompt and scores: ``PlannedPrompt``) → backend → ``GenerationResult``. Everything here is plain
+data; no model code. The checks every layer applies to values it is handed (``is_int``,
+``is_number``, ``lone_surrogate``) live here too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "GenerationResult",
     "KeptSpan",
     "Passage",
+    "PlannedPrompt",
     "PrefillPlan",
     "Segment",
     "SegmentKind",
@@ -197,6 +199,17 @@ class PrefillPlan:
     @property
     def keep_ratio(self) -> float:
         return self.n_kept / self.n_prompt if self.n_prompt else 1.0
+
+
+@dataclass(frozen=True)
+class PlannedPrompt:
+    """A prompt with its plan, the draft scores the plan was made from and the time spent."""
+
+    prompt: AssembledPrompt
+    plan: PrefillPlan
+    scores: TokenScores | None  # None when the draft did not run
+    assemble_s: float  # seconds; 0.0 when the prompt was assembled elsewhere
+    selection_s: float | None  # seconds choosing the kept tokens; None when nothing was selected
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ def test_smollm2_draft_keeps_the_needle_for_qwen(engine, record_property):
     passages = haystack(n_passages=8, repeats=8, needle_at=5)
     prompt = engine.assemble(QUESTION, passages)
     assert 1200 <= prompt.n_tokens <= 2000, prompt.n_tokens
-    plan, scores = engine.plan(prompt)
+    planned = engine.plan(prompt)
+    plan, scores = planned.plan, planned.scores
     assert scores is not None
     start = prompt.text.index(NEEDLE)
     needle_tokens = [

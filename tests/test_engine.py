@@ -218,12 +218,15 @@ def test_score_many_plans_like_one_by_one(engine):
     for p, scores in zip(prompts, engine.score_many(prompts), strict=True):
         alone = engine.score(p)
         torch.testing.assert_close(scores.scores, alone.scores, atol=1e-6, rtol=1e-4)
-        assert torch.equal(engine.plan(p, scores=scores)[0].position_ids, engine.plan(p, scores=alone)[0].position_ids)
+        batched, own = engine.plan(p, scores=scores).plan, engine.plan(p, scores=alone).plan
+        assert torch.equal(batched.position_ids, own.position_ids)
 
 
 def test_execute_runs_a_plan_you_built_and_results_carry_their_prompt(engine):
     prompt = engine.assemble(QUESTION, PASSAGES)
-    plan, scores = engine.plan(prompt)
+    planned = engine.plan(prompt)
+    plan, scores = planned.plan, planned.scores
+    assert planned.prompt is prompt and planned.selection_s is not None and planned.selection_s >= 0
     result = engine.execute(prompt, plan, scores=scores).wait()
     assert result.prompt is prompt and result.plan is plan
     assert result.timings.draft_s == scores.seconds

@@ -59,7 +59,7 @@ def test_needle_is_kept_and_answered(engine, record_property):
     prompt = engine.assemble(QUESTION, passages)
     assert 2000 <= prompt.n_tokens <= 4000, prompt.n_tokens
     scores = engine.score(prompt)
-    plan, _ = engine.plan(prompt, scores=scores)
+    plan = engine.plan(prompt, scores=scores).plan
     # The needle's characters → its tokens; every one of them must be prefilled.
     start = prompt.text.index(NEEDLE)
     needle_tokens = [

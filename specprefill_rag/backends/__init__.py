@@ -17,6 +17,7 @@ __all__ = [
     "BackendCapabilities",
     "available_backends",
     "create_backend",
+    "loads_torch_model",
     "register_backend",
 ]
 
@@ -28,9 +29,27 @@ _REGISTRY: dict[str, str | Callable[..., Backend]] = {
 }
 
 
-def register_backend(name: str, factory: str | Callable[..., Backend]) -> None:
-    """Make ``create_backend(name, ...)`` call ``factory`` (a callable or "module:attr")."""
+# Backends whose factory loads a torch model into this process and takes ``dtype`` and ``device``
+# keywords, which ``SpecPrefillEngine.from_pretrained`` hands on (the draft's own).
+_TORCH_MODELS: set[str] = {"transformers"}
+
+
+def register_backend(name: str, factory: str | Callable[..., Backend], *, torch_model: bool = False) -> None:
+    """Make ``create_backend(name, ...)`` call ``factory`` (a callable or "module:attr").
+
+    ``torch_model``: the factory loads a torch model in this process and takes ``dtype`` and
+    ``device`` keywords, which ``SpecPrefillEngine.from_pretrained`` then passes to it.
+    """
     _REGISTRY[name] = factory
+    if torch_model:
+        _TORCH_MODELS.add(name)
+    else:
+        _TORCH_MODELS.discard(name)
+
+
+def loads_torch_model(name: str) -> bool:
+    """Whether the backend registered as ``name`` takes ``dtype`` and ``device`` (see ``register_backend``)."""
+    return name in _TORCH_MODELS
 
 
 def available_backends() -> list[str]:

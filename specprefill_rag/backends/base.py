@@ -10,16 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ..config import GenerationConfig
+from ..config import DraftConfig, GenerationConfig
 from ..errors import PlanError
 from ..types import PrefillPlan
 from ..wire import is_contiguous, parse_plan, plan_to_xargs
 
+if TYPE_CHECKING:
+    from ..draft import DraftModel
+
 __all__ = [
-    "Backend", "BackendCapabilities", "ModelIdentity", "TokenStep", "check_window", "checked_xargs", "eos_ids",
-    "max_new_tokens",
+    "Backend", "BackendCapabilities", "ModelIdentity", "SelfDrafting", "TokenStep", "check_window", "checked_xargs",
+    "eos_ids", "max_new_tokens",
 ]
 
 
@@ -71,6 +74,16 @@ class Backend(Protocol):
         an end-of-sequence token or ``generation.max_new_tokens`` ids; the caller may close
         the iterator early (stop strings).
         """
+        ...
+
+
+@runtime_checkable
+class SelfDrafting(Protocol):
+    """A backend whose main model can also be the draft: one set of weights in both roles
+    (``SpecPrefillEngine.from_pretrained(main, draft=main)``)."""
+
+    def as_draft(self, config: DraftConfig) -> DraftModel:
+        """The main model as a ``DraftModel`` with ``config``."""
         ...
 
 

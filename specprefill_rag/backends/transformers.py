@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ..config import GenerationConfig
+from ..config import DraftConfig, GenerationConfig
+from ..draft import DraftModel
 from ..types import PrefillPlan
 from .base import BackendCapabilities, ModelIdentity, check_window, eos_ids, max_new_tokens
 
@@ -51,7 +52,7 @@ def sample_token(logits: torch.Tensor, generation: GenerationConfig, generator: 
 
 
 class TransformersBackend(ModelIdentity):
-    """A transformers causal LM serving prefill plans in-process."""
+    """A transformers causal LM serving prefill plans in-process (and ``SelfDrafting``)."""
 
     name = "transformers"
     capabilities = BackendCapabilities(exact_positions=True)
@@ -77,6 +78,10 @@ class TransformersBackend(ModelIdentity):
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def as_draft(self, config: DraftConfig) -> DraftModel:
+        """This model as its own draft (``SelfDrafting``): the capture is inert outside scoring."""
+        return DraftModel(self.model, self.tokenizer, config)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: Any, n_cached: int) -> Any:
         n_new = ids.numel()

@@ -30,8 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from ..engine import AsyncTextStream, Mode, SpecPrefillEngine
+from ..engine import Mode, SpecPrefillEngine
 from ..errors import ConfigError, InputError
+from ..streams import AsyncTextStream
 from ..types import GenerationResult
 from . import GatewayOptions
 from .metrics import GatewayMetrics
