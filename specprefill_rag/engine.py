@@ -105,41 +105,6 @@ def _result(planned: PlannedPrompt, decoder: IncrementalDecoder, finish: str, *,
                             prompt=planned.prompt)
 
 
-def _same_tokenizer(draft: Any, main: Any) -> bool:
-    if draft is main:
-        return True
-    same = type(draft).__name__ == type(main).__name__ and len(draft) == len(main)
-    return same and draft.get_vocab() == main.get_vocab()
-
-
-def _tokenizer_error(draft: Any, main: Any) -> ValueError:
-    return ValueError(
-        f"the draft tokenizer ({type(draft).__name__}, {len(draft)} tokens) differs from the "
-        f"main model's ({type(main).__name__}, {len(main)} tokens). With "
-        "DraftConfig(tokenizer_mapping='same') the draft must share the main model's tokenizer: use a "
-        "draft of the same family (e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct), "
-        "or tokenizer_mapping='auto' to map scores through character offsets"
-    )
-
-
-def _needs_mapping(draft: Any, main: Any, mode: str) -> bool:
-    """Whether draft scores must be mapped onto main tokens (see ``tokenmap``); checks the pair."""
-    same = _same_tokenizer(draft, main)
-    if mode == "same" or (mode == "auto" and same):
-        if not same:
-            raise _tokenizer_error(draft, main)
-        return False
-    for role, tok in (("draft", draft), ("main", main)):
-        if not getattr(tok, "is_fast", False):
-            raise ValueError(
-                f"the {role} tokenizer ({type(tok).__name__}) is a slow tokenizer without character "
-                "offsets, which mapping scores between two tokenizers needs: load the fast one "
-                "(AutoTokenizer.from_pretrained(..., use_fast=True)) or use a draft with the main "
-                "model's tokenizer"
-            )
-    return True
-
-
 class SpecPrefillEngine:
     """Answers RAG questions with a draft-selected prefill on a main-model backend.
 
@@ -167,7 +132,7 @@ class SpecPrefillEngine:
         )
         if draft is not None:
             mode = self.config.draft.tokenizer_mapping
-            self.maps_tokens = _needs_mapping(draft.tokenizer, self.tokenizer, mode)
+            self.maps_tokens = tokenmap.needs_mapping(draft.tokenizer, self.tokenizer, mode)
 
     @classmethod
     def from_pretrained(

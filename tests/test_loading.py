@@ -19,9 +19,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from specprefill_rag import loading  # noqa: E402
+from specprefill_rag.errors import ModelNotFoundError  # noqa: E402
 from specprefill_rag.loading import (  # noqa: E402
     PACKAGED_MODELS,
-    ModelNotFoundError,
     PackagedModel,
     cache_dir,
     load_model,
@@ -126,7 +126,6 @@ def test_public_api() -> None:
         "MODEL_PAIRS",
         "PACKAGED_MODELS",
         "SMALL_MODEL",
-        "ModelNotFoundError",
         "PackagedModel",
         "cache_dir",
         "load_model",

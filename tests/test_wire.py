@@ -8,9 +8,9 @@ import torch
 
 from specprefill_rag.backends.vllm_server import request_body
 from specprefill_rag.config import GenerationConfig
-from specprefill_rag.errors import PlanError
+from specprefill_rag.errors import PlanError, ServerStartError, UnsupportedVLLMError
 from specprefill_rag.types import PrefillPlan
-from specprefill_rag.vllm_plugin import UnsupportedVLLMError, check_vllm_version
+from specprefill_rag.vllm_plugin import check_vllm_version
 from specprefill_rag.vllm_plugin.runner import remap_positions
 from specprefill_rag.wire import NEXT_POSITION_KEY, POSITIONS_KEY, parse_plan, plan_salt, plan_to_xargs
 
@@ -154,7 +154,7 @@ def test_server_in_another_environment_is_checked_there(tmp_path):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named vllm' >&2\nexit 1\n")
     fake.chmod(0o755)
-    with pytest.raises(vllm_process.ServerStartError, match=f"cannot start vLLM with {fake}: ModuleNotFoundError"):
+    with pytest.raises(ServerStartError, match=f"cannot start vLLM with {fake}: ModuleNotFoundError"):
         vllm_process._require_plugin(str(fake))
     command = vllm_process.server_command("/models/m", python=str(fake), cpu=True)
     assert command[:3] == [str(fake), "-m", "vllm.entrypoints.openai.api_server"]

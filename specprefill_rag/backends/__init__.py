@@ -10,6 +10,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import ConfigError
 from .base import Backend, BackendCapabilities
 
 __all__ = [
@@ -60,7 +61,7 @@ def _resolve(name: str) -> Callable[..., Backend]:
     try:
         factory = _REGISTRY[name]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"unknown backend {name!r}; available: {', '.join(available_backends())}"
         ) from None
     if callable(factory):

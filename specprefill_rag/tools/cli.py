@@ -229,7 +229,8 @@ def _ask(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import shlex
 
-    from .vllm_process import ServerStartError, serve
+    from ..errors import ServerStartError
+    from .vllm_process import serve
 
     if args.gateway_port is not None:
         return _serve_stack(args)
@@ -333,7 +334,8 @@ def _serve_stack(args: argparse.Namespace) -> int:
 
     from ..config import SpecPrefillConfig
     from ..engine import SpecPrefillEngine
-    from .vllm_process import ServerStartError, VLLMServer
+    from ..errors import ServerStartError
+    from .vllm_process import VLLMServer
 
     if not args.draft:
         print("error: the gateway needs a draft model: add --draft DRAFT", file=sys.stderr)

@@ -24,19 +24,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..backends.vllm_offline import CPU_ENGINE_ARGS, CPU_KV_CACHE_GIB, on_cpu
+from ..errors import ServerStartError, UnsupportedVLLMError
 
 __all__ = [
-    "ServerStartError", "VLLMServer", "cpu_binding", "numa_nodes", "parallel_ranks", "plugin_installed", "serve",
+    "VLLMServer", "cpu_binding", "numa_nodes", "parallel_ranks", "plugin_installed", "serve",
     "server_command", "server_env",
 ]
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_ENTRY_POINT = "specprefill_rag.vllm_plugin:register"
-
-class ServerStartError(RuntimeError):
-    """The vLLM server exited or did not become ready in time."""
-
 
 def plugin_installed() -> bool:
     """True when the ``vllm.general_plugins`` entry point of this package is installed."""
@@ -60,7 +57,7 @@ def _require_plugin(python: str | None = None) -> None:
         )
     import vllm
 
-    from ..vllm_plugin import UnsupportedVLLMError, check_vllm_version
+    from ..vllm_plugin import check_vllm_version
 
     try:
         check_vllm_version(vllm.__version__)

@@ -27,9 +27,10 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from ..errors import UnsupportedVLLMError
+
 __all__ = [
     "SUPPORTED_VLLM_VERSIONS",
-    "UnsupportedVLLMError",
     "apply_patches",
     "check_vllm_version",
     "disabled_reason",
@@ -49,10 +50,6 @@ _V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 _registered = False
 _disabled: str | None = None  # why register() left vLLM unpatched in this process
-
-
-class UnsupportedVLLMError(RuntimeError):
-    """The installed vLLM is not one the plugin was written for."""
 
 
 def _minor(version: str) -> tuple[str, ...]:
