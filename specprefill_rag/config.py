@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .errors import ConfigError, ConfigTypeError
+from .scoring import HeadReduction
 from .types import is_int, is_number
 
 LayerChoice = Literal["all", "upper_half", "lower_half", "middle_half"]
-HeadReduction = Literal["max", "mean"]
 PositionMode = Literal["original", "contiguous"]
 SelectionUnit = Literal["sentence", "chunk"]
 TokenizerMapping = Literal["auto", "same", "offsets"]
@@ -25,7 +25,6 @@ __all__ = [
     "GREEDY_BELOW",
     "DraftConfig",
     "GenerationConfig",
-    "HeadReduction",
     "LayerChoice",
     "OverflowPolicy",
     "PositionMode",
@@ -33,6 +32,8 @@ __all__ = [
     "SelectionUnit",
     "SpecPrefillConfig",
     "TokenizerMapping",
+    "check_choice",
+    "describe_choices",
 ]
 
 
@@ -45,6 +46,18 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)  # the range of a seed: OpenAI's and vLLM's
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def describe_choices(literal: Any, *, other: str | None = None) -> str:
+    """The values of a ``Literal`` for a message: "'a', 'b' or 'c'" (``other`` last, if given)."""
+    items = [repr(value) for value in get_args(literal)] + ([other] if other else [])
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def check_choice(name: str, value: object, literal: Any) -> None:
+    """``ConfigError`` unless ``value`` is one of the values of the ``Literal`` ``literal``, the
+    one place the choices of a field are written."""
+    _check(value in get_args(literal), f"{name} must be {describe_choices(literal)}, got {value!r}")
 
 
 def _check_types(obj: object, ints: tuple[str, ...] = (), numbers: tuple[str, ...] = ()) -> None:
@@ -107,15 +120,13 @@ class DraftConfig:
             math.isfinite(self.batch_window_s) and self.batch_window_s >= 0,
             f"batch_window_s must be >= 0 seconds, got {self.batch_window_s}",
         )
-        _check(
-            self.on_overflow in ("full", "raise"), f"on_overflow must be 'full' or 'raise', got {self.on_overflow!r}"
-        )
+        check_choice("on_overflow", self.on_overflow, OverflowPolicy)
         _check(self.lookahead >= 1, f"lookahead must be >= 1, got {self.lookahead}")
         _check(
             0.0 <= self.lookahead_weight <= 1.0,
             f"lookahead_weight must be in [0, 1], got {self.lookahead_weight}",
         )
-        _check(self.heads in ("max", "mean"), f"heads must be 'max' or 'mean', got {self.heads!r}")
+        check_choice("heads", self.heads, HeadReduction)
         _check(isinstance(self.normalize, bool), f"normalize must be True or False, got {self.normalize!r}")
         _check(isinstance(self.early_exit, bool), f"early_exit must be True or False, got {self.early_exit!r}")
         _check(
@@ -127,14 +138,10 @@ class DraftConfig:
             _check(all(is_int(i) and i >= 0 for i in self.layers), f"layer indices must be ints >= 0: {self.layers}")
         else:
             _check(
-                self.layers in ("all", "upper_half", "lower_half", "middle_half"),
-                "layers must be 'all', 'upper_half', 'lower_half', 'middle_half' or a tuple of indices, "
-                f"got {self.layers!r}",
+                self.layers in get_args(LayerChoice),
+                f"layers must be {describe_choices(LayerChoice, other='a tuple of indices')}, got {self.layers!r}",
             )
-        _check(
-            self.tokenizer_mapping in ("auto", "same", "offsets"),
-            f"tokenizer_mapping must be 'auto', 'same' or 'offsets', got {self.tokenizer_mapping!r}",
-        )
+        check_choice("tokenizer_mapping", self.tokenizer_mapping, TokenizerMapping)
 
     def lookahead_for(self, n_question: int) -> int:
         """Look-ahead length to run for a prompt with ``n_question`` question tokens: 1 (no
@@ -216,7 +223,7 @@ class SelectionConfig:
             self.keep_mass is None or 0.0 < self.keep_mass <= 1.0,
             f"keep_mass must be in (0, 1] or None, got {self.keep_mass}",
         )
-        _check(self.unit in ("sentence", "chunk"), f"unit must be 'sentence' or 'chunk', got {self.unit!r}")
+        check_choice("unit", self.unit, SelectionUnit)
         _check(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
         _check(self.max_sentence_tokens >= 1, f"max_sentence_tokens must be >= 1, got {self.max_sentence_tokens}")
         _check(
@@ -232,10 +239,7 @@ class SelectionConfig:
             isinstance(self.protect_instructions, bool),
             f"protect_instructions must be True or False, got {self.protect_instructions!r}",
         )
-        _check(
-            self.positions in ("original", "contiguous"),
-            f"positions must be 'original' or 'contiguous', got {self.positions!r}",
-        )
+        check_choice("positions", self.positions, PositionMode)
 
     def budget(self, n_context: int) -> int:
         """Context tokens to prefill out of ``n_context`` prunable ones (protected come on top).

@@ -25,7 +25,7 @@ from .backends import Backend, create_backend, loads_torch_model
 from .backends.base import SelfDrafting, max_new_tokens
 from .batching import MicroBatcher
 from .chat import Passages
-from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
+from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig, check_choice
 from .detokenize import IncrementalDecoder
 from .draft import DraftModel
 from .errors import BackendTimeoutError, ConfigError, InputError, InputTypeError
@@ -277,8 +277,7 @@ class SpecPrefillEngine:
                            ) -> SelectionConfig:
         """The selection settings of one request (``selection``, else the engine's, with ``keep_rate``
         applied), once ``mode`` is known to be one of ``Mode``."""
-        if mode not in ("specprefill", "full"):
-            raise ConfigError(f"mode must be 'specprefill' or 'full', got {mode!r}")
+        check_choice("mode", mode, Mode)
         sel = selection or self.config.selection
         if not isinstance(sel, SelectionConfig):
             raise ConfigError(f"selection must be a SelectionConfig, got {type(sel).__name__}")

@@ -12,10 +12,13 @@ maximum over layers.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "HeadReduction",
     "attention_rows",
     "importance",
     "layer_rows",
@@ -23,6 +26,9 @@ __all__ = [
     "pool_rows",
     "query_weights",
 ]
+
+
+HeadReduction = Literal["max", "mean"]  # how one layer's heads are combined (DraftConfig.heads)
 
 
 def attention_rows(
@@ -82,7 +88,7 @@ def layer_rows(
     *,
     positions: torch.Tensor | None = None,
     context: torch.Tensor | None = None,
-    heads: str = "max",
+    heads: HeadReduction = "max",
 ) -> torch.Tensor:
     """One layer's contribution: attention rows, renormalised over ``context`` when given,
     pooled, then reduced over heads (``"max"`` or ``"mean"``).
@@ -90,6 +96,8 @@ def layer_rows(
     queries (heads, n_queries, head_dim), keys (kv_heads, n_prompt, head_dim)
     → (n_queries, n_prompt). Computed a layer at a time so memory stays O(n_queries · N).
     """
+    if heads not in get_args(HeadReduction):
+        raise ValueError(f"heads must be one of {get_args(HeadReduction)}, got {heads!r}")
     rows = attention_rows(queries, keys, scaling, positions)
     if context is None:
         rows = pool_rows(rows, pool_kernel)
@@ -99,11 +107,7 @@ def layer_rows(
         mask = context.to(rows.device, rows.dtype)
         share = pool_rows(mask.reshape(1, 1, -1), pool_kernel).reshape(-1).clamp_min(1e-12)
         rows = pool_rows(normalize_rows(rows, context), pool_kernel) / share * mask
-    if heads == "max":
-        return rows.amax(dim=0)
-    if heads == "mean":
-        return rows.mean(dim=0)
-    raise ValueError(f"heads must be 'max' or 'mean', got {heads!r}")
+    return rows.amax(dim=0) if heads == "max" else rows.mean(dim=0)
 
 
 def query_weights(n_question: int, n_lookahead: int, lookahead_weight: float) -> torch.Tensor:

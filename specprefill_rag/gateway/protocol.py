@@ -15,9 +15,9 @@ import math
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, describe_choices
 from ..engine import Mode
 from ..errors import ConfigError
 from ..types import Passage, Segment, is_int, is_number, lone_surrogate
@@ -204,9 +204,8 @@ def _extension(body: Mapping[str, Any], default_mode: Mode
     if unknown:
         raise _bad(f"unknown specprefill field(s) {unknown}; known: {sorted(_EXTENSION_KEYS)}", param="specprefill")
     mode = ext.get("mode", default_mode)
-    if mode not in ("full", "specprefill"):
-        raise _bad(f"specprefill.mode must be 'full' or 'specprefill', got {_shown(mode)}",
-                   param="specprefill.mode")
+    if mode not in get_args(Mode):
+        raise _bad(f"specprefill.mode must be {describe_choices(Mode)}, got {_shown(mode)}", param="specprefill.mode")
     keep_rate = ext.get("keep_rate")
     if keep_rate is not None and (not _finite_number(keep_rate) or not 0 < keep_rate <= 1):
         raise _bad(f"specprefill.keep_rate must be a number in (0, 1], got {_shown(keep_rate)}",
