@@ -2,6 +2,10 @@
 
 A small draft model scores which prompt tokens matter for the answer; the main model
 prefills only the best chunks, at their original position ids, and decodes from there.
+
+The top level holds what code built on the engine names: the engine and its configs, the typed
+values it takes and returns, the errors it raises, and the backend registry. The modules hold the
+rest (``chat``, ``prompt``, ``selection``, ``backends.base``, ...).
 """
 
 from .backends import Backend, BackendCapabilities, available_backends, create_backend, register_backend
@@ -58,8 +62,8 @@ __all__ = [
     "Passage",
     "PlanError",
     "PlannedPrompt",
-    "RequestOptions",
     "PrefillPlan",
+    "RequestOptions",
     "Segment",
     "SegmentKind",
     "SelectionConfig",

@@ -35,7 +35,6 @@ class MicroBatcher(Generic[In, Out]):
         self._lock = threading.Lock()
         self._full = threading.Condition(self._lock)
         self._pending: dict[Hashable, list[tuple[In, Future[Out]]]] = {}
-        self.batches: list[int] = []  # sizes of the batches run so far (for tests and metrics)
 
     def submit(self, key: Hashable, item: In) -> Out:
         """``item``'s output, computed in a batch with the calls that arrive with it."""
@@ -75,7 +74,6 @@ class MicroBatcher(Generic[In, Out]):
             for (_, future), output in zip(group, outputs, strict=True):
                 future.set_result(output)
         finally:
-            self.batches.append(len(group))
             if rest:
                 # Callers beyond max_batch arrived while this batch formed: the first leads the next.
                 threading.Thread(target=self._lead, args=(key,), daemon=True).start()
