@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_model
+from helpers import make_model
 
 from specprefill_rag.backends import available_backends, create_backend
 from specprefill_rag.backends.transformers import TransformersBackend, sample_token

@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import make_tokenizer
-from test_engine import PASSAGES, QUESTION, make_engine
+from helpers import PASSAGES, QUESTION, make_engine, make_tokenizer
 
 from specprefill_rag import ConfigError, SpecPrefillEngine
 from specprefill_rag.batching import MicroBatcher

@@ -374,7 +374,7 @@ def test_evidence_spans_cover_the_gold_text(tokenizer) -> None:
 
 
 def test_evidence_variant_scores_equal_the_draft_models(tokenizer) -> None:
-    from conftest import make_model
+    from helpers import make_model
 
     from benchmarks import evidence
     from specprefill_rag import DraftConfig, DraftModel, Passage

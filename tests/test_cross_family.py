@@ -6,8 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import CORPUS, make_model, make_tokenizer
-from test_engine import PASSAGES, QUESTION
+from helpers import CORPUS, PASSAGES, QUESTION, make_model, make_tokenizer
 
 from specprefill_rag import (
     DraftConfig,

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers import PASSAGES, QUESTION, make_engine, make_model, make_tokenizer
 
 from specprefill_rag import (
     DraftConfig,
     DraftModel,
     GenerationConfig,
-    Passage,
     SegmentKind,
     SelectionConfig,
     SpecPrefillConfig,
@@ -20,26 +19,6 @@ from specprefill_rag import (
 from specprefill_rag.backends.transformers import TransformersBackend
 from specprefill_rag.detokenize import IncrementalDecoder
 from specprefill_rag.types import Segment
-
-PASSAGES = [
-    Passage("The grass is green. The sky is blue. The sun is yellow. " * 12, id="colors"),
-    Passage("Alpha beta gamma delta epsilon zeta eta theta iota kappa. " * 12, id="greek"),
-    Passage("The passkey is 48213. Remember it. " * 3, id="needle"),
-    Passage("The quick brown fox jumps over the lazy dog near the river bank. " * 10, id="fox"),
-]
-QUESTION = "what is the passkey?"
-
-
-def make_engine(tokenizer, *, keep_rate=0.3, max_new_tokens=6, draft=True, window=2048):
-    main = make_model("qwen2", len(tokenizer), seed=0)
-    main.config.max_position_embeddings = window
-    config = SpecPrefillConfig(
-        draft=DraftConfig(lookahead=3),
-        selection=SelectionConfig(keep_rate=keep_rate, min_prompt_tokens=64),
-        generation=GenerationConfig(max_new_tokens=max_new_tokens),
-    )
-    draft_model = DraftModel(make_model("llama", len(tokenizer), seed=1), tokenizer) if draft else None
-    return SpecPrefillEngine(TransformersBackend(main, tokenizer), draft_model, config)
 
 
 @pytest.fixture(scope="module")

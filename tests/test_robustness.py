@@ -11,8 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import make_tokenizer
-from test_engine import PASSAGES, QUESTION, make_engine
+from helpers import PASSAGES, QUESTION, make_engine, make_tokenizer
 
 from specprefill_rag import (
     BackendTimeoutError,

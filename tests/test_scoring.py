@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_model
+from helpers import make_model
 
 from specprefill_rag import scoring
 from specprefill_rag.config import DraftConfig

@@ -1,0 +1,60 @@
+"""Helpers the tests share (imported as ``helpers``; ``tests/`` is on sys.path): the tiny in-memory
+tokenizer and random models of ``specprefill_rag.testing`` set up for this suite, and the RAG
+prompt and small engine most engine tests answer. Nothing here reads files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specprefill_rag import (
+    DraftConfig,
+    DraftModel,
+    GenerationConfig,
+    Passage,
+    SelectionConfig,
+    SpecPrefillConfig,
+    SpecPrefillEngine,
+)
+from specprefill_rag.backends.transformers import TransformersBackend
+from specprefill_rag.testing import tiny_model, tiny_tokenizer
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Context: passages retrieved for the question. Answer the question using the context.",
+    "Question: what is the passkey? The passkey is 48213. Remember it.",
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.",
+    "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho.",
+    "0123456789 [1] [2] [3] system user assistant instructions be concise",
+]
+
+PASSAGES = [
+    Passage("The grass is green. The sky is blue. The sun is yellow. " * 12, id="colors"),
+    Passage("Alpha beta gamma delta epsilon zeta eta theta iota kappa. " * 12, id="greek"),
+    Passage("The passkey is 48213. Remember it. " * 3, id="needle"),
+    Passage("The quick brown fox jumps over the lazy dog near the river bank. " * 10, id="fox"),
+]
+QUESTION = "what is the passkey?"
+
+
+def make_tokenizer() -> Any:
+    return tiny_tokenizer(CORPUS, vocab_size=400)
+
+
+def make_model(family: str, vocab_size: int, *, seed: int = 0, layers: int = 3, eos_token_id: int | None = None
+               ) -> Any:
+    # Sharper attention than the default init, so scores are not nearly uniform.
+    return tiny_model(family, vocab_size, seed=seed, layers=layers, eos_token_id=eos_token_id, qk_scale=8.0)
+
+
+def make_engine(tokenizer: Any, *, keep_rate: float = 0.3, max_new_tokens: int = 6, draft: bool = True,
+                window: int = 2048) -> SpecPrefillEngine:
+    """A random Qwen2 main model and a random Llama draft sharing ``tokenizer``."""
+    main = make_model("qwen2", len(tokenizer), seed=0)
+    main.config.max_position_embeddings = window
+    config = SpecPrefillConfig(
+        draft=DraftConfig(lookahead=3),
+        selection=SelectionConfig(keep_rate=keep_rate, min_prompt_tokens=64),
+        generation=GenerationConfig(max_new_tokens=max_new_tokens),
+    )
+    draft_model = DraftModel(make_model("llama", len(tokenizer), seed=1), tokenizer) if draft else None
+    return SpecPrefillEngine(TransformersBackend(main, tokenizer), draft_model, config)
