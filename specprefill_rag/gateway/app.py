@@ -337,29 +337,12 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
     if options is not None and fields:
         raise ConfigError("give GatewayOptions or its fields as keywords, not both")
     gateway = Gateway(engine, options or GatewayOptions(**fields))
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Every model step runs in the loop's default executor (asyncio.to_thread): size it so
-        # that each running generation has a thread, plus a few for closing and tokenizing.
-        executor = ThreadPoolExecutor(gateway.max_concurrency + 4, thread_name_prefix="specprefill-gateway")
-        asyncio.get_running_loop().set_default_executor(executor)
-        yield
-        executor.shutdown(wait=False, cancel_futures=True)
-
     # No docs pages and no schema: /openapi.json would describe the API to anyone, key or not.
-    app = FastAPI(title="SpecPrefill gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="SpecPrefill gateway", lifespan=_lifespan(gateway.max_concurrency), docs_url=None,
+                  redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if error.status_code == 404 else None
-        return JSONResponse(error_body(str(error.detail), type="invalid_request_error", code=code),
-                            status_code=error.status_code, headers=error.headers)
+    app.exception_handler(APIError)(_api_error)
+    app.exception_handler(StarletteHTTPException)(_http_error)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -392,6 +375,29 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
         return Response(body, media_type=content_type)
 
     return app
+
+
+def _lifespan(max_concurrency: int) -> Any:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Every model step runs in the loop's default executor (asyncio.to_thread): size it so
+        # that each running generation has a thread, plus a few for closing and tokenizing.
+        executor = ThreadPoolExecutor(max_concurrency + 4, thread_name_prefix="specprefill-gateway")
+        asyncio.get_running_loop().set_default_executor(executor)
+        yield
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    return lifespan
+
+
+async def _api_error(request: Request, error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    code = "not_found" if error.status_code == 404 else None
+    return JSONResponse(error_body(str(error.detail), type="invalid_request_error", code=code),
+                        status_code=error.status_code, headers=error.headers)
 
 
 def run_app(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:

@@ -1,0 +1,131 @@
+"""The house plan (docs: README "Layout", DESIGN "Layers"): every import in ``specprefill_rag``
+points down a floor, the HTTP transport is the server backend's own, and no function runs long.
+
+Read with ``ast`` (imports inside functions and under ``TYPE_CHECKING`` count as well), nothing is
+imported. A module on no floor fails the test: place a new module before adding it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "specprefill_rag"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+# Floors, lowest first: a module may import modules on its own floor or below, never above.
+FLOORS: list[set[str]] = [
+    {"errors", "types", "scoring", "loading", "batching", "detokenize", "tokenbound"},
+    {"prompt", "config", "tokenmap", "streams", "wire"},
+    {"draft", "selection", "chat"},
+    {"vllm_plugin"},
+    {"backends"},
+    {"engine", ""},  # "": the package's __init__, the public face over the engine
+    {"gateway", "testing"},
+    {"tools"},
+]
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name (without the package) → file, for every module of the package."""
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _floor(module: str) -> int:
+    top = module.split(".")[0]
+    for level, names in enumerate(FLOORS):
+        if top in names:
+            return level
+    raise AssertionError(f"{PACKAGE}.{module} is on no floor of the house plan: add it to FLOORS")
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _imports(module: str) -> set[str]:
+    """The package modules ``module`` imports (relative or absolute, anywhere in the file)."""
+    tree = ast.parse(MODULES[module].read_text())
+    here = module.split(".") if module else []
+    package = here if _is_package(module) else here[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bases = [alias.name for alias in node.names]
+            names: list[str] = []
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = package[: len(package) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            elif node.module == PACKAGE or (node.module or "").startswith(PACKAGE + "."):
+                base = (node.module or "")[len(PACKAGE) + 1:]
+            else:
+                continue
+            bases, names = [base], [alias.name for alias in node.names]
+        else:
+            continue
+        for base in bases:
+            if isinstance(node, ast.Import):
+                if base != PACKAGE and not base.startswith(PACKAGE + "."):
+                    continue
+                base = base[len(PACKAGE) + 1:]
+            submodules = [f"{base}.{n}".lstrip(".") for n in names if f"{base}.{n}".lstrip(".") in MODULES]
+            found.update(submodules or [base])
+    found.discard(module)
+    return {name for name in found if name in MODULES}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES), ids=lambda m: m or PACKAGE)
+def test_imports_point_down(module):
+    floor = _floor(module)
+    upward = sorted(f"{PACKAGE}.{name}".rstrip(".") for name in _imports(module) if _floor(name) > floor)
+    assert not upward, f"{PACKAGE}.{module} (floor {floor}) imports a higher floor: {upward}"
+
+
+def test_the_plan_catches_an_upward_import():
+    """The check itself: a core module importing tools, or the plugin importing a backend, fails."""
+    assert _floor("tools.cli") > _floor("draft") and _floor("backends.base") > _floor("vllm_plugin.runner")
+    assert _floor("wire") < _floor("vllm_plugin") < _floor("backends") < _floor("engine") < _floor("gateway")
+
+
+def test_the_http_transport_is_the_server_backends_own():
+    users = sorted(m for m in MODULES if "backends.vllm_http" in _imports(m))
+    assert users == ["backends.vllm_server"]
+
+
+def test_backends_reach_the_plugin_only_to_host_vllm_in_process():
+    """The wire format is ``wire``; only the offline backend, which runs vLLM in this process,
+    imports the plugin (to register it there)."""
+    users = sorted(m for m in MODULES if m.startswith("backends") and any(
+        name.startswith("vllm_plugin") for name in _imports(m)))
+    assert users == ["backends.vllm_offline"]
+
+
+def test_nothing_in_the_library_imports_tools_gateway_or_testing():
+    for leaf in ("tools", "gateway", "testing"):
+        users = sorted(m for m in MODULES if not m.startswith(leaf) and m.split(".")[0] != "tools"
+                       and any(name.split(".")[0] == leaf for name in _imports(m)))
+        assert users == [], f"{leaf} is imported by {users}"
+
+
+def test_no_function_is_longer_than_the_limit():
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{PACKAGE}.{module}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
