@@ -1,4 +1,4 @@
-"""The house plan (docs: README "Layout", DESIGN "Layers"): every import in ``specprefill_rag``
+"""The house plan (README, "Layout"): every import in ``specprefill_rag``
 points down a floor, the HTTP transport is the server backend's own, and no function runs long.
 
 Read with ``ast`` (imports inside functions and under ``TYPE_CHECKING`` count as well), nothing is
