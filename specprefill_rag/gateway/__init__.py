@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from .messages import DEFAULT_SHAPES, PromptShape, to_segments
+from .messages import DEFAULT_SHAPES, PromptShape
 
 if TYPE_CHECKING:
     from ..engine import SpecPrefillEngine
 
 __all__ = [
-    "DEFAULT_SHAPES", "INSTALL_HINT", "GatewayOptions", "PromptShape", "create_app", "run_app", "to_segments",
+    "DEFAULT_SHAPES", "INSTALL_HINT", "GatewayOptions", "PromptShape", "create_app", "run_app",
 ]
 
 INSTALL_HINT = "pip install 'specprefill-rag[gateway]'"

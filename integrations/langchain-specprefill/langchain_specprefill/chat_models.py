@@ -35,7 +35,7 @@ from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
 from specprefill_rag.chat import chat_segments
 from specprefill_rag.engine import LazyEngine, Mode
 
-__all__ = ["ChatSpecPrefill", "messages_to_segments", "result_metadata"]
+__all__ = ["ChatSpecPrefill", "messages_to_segments"]
 
 
 PassageLike: TypeAlias = Document | Passage | str
@@ -65,11 +65,6 @@ def messages_to_segments(
     turns = [(m.type, m.text) for m in messages]
     items = [_to_passage(item, number) for number, item in enumerate(passages, start=1)]
     return list(chat_segments(turns, items, instructions=default_instructions))
-
-
-def result_metadata(result: GenerationResult) -> dict[str, Any]:
-    """JSON-friendly SpecPrefill facts of one answer: counts, keep ratio, timings, kept spans."""
-    return result.to_dict()
 
 
 class ChatSpecPrefill(BaseChatModel):
@@ -201,7 +196,7 @@ class ChatSpecPrefill(BaseChatModel):
             output_tokens=result.generated_tokens,
             total_tokens=result.prompt_tokens + result.generated_tokens,
         )
-        metadata = {"model_name": self.model_name, **result_metadata(result)}
+        metadata = {"model_name": self.model_name, **result.to_dict()}  # counts, keep ratio, timings, spans
         message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
 

@@ -121,11 +121,6 @@ class PassageIdPostprocessor(BaseNodePostprocessor):
         return marked
 
 
-def _result_kwargs(result: GenerationResult, model_name: str) -> dict[str, Any]:
-    """JSON-friendly SpecPrefill facts of one answer: counts, keep ratio, timings, kept spans."""
-    return {"model_name": model_name, **result.to_dict()}
-
-
 class SpecPrefillLLM(CustomLLM):
     """LlamaIndex LLM whose prompts are prefilled with Speculative Prefill.
 
@@ -240,7 +235,8 @@ class SpecPrefillLLM(CustomLLM):
         return {"question": segments, "mode": mode, "keep_rate": keep_rate, "generation": generation}
 
     def _response(self, result: GenerationResult) -> CompletionResponse:
-        return CompletionResponse(text=result.text, additional_kwargs=_result_kwargs(result, str(self.model_name)))
+        facts = {"model_name": str(self.model_name), **result.to_dict()}  # counts, keep ratio, timings, spans
+        return CompletionResponse(text=result.text, additional_kwargs=facts)
 
     def _last_chunk(self, text: str, result: GenerationResult | None) -> CompletionResponse:
         """The stream's closing chunk: no new text, the result's metadata."""
