@@ -153,9 +153,48 @@ def ttft_cell(keep: float, rows: list[dict[str, Any]], ttft_full: float, r: floa
     }
 
 
-def summarise_length(target: int, n_tokens: int, raw: dict[tuple[str, float | None], list[Any]],
-                     keep_rates: list[float]) -> dict[str, Any]:
-    """Medians, r (draft scoring cost over the main model's full prefill) and one cell per keep rate."""
+def previous_default() -> Any:
+    """The library's default draft config with the look-ahead it had before sibling tokens: L − 1
+    = 7 sequential greedy decode steps after a full forward (what the TTFT runs compare against)."""
+    import dataclasses
+
+    from specprefill_rag import DraftConfig
+
+    return dataclasses.replace(DraftConfig(), lookahead=8, lookahead_tokens="greedy")
+
+
+def lookahead_variants() -> dict[str, Any]:
+    """Look-ahead variants whose scoring cost the TTFT runs measure beside the default, by name."""
+    import dataclasses
+
+    from specprefill_rag import DraftConfig
+
+    default = DraftConfig()
+    return {
+        "greedy 8 (previous default)": previous_default(),
+        "siblings, full forward": dataclasses.replace(default, lookahead_tokens="siblings", early_exit=False),
+        "look-ahead 1, early exit": dataclasses.replace(default, lookahead=1, early_exit=True),
+    }
+
+
+def _lookahead_rows(raw: dict[tuple[Any, ...], list[Any]], draft_plain: float, main_plain: float
+                    ) -> dict[str, dict[str, float]]:
+    """Scoring cost of each measured look-ahead variant: seconds, × a plain draft forward, r."""
+    out = {}
+    for key, values in raw.items():
+        if key[0] == "lookahead":
+            seconds = median(values)
+            out[str(key[1])] = {"scoring_s": seconds, "overhead": seconds / draft_plain, "r": seconds / main_plain}
+    return out
+
+
+def summarise_length(target: int, n_tokens: int, raw: dict[tuple[Any, ...], list[Any]],
+                     keep_rates: list[float], previous_keep_rates: Sequence[float] = ()) -> dict[str, Any]:
+    """Medians, r (draft scoring cost over the main model's full prefill) and one cell per keep rate.
+
+    Optional entries of ``raw``: ``("lookahead", name)`` scoring seconds of a look-ahead variant;
+    ``("spec_previous", keep)`` SpecPrefill runs with ``previous_default()`` (its own cells, its
+    own r: the scoring cost over the main forward)."""
     full, plain = raw[("full", None)], raw[("plain", None)]
     capture, early = raw.get(("capture", None), []), raw.get(("early", None), [])
     spec = {keep: raw[("spec", keep)] for keep in keep_rates}
@@ -172,6 +211,9 @@ def summarise_length(target: int, n_tokens: int, raw: dict[tuple[str, float | No
         "draft_scoring_s": draft_scoring,
         "capture_only_s": median(capture) if capture else None,
         "r": r,
+        # The draft's own cost in the default, over the main forward: what limits SpecPrefill
+        # (r is the plain forwards' ratio; early exit can score for less than a plain forward).
+        "r_scoring": draft_scoring / main_plain,
         "capture_overhead": draft_scoring / draft_plain,
         "hook_overhead": median(capture) / draft_plain if capture else None,
         # Question-only scoring with early exit: its r, and its cost against a plain draft forward.
@@ -183,6 +225,10 @@ def summarise_length(target: int, n_tokens: int, raw: dict[tuple[str, float | No
         "capture_raw": capture,
         "early_raw": early,
         "cells": [ttft_cell(keep, spec[keep], ttft_full, r) for keep in keep_rates],
+        "lookahead_scoring": _lookahead_rows(raw, draft_plain, main_plain),
+        "cells_previous": [
+            ttft_cell(keep, raw[("spec_previous", keep)], ttft_full, r) for keep in previous_keep_rates
+        ],
     }
 
 

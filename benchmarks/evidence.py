@@ -51,10 +51,13 @@ from specprefill_rag import selection as selection_lib
 from specprefill_rag.loading import load_tokenizer
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
-CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence"
+CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence-v2"  # v2: greedy, sibling and lens rows
 PINNED = ("library default", "reference", "random chunks", "random sentences", "oracle sentences")
 METRICS = ("recall", "complete", "context_kept")  # the columns of each result entry
 MAX_LOOKAHEAD = 8  # captured once; shorter look-aheads are prefixes of the same greedy run
+LENS_LAYERS = "middle_half"  # the early-exit blocks are captured for these aggregated layers only
+UPPER_KEEPS = (0.15, 0.3)  # DraftConfig.upper_keep values captured
+BLOCKS = ("greedy", "full", "lens", *(f"upper{u:g}" for u in UPPER_KEEPS))  # look-ahead row blocks, in order
 POOL_KERNEL = DraftConfig().pool_kernel
 
 
@@ -65,13 +68,23 @@ class Variant:
     name: str
     draft: DraftConfig = field(default_factory=DraftConfig)
     selection: SelectionConfig = field(default_factory=lambda: SelectionConfig(min_prompt_tokens=0))
-    scores: str = "draft"  # "draft" | "random" | "oracle"
+    scores: str = "draft"  # "draft" | "random" | "oracle" | "lens" (the draft, look-ahead block "lens")
     prior: bool = False  # pass a retriever prior (MiniLM question-passage cosine) to selection
 
 
-REFERENCE = DraftConfig(lookahead=8, lookahead_weight=1.0, layers="all", heads="max", normalize=False)
+REFERENCE = DraftConfig(
+    lookahead=8, lookahead_tokens="greedy", lookahead_weight=1.0, layers="all", heads="max", normalize=False
+)
 CHUNKS = SelectionConfig(min_prompt_tokens=0, unit="chunk", chunk_size=32)
 SENTENCES = SelectionConfig(min_prompt_tokens=0, unit="sentence")
+
+
+def _lookahead_name(d: DraftConfig) -> str:
+    if d.lookahead == 1 or d.lookahead_tokens == "greedy":
+        return f"look-ahead {d.lookahead}"
+    if not d.early_exit:
+        return f"{d.lookahead - 1} siblings, full forward"
+    return f"{d.lookahead - 1} siblings, upper layers read {d.upper_keep:.0%}"
 
 
 def _variants() -> list[Variant]:
@@ -85,17 +98,27 @@ def _variants() -> list[Variant]:
         for layers in ("all", "upper_half", "middle_half", "lower_half"):
             for normalize in (False, True):
                 for heads in ("max", "mean"):
-                    d = DraftConfig(
-                        lookahead=MAX_LOOKAHEAD, lookahead_weight=weight, layers=layers,
+                    d = DraftConfig(  # the scoring grid, measured with the greedy look-ahead
+                        lookahead=MAX_LOOKAHEAD, lookahead_tokens="greedy", lookahead_weight=weight, layers=layers,
                         heads=heads, normalize=normalize,  # type: ignore[arg-type]
                     )
                     tag = f"w={weight:g} {layers} {heads}{' norm' if normalize else ''}"
                     out.append(Variant(f"{tag} | chunks 32", d, CHUNKS))
                     out.append(Variant(f"{tag} | sentences", d, SENTENCES))
     best = DraftConfig()  # the library default
-    for lookahead in sorted({1, 4, 8} - {best.lookahead}):
-        d = dataclasses.replace(best, lookahead=lookahead)
-        out.append(Variant(f"default scoring, look-ahead {lookahead} | sentences", d, SENTENCES))
+    looks = [dataclasses.replace(best, lookahead=n, lookahead_tokens="greedy") for n in (1, 2, 4, 8)]
+    looks += [dataclasses.replace(best, lookahead=n, lookahead_tokens="siblings", early_exit=False) for n in (2, 4, 8)]
+    looks += [
+        dataclasses.replace(best, lookahead=n, lookahead_tokens="siblings", early_exit=True, upper_keep=u)
+        for u in UPPER_KEEPS for n in (2, 4, 8)
+    ]
+    for d in looks:
+        if d != best:
+            out.append(Variant(f"default scoring, {_lookahead_name(d)} | sentences", d, SENTENCES))
+    for n in (2, 4, 8):  # read off the exit layer by the LM head: measured, not a library option
+        d = dataclasses.replace(best, lookahead=n, lookahead_tokens="siblings", early_exit=True)
+        out.append(Variant(f"default scoring, {n - 1} siblings off the exit layer (logit lens) | sentences", d,
+                           SENTENCES, scores="lens"))
     def sentences(**overrides: Any) -> SelectionConfig:
         return dataclasses.replace(SENTENCES, **overrides)
 
@@ -144,32 +167,146 @@ def cache_path(ex: quality.Example, draft_name: str) -> Path:
     return CACHE_DIR / f"{ex.task}-{digest}.pt"
 
 
-def capture_rows(draft: Any, prompt: AssembledPrompt) -> dict[str, Any]:
-    """Per-layer rows for every (normalize, heads) combination: (layers, n_q + 8, n) fp16."""
-    question = prompt.positions_of(SegmentKind.QUESTION)
-    cap = draft.capture(prompt.token_ids, MAX_LOOKAHEAD, question)
+
+
+@torch.inference_mode()
+def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: Sequence[str]) -> Any:
+    """The look-aheads the variants read, after ONE forward over the prompt (the library's
+    ``capture`` runs one per look-ahead; this is that, with the prompt's forward shared). Blocks
+    of 7 rows each, in the order of ``blocks``: "greedy" (7 greedy steps), "full" (siblings from
+    the full forward's logits), "lens" (siblings read off the input of the top aggregated layer
+    by the LM head: the logit lens, measured and rejected), "upper<share>" (siblings from the
+    upper layers over a reading set, ``DraftConfig.upper_keep``: the library's early exit). Every
+    look-ahead forward runs on the prompt's cache cropped back to the prompt. Rows (per layer):
+    question, last token, then the blocks. ``tests/test_benchmarks.py`` checks the variants
+    against ``DraftModel.score``."""
+    from transformers import DynamicCache
+
+    from specprefill_rag.draft import _Recorder, _recording
+    from specprefill_rag.lookahead import DecoderParts, tree_mask
+
+    n, k = int(ids.numel()), MAX_LOOKAHEAD - 1
+    device = draft.device
+    aggregated = DraftConfig(layers=LENS_LAYERS).layer_indices(draft.n_layers)
+    top = max(aggregated)
+    recorder = _Recorder([n], [question.to(torch.int64).cpu()])
+    cache = DynamicCache(config=draft.model.config)
+    parts = DecoderParts.of(draft.model)
+    assert parts is not None
+    seen: dict[str, torch.Tensor] = {}
+    def entering(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen["entering"] = (args[0] if args else kwargs["hidden_states"])[0, -1]
+
+    def leaving(module: Any, args: Any, output: Any) -> None:
+        seen["leaving"] = output[0] if isinstance(output, tuple) else output
+
+    hooks = [parts.layers[top].register_forward_pre_hook(entering, with_kwargs=True),
+             parts.layers[top].register_forward_hook(leaving)]
+    prompt = ids.to(device).reshape(1, n)
+    last = torch.tensor([n - 1], device=device)
+    with _recording(recorder):
+        try:
+            out = draft.model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        logits = out.logits[0, -1]
+        firsts = {"full": logits, "lens": parts.head(parts.norm(seen["entering"]))}
+        for u in UPPER_KEEPS:
+            firsts[f"upper{u:g}"] = draft._upper_logits(recorder, parts, seen["leaving"], last, top, u, aggregated)[0]
+        tokens: list[int] = []
+        for block in blocks:
+            if block == "greedy":
+                tokens += _greedy_steps(draft, cache, logits, n, k)
+                continue
+            siblings = firsts[block].topk(k).indices
+            tokens += siblings.tolist()
+            draft.model(input_ids=siblings.reshape(1, k), position_ids=torch.full((1, k), n, device=device),
+                        attention_mask=tree_mask(torch.ones(1, n, device=device), k), past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+            cache.crop(-k)  # back to the prompt
+        return recorder.captures([tokens])[0]
+
+
+def _greedy_steps(draft: Any, cache: Any, logits: torch.Tensor, n: int, k: int) -> list[int]:
+    """``k`` greedy decode steps after the prompt (recorded), then the cache back to the prompt."""
+    device = draft.device
+    greedy: list[int] = []
+    for step in range(k):
+        greedy.append(int(logits.argmax()))
+        logits = draft.model(
+            input_ids=torch.tensor([[greedy[-1]]], device=device),
+            position_ids=torch.tensor([[n + step]], device=device),
+            attention_mask=torch.ones(1, n + step + 1, dtype=torch.int64, device=device), past_key_values=cache,
+            use_cache=True, logits_to_keep=1,
+        ).logits[0, -1]
+    cache.crop(-k)
+    return greedy
+
+
+def _block_rows(cap: Any, prompt: AssembledPrompt) -> dict[str, torch.Tensor]:
+    """Per (normalize, heads) combination, (layers, n_queries, n) fp16 rows of a capture."""
     context = ~prompt.protected
-    out: dict[str, Any] = {"n_question": cap.n_question, "n_layers": len(cap.keys)}
-    for normalize in (False, True):
-        for heads in ("max", "mean"):
-            out[f"{int(normalize)}{heads}"] = torch.stack(
-                [
-                    scoring.layer_rows(
-                        cap.queries[i], cap.keys[i], cap.scaling[i], POOL_KERNEL,
-                        positions=cap.positions, context=context if normalize else None, heads=heads,
-                    )
-                    for i in range(len(cap.keys))
-                ]
-            ).half()
+    return {
+        f"{int(normalize)}{heads}": torch.stack(
+            [
+                scoring.layer_rows(
+                    cap.queries[i], cap.keys[i], cap.scaling[i], POOL_KERNEL,
+                    positions=cap.positions, context=context if normalize else None, heads=heads,
+                )
+                for i in range(len(cap.keys))
+            ]
+        ).half()
+        for normalize in (False, True)
+        for heads in ("max", "mean")
+    }
+
+
+def capture_rows(draft: Any, prompt: AssembledPrompt) -> dict[str, Any]:
+    """Per-layer rows for every (normalize, heads) combination, (layers, n_q + 1 + 7 × blocks, n)
+    fp16: the question's queries, the last prompt token's, then each block of ``BLOCKS``."""
+    question = prompt.positions_of(SegmentKind.QUESTION)
+    cap = _capture_all(draft, prompt.token_ids, question, BLOCKS)
+    return {"n_question": cap.n_question, "n_layers": draft.n_layers, "blocks": list(BLOCKS),
+            **_block_rows(cap, prompt)}
+
+
+def complete_rows(draft: Any, prompt: AssembledPrompt, rows: dict[str, Any]) -> dict[str, Any]:
+    """``rows`` of an older capture with the blocks of ``BLOCKS`` it lacks added (one more
+    prompt forward, no greedy steps unless those are missing too)."""
+    have = rows.get("blocks", ["greedy", "full", "lens"])  # the first layout had these three
+    missing = [b for b in BLOCKS if b not in have]
+    if not missing:
+        return rows
+    cap = _capture_all(draft, prompt.token_ids, prompt.positions_of(SegmentKind.QUESTION), missing)
+    lead = cap.n_question + 1
+    added = _block_rows(cap, prompt)
+    out = dict(rows, blocks=[*have, *missing])
+    for combo, extra in added.items():
+        out[combo] = torch.cat([rows[combo], extra[:, lead:]], dim=1)
     return out
 
 
-def variant_scores(rows: dict[str, Any], cfg: DraftConfig) -> torch.Tensor:
-    """What ``DraftModel.score(..., config=cfg)`` returns, from the cached rows."""
+def variant_scores(rows: dict[str, Any], cfg: DraftConfig, block: str | None = None) -> torch.Tensor:
+    """What ``DraftModel.score(..., config=cfg)`` returns, from the cached rows (``block``: read
+    that look-ahead block instead of the one ``cfg`` implies, e.g. "lens")."""
     per_layer = rows[f"{int(cfg.normalize)}{cfg.heads}"].float()
     n_q = rows["n_question"]
     lookahead = cfg.lookahead_for(n_q)
-    per_layer = per_layer[cfg.layer_indices(rows["n_layers"])][:, : n_q + lookahead]
+    lead = n_q + 1  # the question's rows and the last prompt token's
+    if block is None:
+        if cfg.lookahead_tokens == "greedy" or lookahead == 1:
+            block = "greedy"
+        elif not cfg.early_exit or max(cfg.layer_indices(rows["n_layers"])) == rows["n_layers"] - 1:
+            block = "full"  # no early exit, or nothing above the aggregated layers to skip
+        else:
+            if cfg.layers != LENS_LAYERS or cfg.upper_keep not in UPPER_KEEPS:
+                raise ValueError(f"early-exit siblings were captured for layers={LENS_LAYERS!r} and "
+                                 f"upper_keep in {UPPER_KEEPS} only")
+            block = f"upper{cfg.upper_keep:g}"
+    after = lead + (MAX_LOOKAHEAD - 1) * rows.get("blocks", ["greedy", "full", "lens"]).index(block)
+    per_layer = per_layer[cfg.layer_indices(rows["n_layers"])]
+    per_layer = torch.cat([per_layer[:, :lead], per_layer[:, after : after + lookahead - 1]], dim=1)
     return scoring.importance(per_layer, scoring.query_weights(n_q, lookahead, cfg.lookahead_weight))
 
 
@@ -200,7 +337,7 @@ def evaluate(
     gold = torch.stack(evidence).any(0) if evidence else torch.zeros(prompt.n_tokens, dtype=torch.bool)
     n_context = prompt.n_context
     results: dict[str, Any] = {}
-    cache: dict[DraftConfig, torch.Tensor] = {}
+    cache: dict[tuple[DraftConfig, str], torch.Tensor] = {}
     prior = retriever_prior(prompt, ex) if any(v.prior for v in variants) else None
     for v in variants:
         if v.scores == "random":
@@ -208,9 +345,9 @@ def evaluate(
         elif v.scores == "oracle":
             scores = gold.float() + 1e-3 * torch.rand(prompt.n_tokens, generator=torch.Generator().manual_seed(seed))
         else:
-            if v.draft not in cache:
-                cache[v.draft] = variant_scores(rows, v.draft)
-            scores = cache[v.draft]
+            if (v.draft, v.scores) not in cache:
+                cache[v.draft, v.scores] = variant_scores(rows, v.draft, "lens" if v.scores == "lens" else None)
+            scores = cache[v.draft, v.scores]
         for keep in keep_rates:
             sel = dataclasses.replace(v.selection, keep_rate=keep)
             kept_idx = selection_lib.select(
@@ -322,6 +459,7 @@ def reevaluate(
     """Rewrite the results file with ``variants`` recomputed from the capture cache; results of
     variants no longer in ``VARIANTS`` (renamed or dropped) are removed."""
     index = {(ex.task, ex.id): (i, ex) for i, ex in enumerate(todo)}
+    draft: Any = None
     rows = load_rows(path)
     draft_name = "tiny" if args.tiny else args.draft
     updated = 0
@@ -333,6 +471,10 @@ def reevaluate(
         row["results"] = {key: v for key, v in row["results"].items() if key.rsplit("@", 1)[0] in VARIANTS}
         prompt = assemble(tokenizer, ex)
         cached = torch.load(cache_path(ex, draft_name))
+        if cached.get("blocks") != list(BLOCKS):  # an older capture: add the blocks it lacks
+            draft = draft or DraftModel.from_pretrained(args.draft)
+            cached = complete_rows(draft, prompt, cached)
+            torch.save(cached, cache_path(ex, draft_name))
         row["results"].update(evaluate(prompt, ex, cached, variants, args.keep_rates, args.seed * 1000 + i))
         updated += 1
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -407,6 +549,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cached.exists():
             captured = torch.load(cached)
             draft_s = None
+            if draft is not None and captured.get("blocks") != list(BLOCKS):
+                captured = complete_rows(draft, prompt, captured)
+                torch.save(captured, cached)
         else:
             t0 = time.perf_counter()
             captured = capture_rows(draft, prompt)

@@ -8,19 +8,25 @@ library's real capture path (``DraftModel.score``: SDPA + hooks + look-ahead + s
 selection is the library's ``selection.select``, and the main prefill feeds the kept tokens at
 their original position ids exactly like the transformers backend.
 
-Per length (8k/16k/32k) and repetition, interleaved with a rotated order: full prefill, then
-SpecPrefill at each keep rate (draft scoring + selection + main prefill of the kept tokens),
-a plain draft forward and a draft forward with capture and no look-ahead. Reported like
-``benchmarks/ttft.py``: TTFT full / spec, speedup, breakdown, r, ideal 1/(r+k), efficiency,
-capture overhead, and peak GPU memory of scoring vs a plain draft forward.
+Per length (4k/8k/16k/32k) and repetition, interleaved with a rotated order: full prefill, then
+SpecPrefill at each keep rate with the library's default draft config (draft scoring + selection
++ main prefill of the kept tokens), SpecPrefill at 10% with the previous default look-ahead
+(7 sequential greedy steps), a plain draft forward, a draft forward with capture and no
+look-ahead, and the scoring of each look-ahead variant of ``benchmarks/common.py`` (greedy 8,
+siblings after a full forward, look-ahead 1 with early exit). Then 8 concurrent 8k requests in
+one batched draft pass. Reported like ``benchmarks/ttft.py``: TTFT full / spec, speedup,
+breakdown, r, ideal 1/(r+k), efficiency, capture overhead per variant, and peak GPU memory of
+scoring vs a plain draft forward. Stops before a length that would pass ``--time-budget-s``
+(6 minutes), so one call of a lent GPU answers it.
 
-    python benchmarks/gpu_ttft.py                       # H200: ~3-5 min, writes benchmarks/results/gpu_ttft.json
+    python benchmarks/gpu_ttft.py                       # H200: <= 6 min, writes benchmarks/results/gpu_ttft.json
     python benchmarks/gpu_ttft.py --tiny                # CPU dry run with tiny shapes (~1 min)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import math
 import os
@@ -36,7 +42,7 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/gpu_ttft.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine_info, summarise_length, write_results
+from benchmarks.common import lookahead_variants, machine_info, previous_default, summarise_length, write_results
 
 # Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B).
 LLAMA_3_2_1B: dict[str, Any] = dict(
@@ -157,15 +163,19 @@ def timed(fn: Any, *args: Any) -> tuple[float, Any]:
 
 
 def spec_ttft(
-    draft: Any, main: Any, ids: torch.Tensor, protected: torch.Tensor, segment: torch.Tensor, keep: float
+    draft: Any, main: Any, ids: torch.Tensor, protected: torch.Tensor, segment: torch.Tensor, keep: float,
+    config: Any = None,
 ) -> dict[str, float]:
+    """SpecPrefill's TTFT at ``keep`` with the draft's default config, or ``config``."""
     from specprefill_rag import SelectionConfig
     from specprefill_rag import selection as selection_lib
 
     start = time.perf_counter()
     n = ids.numel()
     # The engine's path: the question's tokens query the context (ends with .cpu(): synchronised).
-    scores = draft.score(ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected.to(ids.device))
+    scores = draft.score(
+        ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected.to(ids.device), config=config
+    )
     scored = time.perf_counter()
     sel = SelectionConfig(keep_rate=keep, unit="chunk", min_prompt_tokens=0)  # synthetic ids: no sentences
     kept = selection_lib.select(scores.scores, protected, segment, sel)
@@ -181,12 +191,9 @@ def spec_ttft(
     }
 
 
-def early_exit_s(draft: Any, ids: torch.Tensor, protected: torch.Tensor) -> float:
-    """Question-only scoring (look-ahead 1) stopped after the highest aggregated layer."""
-    import dataclasses
-
+def scoring_s(draft: Any, ids: torch.Tensor, protected: torch.Tensor, config: Any) -> float:
+    """Seconds of the draft's scoring with ``config`` (a look-ahead variant)."""
     n = ids.numel()
-    config = dataclasses.replace(draft.config, lookahead_weight=0.0, early_exit=True)
     start = time.perf_counter()
     draft.score(ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected.to(ids.device), config=config)
     return time.perf_counter() - start  # .cpu() at the end of scoring synchronises
@@ -249,42 +256,48 @@ def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: i
         draft.capture(ids, lookahead=1)
         sync(draft.device)
 
-    measures: dict[str, Callable[[float | None], Any]] = {
+    variants = lookahead_variants()
+    measures: dict[str, Callable[[Any], Any]] = {
         "full": full,
-        "spec": lambda keep: spec_ttft(draft, main, ids, protected, segment, keep or 0.0),
-        "plain": lambda keep: timed(plain_forward, draft.model, ids)[0],
-        "capture": lambda keep: timed(capture_once)[0],
-        "early": lambda keep: early_exit_s(draft, ids, protected),
+        "spec": lambda keep: spec_ttft(draft, main, ids, protected, segment, keep),
+        "spec_previous": lambda keep: spec_ttft(draft, main, ids, protected, segment, keep, previous_default()),
+        "plain": lambda _: timed(plain_forward, draft.model, ids)[0],
+        "capture": lambda _: timed(capture_once)[0],
+        "lookahead": lambda name: scoring_s(draft, ids, protected, variants[name]),
     }
-    items: list[tuple[str, float | None]] = [
-        ("full", None), *(("spec", k) for k in args.keep_rates), ("plain", None), ("capture", None), ("early", None),
+    items: list[tuple[str, Any]] = [
+        ("full", None), *(("spec", k) for k in args.keep_rates), *(("spec_previous", k) for k in PREVIOUS_KEEP),
+        ("plain", None), ("capture", None), *(("lookahead", name) for name in variants),
     ]
-    raw: dict[tuple[str, float | None], list[Any]] = {}
+    raw: dict[tuple[str, Any], list[Any]] = {}
     for rep in range(args.reps):
         shift = rep % len(items)
-        for what, keep in items[shift:] + items[:shift]:
-            raw.setdefault((what, keep), []).append(measures[what](keep))
-    row = summarise_length(n, n, raw, args.keep_rates)
+        for what, arg in items[shift:] + items[:shift]:
+            raw.setdefault((what, arg), []).append(measures[what](arg))
+    row = summarise_length(n, n, raw, args.keep_rates, PREVIOUS_KEEP)
     report_length(row)
     return row
 
 
+PREVIOUS_KEEP = (0.1,)  # keep rates also run with the previous default look-ahead
+
+
 def report_length(row: dict[str, Any]) -> None:
     n, r, scoring = row["n_tokens"], row["r"], row["draft_scoring_s"]
-    main_plain, draft_plain, cells = row["main_plain_s"], row["draft_plain_s"], row["cells"]
-    print(
-        f"{n} tokens: early exit (question only) {row['early_exit_overhead']:.2f}x a plain draft forward,"
-        f" r = {row['r_early_exit']:.3f}",
-        flush=True,
-    )
+    main_plain, draft_plain = row["main_plain_s"], row["draft_plain_s"]
     print(
         f"{n} tokens: main {main_plain * 1e3:.0f} ms, draft {draft_plain * 1e3:.0f} ms (r = {r:.3f}),"
-        f" scoring {scoring * 1e3:.0f} ms ({row['capture_overhead']:.2f}x; hooks alone {row['hook_overhead']:.2f}x)",
+        f" default scoring {scoring * 1e3:.0f} ms ({row['capture_overhead']:.2f}x, r of the scoring"
+        f" {row['r_scoring']:.3f}; hooks alone {row['hook_overhead']:.2f}x)",
         flush=True,
     )
-    for c in cells:
+    for name, v in row["lookahead_scoring"].items():
+        print(f"  scoring with {name}: {v['scoring_s'] * 1e3:.0f} ms = {v['overhead']:.2f}x, r = {v['r']:.3f}",
+              flush=True)
+    cells = [("", c) for c in row["cells"]] + [(", previous default", c) for c in row["cells_previous"]]
+    for label, c in cells:
         print(
-            f"  keep {c['keep_rate']:.0%}: spec {c['ttft_spec_s'] * 1e3:.0f} ms (draft {c['draft_s'] * 1e3:.0f}"
+            f"  keep {c['keep_rate']:.0%}{label}: spec {c['ttft_spec_s'] * 1e3:.0f} ms (draft {c['draft_s'] * 1e3:.0f}"
             f" + sel {c['selection_s'] * 1e3:.1f} + prefill {c['prefill_s'] * 1e3:.0f})  speedup {c['speedup']:.2f}x"
             f"  ideal {c['ideal']:.2f}x  efficiency {c['efficiency']:.2f}",
             flush=True,
@@ -293,16 +306,17 @@ def report_length(row: dict[str, Any]) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="default 8192 16384 32768 (tiny: 256 512)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="default 4096 8192 16384 32768 (tiny: 256 512)")
     p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--lookahead", type=int, default=8)
+    p.add_argument("--lookahead", type=int, default=None, help="look-ahead L (default: the library's)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, CPU allowed: a dry run of the whole script")
     p.add_argument(
         "--time-budget-s",
         type=float,
-        default=420.0,
-        help="stop before a length whose estimated cost would pass this (default: 7 min)",
+        default=360.0,
+        help="stop before a length whose estimated cost would pass this (default: 6 min)",
     )
     p.add_argument("--concurrency", type=int, default=8, help="requests scored in one batch (0: skip)")
     p.add_argument("--out", default=None)
@@ -318,16 +332,22 @@ def build_models(args: argparse.Namespace, device: str) -> tuple[Any, Any, int]:
     print(f"building {'tiny' if args.tiny else 'Llama-3.2-1B / Llama-3.1-8B'}-shaped models"
           f" (random bf16) on {device} ...", flush=True)
     main_model = build(main_shape, torch.bfloat16, device, seed=1)
-    draft = DraftModel(build(draft_shape, torch.bfloat16, device, seed=2), None, DraftConfig(lookahead=args.lookahead))
+    config = DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead)
+    draft = DraftModel(build(draft_shape, torch.bfloat16, device, seed=2), None, config)
     vocab = int(draft_shape["vocab_size"])
     ids, protected, segment = synthetic_prompt(min(args.lengths), vocab, seed=0)
     prefill(main_model, ids, torch.arange(ids.numel()))
     spec_ttft(draft, main_model, ids, protected, segment, 0.3)
+    for variant in lookahead_variants().values():  # each look-ahead's kernels chosen before timing
+        scoring_s(draft, ids, protected, variant)
     plain_forward(draft.model, ids)
     return main_model, draft, vocab
 
 
 def new_payload(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    from specprefill_rag import DraftConfig
+
+    config = DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead)
     return {
         "benchmark": "ttft",
         "command": "python benchmarks/gpu_ttft.py" + (" --tiny" if args.tiny else ""),
@@ -339,7 +359,9 @@ def new_payload(args: argparse.Namespace, device: str) -> dict[str, Any]:
             "draft": "tiny-llama (random)" if args.tiny else "Llama-3.2-1B-shaped (random bf16)",
         },
         "settings": {"lengths": args.lengths, "keep_rates": args.keep_rates, "reps": args.reps,
-                     "lookahead": args.lookahead, "device": device, "dtype": "bfloat16"},
+                     "lookahead": config.lookahead, "device": device, "dtype": "bfloat16",
+                     "draft_config": dataclasses.asdict(config),
+                     "previous_keep_rates": list(PREVIOUS_KEEP)},
         "targets": {"efficiency": 0.85, "capture_overhead": 1.10, "memory": 1.15},
         "memory": None,
         "complete": False,
@@ -355,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no GPU: run with --tiny for a CPU dry run", file=sys.stderr)
         return 2
     device = "cuda" if cuda else "cpu"
-    args.lengths = args.lengths or ([256, 512] if args.tiny else [8192, 16384, 32768])
+    args.lengths = args.lengths or ([256, 512] if args.tiny else [4096, 8192, 16384, 32768])
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     main_model, draft, vocab = build_models(args, device)
@@ -376,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload["runs"] = [{"backend": "transformers", "status": "partial", "lengths": rows}]
         write_results(name, payload, args.out)
     if rows and args.concurrency > 1:
-        payload["concurrency"] = concurrency_row(draft, args.lengths[0], vocab, args.concurrency, args.reps)
+        at = 8192 if 8192 in args.lengths else args.lengths[0]
+        payload["concurrency"] = concurrency_row(draft, at, vocab, args.concurrency, args.reps)
         write_results(name, payload, args.out)
     if cuda and rows:
         mem = memory_row(draft, synthetic_prompt(rows[-1]["n_tokens"], vocab, seed=1)[0])

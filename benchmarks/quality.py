@@ -470,7 +470,9 @@ def answer(engine: Any, prompt: Any, plan: Any) -> tuple[str, int]:
 
 # The reference implementation's scoring and units (the paper's defaults, as this library
 # shipped them before the selection-quality work), at the same context budget.
-REFERENCE_DRAFT = dict(lookahead=8, lookahead_weight=1.0, layers="all", heads="max", normalize=False)
+REFERENCE_DRAFT = dict(
+    lookahead=8, lookahead_tokens="greedy", lookahead_weight=1.0, layers="all", heads="max", normalize=False
+)
 REFERENCE_SELECTION = dict(unit="chunk", chunk_size=32)
 
 

@@ -49,7 +49,9 @@ from benchmarks.common import (
     RESULTS_DIR,
     command_line,
     essay_text,
+    lookahead_variants,
     machine_info,
+    previous_default,
     result_name,
     summarise_length,
     tiny_engine,
@@ -118,10 +120,8 @@ def capture_only_s(draft: Any, ids: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def early_exit_s(engine: Any, prompt: Any) -> float:
-    """Seconds of question-only scoring (look-ahead 1) that stops after the highest aggregated
-    layer (``DraftConfig.early_exit``): the cheapest scoring the library offers."""
-    config = dataclasses.replace(engine.config.draft, lookahead_weight=0.0, early_exit=True)
+def scoring_s(engine: Any, prompt: Any, config: Any) -> float:
+    """Seconds the draft takes to score ``prompt`` with ``config`` (a look-ahead variant)."""
     device = engine.draft.device
     _sync(device)
     start = time.perf_counter()
@@ -288,13 +288,32 @@ def measure_memory(draft_name: str, length: int, tiny: bool, device: str) -> dic
 # -- the benchmark ---------------------------------------------------------------------------
 
 
+def build_draft_config(args: argparse.Namespace) -> Any:
+    from specprefill_rag import DraftConfig
+
+    return DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead)
+
+
+def _default_lookahead() -> int:
+    from specprefill_rag import DraftConfig
+
+    return DraftConfig().lookahead
+
+
+def with_draft_config(engine: Any, draft: Any) -> Any:
+    """An engine on the same backend and draft model, scoring with ``draft`` (a look-ahead variant)."""
+    from specprefill_rag import SpecPrefillEngine
+
+    return SpecPrefillEngine(engine.backend, engine.draft, dataclasses.replace(engine.config, draft=draft))
+
+
 def build_engine(args: argparse.Namespace, backend: str) -> Any:
-    from specprefill_rag import DraftConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
+    from specprefill_rag import SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
     from specprefill_rag.backends import create_backend
     from specprefill_rag.draft import DraftModel
 
     config = SpecPrefillConfig(
-        draft=DraftConfig(lookahead=args.lookahead),
+        draft=build_draft_config(args),
         selection=SelectionConfig(min_prompt_tokens=0),
         generation=generation_config(),
     )
@@ -333,24 +352,28 @@ def _measure_full(c: _Length, keep: float | None) -> dict[str, float]:
     return {"ttft_s": res.timings.ttft_s, "prefill_s": res.timings.prefill_s}
 
 
-def _measure_spec(c: _Length, keep: float | None) -> dict[str, float]:
+def _measure_spec(c: _Length, keep: float | None, draft: Any = None) -> dict[str, float]:
+    """SpecPrefill at ``keep`` with the engine's draft config, or ``draft`` instead."""
     from specprefill_rag import SelectionConfig
 
     assert keep is not None
-    res = c.engine.generate(QUESTION, c.passages, selection=SelectionConfig(keep_rate=keep, min_prompt_tokens=0),
-                            generation=c.gen)
+    engine = c.engine if draft is None else with_draft_config(c.engine, draft)
+    res = engine.generate(QUESTION, c.passages, selection=SelectionConfig(keep_rate=keep, min_prompt_tokens=0),
+                          generation=c.gen)
     t = res.timings
     return {"ttft_s": t.ttft_s, "draft_s": t.draft_s or 0.0, "selection_s": t.selection_s or 0.0,
             "prefill_s": t.prefill_s, "keep_ratio": res.keep_ratio}
 
 
-# What is timed, by name: each returns one repetition's measurement (keep: the spec keep rate).
-MEASURES: dict[str, Callable[[_Length, float | None], Any]] = {
+# What is timed, by name: each returns one repetition's measurement (arg: the spec keep rate, or
+# the name of a look-ahead variant).
+MEASURES: dict[str, Callable[[_Length, Any], Any]] = {
     "full": _measure_full,
     "spec": _measure_spec,
+    "spec_previous": lambda c, keep: _measure_spec(c, keep, previous_default()),
     "plain": lambda c, keep: plain_forward_s(c.engine.draft.model, c.ids),
     "capture": lambda c, keep: capture_only_s(c.engine.draft, c.ids),
-    "early": lambda c, keep: early_exit_s(c.engine, c.assembled),
+    "lookahead": lambda c, name: scoring_s(c.engine, c.assembled, lookahead_variants()[name]),
 }
 
 
@@ -359,21 +382,29 @@ def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> 
     passages, n_tokens = build_passages(engine, target)
     assembled = engine.assemble(QUESTION, passages)
     case = _Length(engine, passages, assembled, draft_token_ids(engine, assembled), generation_config())
-    raw: dict[tuple[str, float | None], list[Any]] = {}
-    items: list[tuple[str, float | None]] = [("full", None), *(("spec", k) for k in args.keep_rates), ("plain", None)]
-    if not args.no_capture_breakdown:
-        items += [("capture", None), ("early", None)]
+    raw: dict[tuple[str, Any], list[Any]] = {}
     for rep in range(args.reps):
+        items = measured_items(args)
         shift = rep % len(items)
-        for what, keep in items[shift:] + items[:shift]:
-            bar.set_postfix_str(f"{target} tok, rep {rep + 1}, {what}{'' if keep is None else f' {keep:.0%}'}")
+        for what, arg in items[shift:] + items[:shift]:
+            shown = "" if arg is None else f" {arg:.0%}" if isinstance(arg, float) else f" {arg}"
+            bar.set_postfix_str(f"{target} tok, rep {rep + 1}, {what}{shown}")
             if hasattr(engine.backend, "cache_salt"):
                 # vLLM's prefix cache would serve a repeated prompt from memory: every request gets a
                 # salt of its own, so each prefill is measured cold.
-                engine.backend.cache_salt = f"bench-{target}-{rep}-{what}-{keep}-{time.time_ns()}"
-            raw.setdefault((what, keep), []).append(MEASURES[what](case, keep))
+                engine.backend.cache_salt = f"bench-{target}-{rep}-{what}-{arg}-{time.time_ns()}"
+            raw.setdefault((what, arg), []).append(MEASURES[what](case, arg))
             bar.update(1)
-    return summarise_length(target, n_tokens, raw, args.keep_rates)
+    return summarise_length(target, n_tokens, raw, args.keep_rates, args.previous_keep_rates)
+
+
+def measured_items(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """What one repetition of a length runs, in order (rotated per repetition)."""
+    items: list[tuple[str, Any]] = [("full", None), *(("spec", k) for k in args.keep_rates), ("plain", None)]
+    items += [("spec_previous", k) for k in args.previous_keep_rates]
+    if not args.no_capture_breakdown:
+        items += [("capture", None), *(("lookahead", name) for name in lookahead_variants())]
+    return items
 
 
 def run_backend(backend: str, args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
@@ -398,7 +429,7 @@ def run_backend(backend: str, args: argparse.Namespace, save: Any = None) -> dic
     warm = ["Warm-up context about essays and startups. " * 30]
     engine.generate("Warm-up?", warm, mode="full", generation=generation_config())
     engine.generate("Warm-up?", warm, keep_rate=0.5, generation=generation_config())
-    per_rep = len(args.keep_rates) + 2 + (0 if args.no_capture_breakdown else 2)
+    per_rep = len(measured_items(args))
     lengths = []
     with tqdm(total=len(args.lengths) * args.reps * per_rep, desc=f"ttft [{backend}]", unit="run") as bar:
         for target in args.lengths:
@@ -418,13 +449,17 @@ def print_length(row: dict[str, Any]) -> None:
         f" (capture overhead {row['capture_overhead']:.2f}x)",
         flush=True,
     )
-    for c in row["cells"]:
+    previous = [("", c) for c in row["cells"]] + [(", previous default", c) for c in row.get("cells_previous", [])]
+    for label, c in previous:
         print(
-            f"  keep {c['keep_rate']:.0%}: full {c['ttft_full_s']:.2f} s  spec {c['ttft_spec_s']:.2f} s"
+            f"  keep {c['keep_rate']:.0%}{label}: full {c['ttft_full_s']:.2f} s  spec {c['ttft_spec_s']:.2f} s"
             f" (draft {c['draft_s']:.2f} + sel {c['selection_s']:.3f} + prefill {c['prefill_s']:.2f})"
             f"  speedup {c['speedup']:.2f}x  ideal {c['ideal']:.2f}x  efficiency {c['efficiency']:.2f}",
             flush=True,
         )
+    for name, v in row.get("lookahead_scoring", {}).items():
+        print(f"  scoring with {name}: {v['scoring_s']:.2f} s = {v['overhead']:.2f}x a plain draft forward,"
+              f" r = {v['r']:.3f}", flush=True)
 
 
 def replace_memory(name: str, payload: dict[str, Any], command: str, out: str | None) -> int:
@@ -452,7 +487,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths (tokens)")
     p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
     p.add_argument("--reps", type=int, default=3, help="repetitions per cell; medians are reported")
-    p.add_argument("--lookahead", type=int, default=8)
+    p.add_argument("--lookahead", type=int, default=None, help="look-ahead L (default: the library's)")
+    p.add_argument(
+        "--previous-keep-rates", type=float, nargs="*", default=[0.1],
+        help="keep rates also run with the previous default look-ahead (7 greedy steps), side by side",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
@@ -466,7 +505,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--no-capture-breakdown", action="store_true",
-        help="skip the capture-without-look-ahead and early-exit scoring runs",
+        help="skip the capture-without-look-ahead run and the scoring runs of the other look-ahead variants",
     )
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; numbers mean nothing)")
     p.add_argument(
@@ -524,7 +563,9 @@ def new_payload(args: argparse.Namespace, command: str) -> dict[str, Any]:
             "lengths": args.lengths,
             "keep_rates": args.keep_rates,
             "reps": args.reps,
-            "lookahead": args.lookahead,
+            "lookahead": args.lookahead or _default_lookahead(),
+            "draft_config": dataclasses.asdict(build_draft_config(args)),
+            "previous_keep_rates": args.previous_keep_rates,
             "device": args.device,
             "dtype": "float32",
             "memory_length": args.memory_length or max(args.lengths),

@@ -20,12 +20,14 @@ PositionMode = Literal["original", "contiguous"]
 SelectionUnit = Literal["sentence", "chunk"]
 TokenizerMapping = Literal["auto", "same", "offsets"]
 OverflowPolicy = Literal["full", "raise"]
+LookaheadTokens = Literal["siblings", "greedy"]
 
 __all__ = [
     "GREEDY_BELOW",
     "DraftConfig",
     "GenerationConfig",
     "LayerChoice",
+    "LookaheadTokens",
     "OverflowPolicy",
     "PositionMode",
     "SelectionConfig",
@@ -83,10 +85,14 @@ class DraftConfig:
     ``bench evidence`` (docs/benchmarks.md, docs/algorithm.md).
     """
 
-    # L: queries of the last prompt token + (L - 1) greedy draft tokens. 4 matched 8 with the Qwen
-    # 0.5B draft for under half the decode steps (docs/configuration.md), but lost a real RAG
-    # answer with the SmolLM2-135M draft, so 8 stays the default.
+    # L: queries of the last prompt token + (L - 1) tokens after it, chosen by lookahead_tokens.
     lookahead: int = 8
+    # Which L - 1 tokens: "greedy" = the reference's L - 1 sequential greedy decode steps (L - 1
+    # more forwards); "siblings" = the L - 1 likeliest next tokens, scored together in ONE more
+    # forward, each at position n seeing the prompt and itself. Siblings cost one forward and
+    # match greedy with the Qwen 0.5B draft, but lose near-miss evidence with SmolLM2-135M, whose
+    # answers open with a preamble the siblings never get past (docs/configuration.md).
+    lookahead_tokens: LookaheadTokens = "greedy"
     # Share of the look-ahead queries in the score, in [0, 1]; the question's tokens get the rest.
     # 0 skips the look-ahead decode entirely: the draft then costs one plain prefill.
     lookahead_weight: float = 0.5
@@ -99,9 +105,14 @@ class DraftConfig:
     # maps scores through character offsets (any draft family); "auto" = "same" when the
     # tokenizers are identical, else "offsets".
     tokenizer_mapping: TokenizerMapping = "auto"
-    # With a look-ahead of 1 (lookahead_weight 0), stop the draft's prefill after the highest
-    # aggregated layer: no upper layers, no LM head. Scores are exactly those of the full forward.
+    # Stop the draft's forward over the prompt after the highest aggregated layer (no upper
+    # layers, no LM head over the prompt) where the look-ahead allows: with "siblings" and with a
+    # look-ahead of 1. The rows of the aggregated layers are exactly those of the full forward.
     early_exit: bool = True
+    # With early exit and siblings: share of the prompt's tokens, in (0, 1], the draft's upper
+    # layers read to find the likeliest next tokens (the best by the aggregated layers' rows of
+    # the question and the last token, plus the question, the first and the last tokens).
+    upper_keep: float = 0.15
     # Concurrent requests' scoring runs as one padded draft batch of up to max_batch prompts,
     # formed within batch_window_s of the first one's arrival. 1: each request scores alone.
     # Worth it on a GPU (one pass for many prompts); on a CPU the draft is compute-bound.
@@ -113,7 +124,8 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         _check_types(
-            self, ints=("lookahead", "pool_kernel", "max_batch"), numbers=("lookahead_weight", "batch_window_s")
+            self, ints=("lookahead", "pool_kernel", "max_batch"),
+            numbers=("lookahead_weight", "batch_window_s", "upper_keep"),
         )
         _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
         _check(
@@ -129,6 +141,8 @@ class DraftConfig:
         check_choice("heads", self.heads, HeadReduction)
         _check(isinstance(self.normalize, bool), f"normalize must be True or False, got {self.normalize!r}")
         _check(isinstance(self.early_exit, bool), f"early_exit must be True or False, got {self.early_exit!r}")
+        _check(0.0 < self.upper_keep <= 1.0, f"upper_keep must be in (0, 1], got {self.upper_keep}")
+        check_choice("lookahead_tokens", self.lookahead_tokens, LookaheadTokens)
         _check(
             self.pool_kernel >= 1 and self.pool_kernel % 2 == 1,
             f"pool_kernel must be a positive odd number of tokens, got {self.pool_kernel}",
@@ -147,6 +161,13 @@ class DraftConfig:
         """Look-ahead length to run for a prompt with ``n_question`` question tokens: 1 (no
         decoding) when the look-ahead gets no vote and the question can carry the score."""
         return 1 if n_question and self.lookahead_weight == 0.0 else self.lookahead
+
+    def extra_positions(self, lookahead: int) -> int:
+        """Positions past the prompt a look-ahead of ``lookahead`` queries occupies: the siblings
+        share one, greedy tokens take one each."""
+        if lookahead <= 1:
+            return 0
+        return 1 if self.lookahead_tokens == "siblings" else lookahead - 1
 
     def layer_indices(self, n_layers: int) -> list[int]:
         """Indices of the aggregated layers of a draft with ``n_layers`` layers."""

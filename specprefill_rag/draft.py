@@ -1,14 +1,20 @@
-"""The draft model: one prefill plus a short greedy look-ahead, with query/key capture.
+"""The draft model: one forward over the prompt plus a look-ahead, with query/key capture.
 
 The draft runs its normal SDPA attention. A function registered in transformers' attention
 registry wraps SDPA and, while a capture is active, records each layer's post-RoPE prompt
 keys (at prefill), the post-RoPE queries of the question's tokens and of the last prompt
 token (at prefill) and the query of each look-ahead token. No N×N matrix is ever built:
 scoring needs only those query rows per layer and head.
+
+The look-ahead is either the L − 1 likeliest next tokens ("siblings", ``lookahead``), scored
+together in one more forward at position n (each sees the prompt and itself), or the
+reference's L − 1 greedy decode steps. Every forward stops after the highest layer whose
+attention is aggregated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import time
@@ -20,8 +26,9 @@ from typing import Any
 import torch
 
 from . import scoring
-from .config import DraftConfig
+from .config import DraftConfig, LookaheadTokens
 from .errors import InputError
+from .lookahead import DecoderParts, reading_set, tree_mask, upper_logits
 from .types import TokenScores
 
 __all__ = ["CAPTURE_ATTENTION", "DraftCapture", "DraftModel"]
@@ -43,7 +50,7 @@ class DraftCapture:
 
 
 class _EarlyExit(Exception):
-    """Raised inside the prefill once the highest recorded layer is captured (look-ahead 1)."""
+    """Raised inside a forward once the layer it stops after is captured (``_Recorder.stop_after``)."""
 
 
 class _Recorder:
@@ -58,7 +65,7 @@ class _Recorder:
     ) -> None:
         self.lengths = list(lengths)
         self.layers = layers  # None: every layer
-        self.stop_after = stop_after  # layer after whose capture the forward stops
+        self.stop_after = stop_after  # layer after whose capture the current forward stops
         empty = torch.empty(0, dtype=torch.int64)
         self.questions = [q if q is not None else empty for q in questions]
         # Prompt rows whose queries the prefill keeps: the question's tokens, then the last token.
@@ -80,11 +87,11 @@ class _Recorder:
             self.queries[layer] = [
                 [query[b].index_select(1, rows.to(query.device))] for b, rows in enumerate(self.rows)
             ]
-            if layer == self.stop_after:
-                raise _EarlyExit
-        else:
+        else:  # a look-ahead forward: every query row of it (one greedy token, or all siblings)
             for b, pieces in enumerate(self.queries[layer]):
-                pieces.append(query[b, :, -1:].clone())
+                pieces.append(query[b].clone())
+        if layer == self.stop_after:
+            raise _EarlyExit
 
     def captures(self, lookahead_ids: Sequence[list[int]]) -> list[DraftCapture]:
         layers = sorted(self.keys)
@@ -98,6 +105,7 @@ class _Recorder:
                 keys=tuple(self.keys[i][b] for i in layers),
                 scaling=tuple(self.scaling[i] for i in layers),
                 lookahead_token_ids=tuple(lookahead_ids[b]),
+                # look-ahead queries see every prompt key: they sit at the last prompt index or after it
                 positions=torch.cat([question, torch.full((len(lookahead_ids[b]) + 1,), n - 1)]),
                 n_question=int(question.numel()),
                 layer_ids=tuple(layers),
@@ -132,7 +140,7 @@ def _register() -> None:
 
 
 @contextmanager
-def _recording(recorder: _Recorder) -> Iterator[None]:
+def _recording(recorder: _Recorder | None) -> Iterator[None]:
     token = _RECORDER.set(recorder)
     try:
         yield
@@ -177,9 +185,10 @@ class DraftModel:
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
-    def fits(self, n_tokens: int, lookahead: int) -> bool:
-        """Whether a prompt of ``n_tokens`` plus ``lookahead - 1`` decoded tokens fits the window."""
-        return n_tokens + lookahead - 1 <= self.max_context
+    def fits(self, n_tokens: int, extra_positions: int = 0) -> bool:
+        """Whether a prompt of ``n_tokens`` plus ``extra_positions`` look-ahead positions after it
+        (``DraftConfig.extra_positions``) fits the window."""
+        return n_tokens + extra_positions <= self.max_context
 
     @property
     def device(self) -> torch.device:
@@ -193,17 +202,28 @@ class DraftModel:
         *,
         layers: Sequence[int] | None = None,
         early_exit: bool = False,
+        tokens: LookaheadTokens | None = None,
+        upper_keep: float | None = None,
     ) -> DraftCapture:
-        """Prefill ``token_ids`` (n_prompt,) and greedily decode ``lookahead - 1`` tokens,
-        recording post-RoPE queries of the ``question`` token indices (m,), of the last prompt
-        token and of each look-ahead token.
+        """Prefill ``token_ids`` (n_prompt,) and run the look-ahead, recording post-RoPE queries
+        of the ``question`` token indices (m,), of the last prompt token and of each of the
+        ``lookahead - 1`` look-ahead tokens.
 
-        ``layers``: record only these layers (default: all). ``early_exit`` with a look-ahead
-        of 1: stop the prefill right after the highest recorded layer's attention inputs are
-        captured (no upper layers, no LM head); the recorded tensors are exactly those of the
-        full forward.
+        ``tokens`` (default: the draft's ``DraftConfig.lookahead_tokens``): ``"siblings"`` = the
+        ``lookahead - 1`` likeliest next tokens, in one more forward, all at position n_prompt,
+        each attending to the prompt and itself; ``"greedy"`` = that many greedy decode steps.
+        ``layers``: record only these layers (default: all); every look-ahead forward stops
+        after the highest of them. ``early_exit``: the prompt's forward stops there too, where
+        the look-ahead allows: with a look-ahead of 1, or with siblings, whose tokens then come
+        from the upper layers run over the ``upper_keep`` share of the prompt (default: the
+        draft's ``DraftConfig.upper_keep``) that the recorded rows score highest
+        (``lookahead.upper_logits``). The recorded prompt tensors are exactly those of the full
+        forward.
         """
-        return self.capture_batch([token_ids], lookahead, [question], layers=layers, early_exit=early_exit)[0]
+        return self.capture_batch(
+            [token_ids], lookahead, [question], layers=layers, early_exit=early_exit, tokens=tokens,
+            upper_keep=upper_keep,
+        )[0]
 
     @torch.inference_mode()
     def capture_batch(
@@ -214,61 +234,163 @@ class DraftModel:
         *,
         layers: Sequence[int] | None = None,
         early_exit: bool = False,
+        tokens: LookaheadTokens | None = None,
+        upper_keep: float | None = None,
     ) -> list[DraftCapture]:
         """``capture`` for several prompts in one right-padded forward per step.
 
         Padding sits after each prompt and is masked out of every attention; look-ahead tokens
-        of prompt b sit at positions n_b, n_b + 1, ... So each capture equals the prompt's own
-        (within floating-point tolerance).
+        of prompt b sit at positions n_b, n_b + 1, ... (greedy) or all at n_b (siblings). So
+        each capture equals the prompt's own (within floating-point tolerance).
         """
         lookahead = self.config.lookahead if lookahead is None else lookahead
+        tokens = self.config.lookahead_tokens if tokens is None else tokens
+        upper_keep = self.config.upper_keep if upper_keep is None else upper_keep
         questions = list(questions) if questions is not None else [None] * len(token_ids)
         if not token_ids or len(questions) != len(token_ids):
             raise InputError("pass one question (or None) per prompt, and at least one prompt")
         lengths = [int(ids.numel()) for ids in token_ids]
-        self._check_batch(lengths, questions, lookahead)
+        extra = dataclasses.replace(self.config, lookahead_tokens=tokens).extra_positions(lookahead)
+        self._check_batch(lengths, questions, lookahead, extra)
         wanted = None if layers is None else frozenset(int(i) for i in layers)
-        stop_after = max(wanted) if wanted and early_exit and lookahead == 1 else None
-        recorder = _Recorder(
-            lengths, [None if q is None else q.to(torch.int64).cpu() for q in questions], wanted, stop_after
-        )
-        batch = len(lengths)
+        top = max(wanted) if wanted else self.n_layers - 1  # the highest recorded layer
+        recorder = _Recorder(lengths, [None if q is None else q.to(torch.int64).cpu() for q in questions], wanted)
         ids, mask = self._right_padded(token_ids, lengths)
         last = torch.tensor(lengths, device=self.device) - 1  # (batch,) each prompt's last token
-        lookahead_ids: list[list[int]] = [[] for _ in lengths]
         with _recording(recorder):
-            try:
-                keep = torch.unique(last)  # logits only where some prompt ends
-                out = self.model(input_ids=ids, attention_mask=mask, use_cache=lookahead > 1, logits_to_keep=keep)
-            except _EarlyExit:
-                return recorder.captures(lookahead_ids)
-            # (batch, vocab): each prompt's logits at its own last token
-            logits = out.logits[torch.arange(batch, device=self.device), torch.searchsorted(keep, last)]
-            cache = out.past_key_values
-            for step in range(lookahead - 1):
-                tokens = logits.argmax(-1)  # (batch,)
-                for b, token in enumerate(tokens.tolist()):
-                    lookahead_ids[b].append(int(token))
-                mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=self.device)], dim=1)
-                out = self.model(
-                    input_ids=tokens.reshape(batch, 1),
-                    position_ids=(last + 1 + step).reshape(batch, 1),
-                    attention_mask=mask,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                logits = out.logits[:, -1]
-        return recorder.captures(lookahead_ids)
+            if lookahead == 1:
+                self._prompt_forward(recorder, ids, mask, last, stop_after=top if early_exit else None)
+                return recorder.captures([[] for _ in lengths])
+            if tokens == "siblings":
+                upper = upper_keep if early_exit else None
+                siblings = self._siblings(recorder, ids, mask, last, lookahead - 1, top, upper)
+                return recorder.captures(siblings.tolist())
+            steps = self._greedy(recorder, ids, mask, last, lookahead - 1, top)
+            return recorder.captures(steps.tolist())
 
-    def _check_batch(self, lengths: list[int], questions: list[torch.Tensor | None], lookahead: int) -> None:
+    def _prompt_forward(
+        self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, *,
+        stop_after: int | None, cache: Any = None, leave: Any = None,
+    ) -> torch.Tensor | None:
+        """The prompt's forward: (batch, vocab) logits at each prompt's last token; or None when it
+        stopped inside layer ``stop_after``; or, with ``leave`` (a decoder layer), the hidden
+        states (batch, width, d_model) leaving that layer, where the forward then stops."""
+        recorder.stop_after = stop_after
+        keep = torch.unique(last)  # logits only where some prompt ends
+        left: list[torch.Tensor] = []
+
+        def stop(module: Any, args: Any, output: Any) -> None:
+            left.append(output[0] if isinstance(output, tuple) else output)
+            raise _EarlyExit
+
+        handle = leave.register_forward_hook(stop) if leave is not None else None
+        try:
+            out = self.model(
+                input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=cache is not None,
+                logits_to_keep=keep,
+            )
+        except _EarlyExit:
+            return left[0] if left else None
+        finally:
+            if handle is not None:
+                handle.remove()
+        return out.logits[torch.arange(len(last), device=self.device), torch.searchsorted(keep, last)]
+
+    def _siblings(
+        self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, k: int, top: int,
+        upper_keep: float | None,
+    ) -> torch.Tensor:
+        """Two forwards: the prompt's, then the ``k`` likeliest next tokens of each prompt together,
+        each at position n_b seeing its prompt and itself (``lookahead.tree_mask``). (batch, k).
+
+        ``upper_keep``: the prompt's forward stops after layer ``top``; the layers above it read
+        that share of each prompt's tokens only, the best by the recorded rows (question and last
+        token), to find the likeliest next tokens (``lookahead.upper_logits``). None: the full
+        forward's logits.
+        """
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        parts = DecoderParts.of(self.model) if upper_keep is not None and top < self.n_layers - 1 else None
+        if parts is None:
+            logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache)
+        else:
+            leaving = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache,
+                                           leave=parts.layers[top])
+            assert leaving is not None
+            logits = self._upper_logits(recorder, parts, leaving, last, top, upper_keep)
+        assert logits is not None
+        siblings = logits.topk(k, dim=-1).indices  # (batch, k), likeliest first
+        recorder.stop_after = top
+        with contextlib.suppress(_EarlyExit):
+            self.model(
+                input_ids=siblings, position_ids=(last + 1).unsqueeze(1).expand(-1, k),
+                attention_mask=tree_mask(mask, k), past_key_values=cache, use_cache=True, logits_to_keep=1,
+            )
+        return siblings
+
+    def _upper_logits(
+        self, recorder: _Recorder, parts: DecoderParts, leaving: torch.Tensor, last: torch.Tensor, top: int,
+        share: float, layers: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """(batch, vocab): each prompt's next-token logits from the layers above ``top`` over its
+        reading set (``leaving`` (batch, width, d_model): the hidden states leaving ``top``),
+        chosen by the rows of ``layers`` (default: every recorded layer)."""
+        out = []
+        with _recording(None):  # the upper layers' rows are not the prompt's
+            for b, (question, end) in enumerate(zip(recorder.questions, last.tolist(), strict=True)):
+                keep = reading_set(self._first_scores(recorder, b, layers), question, share)
+                out.append(upper_logits(parts, leaving[b, : end + 1], keep, top + 1))
+        return torch.stack(out)
+
+    def _first_scores(self, recorder: _Recorder, b: int, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """(n_b,) prompt b's importance from the rows recorded at the prompt (its question's and
+        last token's queries, in ``layers``, default every recorded one): what chooses the upper
+        layers' reading set."""
+        positions = recorder.rows[b]
+        rows = torch.stack([
+            scoring.layer_rows(recorder.queries[layer][b][0], recorder.keys[layer][b], recorder.scaling[layer],
+                               self.config.pool_kernel, positions=positions.to(self.device))
+            for layer in (sorted(recorder.keys) if layers is None else layers)
+        ])  # (layers, n_question + 1, n_b)
+        return scoring.importance(rows)
+
+    def _greedy(
+        self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, steps: int, top: int
+    ) -> torch.Tensor:
+        """The reference's look-ahead: ``steps`` greedy decode steps after the prompt's forward,
+        with no host synchronisation inside the loop. (batch, steps) the tokens."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache)
+        assert logits is not None
+        batch = len(last)
+        tokens: list[torch.Tensor] = []
+        for step in range(steps):
+            tokens.append(logits.argmax(-1))  # (batch,)
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=self.device)], dim=1)
+            recorder.stop_after = top if step == steps - 1 else None  # the last step's logits go unused
+            try:
+                out = self.model(
+                    input_ids=tokens[-1].reshape(batch, 1), position_ids=(last + 1 + step).reshape(batch, 1),
+                    attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                )
+            except _EarlyExit:
+                break
+            logits = out.logits[:, -1]
+        return torch.stack(tokens, dim=1)
+
+    def _check_batch(
+        self, lengths: list[int], questions: list[torch.Tensor | None], lookahead: int, extra: int
+    ) -> None:
         """``InputError`` for an empty prompt, one over the window, or question indices outside it."""
         for n, question in zip(lengths, questions, strict=True):
             if n == 0:
                 raise InputError("cannot score an empty prompt")
-            if not self.fits(n, lookahead):
+            if not self.fits(n, extra):
                 raise InputError(
-                    f"prompt of {n} tokens plus {lookahead - 1} look-ahead tokens exceeds the draft "
+                    f"prompt of {n} tokens plus {extra} look-ahead positions exceeds the draft "
                     f"model's window of {self.max_context}: shorten the context or use a draft "
                     "with a longer window"
                 )
@@ -324,7 +446,8 @@ class DraftModel:
         lookaheads = [cfg.lookahead_for(0 if q is None else int(q.numel())) for q in questions]
         layers = cfg.layer_indices(self.n_layers)
         caps = self.capture_batch(
-            token_ids, max(lookaheads), questions, layers=layers, early_exit=cfg.early_exit
+            token_ids, max(lookaheads), questions, layers=layers, early_exit=cfg.early_exit,
+            tokens=cfg.lookahead_tokens, upper_keep=cfg.upper_keep,
         )
         results = []
         for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True):

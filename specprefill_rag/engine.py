@@ -310,11 +310,11 @@ class SpecPrefillEngine:
         """Why the draft cannot read ``item`` (its rendering plus the look-ahead), or None."""
         draft = self._require_draft()
         lookahead = config.lookahead_for(int(item.prompt.positions_of(SegmentKind.QUESTION).numel()))
-        n = item.read.n_tokens
-        if draft.fits(n, lookahead):
+        n, extra = item.read.n_tokens, config.extra_positions(lookahead)
+        if draft.fits(n, extra):
             return None
         return (
-            f"the prompt of {n} draft tokens plus {lookahead - 1} look-ahead tokens exceeds the draft "
+            f"the prompt of {n} draft tokens plus {extra} look-ahead positions exceeds the draft "
             f"model's window of {draft.max_context}"
         )
 

@@ -392,11 +392,24 @@ def test_evidence_variant_scores_equal_the_draft_models(tokenizer) -> None:
         DraftConfig(),
         DraftConfig(lookahead=4, lookahead_weight=0.25, layers="middle_half", heads="mean"),
         DraftConfig(lookahead_weight=0.0, layers="all", normalize=False),
+        DraftConfig(lookahead_tokens="greedy"),
+        DraftConfig(lookahead_tokens="siblings", early_exit=False, layers="all"),
+        DraftConfig(lookahead=4, lookahead_tokens="siblings", early_exit=True),
+        DraftConfig(lookahead=8, lookahead_tokens="siblings", early_exit=True, upper_keep=0.3),
+        DraftConfig(lookahead=2, lookahead_tokens="siblings", early_exit=True, heads="mean", normalize=True),
     ):
         expected = draft.score(
             prompt.token_ids, question=prompt.positions_of(SegmentKind.QUESTION), context=~prompt.protected, config=cfg
         ).scores
         torch.testing.assert_close(evidence.variant_scores(rows, cfg), expected, atol=2e-3, rtol=2e-2)
+    # A capture of the first layout (greedy, full, lens) gets the blocks it lacks added.
+    lead, k = rows["n_question"] + 1, evidence.MAX_LOOKAHEAD - 1
+    old = {**rows, "blocks": ["greedy", "full", "lens"]}
+    old = {key: value[:, : lead + 3 * k] if key[:1] in "01" else value for key, value in old.items()}
+    old.pop("blocks")
+    completed = evidence.complete_rows(draft, prompt, old)
+    assert completed["blocks"] == list(evidence.BLOCKS)
+    torch.testing.assert_close(completed["0max"].float(), rows["0max"].float(), atol=2e-3, rtol=2e-2)
 
 
 @needs_data

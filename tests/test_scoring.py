@@ -33,7 +33,8 @@ def eager_reference_rows(model, ids: torch.Tensor, lookahead_ids: tuple[int, ...
 @pytest.mark.parametrize("lookahead", [1, 4])
 def test_captured_rows_match_eager_reference(family, tokenizer, lookahead):
     model = make_model(family, len(tokenizer))
-    draft = DraftModel(model, tokenizer, DraftConfig(lookahead=lookahead))
+    # The reference's greedy look-ahead: a causal chain the eager forward reproduces.
+    draft = DraftModel(model, tokenizer, DraftConfig(lookahead=lookahead, lookahead_tokens="greedy"))
     ids = torch.randint(0, len(tokenizer), (57,), generator=torch.Generator().manual_seed(1))
     cap = draft.capture(ids)
     assert len(cap.lookahead_token_ids) == lookahead - 1
@@ -62,7 +63,7 @@ def test_capture_leaves_model_outputs_unchanged(family, tokenizer):
 def test_lookahead_tokens_are_greedy_continuation(tokenizer):
     model = make_model("llama", len(tokenizer))
     ids = torch.randint(0, len(tokenizer), (30,), generator=torch.Generator().manual_seed(3))
-    cap = DraftModel(model, tokenizer, DraftConfig(lookahead=5)).capture(ids)
+    cap = DraftModel(model, tokenizer, DraftConfig(lookahead=5, lookahead_tokens="greedy")).capture(ids)
     expected = model.generate(ids.reshape(1, -1), max_new_tokens=4, do_sample=False,
                               attention_mask=torch.ones(1, 30, dtype=torch.int64))[0, 30:]
     assert list(cap.lookahead_token_ids) == expected.tolist()
@@ -109,7 +110,8 @@ def test_score_uses_chosen_layers(tokenizer):
     model = make_model("qwen2", len(tokenizer), layers=4)
     ids = torch.randint(0, len(tokenizer), (64,), generator=torch.Generator().manual_seed(4))
     all_layers = DraftModel(model, tokenizer, DraftConfig(lookahead=2, layers="all")).score(ids)
-    cap = DraftModel(model, tokenizer, DraftConfig(lookahead=2)).capture(ids)
+    # Both layer choices end at the top layer: siblings read off its input, as the capture's.
+    cap = DraftModel(model, tokenizer, DraftConfig(lookahead=2)).capture(ids, early_exit=True)
     upper = DraftModel(model, tokenizer, DraftConfig(lookahead=2, layers="upper_half")).score(ids)
     per_layer = torch.stack([scoring.layer_rows(cap.queries[i], cap.keys[i], cap.scaling[i], 13) for i in range(4)])
     torch.testing.assert_close(all_layers.scores, scoring.importance(per_layer))
@@ -123,7 +125,8 @@ def test_draft_rejects_empty_and_too_long_prompts(tokenizer):
     draft = DraftModel(make_model("llama", len(tokenizer)), tokenizer)
     with pytest.raises(ValueError, match="empty prompt"):
         draft.score(torch.tensor([], dtype=torch.int64))
-    one_over = 2048 - (draft.config.lookahead - 1) + 1  # prompt + L - 1 look-ahead tokens > the window
+    # prompt + the look-ahead's positions (siblings: one) > the window
+    one_over = 2048 - draft.config.extra_positions(draft.config.lookahead) + 1
     with pytest.raises(ValueError, match="window of 2048"):
         draft.score(torch.zeros(one_over, dtype=torch.int64))
     assert draft.score(torch.zeros(one_over - 1, dtype=torch.int64)).scores.numel() == one_over - 1
@@ -185,9 +188,9 @@ def test_score_with_question_uses_both_query_groups(tokenizer):
     draft = DraftModel(model, tokenizer)
     cfg = DraftConfig(lookahead=3, lookahead_weight=0.25, layers="middle_half")
     got = draft.score(ids, question=question, config=cfg).scores
-    cap = draft.capture(ids, lookahead=3, question=question)
+    cap = draft.capture(ids, lookahead=3, question=question, layers=[1, 2], early_exit=True)
     per_layer = torch.stack(
-        [scoring.layer_rows(cap.queries[i], cap.keys[i], cap.scaling[i], 13, positions=cap.positions) for i in (1, 2)]
+        [scoring.layer_rows(cap.queries[i], cap.keys[i], cap.scaling[i], 13, positions=cap.positions) for i in (0, 1)]
     )
     expected = 0.75 * per_layer[:, :6].amax(0).mean(0) + 0.25 * per_layer[:, 6:].amax(0).mean(0)
     torch.testing.assert_close(got, expected)
@@ -239,13 +242,14 @@ def test_capture_of_a_layer_subset_equals_the_full_capture(tokenizer):
     model = make_model("llama", len(tokenizer), layers=4)
     ids = torch.randint(0, len(tokenizer), (64,), generator=torch.Generator().manual_seed(3))
     draft = DraftModel(model, tokenizer)
-    full = draft.capture(ids, lookahead=3)
-    part = draft.capture(ids, lookahead=3, layers=[1, 2])
+    full = draft.capture(ids, lookahead=3, tokens="greedy")
+    part = draft.capture(ids, lookahead=3, layers=[1, 2], tokens="greedy")
     assert full.layer_ids == (0, 1, 2, 3) and part.layer_ids == (1, 2)
     for j, layer in enumerate(part.layer_ids):
         assert torch.equal(part.queries[j], full.queries[layer]) and torch.equal(part.keys[j], full.keys[layer])
-    # With look-ahead > 1 the forward cannot stop early: every layer still runs for the decode.
-    assert draft.capture(ids, lookahead=3, layers=[0], early_exit=True).lookahead_token_ids == full.lookahead_token_ids
+    # A greedy look-ahead > 1 needs the full forward's logits: the prompt's forward cannot stop early.
+    early = draft.capture(ids, lookahead=3, layers=[0], early_exit=True, tokens="greedy")
+    assert early.lookahead_token_ids == full.lookahead_token_ids
 
 
 @pytest.mark.parametrize("config", [DraftConfig(lookahead=4), DraftConfig(lookahead_weight=0.0), DraftConfig()])

@@ -1,0 +1,196 @@
+"""The look-ahead without sequential decode steps: sibling tokens in one forward, early exit.
+
+Siblings are the L − 1 likeliest next tokens, all at position n, each seeing the prompt and
+itself (a tree attention mask). Their queries must equal a brute-force reference (the prompt plus
+that one token, run alone); the draft must run at most two forwards; early exit must leave the
+rows of the aggregated layers exactly as the full forward makes them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import make_model
+
+from specprefill_rag.config import DraftConfig
+from specprefill_rag.draft import DraftModel
+from specprefill_rag.lookahead import DecoderParts, reading_set, upper_logits
+
+LAYERS = [1, 2]  # of 4: the top recorded layer is 2, so layer 3 (and the LM head) may be skipped
+
+
+def _prompt(tokenizer, n: int = 61, seed: int = 5) -> torch.Tensor:
+    return torch.randint(0, len(tokenizer), (n,), generator=torch.Generator().manual_seed(seed))
+
+
+class ForwardCounter:
+    """Counts the draft's forwards, and which decoder layers ran after each on how many tokens."""
+
+    def __init__(self, model) -> None:
+        self.forwards = 0
+        self.layers: list[list[tuple[int, int]]] = []  # per forward: (layer, tokens it ran on)
+        self.hooks = [model.register_forward_pre_hook(self._forward)]
+        for i, layer in enumerate(model.get_decoder().layers):
+            self.hooks.append(layer.register_forward_pre_hook(self._layer(i), with_kwargs=True))
+
+    def _layer(self, i: int):
+        def hook(module, args, kwargs) -> None:
+            self.layers[-1].append((i, (args[0] if args else kwargs["hidden_states"]).shape[1]))
+        return hook
+
+    def _forward(self, *_) -> None:
+        self.forwards += 1
+        self.layers.append([])
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("early_exit", [False, True])
+def test_sibling_queries_equal_a_brute_force_reference(family, tokenizer, early_exit):
+    """Sibling j's query at every recorded layer is the query the prompt plus token j alone gives
+    its last position: the tree mask lets each see exactly the prompt and itself."""
+    draft = DraftModel(make_model(family, len(tokenizer), layers=4), tokenizer)
+    ids = _prompt(tokenizer)
+    question = torch.arange(50, 58)
+    cap = draft.capture(ids, 5, question, layers=LAYERS, early_exit=early_exit, tokens="siblings")
+    assert len(cap.lookahead_token_ids) == 4 and len(set(cap.lookahead_token_ids)) == 4
+    assert cap.positions.tolist() == question.tolist() + [60] * 5  # every look-ahead query sees the prompt
+    for j, token in enumerate(cap.lookahead_token_ids):
+        alone = draft.capture(torch.cat([ids, torch.tensor([token])]), 1, layers=LAYERS)
+        for layer in range(len(LAYERS)):
+            got = cap.queries[layer][:, cap.n_question + 1 + j]  # after the question's and the last token's
+            torch.testing.assert_close(got, alone.queries[layer][:, -1], atol=1e-5, rtol=1e-4)
+
+
+def test_sibling_tokens_are_the_likeliest_next_tokens(family, tokenizer):
+    """Without early exit, the full forward's top-k. With it, the upper layers read a share of the
+    prompt: reading all of it (upper_keep=1) gives the full forward's top-k again."""
+    model = make_model(family, len(tokenizer), layers=4)
+    draft = DraftModel(model, tokenizer)
+    ids = _prompt(tokenizer)
+    with torch.no_grad():
+        top3 = model(input_ids=ids.reshape(1, -1)).logits[0, -1].topk(3).indices.tolist()
+    assert list(draft.capture(ids, 4, layers=LAYERS, tokens="siblings").lookahead_token_ids) == top3
+    every = draft.capture(ids, 4, layers=LAYERS, early_exit=True, tokens="siblings", upper_keep=1.0)
+    assert list(every.lookahead_token_ids) == top3
+    some = draft.capture(ids, 4, layers=LAYERS, early_exit=True, tokens="siblings", upper_keep=0.2)
+    assert len(set(some.lookahead_token_ids)) == 3
+
+
+def test_upper_layers_over_a_reading_set_equal_the_model_on_those_tokens(family, tokenizer):
+    """``upper_logits`` from the embeddings (start 0) over kept tokens at their positions is the
+    model's own forward over just those tokens, with those position ids."""
+    model = make_model(family, len(tokenizer), layers=3)
+    parts = DecoderParts.of(model)
+    assert parts is not None
+    ids = _prompt(tokenizer)
+    keep = torch.tensor([0, 1, 2, 3, 10, 11, 30, 31, 32, 55, 58, 59, 60])
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings()(ids)
+        expected = model(input_ids=ids[keep].reshape(1, -1), position_ids=keep.reshape(1, -1)).logits[0, -1]
+    torch.testing.assert_close(upper_logits(parts, embeddings, keep, 0), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_reading_set_holds_the_best_the_question_and_both_ends():
+    scores = torch.zeros(100)
+    scores[[40, 41, 70]] = torch.tensor([3.0, 2.0, 1.0])
+    got = reading_set(scores, torch.tensor([90, 91]), share=0.03)
+    assert got.tolist() == [0, 1, 2, 3, 40, 41, 70, *range(84, 100)]  # 3 best, sinks, question, tail
+
+
+@pytest.mark.parametrize("n", [40, 300])
+def test_siblings_run_at_most_two_forwards(tokenizer, n):
+    """Prompt forward + one sibling forward, whatever the prompt's length; the default, the
+    reference's greedy look-ahead of 8, runs 1 + 7. Under early exit the layers above the aggregated ones run only on
+    the reading set (``upper_keep`` of the prompt and its question and ends), the sibling forward
+    not at all."""
+    model = make_model("qwen2", len(tokenizer), layers=8)
+    draft = DraftModel(model, tokenizer)
+    ids = _prompt(tokenizer, n)
+    config = DraftConfig(lookahead_tokens="siblings")
+    top = max(config.layer_indices(8))
+    reading = math.ceil(config.upper_keep * n) + 8 + 4 + 16  # at most: the best, question, sinks, tail
+    counter = ForwardCounter(model)
+    try:
+        draft.score(ids, question=torch.arange(n - 10, n - 2), config=config)
+        prompt, siblings = counter.layers
+        assert [i for i, _ in prompt] == list(range(8))
+        assert all(tokens == n for i, tokens in prompt if i <= top)
+        assert all(tokens <= min(n, reading) for i, tokens in prompt if i > top)
+        assert siblings == [(i, config.lookahead - 1) for i in range(top + 1)]
+        counter.forwards, counter.layers = 0, []
+        draft.score(ids, question=torch.arange(n - 10, n - 2), config=DraftConfig())
+        assert counter.forwards == 8
+        assert [i for i, _ in counter.layers[-1]] == list(range(top + 1))  # the last step's logits go unused
+    finally:
+        counter.remove()
+
+
+def test_early_exit_keeps_the_aggregated_rows_exactly(family, tokenizer):
+    """The prompt's keys and the question's and last token's queries are those of the full
+    forward, bit for bit; with a look-ahead of 1 (nothing read off the exit layer) so are the scores."""
+    draft = DraftModel(make_model(family, len(tokenizer), layers=4), tokenizer)
+    ids, question = _prompt(tokenizer), torch.arange(50, 58)
+    full = draft.capture(ids, 4, question, layers=LAYERS, tokens="siblings")
+    early = draft.capture(ids, 4, question, layers=LAYERS, early_exit=True, tokens="siblings")
+    lead = full.n_question + 1
+    for a, b, qa, qb in zip(full.keys, early.keys, full.queries, early.queries, strict=True):
+        assert torch.equal(a, b) and torch.equal(qa[:, :lead], qb[:, :lead])
+    one = DraftConfig(lookahead=1, layers=(1, 2))
+    context = torch.arange(61) < 50
+    scores = [
+        draft.score(ids, question=question, context=context, config=DraftConfig(lookahead=1, layers=(1, 2),
+                                                                                early_exit=e)).scores
+        for e in (False, True)
+    ]
+    assert one.early_exit and torch.equal(scores[0], scores[1])
+
+
+@pytest.mark.parametrize("early_exit", [False, True])
+def test_batched_siblings_equal_one_by_one(tokenizer, early_exit):
+    """Right-padded prompts of different lengths: each row's siblings and queries are its own."""
+    draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, len(tokenizer), (n,), generator=gen) for n in (70, 33, 128)]
+    batched = draft.capture_batch(prompts, 4, layers=LAYERS, early_exit=early_exit, tokens="siblings")
+    for ids, got in zip(prompts, batched, strict=True):
+        alone = draft.capture(ids, 4, layers=LAYERS, early_exit=early_exit, tokens="siblings")
+        assert got.lookahead_token_ids == alone.lookahead_token_ids
+        for a, b in zip(got.queries, alone.queries, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_siblings_need_one_position_past_the_prompt(tokenizer):
+    model = make_model("llama", len(tokenizer), layers=2)
+    model.config.max_position_embeddings = 62
+    draft = DraftModel(model, tokenizer)
+    ids = _prompt(tokenizer)  # 61 tokens
+    assert len(draft.capture(ids, 8, tokens="siblings").lookahead_token_ids) == 7  # 61 + 1 <= 62
+    with pytest.raises(ValueError, match="prompt of 61 tokens plus 7 look-ahead positions exceeds"):
+        draft.capture(ids, 8, tokens="greedy")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"upper_keep": 0.0}, r"upper_keep must be in \(0, 1\], got 0.0"),
+        ({"upper_keep": 1.5}, r"upper_keep must be in \(0, 1\], got 1.5"),
+        ({"lookahead_tokens": "jacobi"}, "lookahead_tokens must be 'siblings' or 'greedy', got 'jacobi'"),
+    ],
+)
+def test_lookahead_fields_are_checked(kwargs, message) -> None:
+    from specprefill_rag.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        DraftConfig(**kwargs)
+
+
+def test_extra_positions_count_what_the_lookahead_occupies() -> None:
+    siblings, greedy = DraftConfig(lookahead_tokens="siblings"), DraftConfig(lookahead_tokens="greedy")
+    assert siblings.extra_positions(8) == 1  # the siblings share position n
+    assert greedy.extra_positions(8) == 7
+    assert siblings.extra_positions(1) == 0 == greedy.extra_positions(1)
