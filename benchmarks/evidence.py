@@ -48,6 +48,7 @@ from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bo
 from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat, scoring
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
+from specprefill_rag.config import LayerChoice
 from specprefill_rag.loading import load_tokenizer
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
@@ -55,7 +56,7 @@ CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence-v2"  # v2: greedy, siblin
 PINNED = ("library default", "reference", "random chunks", "random sentences", "oracle sentences")
 METRICS = ("recall", "complete", "context_kept")  # the columns of each result entry
 MAX_LOOKAHEAD = 8  # captured once; shorter look-aheads are prefixes of the same greedy run
-LENS_LAYERS = "middle_half"  # the early-exit blocks are captured for these aggregated layers only
+LENS_LAYERS: LayerChoice = "middle_half"  # the early-exit blocks are captured for these aggregated layers only
 UPPER_KEEPS = (0.15, 0.3)  # DraftConfig.upper_keep values captured
 BLOCKS = ("greedy", "full", "lens", *(f"upper{u:g}" for u in UPPER_KEEPS))  # look-ahead row blocks, in order
 POOL_KERNEL = DraftConfig().pool_kernel

@@ -168,9 +168,10 @@ class DraftModel:
     @classmethod
     def from_pretrained(
         cls, name_or_path: str, config: DraftConfig | None = None, *,
-        dtype: torch.dtype = torch.float32, device: str = "cpu",
+        dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
     ) -> DraftModel:
-        """Load a draft by packaged short name, HF directory or GGUF path (see ``loading``)."""
+        """Load a draft by packaged short name, HF directory or GGUF path (see ``loading``);
+        ``"auto"``: CUDA + bfloat16 when torch sees a GPU, else CPU + float32."""
         from .loading import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
@@ -312,7 +313,7 @@ class DraftModel:
 
         cache = DynamicCache(config=self.model.config)
         parts = DecoderParts.of(self.model) if upper_keep is not None and top < self.n_layers - 1 else None
-        if parts is None:
+        if parts is None or upper_keep is None:
             logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache)
         else:
             leaving = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache,

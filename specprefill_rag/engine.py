@@ -142,14 +142,16 @@ class SpecPrefillEngine:
         *,
         backend: str = "transformers",
         config: SpecPrefillConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: str = "cpu",
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
         **backend_kwargs: Any,
     ) -> SpecPrefillEngine:
         """Build an engine from model names (packaged short names, HF directories, GGUF files).
 
         ``dtype`` and ``device`` are the draft's, and the main model's on a backend that loads a
-        torch model in this process (``register_backend(..., torch_model=True)``: transformers).
+        torch model in this process (``register_backend(..., torch_model=True)``: transformers);
+        ``"auto"`` (the default) is CUDA + bfloat16 when torch sees a GPU, else CPU + float32. A
+        vLLM main model places itself (``--gpu-memory-utilization`` leaves the draft its share).
         A ``draft`` equal to ``main`` on a ``SelfDrafting`` backend shares the main model's weights.
         """
         config = config or SpecPrefillConfig()

@@ -32,7 +32,7 @@ from typing import IO, TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from .errors import ModelNotFoundError
+from .errors import ConfigError, ModelNotFoundError
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -47,6 +47,8 @@ __all__ = [
     "cache_dir",
     "load_model",
     "load_tokenizer",
+    "resolve_device",
+    "resolve_dtype",
     "resolve_model_dir",
 ]
 
@@ -138,22 +140,70 @@ def resolve_model_dir(name_or_path: str | os.PathLike[str], *, progress: bool = 
     )
 
 
+# --- where a model runs -----------------------------------------------------------------------------
+
+# Names a dtype may be given by (the CLI's --dtype, config files); torch.dtype values pass as they are.
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+})
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"``: the first CUDA device when torch sees one, else the CPU; anything else is
+    read as torch reads it (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``). ``ConfigError`` for a
+    name torch does not know, or for CUDA asked of a torch that has none."""
+    if isinstance(device, torch.device):
+        resolved = device
+    elif device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        try:
+            resolved = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ConfigError(
+                f"device {device!r} is not a device torch knows ('auto', 'cpu', 'cuda', 'cuda:1', ...)"
+            ) from error
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {str(device)!r}: this torch sees no CUDA device (use 'auto' or 'cpu')")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> torch.dtype:
+    """``"auto"``: bfloat16 on a CUDA device that supports it (float16 on one that does not),
+    float32 elsewhere (CPU kernels are fastest and exact in fp32); a name of ``DTYPES`` or a
+    ``torch.dtype`` otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if resolve_device(device).type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of 'auto', {', '.join(repr(d) for d in DTYPES)}")
+    return DTYPES[dtype]
+
+
 def load_model(
     name_or_path: str | os.PathLike[str],
     *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
     attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """(model in eval mode on `device`, tokenizer) for anything `resolve_model_dir` accepts."""
+    """(model in eval mode on ``device``, tokenizer) for anything ``resolve_model_dir`` accepts;
+    ``device`` and ``dtype`` as ``resolve_device`` / ``resolve_dtype`` read them (``"auto"``:
+    CUDA + bfloat16 when torch sees a GPU, else CPU + float32)."""
     from transformers import AutoModelForCausalLM
 
+    place, dtype = resolve_device(device), resolve_dtype(dtype, device)
     directory = resolve_model_dir(name_or_path)
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
         directory, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
     )
-    model = model.eval().to(device)
+    model = model.eval().to(place)
     logger.info("loaded %s in %.1f s", directory, time.perf_counter() - start)
     return model, load_tokenizer(directory)
 

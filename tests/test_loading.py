@@ -19,7 +19,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from specprefill_rag import loading  # noqa: E402
-from specprefill_rag.errors import ModelNotFoundError  # noqa: E402
+from specprefill_rag.errors import ConfigError, ModelNotFoundError  # noqa: E402
 from specprefill_rag.loading import (  # noqa: E402
     PACKAGED_MODELS,
     PackagedModel,
@@ -130,6 +130,8 @@ def test_public_api() -> None:
         "cache_dir",
         "load_model",
         "load_tokenizer",
+        "resolve_device",
+        "resolve_dtype",
         "resolve_model_dir",
     }
     assert all(name in PACKAGED_MODELS for pair in loading.MODEL_PAIRS.values() for name in pair)
@@ -227,6 +229,43 @@ def test_load_model(tiny_gguf: Path, cache: Path) -> None:
     assert not model.training and model.dtype == torch.float32
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+# --- device and dtype ---------------------------------------------------------------------------
+
+
+def test_auto_is_the_cpu_in_fp32_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert loading.resolve_device("auto") == torch.device("cpu")
+    assert loading.resolve_dtype("auto") is torch.float32
+    assert loading.resolve_dtype("auto", "cpu") is torch.float32
+    assert loading.resolve_dtype("bf16", "cpu") is torch.bfloat16  # asked for: given, also on a CPU
+    assert loading.resolve_device(torch.device("cpu")) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        loading.resolve_device("cuda:0")
+    with pytest.raises(ConfigError, match="not a device torch knows"):
+        loading.resolve_device("gpu0")
+    with pytest.raises(ConfigError, match="'int8' is not one of 'auto', 'float32'"):
+        loading.resolve_dtype("int8")
+
+
+def test_auto_is_cuda_in_bf16_with_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert loading.resolve_device("auto") == torch.device("cuda", 0)
+    assert loading.resolve_dtype("auto") is torch.bfloat16
+    assert loading.resolve_dtype("auto", "cpu") is torch.float32  # the CPU stays exact when chosen
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # e.g. a V100
+    assert loading.resolve_dtype("auto", "cuda") is torch.float16
+
+
+def test_load_model_reads_auto_and_names(tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, _ = load_model(tiny_gguf)  # auto without a GPU: the CPU in fp32
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
+    model, _ = load_model(tiny_gguf, dtype="bfloat16", device="cpu")
+    assert model.dtype == torch.bfloat16
 
 
 # --- packaged models: fake wheels ----------------------------------------------------------------

@@ -67,9 +67,10 @@ class TransformersBackend(ModelIdentity):
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+        cls, name_or_path: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"
     ) -> TransformersBackend:
-        """Load the main model by packaged short name, HF directory or GGUF path."""
+        """Load the main model by packaged short name, HF directory or GGUF path; ``"auto"``:
+        CUDA + bfloat16 when torch sees a GPU, else CPU + float32 (``loading.resolve_device``)."""
         from ..loading import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)

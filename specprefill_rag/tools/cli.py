@@ -23,6 +23,19 @@ DEMO_INSTRUCTIONS = (
 )
 
 
+def _device_args(parser: Any, *, whose: str) -> None:
+    """--device / --dtype for the models this process loads (``whose``), read by ``loading``."""
+    parser.add_argument(
+        "--device", default="auto",
+        help=f"where {whose} runs: auto (the first CUDA GPU torch sees, else the CPU), cpu, cuda, cuda:1, ... "
+        "(%(default)s)",
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help=f"{whose}'s weights: auto (bfloat16 on a GPU, float32 on the CPU) (%(default)s)",
+    )
+
+
 def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: int, max_new_tokens: int) -> None:
     add = parser.add_argument
     add("--main", default=DEFAULT_MAIN, help="main model: packaged short name, HF directory or .gguf (%(default)s)")
@@ -38,6 +51,7 @@ def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: in
         "--lookahead", type=int, default=None, help="draft look-ahead queries L (default: the library's DraftConfig)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _device_args(parser, whose="the draft and the main model")
 
 
 def _gateway_args(group: Any) -> None:
@@ -78,6 +92,8 @@ def _add_serve(sub: Any) -> None:
     stack.add_argument("--gateway-host", default="127.0.0.1", help="address the gateway listens on (%(default)s)")
     stack.add_argument("--draft", default=None, help="draft model, run beside the gateway (required with a gateway)")
     stack.add_argument("--vllm-log", default=None, help="write vLLM's output to this file (default: discarded)")
+    _device_args(stack, whose="the draft (vLLM places the main model: share one GPU with --vllm-args "
+                 "'--gpu-memory-utilization 0.8')")
     _gateway_args(stack)
 
 
@@ -104,6 +120,7 @@ def _add_gateway(sub: Any) -> None:
     gateway.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
     gateway.add_argument("--port", type=int, default=8080, help="port (%(default)s)")
     gateway.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _device_args(gateway, whose="the draft, and the main model under --backend transformers")
     _gateway_args(gateway)
 
 
@@ -155,7 +172,9 @@ def _build_engine(args: argparse.Namespace) -> Any:
     for name in (args.draft, args.main):
         resolve_model_dir(name)
     started = time.perf_counter()
-    engine = SpecPrefillEngine.from_pretrained(args.main, args.draft, config=config)
+    engine = SpecPrefillEngine.from_pretrained(
+        args.main, args.draft, config=config, device=args.device, dtype=args.dtype
+    )
     print(f"Loaded draft {args.draft} and main {args.main} in {time.perf_counter() - started:.1f} s", flush=True)
     return engine
 
@@ -318,7 +337,8 @@ def _gateway(args: argparse.Namespace) -> int:
           flush=True)
     try:
         engine = SpecPrefillEngine.from_pretrained(
-            args.main, None if args.no_draft else args.draft, backend=args.backend, config=config, **kwargs
+            args.main, None if args.no_draft else args.draft, backend=args.backend, config=config,
+            device=args.device, dtype=args.dtype, **kwargs,
         )
     except BackendError as error:
         print(f"error: {error}\n(start vLLM first, or pass --served-model-name and --max-model-len to start the "
@@ -350,7 +370,8 @@ def _serve_stack(args: argparse.Namespace) -> int:
         server.start()
         print(f"vLLM ready in {server.started_s:.0f} s; loading draft {args.draft} ...", flush=True)
         engine = SpecPrefillEngine.from_pretrained(args.model, args.draft, backend="vllm_server",
-                                                   base_url=server.url, config=config)
+                                                   base_url=server.url, config=config,
+                                                   device=args.device, dtype=args.dtype)
         return _run_gateway(engine, args, host=args.gateway_host, port=args.gateway_port, model_name=args.model)
     except ServerStartError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,0 +1,82 @@
+"""``--device`` / ``--dtype`` reach every model a CLI command loads: demo, ask, gateway (draft and
+a transformers main model) and serve's gateway (the draft beside vLLM). The engine's builder is
+replaced by a recorder, so nothing is loaded."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import pytest
+
+from specprefill_rag import loading
+from specprefill_rag.engine import SpecPrefillEngine
+from specprefill_rag.tools import cli, vllm_process
+
+
+class _Built(Exception):
+    """Raised by the recording builder: the command got as far as loading its models."""
+
+
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = []
+
+    def record(cls: Any, main: str, draft: str | None = None, **kwargs: Any) -> Any:
+        calls.append({"main": main, "draft": draft, **kwargs})
+        raise _Built
+
+    monkeypatch.setattr(SpecPrefillEngine, "from_pretrained", classmethod(record))
+    monkeypatch.setattr(loading, "resolve_model_dir", lambda name, **_: name)
+    monkeypatch.setattr(cli, "_retrieve", lambda args, question: [])
+    return calls
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo"],
+        ["ask", "why?", "--docs", "."],
+        ["gateway"],
+        ["gateway", "--backend", "vllm_server", "--served-model-name", "m", "--max-model-len", "4096"],
+    ],
+)
+def test_device_and_dtype_reach_the_models(built: list[dict[str, Any]], argv: list[str]) -> None:
+    with pytest.raises(_Built):
+        cli.main([*argv, "--device", "cuda:1", "--dtype", "bfloat16"])
+    assert built[-1]["device"] == "cuda:1" and built[-1]["dtype"] == "bfloat16"
+    with pytest.raises(_Built):
+        cli.main(argv)
+    assert built[-1]["device"] == "auto" and built[-1]["dtype"] == "auto"  # the library's choice
+
+
+def test_serve_gives_the_gateways_draft_the_device(
+    built: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class FakeVLLM:
+        url, started_s = "http://127.0.0.1:1", 0.0
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(vllm_process, "VLLMServer", FakeVLLM)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    with pytest.raises(_Built):
+        cli.main(["serve", "main-model", "--gateway-port", "1", "--draft", "d", "--device", "cuda",
+                  "--dtype", "float16"])
+    assert built[-1] == {
+        "main": "main-model", "draft": "d", "backend": "vllm_server", "base_url": FakeVLLM.url,
+        "config": built[-1]["config"], "device": "cuda", "dtype": "float16",
+    }
+
+
+def test_an_unknown_dtype_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--dtype", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
