@@ -153,28 +153,41 @@ def ttft_cell(keep: float, rows: list[dict[str, Any]], ttft_full: float, r: floa
     }
 
 
-def previous_default() -> Any:
-    """The library's default draft config with the look-ahead it had before sibling tokens: L − 1
-    = 7 sequential greedy decode steps after a full forward (what the TTFT runs compare against)."""
-    import dataclasses
-
-    from specprefill_rag import DraftConfig
-
-    return dataclasses.replace(DraftConfig(), lookahead=8, lookahead_tokens="greedy")
-
-
-def lookahead_variants() -> dict[str, Any]:
-    """Look-ahead variants whose scoring cost the TTFT runs measure beside the default, by name."""
+def compared_lookahead() -> tuple[str, Any]:
+    """(label, draft config) of the look-ahead the TTFT runs also measure whole, side by side with
+    the library's default: sibling tokens with early exit when the default decodes greedily,
+    else the greedy look-ahead of 8 (7 sequential decode steps after a full forward)."""
     import dataclasses
 
     from specprefill_rag import DraftConfig
 
     default = DraftConfig()
-    return {
-        "greedy 8 (previous default)": previous_default(),
-        "siblings, full forward": dataclasses.replace(default, lookahead_tokens="siblings", early_exit=False),
+    if default.lookahead_tokens == "greedy":
+        return "siblings, early exit", dataclasses.replace(default, lookahead_tokens="siblings", early_exit=True)
+    return "greedy 8", dataclasses.replace(default, lookahead=8, lookahead_tokens="greedy")
+
+
+def lookahead_variants() -> dict[str, Any]:
+    """Look-ahead variants whose scoring cost the TTFT runs measure beside the default, by name
+    (those equal to the default left out)."""
+    import dataclasses
+
+    from specprefill_rag import DraftConfig
+
+    default = DraftConfig()
+    siblings = dataclasses.replace(default, lookahead_tokens="siblings")
+    variants = {
+        "greedy 8": dataclasses.replace(default, lookahead=8, lookahead_tokens="greedy"),
+        "siblings, full forward": dataclasses.replace(siblings, early_exit=False),
+        **{
+            f"siblings, early exit, upper layers read {share:.0%}": dataclasses.replace(
+                siblings, early_exit=True, upper_keep=share
+            )
+            for share in (0.15, 0.3)
+        },
         "look-ahead 1, early exit": dataclasses.replace(default, lookahead=1, early_exit=True),
     }
+    return {name: config for name, config in variants.items() if config != default}
 
 
 def _lookahead_rows(raw: dict[tuple[Any, ...], list[Any]], draft_plain: float, main_plain: float
@@ -189,11 +202,11 @@ def _lookahead_rows(raw: dict[tuple[Any, ...], list[Any]], draft_plain: float, m
 
 
 def summarise_length(target: int, n_tokens: int, raw: dict[tuple[Any, ...], list[Any]],
-                     keep_rates: list[float], previous_keep_rates: Sequence[float] = ()) -> dict[str, Any]:
+                     keep_rates: list[float], compared_keep_rates: Sequence[float] = ()) -> dict[str, Any]:
     """Medians, r (draft scoring cost over the main model's full prefill) and one cell per keep rate.
 
     Optional entries of ``raw``: ``("lookahead", name)`` scoring seconds of a look-ahead variant;
-    ``("spec_previous", keep)`` SpecPrefill runs with ``previous_default()`` (its own cells, its
+    ``("spec_compared", keep)`` SpecPrefill runs with ``compared_lookahead()`` (its own cells, its
     own r: the scoring cost over the main forward)."""
     full, plain = raw[("full", None)], raw[("plain", None)]
     capture, early = raw.get(("capture", None), []), raw.get(("early", None), [])
@@ -226,8 +239,9 @@ def summarise_length(target: int, n_tokens: int, raw: dict[tuple[Any, ...], list
         "early_raw": early,
         "cells": [ttft_cell(keep, spec[keep], ttft_full, r) for keep in keep_rates],
         "lookahead_scoring": _lookahead_rows(raw, draft_plain, main_plain),
-        "cells_previous": [
-            ttft_cell(keep, raw[("spec_previous", keep)], ttft_full, r) for keep in previous_keep_rates
+        "compared_label": compared_lookahead()[0],
+        "cells_compared": [
+            ttft_cell(keep, raw[("spec_compared", keep)], ttft_full, r) for keep in compared_keep_rates
         ],
     }
 

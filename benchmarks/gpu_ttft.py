@@ -10,10 +10,11 @@ their original position ids exactly like the transformers backend.
 
 Per length (4k/8k/16k/32k) and repetition, interleaved with a rotated order: full prefill, then
 SpecPrefill at each keep rate with the library's default draft config (draft scoring + selection
-+ main prefill of the kept tokens), SpecPrefill at 10% with the previous default look-ahead
-(7 sequential greedy steps), a plain draft forward, a draft forward with capture and no
-look-ahead, and the scoring of each look-ahead variant of ``benchmarks/common.py`` (greedy 8,
-siblings after a full forward, look-ahead 1 with early exit). Then 8 concurrent 8k requests in
++ main prefill of the kept tokens), SpecPrefill at 10% with the compared look-ahead
+(``common.compared_lookahead``: siblings with early exit beside the greedy default), a plain
+draft forward, a draft forward with capture and no look-ahead, and the scoring of each
+look-ahead variant of ``common.lookahead_variants`` (siblings after a full forward or with early
+exit, look-ahead 1 with early exit). Then 8 concurrent 8k requests in
 one batched draft pass. Reported like ``benchmarks/ttft.py``: TTFT full / spec, speedup,
 breakdown, r, ideal 1/(r+k), efficiency, capture overhead per variant, and peak GPU memory of
 scoring vs a plain draft forward. Stops before a length that would pass ``--time-budget-s``
@@ -42,7 +43,7 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/gpu_ttft.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import lookahead_variants, machine_info, previous_default, summarise_length, write_results
+from benchmarks.common import compared_lookahead, lookahead_variants, machine_info, summarise_length, write_results
 
 # Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B).
 LLAMA_3_2_1B: dict[str, Any] = dict(
@@ -260,13 +261,13 @@ def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: i
     measures: dict[str, Callable[[Any], Any]] = {
         "full": full,
         "spec": lambda keep: spec_ttft(draft, main, ids, protected, segment, keep),
-        "spec_previous": lambda keep: spec_ttft(draft, main, ids, protected, segment, keep, previous_default()),
+        "spec_compared": lambda keep: spec_ttft(draft, main, ids, protected, segment, keep, compared_lookahead()[1]),
         "plain": lambda _: timed(plain_forward, draft.model, ids)[0],
         "capture": lambda _: timed(capture_once)[0],
         "lookahead": lambda name: scoring_s(draft, ids, protected, variants[name]),
     }
     items: list[tuple[str, Any]] = [
-        ("full", None), *(("spec", k) for k in args.keep_rates), *(("spec_previous", k) for k in PREVIOUS_KEEP),
+        ("full", None), *(("spec", k) for k in args.keep_rates), *(("spec_compared", k) for k in COMPARED_KEEP),
         ("plain", None), ("capture", None), *(("lookahead", name) for name in variants),
     ]
     raw: dict[tuple[str, Any], list[Any]] = {}
@@ -274,12 +275,12 @@ def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: i
         shift = rep % len(items)
         for what, arg in items[shift:] + items[:shift]:
             raw.setdefault((what, arg), []).append(measures[what](arg))
-    row = summarise_length(n, n, raw, args.keep_rates, PREVIOUS_KEEP)
+    row = summarise_length(n, n, raw, args.keep_rates, COMPARED_KEEP)
     report_length(row)
     return row
 
 
-PREVIOUS_KEEP = (0.1,)  # keep rates also run with the previous default look-ahead
+COMPARED_KEEP = (0.1,)  # keep rates also run with the compared look-ahead (common.compared_lookahead)
 
 
 def report_length(row: dict[str, Any]) -> None:
@@ -294,7 +295,7 @@ def report_length(row: dict[str, Any]) -> None:
     for name, v in row["lookahead_scoring"].items():
         print(f"  scoring with {name}: {v['scoring_s'] * 1e3:.0f} ms = {v['overhead']:.2f}x, r = {v['r']:.3f}",
               flush=True)
-    cells = [("", c) for c in row["cells"]] + [(", previous default", c) for c in row["cells_previous"]]
+    cells = [("", c) for c in row["cells"]] + [(f", {row['compared_label']}", c) for c in row["cells_compared"]]
     for label, c in cells:
         print(
             f"  keep {c['keep_rate']:.0%}{label}: spec {c['ttft_spec_s'] * 1e3:.0f} ms (draft {c['draft_s'] * 1e3:.0f}"
@@ -361,7 +362,7 @@ def new_payload(args: argparse.Namespace, device: str) -> dict[str, Any]:
         "settings": {"lengths": args.lengths, "keep_rates": args.keep_rates, "reps": args.reps,
                      "lookahead": config.lookahead, "device": device, "dtype": "bfloat16",
                      "draft_config": dataclasses.asdict(config),
-                     "previous_keep_rates": list(PREVIOUS_KEEP)},
+                     "compared_keep_rates": list(COMPARED_KEEP)},
         "targets": {"efficiency": 0.85, "capture_overhead": 1.10, "memory": 1.15},
         "memory": None,
         "complete": False,

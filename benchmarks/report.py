@@ -160,7 +160,7 @@ def _ttft_table(run: dict[str, Any], targets: dict[str, float], unit: str) -> li
     ]
     for row in run["lengths"]:
         cells = [(f"{c['keep_rate']:.0%}", c) for c in row["cells"]]
-        cells += [(f"{c['keep_rate']:.0%}, previous default", c) for c in row.get("cells_previous", [])]
+        cells += [(f"{c['keep_rate']:.0%}, {row.get('compared_label')}", c) for c in row.get("cells_compared", [])]
         for keep, c in cells:
             out.append(
                 f"| {row['n_tokens']} | {keep} | {_s(c['ttft_full_s'], unit)}"
@@ -173,8 +173,9 @@ def _ttft_table(run: dict[str, Any], targets: dict[str, float], unit: str) -> li
         "",
         f"Efficiency target ≥ {targets['efficiency']}. r = plain draft forward / plain main forward at the same "
         "length, both measured in this run (the main forward is the full-prefill baseline's prefill). "
-        "\"previous default\": the same run with the look-ahead the library had before sibling tokens "
-        "(7 sequential greedy decode steps after a full draft forward).",
+        "A keep rate with a look-ahead named after it: the same run with that look-ahead instead of the "
+        "default (\"siblings, early exit\": the L − 1 likeliest next tokens in one forward after a prompt "
+        "forward that stops at the highest aggregated layer; \"greedy 8\": 7 sequential decode steps).",
         "",
     ]
 

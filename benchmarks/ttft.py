@@ -48,10 +48,10 @@ from benchmarks.common import (
     DEFAULT_MAIN,
     RESULTS_DIR,
     command_line,
+    compared_lookahead,
     essay_text,
     lookahead_variants,
     machine_info,
-    previous_default,
     result_name,
     summarise_length,
     tiny_engine,
@@ -370,7 +370,7 @@ def _measure_spec(c: _Length, keep: float | None, draft: Any = None) -> dict[str
 MEASURES: dict[str, Callable[[_Length, Any], Any]] = {
     "full": _measure_full,
     "spec": _measure_spec,
-    "spec_previous": lambda c, keep: _measure_spec(c, keep, previous_default()),
+    "spec_compared": lambda c, keep: _measure_spec(c, keep, compared_lookahead()[1]),
     "plain": lambda c, keep: plain_forward_s(c.engine.draft.model, c.ids),
     "capture": lambda c, keep: capture_only_s(c.engine.draft, c.ids),
     "lookahead": lambda c, name: scoring_s(c.engine, c.assembled, lookahead_variants()[name]),
@@ -395,13 +395,13 @@ def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> 
                 engine.backend.cache_salt = f"bench-{target}-{rep}-{what}-{arg}-{time.time_ns()}"
             raw.setdefault((what, arg), []).append(MEASURES[what](case, arg))
             bar.update(1)
-    return summarise_length(target, n_tokens, raw, args.keep_rates, args.previous_keep_rates)
+    return summarise_length(target, n_tokens, raw, args.keep_rates, args.compared_keep_rates)
 
 
 def measured_items(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """What one repetition of a length runs, in order (rotated per repetition)."""
     items: list[tuple[str, Any]] = [("full", None), *(("spec", k) for k in args.keep_rates), ("plain", None)]
-    items += [("spec_previous", k) for k in args.previous_keep_rates]
+    items += [("spec_compared", k) for k in args.compared_keep_rates]
     if not args.no_capture_breakdown:
         items += [("capture", None), *(("lookahead", name) for name in lookahead_variants())]
     return items
@@ -449,8 +449,8 @@ def print_length(row: dict[str, Any]) -> None:
         f" (capture overhead {row['capture_overhead']:.2f}x)",
         flush=True,
     )
-    previous = [("", c) for c in row["cells"]] + [(", previous default", c) for c in row.get("cells_previous", [])]
-    for label, c in previous:
+    compared = [(f", {row.get('compared_label')}", c) for c in row.get("cells_compared", [])]
+    for label, c in [("", c) for c in row["cells"]] + compared:
         print(
             f"  keep {c['keep_rate']:.0%}{label}: full {c['ttft_full_s']:.2f} s  spec {c['ttft_spec_s']:.2f} s"
             f" (draft {c['draft_s']:.2f} + sel {c['selection_s']:.3f} + prefill {c['prefill_s']:.2f})"
@@ -489,8 +489,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="repetitions per cell; medians are reported")
     p.add_argument("--lookahead", type=int, default=None, help="look-ahead L (default: the library's)")
     p.add_argument(
-        "--previous-keep-rates", type=float, nargs="*", default=[0.1],
-        help="keep rates also run with the previous default look-ahead (7 greedy steps), side by side",
+        "--compared-keep-rates", type=float, nargs="*", default=[0.1],
+        help="keep rates also run with the compared look-ahead (benchmarks/common.compared_lookahead: siblings "
+        "with early exit beside a greedy default, else greedy 8), side by side",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -565,7 +566,7 @@ def new_payload(args: argparse.Namespace, command: str) -> dict[str, Any]:
             "reps": args.reps,
             "lookahead": args.lookahead or _default_lookahead(),
             "draft_config": dataclasses.asdict(build_draft_config(args)),
-            "previous_keep_rates": args.previous_keep_rates,
+            "compared_keep_rates": args.compared_keep_rates,
             "device": args.device,
             "dtype": "float32",
             "memory_length": args.memory_length or max(args.lengths),

@@ -209,6 +209,10 @@ def test_gpu_script_dry_run_on_cpu(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     (row,) = data["runs"][0]["lengths"]
     assert row["n_tokens"] == 128 and row["cells"][0]["speedup"] > 0
+    # The other look-ahead side by side: siblings with early exit beside the greedy default.
+    assert row["compared_label"] == "siblings, early exit" and row["cells_compared"][0]["keep_rate"] == 0.1
+    assert "greedy 8" not in row["lookahead_scoring"]  # the default is not a variant of itself
+    assert set(row["lookahead_scoring"]) >= {"siblings, full forward", "siblings, early exit, upper layers read 15%"}
 
 
 def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
