@@ -80,3 +80,13 @@ def test_an_unknown_dtype_is_refused_by_the_parser(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         cli.main(["demo", "--dtype", "int8"])
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["gateway"]])
+def test_lookahead_tokens_reach_the_draft_config(built: list[dict[str, Any]], argv: list[str]) -> None:
+    with pytest.raises(_Built):
+        cli.main([*argv, "--lookahead-tokens", "siblings"])
+    assert built[-1]["config"].draft.lookahead_tokens == "siblings"
+    with pytest.raises(_Built):
+        cli.main(argv)
+    assert built[-1]["config"].draft.lookahead_tokens == "greedy"  # the library's default

@@ -11,8 +11,9 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
+from ..config import LookaheadTokens
 from ..loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
 __all__ = ["main"]
@@ -36,6 +37,15 @@ def _device_args(parser: Any, *, whose: str) -> None:
     )
 
 
+def _lookahead_tokens_arg(parser: Any) -> None:
+    parser.add_argument(
+        "--lookahead-tokens", default=None, choices=list(get_args(LookaheadTokens)),
+        help="the draft's L - 1 look-ahead tokens: greedy (L - 1 sequential decode steps) or siblings (the "
+        "likeliest next tokens in one forward; cheaper, measured with the Qwen 0.5B draft only: "
+        "docs/configuration.md) (default: the library's DraftConfig)",
+    )
+
+
 def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: int, max_new_tokens: int) -> None:
     add = parser.add_argument
     add("--main", default=DEFAULT_MAIN, help="main model: packaged short name, HF directory or .gguf (%(default)s)")
@@ -50,6 +60,7 @@ def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: in
     parser.add_argument(
         "--lookahead", type=int, default=None, help="draft look-ahead queries L (default: the library's DraftConfig)"
     )
+    _lookahead_tokens_arg(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     _device_args(parser, whose="the draft and the main model")
 
@@ -65,6 +76,7 @@ def _gateway_args(group: Any) -> None:
         "(%(default)s)")
     add("--max-concurrency", type=int, default=None,
         help="requests generating at once (default: max(4, --draft-batch))")
+    _lookahead_tokens_arg(group)
     add("--draft-batch", type=int, default=None,
         help="concurrent requests scored in one draft batch, DraftConfig.max_batch (default: the engine's; "
         "worth raising on a GPU)")
@@ -162,8 +174,9 @@ def _build_engine(args: argparse.Namespace) -> Any:
     from ..engine import SpecPrefillEngine
     from ..loading import resolve_model_dir
 
+    draft = {"lookahead": args.lookahead, "lookahead_tokens": args.lookahead_tokens}
     config = SpecPrefillConfig(
-        draft=DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead),
+        draft=DraftConfig(**{name: value for name, value in draft.items() if value is not None}),
         selection=SelectionConfig(keep_rate=args.keep_rate),
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens),
         instructions=DEMO_INSTRUCTIONS,
@@ -276,6 +289,10 @@ def _gateway_config(args: argparse.Namespace, base: Any) -> Any:
             config.selection, keep_rate=args.keep_rate, token_budget=None))
     if args.draft_batch is not None:
         config = dataclasses.replace(config, draft=dataclasses.replace(config.draft, max_batch=args.draft_batch))
+    if args.lookahead_tokens is not None:
+        config = dataclasses.replace(
+            config, draft=dataclasses.replace(config.draft, lookahead_tokens=args.lookahead_tokens)
+        )
     if args.max_new_tokens is not None:
         config = dataclasses.replace(config, generation=dataclasses.replace(
             config.generation, max_new_tokens=args.max_new_tokens))
