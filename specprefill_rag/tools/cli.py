@@ -28,12 +28,12 @@ def _device_args(parser: Any, *, whose: str) -> None:
     """--device / --dtype for the models this process loads (``whose``), read by ``loading``."""
     parser.add_argument(
         "--device", default="auto",
-        help=f"where {whose} runs: auto (the first CUDA GPU torch sees, else the CPU), cpu, cuda, cuda:1, ... "
+        help=f"where to run {whose}: auto (the first CUDA GPU torch sees, else the CPU), cpu, cuda, cuda:1, ... "
         "(%(default)s)",
     )
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-        help=f"{whose}'s weights: auto (bfloat16 on a GPU, float32 on the CPU) (%(default)s)",
+        help=f"dtype of {whose}: auto (bfloat16 on a GPU, float32 on the CPU) (%(default)s)",
     )
 
 
@@ -41,8 +41,9 @@ def _lookahead_tokens_arg(parser: Any) -> None:
     parser.add_argument(
         "--lookahead-tokens", default=None, choices=list(get_args(LookaheadTokens)),
         help="the draft's L - 1 look-ahead tokens: greedy (L - 1 sequential decode steps) or siblings (the "
-        "likeliest next tokens in one forward; cheaper, measured with the Qwen 0.5B draft only: "
-        "docs/configuration.md) (default: the library's DraftConfig)",
+        "likeliest next tokens in one forward: cheaper, as good with the Qwen 0.5B draft, worse with drafts "
+        "whose answers open with a preamble, such as SmolLM2; docs/configuration.md) (default: the library's "
+        "DraftConfig)",
     )
 
 
