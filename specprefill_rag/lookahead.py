@@ -7,9 +7,10 @@ together in one forward, all at position n, each attending to the prompt and its
 skips over the prompt; so they run over a small reading set only (``reading_set``: the prompt
 tokens the aggregated layers already score highest, plus the question, the first tokens and the
 tail), at their original positions (``upper_logits``), the way SpecPrefill itself runs the main
-model on the kept tokens. On the RAG prompts measured this gives the same candidates as the
-full forward (docs/algorithm.md); reading them off the exit layer directly (the logit lens) does
-not.
+model on the kept tokens. On the RAG prompts measured, evidence recall from these candidates
+stays within the noise of the full forward's (docs/configuration.md, ``upper_keep``); reading
+them off the exit layer directly (the logit lens) loses evidence. ``DraftConfig.lookahead_tokens``
+chooses siblings; the default stays greedy (docs/algorithm.md says why).
 """
 
 from __future__ import annotations
