@@ -162,12 +162,12 @@ class DraftConfig:
         decoding) when the look-ahead gets no vote and the question can carry the score."""
         return 1 if n_question and self.lookahead_weight == 0.0 else self.lookahead
 
-    def extra_positions(self, lookahead: int) -> int:
-        """Positions past the prompt a look-ahead of ``lookahead`` queries occupies: the siblings
-        share one, greedy tokens take one each."""
+    def extra_positions(self, lookahead: int, tokens: LookaheadTokens | None = None) -> int:
+        """Positions past the prompt a look-ahead of ``lookahead`` queries of ``tokens`` (default:
+        ``lookahead_tokens``) occupies: the siblings share one, greedy tokens take one each."""
         if lookahead <= 1:
             return 0
-        return 1 if self.lookahead_tokens == "siblings" else lookahead - 1
+        return 1 if (tokens or self.lookahead_tokens) == "siblings" else lookahead - 1
 
     def layer_indices(self, n_layers: int) -> list[int]:
         """Indices of the aggregated layers of a draft with ``n_layers`` layers."""

@@ -251,7 +251,7 @@ class DraftModel:
         if not token_ids or len(questions) != len(token_ids):
             raise InputError("pass one question (or None) per prompt, and at least one prompt")
         lengths = [int(ids.numel()) for ids in token_ids]
-        extra = dataclasses.replace(self.config, lookahead_tokens=tokens).extra_positions(lookahead)
+        extra = self.config.extra_positions(lookahead, tokens)
         self._check_batch(lengths, questions, lookahead, extra)
         wanted = None if layers is None else frozenset(int(i) for i in layers)
         top = max(wanted) if wanted else self.n_layers - 1  # the highest recorded layer

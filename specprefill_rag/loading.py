@@ -197,7 +197,8 @@ def load_model(
     CUDA + bfloat16 when torch sees a GPU, else CPU + float32)."""
     from transformers import AutoModelForCausalLM
 
-    place, dtype = resolve_device(device), resolve_dtype(dtype, device)
+    place = resolve_device(device)
+    dtype = resolve_dtype(dtype, place)
     directory = resolve_model_dir(name_or_path)
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(

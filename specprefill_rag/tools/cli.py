@@ -288,12 +288,9 @@ def _gateway_config(args: argparse.Namespace, base: Any) -> Any:
     if args.keep_rate is not None:
         config = dataclasses.replace(config, selection=dataclasses.replace(
             config.selection, keep_rate=args.keep_rate, token_budget=None))
-    if args.draft_batch is not None:
-        config = dataclasses.replace(config, draft=dataclasses.replace(config.draft, max_batch=args.draft_batch))
-    if args.lookahead_tokens is not None:
-        config = dataclasses.replace(
-            config, draft=dataclasses.replace(config.draft, lookahead_tokens=args.lookahead_tokens)
-        )
+    draft = {"max_batch": args.draft_batch, "lookahead_tokens": args.lookahead_tokens}
+    if draft := {name: value for name, value in draft.items() if value is not None}:
+        config = dataclasses.replace(config, draft=dataclasses.replace(config.draft, **draft))
     if args.max_new_tokens is not None:
         config = dataclasses.replace(config, generation=dataclasses.replace(
             config.generation, max_new_tokens=args.max_new_tokens))
