@@ -168,8 +168,6 @@ def cache_path(ex: quality.Example, draft_name: str) -> Path:
     return CACHE_DIR / f"{ex.task}-{digest}.pt"
 
 
-
-
 @torch.inference_mode()
 def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: Sequence[str]) -> Any:
     """The look-aheads the variants read, after ONE forward over the prompt (the library's
@@ -195,6 +193,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     parts = DecoderParts.of(draft.model)
     assert parts is not None
     seen: dict[str, torch.Tensor] = {}
+
     def entering(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         seen["entering"] = (args[0] if args else kwargs["hidden_states"])[0, -1]
 
