@@ -294,12 +294,6 @@ def build_draft_config(args: argparse.Namespace) -> Any:
     return DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead)
 
 
-def _default_lookahead() -> int:
-    from specprefill_rag import DraftConfig
-
-    return DraftConfig().lookahead
-
-
 def with_draft_config(engine: Any, draft: Any) -> Any:
     """An engine on the same backend and draft model, scoring with ``draft`` (a look-ahead variant)."""
     from specprefill_rag import SpecPrefillEngine
@@ -383,8 +377,8 @@ def run_length(engine: Any, target: int, args: argparse.Namespace, bar: Any) -> 
     assembled = engine.assemble(QUESTION, passages)
     case = _Length(engine, passages, assembled, draft_token_ids(engine, assembled), generation_config())
     raw: dict[tuple[str, Any], list[Any]] = {}
+    items = measured_items(args)
     for rep in range(args.reps):
-        items = measured_items(args)
         shift = rep % len(items)
         for what, arg in items[shift:] + items[:shift]:
             shown = "" if arg is None else f" {arg:.0%}" if isinstance(arg, float) else f" {arg}"
@@ -550,6 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def new_payload(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """The results file before any measurement: what was asked for, on which machine."""
+    draft = build_draft_config(args)
     return {
         "benchmark": "ttft",
         "command": command,
@@ -564,8 +559,8 @@ def new_payload(args: argparse.Namespace, command: str) -> dict[str, Any]:
             "lengths": args.lengths,
             "keep_rates": args.keep_rates,
             "reps": args.reps,
-            "lookahead": args.lookahead or _default_lookahead(),
-            "draft_config": dataclasses.asdict(build_draft_config(args)),
+            "lookahead": draft.lookahead,
+            "draft_config": dataclasses.asdict(draft),
             "compared_keep_rates": args.compared_keep_rates,
             "device": args.device,
             "dtype": "float32",
