@@ -105,14 +105,16 @@ class DraftConfig:
     # maps scores through character offsets (any draft family); "auto" = "same" when the
     # tokenizers are identical, else "offsets".
     tokenizer_mapping: TokenizerMapping = "auto"
-    # Stop the draft's forward over the prompt after the highest aggregated layer (no upper
-    # layers, no LM head over the prompt) where the look-ahead allows: with "siblings" and with a
-    # look-ahead of 1. The rows of the aggregated layers are exactly those of the full forward.
+    # Stop the draft's forward over the prompt after the highest aggregated layer: no upper layer
+    # and no LM head over the whole prompt. The rows of the aggregated layers are exactly those of
+    # the full forward; the look-ahead tokens come from the upper layers run over a reading set
+    # (upper_keep), in every greedy step too. False: full forwards (the reference).
     early_exit: bool = True
-    # With early exit and siblings: share of the prompt's tokens, in (0, 1], the draft's upper
-    # layers read to find the likeliest next tokens (the best by the aggregated layers' rows of
-    # the question and the last token, plus the question, the first and the last tokens).
-    upper_keep: float = 0.15
+    # With early exit: share of the prompt's tokens, in (0, 1], the draft's upper layers read to
+    # choose the look-ahead tokens (the best by the aggregated layers' rows of the question and
+    # the last token, plus the question, the first and the last tokens). 1.0: the full forward's
+    # tokens exactly.
+    upper_keep: float = 0.3
     # Concurrent requests' scoring runs as one padded draft batch of up to max_batch prompts,
     # formed within batch_window_s of the first one's arrival. 1: each request scores alone.
     # Worth it on a GPU (one pass for many prompts); on a CPU the draft is compute-bound.

@@ -6,10 +6,11 @@ keys (at prefill), the post-RoPE queries of the question's tokens and of the las
 token (at prefill) and the query of each look-ahead token. No N×N matrix is ever built:
 scoring needs only those query rows per layer and head.
 
-The look-ahead is either the L − 1 likeliest next tokens ("siblings", ``lookahead``), scored
-together in one more forward at position n (each sees the prompt and itself), or the
-reference's L − 1 greedy decode steps. Every forward stops after the highest layer whose
-attention is aggregated.
+The look-ahead is either the reference's L − 1 greedy decode steps or the L − 1 likeliest next
+tokens ("siblings", ``lookahead``), scored together in one more forward at position n (each
+sees the prompt and itself). With early exit the prompt's forward stops after the highest layer
+whose attention is aggregated, and the layers above it read a reading set of the prompt to
+choose the look-ahead tokens (``lookahead``); the last look-ahead forward always stops there.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from . import scoring
 from .config import DraftConfig, LookaheadTokens
 from .errors import InputError
-from .lookahead import DecoderParts, reading_set, tree_mask, upper_logits
+from .lookahead import DecoderParts, reading_set, tree_mask, upper_greedy, upper_logits
 from .types import TokenScores
 
 __all__ = ["CAPTURE_ATTENTION", "DraftCapture", "DraftModel"]
@@ -164,6 +165,7 @@ class DraftModel:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config or DraftConfig()
+        self._plain_embedding: bool | None = None  # see _embeds_plainly
 
     @classmethod
     def from_pretrained(
@@ -213,13 +215,13 @@ class DraftModel:
         ``tokens`` (default: the draft's ``DraftConfig.lookahead_tokens``): ``"siblings"`` = the
         ``lookahead - 1`` likeliest next tokens, in one more forward, all at position n_prompt,
         each attending to the prompt and itself; ``"greedy"`` = that many greedy decode steps.
-        ``layers``: record only these layers (default: all); every look-ahead forward stops
-        after the highest of them. ``early_exit``: the prompt's forward stops there too, where
-        the look-ahead allows: with a look-ahead of 1, or with siblings, whose tokens then come
-        from the upper layers run over the ``upper_keep`` share of the prompt (default: the
-        draft's ``DraftConfig.upper_keep``) that the recorded rows score highest
-        (``lookahead.upper_logits``). The recorded prompt tensors are exactly those of the full
-        forward.
+        ``layers``: record only these layers (default: all); the last look-ahead forward stops
+        after the highest of them. ``early_exit``: the prompt's forward stops there too; the
+        look-ahead tokens then come from the upper layers run over the ``upper_keep`` share of
+        the prompt (default: the draft's ``DraftConfig.upper_keep``) that the recorded rows
+        score highest (``lookahead.upper_greedy``, ``lookahead.upper_logits``), and greedy steps
+        read that share in their upper layers too. The recorded prompt tensors are exactly those
+        of the full forward.
         """
         return self.capture_batch(
             [token_ids], lookahead, [question], layers=layers, early_exit=early_exit, tokens=tokens,
@@ -266,7 +268,8 @@ class DraftModel:
                 upper = upper_keep if early_exit else None
                 siblings = self._siblings(recorder, ids, mask, last, lookahead - 1, top, upper)
                 return recorder.captures(siblings.tolist())
-            steps = self._greedy(recorder, ids, mask, last, lookahead - 1, top)
+            upper = upper_keep if early_exit else None
+            steps = self._greedy(recorder, ids, mask, last, lookahead - 1, top, upper)
             return recorder.captures(steps.tolist())
 
     def _prompt_forward(
@@ -357,13 +360,31 @@ class DraftModel:
         return scoring.importance(rows)
 
     def _greedy(
-        self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, steps: int, top: int
+        self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, steps: int, top: int,
+        upper_keep: float | None = None,
     ) -> torch.Tensor:
         """The reference's look-ahead: ``steps`` greedy decode steps after the prompt's forward,
-        with no host synchronisation inside the loop. (batch, steps) the tokens."""
+        with no host synchronisation inside the loop. (batch, steps) the tokens.
+
+        ``upper_keep``: the prompt's forward stops after layer ``top``, and the layers above it
+        read that share of each prompt (its reading set, as for siblings) in every step
+        (``lookahead.upper_greedy``); the recorded layers see the whole prompt. None: full forwards.
+        """
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        parts = DecoderParts.of(self.model) if upper_keep is not None and top < self.n_layers - 1 else None
+        if parts is not None and upper_keep is not None and self._embeds_plainly(parts, ids):
+            leaving = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache,
+                                           leave=parts.layers[top])
+            assert leaving is not None
+            keeps = [
+                reading_set(self._first_scores(recorder, b), question, upper_keep).to(self.device)
+                for b, question in enumerate(recorder.questions)
+            ]
+            # Only the steps' queries are recorded: the layers above ``top`` never are.
+            upper = DynamicCache(config=self.model.config)
+            return upper_greedy(parts, cache, upper, leaving, mask, keeps, top + 1, steps)
         logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache)
         assert logits is not None
         batch = len(last)
@@ -381,6 +402,26 @@ class DraftModel:
                 break
             logits = out.logits[:, -1]
         return torch.stack(tokens, dim=1)
+
+    def _embeds_plainly(self, parts: DecoderParts, ids: torch.Tensor) -> bool:
+        """Whether the first decoder layer receives exactly the input embedding's output (checked
+        once on one token): what running greedy steps layer by hand assumes. Not so for a model
+        whose forward scales or mixes the embeddings itself; it then decodes with full forwards."""
+        if self._plain_embedding is None:
+            seen: list[torch.Tensor] = []
+
+            def entering(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                seen.append(args[0] if args else kwargs["hidden_states"])
+                raise _EarlyExit
+
+            handle = parts.layers[0].register_forward_pre_hook(entering, with_kwargs=True)
+            try:
+                with _recording(None), contextlib.suppress(_EarlyExit):
+                    self.model(input_ids=ids[:1, :1], use_cache=False)
+            finally:
+                handle.remove()
+            self._plain_embedding = bool(seen) and torch.equal(seen[0], parts.embed(ids[:1, :1]))
+        return self._plain_embedding
 
     def _check_batch(
         self, lengths: list[int], questions: list[torch.Tensor | None], lookahead: int, extra: int

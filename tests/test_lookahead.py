@@ -105,9 +105,10 @@ def test_reading_set_holds_the_best_the_question_and_both_ends():
 @pytest.mark.parametrize("n", [40, 300])
 def test_siblings_run_at_most_two_forwards(tokenizer, n):
     """Prompt forward + one sibling forward, whatever the prompt's length; the default, the
-    reference's greedy look-ahead of 8, runs 1 + 7. Under early exit the layers above the aggregated ones run only on
-    the reading set (``upper_keep`` of the prompt and its question and ends), the sibling forward
-    not at all."""
+    reference's greedy look-ahead of 8, runs 1 + 7 steps. Under early exit the layers above the
+    aggregated ones run only on the reading set (``upper_keep`` of the prompt and its question
+    and ends) and on the greedy steps' tokens, never over the prompt; the sibling forward and
+    the last greedy step stop after the top aggregated layer."""
     model = make_model("qwen2", len(tokenizer), layers=8)
     draft = DraftModel(model, tokenizer)
     ids = _prompt(tokenizer, n)
@@ -123,9 +124,20 @@ def test_siblings_run_at_most_two_forwards(tokenizer, n):
         assert all(tokens <= min(n, reading) for i, tokens in prompt if i > top)
         assert siblings == [(i, config.lookahead - 1) for i in range(top + 1)]
         counter.forwards, counter.layers = 0, []
-        draft.score(ids, question=torch.arange(n - 10, n - 2), config=DraftConfig())
+        draft.score(ids, question=torch.arange(n - 10, n - 2), config=DraftConfig(early_exit=False))
         assert counter.forwards == 8
         assert [i for i, _ in counter.layers[-1]] == list(range(top + 1))  # the last step's logits go unused
+        draft.score(ids, question=torch.arange(n - 10, n - 2), config=DraftConfig())  # greedy, early exit
+        check, _ = counter.layers[-2:]  # the first such call checks the embeddings: one token, no layer run
+        assert check == [(0, 1)]
+        counter.forwards, counter.layers = 0, []
+        draft.score(ids, question=torch.arange(n - 10, n - 2), config=DraftConfig())
+        (ran,) = counter.layers  # one model forward (the prompt's); the steps run the layers by hand
+        lower, upper = list(range(top + 1)), list(range(top + 1, 8))
+        assert [i for i, _ in ran] == lower + upper + (lower + upper) * 6 + lower
+        assert all(tokens == n for _, tokens in ran[: top + 1])  # the aggregated layers read the whole prompt
+        assert all(tokens <= min(n, reading) for _, tokens in ran[top + 1 : 8])  # the upper ones its reading set
+        assert all(tokens == 1 for _, tokens in ran[8:])  # then one token per step
     finally:
         counter.remove()
 
@@ -194,3 +206,62 @@ def test_extra_positions_count_what_the_lookahead_occupies() -> None:
     assert siblings.extra_positions(8) == 1  # the siblings share position n
     assert greedy.extra_positions(8) == 7
     assert siblings.extra_positions(1) == 0 == greedy.extra_positions(1)
+
+
+def test_greedy_early_exit_reading_everything_is_the_full_greedy_decode(family, tokenizer):
+    """Early exit with greedy steps: the layers above the aggregated ones read a reading set in
+    the prompt's forward and in every step. A reading set of the whole prompt (upper_keep=1)
+    is the full decode again: the same tokens, the same recorded queries and keys."""
+    draft = DraftModel(make_model(family, len(tokenizer), layers=4), tokenizer)
+    ids, question = _prompt(tokenizer), torch.arange(50, 58)
+    full = draft.capture(ids, 6, question, layers=LAYERS, tokens="greedy")
+    every = draft.capture(ids, 6, question, layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=1.0)
+    assert len(full.lookahead_token_ids) == 5 and every.lookahead_token_ids == full.lookahead_token_ids
+    for a, b, qa, qb in zip(full.keys, every.keys, full.queries, every.queries, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(qa, qb, atol=1e-5, rtol=1e-4)
+    some = draft.capture(ids, 6, question, layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=0.2)
+    lead = full.n_question + 1
+    for qa, qb in zip(full.queries, some.queries, strict=True):  # the prompt's rows stay exact
+        assert torch.equal(qa[:, :lead], qb[:, :lead])
+    # Its first token is the likeliest by the upper layers over the same reading set as siblings use.
+    sibling = draft.capture(ids, 2, question, layers=LAYERS, early_exit=True, tokens="siblings", upper_keep=0.2)
+    assert some.lookahead_token_ids[0] == sibling.lookahead_token_ids[0]
+
+
+@pytest.mark.parametrize("upper_keep", [1.0, 0.2])
+def test_batched_greedy_early_exit_equals_one_by_one(tokenizer, upper_keep):
+    """Right-padded prompts with reading sets of different sizes: each row's tokens and queries are its own."""
+    draft = DraftModel(make_model("qwen2", len(tokenizer), layers=4), tokenizer)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, len(tokenizer), (n,), generator=gen) for n in (70, 33, 128)]
+    questions = [torch.arange(n - 9, n - 2) for n in (70, 33, 128)]
+    kwargs = dict(layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=upper_keep)
+    batched = draft.capture_batch(prompts, 5, questions, **kwargs)
+    for ids, question, got in zip(prompts, questions, batched, strict=True):
+        alone = draft.capture(ids, 5, question, **kwargs)
+        assert got.lookahead_token_ids == alone.lookahead_token_ids
+        for a, b in zip(got.queries, alone.queries, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_greedy_early_exit_needs_plain_embeddings(tokenizer):
+    """A model whose forward scales its embeddings (as Gemma's does) cannot have its steps run
+    layer by hand from ``get_input_embeddings``: it decodes with full forwards instead."""
+    model = make_model("llama", len(tokenizer), layers=4)
+    draft = DraftModel(model, tokenizer)
+    ids, question = _prompt(tokenizer), torch.arange(50, 58)
+    full = draft.capture(ids, 4, question, layers=LAYERS, tokens="greedy")
+    assert draft._plain_embedding is None  # not checked without early exit
+    draft.capture(ids, 4, question, layers=LAYERS, early_exit=True, tokens="greedy")
+    assert draft._plain_embedding is True
+    scaled = DraftModel(model, tokenizer)
+    handle = model.get_decoder().layers[0].register_forward_pre_hook(lambda module, args: (args[0] * 2.0, *args[1:]))
+    try:
+        got = scaled.capture(ids, 4, question, layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=0.2)
+        reference = scaled.capture(ids, 4, question, layers=LAYERS, tokens="greedy")
+    finally:
+        handle.remove()
+    assert scaled._plain_embedding is False
+    assert got.lookahead_token_ids == reference.lookahead_token_ids
+    assert full.lookahead_token_ids  # the unscaled model decoded too

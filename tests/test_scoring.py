@@ -247,8 +247,9 @@ def test_capture_of_a_layer_subset_equals_the_full_capture(tokenizer):
     assert full.layer_ids == (0, 1, 2, 3) and part.layer_ids == (1, 2)
     for j, layer in enumerate(part.layer_ids):
         assert torch.equal(part.queries[j], full.queries[layer]) and torch.equal(part.keys[j], full.keys[layer])
-    # A greedy look-ahead > 1 needs the full forward's logits: the prompt's forward cannot stop early.
-    early = draft.capture(ids, lookahead=3, layers=[0], early_exit=True, tokens="greedy")
+    # Early exit with greedy steps: the layers above the top recorded one read a reading set;
+    # reading the whole prompt, the steps are the full decode's.
+    early = draft.capture(ids, lookahead=3, layers=[0], early_exit=True, tokens="greedy", upper_keep=1.0)
     assert early.lookahead_token_ids == full.lookahead_token_ids
 
 
