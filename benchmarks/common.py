@@ -153,41 +153,48 @@ def ttft_cell(keep: float, rows: list[dict[str, Any]], ttft_full: float, r: floa
     }
 
 
+def lookahead_label(config: Any) -> str:
+    """What a draft config's look-ahead does, in the words the TTFT tables use: "greedy 8, early
+    exit, upper layers read 30%", "greedy 8, full forward", "siblings, ...", "look-ahead 1, ..."."""
+    forward = f"early exit, upper layers read {config.upper_keep:.0%}" if config.early_exit else "full forward"
+    if config.lookahead == 1:
+        return f"look-ahead 1, {'early exit' if config.early_exit else 'full forward'}"
+    if config.lookahead_tokens == "siblings":
+        return f"siblings, {forward}"
+    return f"greedy {config.lookahead}, {forward}"
+
+
 def compared_lookahead() -> tuple[str, Any]:
     """(label, draft config) of the look-ahead the TTFT runs also measure whole, side by side with
-    the library's default: sibling tokens with early exit when the default decodes greedily,
-    else the greedy look-ahead of 8 (7 sequential decode steps after a full forward)."""
+    the library's default: the greedy look-ahead of 8 over full forwards beside any default that
+    exits early; siblings with early exit beside greedy over full forwards."""
     import dataclasses
 
     from specprefill_rag import DraftConfig
 
     default = DraftConfig()
-    if default.lookahead_tokens == "greedy":
-        return "siblings, early exit", dataclasses.replace(default, lookahead_tokens="siblings", early_exit=True)
-    return "greedy 8", dataclasses.replace(default, lookahead=8, lookahead_tokens="greedy")
+    if default.early_exit:
+        compared = dataclasses.replace(default, lookahead=8, lookahead_tokens="greedy", early_exit=False)
+    else:
+        compared = dataclasses.replace(default, lookahead_tokens="siblings", early_exit=True)
+    return lookahead_label(compared), compared
 
 
 def lookahead_variants() -> dict[str, Any]:
-    """Look-ahead variants whose scoring cost the TTFT runs measure beside the default, by name
-    (those equal to the default left out)."""
+    """Look-ahead variants whose scoring cost the TTFT runs measure beside the default, by
+    ``lookahead_label`` (those equal to the default left out)."""
     import dataclasses
 
     from specprefill_rag import DraftConfig
 
     default = DraftConfig()
-    siblings = dataclasses.replace(default, lookahead_tokens="siblings")
-    variants = {
-        "greedy 8": dataclasses.replace(default, lookahead=8, lookahead_tokens="greedy"),
-        "siblings, full forward": dataclasses.replace(siblings, early_exit=False),
-        **{
-            f"siblings, early exit, upper layers read {share:.0%}": dataclasses.replace(
-                siblings, early_exit=True, upper_keep=share
-            )
-            for share in (0.15, 0.3)
-        },
-        "look-ahead 1, early exit": dataclasses.replace(default, lookahead=1, early_exit=True),
-    }
-    return {name: config for name, config in variants.items() if config != default}
+    variants = []
+    for tokens in ("greedy", "siblings"):
+        look = dataclasses.replace(default, lookahead=8, lookahead_tokens=tokens)
+        variants += [dataclasses.replace(look, early_exit=False)]
+        variants += [dataclasses.replace(look, early_exit=True, upper_keep=share) for share in (0.15, 0.3)]
+    variants.append(dataclasses.replace(default, lookahead=1, early_exit=True))
+    return {lookahead_label(config): config for config in variants if config != default}
 
 
 def _lookahead_rows(raw: dict[tuple[Any, ...], list[Any]], draft_plain: float, main_plain: float

@@ -58,7 +58,9 @@ METRICS = ("recall", "complete", "context_kept")  # the columns of each result e
 MAX_LOOKAHEAD = 8  # captured once; shorter look-aheads are prefixes of the same greedy run
 LENS_LAYERS: LayerChoice = "middle_half"  # the early-exit blocks are captured for these aggregated layers only
 UPPER_KEEPS = (0.15, 0.3)  # DraftConfig.upper_keep values captured
-BLOCKS = ("greedy", "full", "lens", *(f"upper{u:g}" for u in UPPER_KEEPS))  # look-ahead row blocks, in order
+BLOCKS = (  # look-ahead row blocks, in order
+    "greedy", "full", "lens", *(f"upper{u:g}" for u in UPPER_KEEPS), *(f"greedyupper{u:g}" for u in UPPER_KEEPS),
+)
 POOL_KERNEL = DraftConfig().pool_kernel
 
 
@@ -81,8 +83,10 @@ SENTENCES = SelectionConfig(min_prompt_tokens=0, unit="sentence")
 
 
 def _lookahead_name(d: DraftConfig) -> str:
-    if d.lookahead == 1 or d.lookahead_tokens == "greedy":
+    if d.lookahead == 1 or (d.lookahead_tokens == "greedy" and not d.early_exit):
         return f"look-ahead {d.lookahead}"
+    if d.lookahead_tokens == "greedy":
+        return f"look-ahead {d.lookahead}, upper layers read {d.upper_keep:.0%}"
     if not d.early_exit:
         return f"{d.lookahead - 1} siblings, full forward"
     return f"{d.lookahead - 1} siblings, upper layers read {d.upper_keep:.0%}"
@@ -107,7 +111,11 @@ def _variants() -> list[Variant]:
                     out.append(Variant(f"{tag} | chunks 32", d, CHUNKS))
                     out.append(Variant(f"{tag} | sentences", d, SENTENCES))
     best = DraftConfig()  # the library default
-    looks = [dataclasses.replace(best, lookahead=n, lookahead_tokens="greedy") for n in (1, 2, 4, 8)]
+    looks = [dataclasses.replace(best, lookahead=1)]  # no look-ahead tokens: early exit changes nothing
+    looks += [dataclasses.replace(best, lookahead=n, lookahead_tokens="greedy", early_exit=e)
+              for n in (2, 4, 8) for e in (False, True)]
+    looks += [dataclasses.replace(best, lookahead=8, lookahead_tokens="greedy", early_exit=True, upper_keep=u)
+              for u in UPPER_KEEPS]
     looks += [dataclasses.replace(best, lookahead=n, lookahead_tokens="siblings", early_exit=False) for n in (2, 4, 8)]
     looks += [
         dataclasses.replace(best, lookahead=n, lookahead_tokens="siblings", early_exit=True, upper_keep=u)
@@ -219,6 +227,10 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
             if block == "greedy":
                 tokens += _greedy_steps(draft, cache, logits, n, k)
                 continue
+            if block.startswith("greedyupper"):
+                tokens += _upper_greedy_steps(draft, recorder, cache, seen["leaving"], question, aggregated,
+                                              float(block.removeprefix("greedyupper")), k)
+                continue
             siblings = firsts[block].topk(k).indices
             tokens += siblings.tolist()
             draft.model(input_ids=siblings.reshape(1, k), position_ids=torch.full((1, k), n, device=device),
@@ -242,6 +254,36 @@ def _greedy_steps(draft: Any, cache: Any, logits: torch.Tensor, n: int, k: int) 
         ).logits[0, -1]
     cache.crop(-k)
     return greedy
+
+
+def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, leaving: torch.Tensor, question: torch.Tensor,
+                        aggregated: list[int], share: float, k: int) -> list[int]:
+    """The library's early-exit greedy look-ahead (``lookahead.upper_greedy``) on the full forward's
+    cache, whose layers up to the top aggregated one are the early-exit forward's; then those
+    layers back to the prompt. The layers above get zero rows (they are never read for it)."""
+    from transformers import DynamicCache
+
+    from specprefill_rag.lookahead import DecoderParts, reading_set, upper_greedy
+
+    parts = DecoderParts.of(draft.model)
+    assert parts is not None
+    top = max(aggregated)
+    keep = reading_set(draft._first_scores(recorder, 0, aggregated), question, share).to(draft.device)
+    n = int(leaving.shape[1])
+    everything = recorder.layers
+    recorder.layers = frozenset(range(top + 1))
+    try:
+        tokens = upper_greedy(parts, cache, DynamicCache(config=draft.model.config), leaving,
+                              torch.ones(1, n, dtype=torch.int64, device=draft.device), [keep], top + 1, k)
+    finally:
+        recorder.layers = everything
+    for layer in range(top + 1, draft.n_layers):
+        pieces = recorder.queries[layer][0]
+        heads, _, dim = pieces[0].shape
+        pieces.append(pieces[0].new_zeros(heads, k, dim))
+    for layer in cache.layers[: top + 1]:
+        layer.crop(-k)
+    return tokens[0].tolist()
 
 
 def _block_rows(cap: Any, prompt: AssembledPrompt) -> dict[str, torch.Tensor]:
@@ -295,15 +337,16 @@ def variant_scores(rows: dict[str, Any], cfg: DraftConfig, block: str | None = N
     lookahead = cfg.lookahead_for(n_q)
     lead = n_q + 1  # the question's rows and the last prompt token's
     if block is None:
-        if cfg.lookahead_tokens == "greedy" or lookahead == 1:
+        greedy = cfg.lookahead_tokens == "greedy"
+        if lookahead == 1 or (greedy and not cfg.early_exit):
             block = "greedy"
         elif not cfg.early_exit or max(cfg.layer_indices(rows["n_layers"])) == rows["n_layers"] - 1:
-            block = "full"  # no early exit, or nothing above the aggregated layers to skip
+            block = "greedy" if greedy else "full"  # no early exit, or nothing above the aggregated layers
         else:
             if cfg.layers != LENS_LAYERS or cfg.upper_keep not in UPPER_KEEPS:
-                raise ValueError(f"early-exit siblings were captured for layers={LENS_LAYERS!r} and "
+                raise ValueError(f"early-exit look-aheads were captured for layers={LENS_LAYERS!r} and "
                                  f"upper_keep in {UPPER_KEEPS} only")
-            block = f"upper{cfg.upper_keep:g}"
+            block = f"{'greedy' if greedy else ''}upper{cfg.upper_keep:g}"
     after = lead + (MAX_LOOKAHEAD - 1) * rows.get("blocks", ["greedy", "full", "lens"]).index(block)
     per_layer = per_layer[cfg.layer_indices(rows["n_layers"])]
     per_layer = torch.cat([per_layer[:, :lead], per_layer[:, after : after + lookahead - 1]], dim=1)

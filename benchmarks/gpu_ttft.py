@@ -11,10 +11,10 @@ their original position ids exactly like the transformers backend.
 Per length (4k/8k/16k/32k) and repetition, interleaved with a rotated order: full prefill, then
 SpecPrefill at each keep rate with the library's default draft config (draft scoring + selection
 + main prefill of the kept tokens), SpecPrefill at 10% with the compared look-ahead
-(``common.compared_lookahead``: siblings with early exit beside the greedy default), a plain
-draft forward, a draft forward with capture and no look-ahead, and the scoring of each
-look-ahead variant of ``common.lookahead_variants`` (siblings after a full forward or with early
-exit, look-ahead 1 with early exit). Then 8 concurrent 8k requests in
+(``common.compared_lookahead``: greedy 8 over full forwards beside the early-exit default), a
+plain draft forward, a draft forward with capture and no look-ahead, and the scoring of each
+look-ahead variant of ``common.lookahead_variants`` (greedy or siblings after a full forward or
+with early exit, look-ahead 1 with early exit). Then 8 concurrent 8k requests in
 one batched draft pass. Reported like ``benchmarks/ttft.py``: TTFT full / spec, speedup,
 breakdown, r, ideal 1/(r+k), efficiency, capture overhead per variant, and peak GPU memory of
 scoring vs a plain draft forward. Stops before a length that would pass ``--time-budget-s``
@@ -43,7 +43,14 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/gpu_ttft.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import compared_lookahead, lookahead_variants, machine_info, summarise_length, write_results
+from benchmarks.common import (
+    compared_lookahead,
+    lookahead_label,
+    lookahead_variants,
+    machine_info,
+    summarise_length,
+    write_results,
+)
 
 # Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B).
 LLAMA_3_2_1B: dict[str, Any] = dict(
@@ -361,7 +368,7 @@ def new_payload(args: argparse.Namespace, device: str) -> dict[str, Any]:
         },
         "settings": {"lengths": args.lengths, "keep_rates": args.keep_rates, "reps": args.reps,
                      "lookahead": config.lookahead, "device": device, "dtype": "bfloat16",
-                     "draft_config": dataclasses.asdict(config),
+                     "draft_config": dataclasses.asdict(config), "lookahead_label": lookahead_label(config),
                      "compared_keep_rates": list(COMPARED_KEEP)},
         "targets": {"efficiency": 0.85, "capture_overhead": 1.10, "memory": 1.15},
         "memory": None,

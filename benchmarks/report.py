@@ -117,6 +117,17 @@ def meta_lines(data: dict[str, Any]) -> list[str]:
 # -- TTFT ------------------------------------------------------------------------------------
 
 
+def default_lookahead(settings: dict[str, Any]) -> str:
+    """What the run's default look-ahead did: recorded by newer runs; older runs (greedy steps
+    were full forwards then) are described from their look-ahead length."""
+    if settings.get("lookahead_label"):
+        return str(settings["lookahead_label"])
+    config = settings.get("draft_config") or {}
+    if config.get("lookahead_tokens") == "siblings":
+        return "siblings"
+    return f"greedy {settings.get('lookahead')}, full forward"
+
+
 def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]:
     out = [f"## {title}", ""] + meta_lines(data)
     s = data.get("settings", {})
@@ -124,6 +135,7 @@ def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]
         f"- settings: lengths {s.get('lengths')}, keep rates {s.get('keep_rates')}, {s.get('reps')} "
         f"repetition(s) per cell (medians), look-ahead {s.get('lookahead')}, {s.get('dtype')} on {s.get('device')}"
     )
+    out.append(f"- the default's look-ahead in this run: {default_lookahead(s)}")
     if data.get("reduced"):
         out.append("- **reduced run** (fewer lengths / keep rates / repetitions than the default command)")
     targets = data.get("targets", {"efficiency": 0.85, "capture_overhead": 1.1, "memory": 1.15})
@@ -174,8 +186,11 @@ def _ttft_table(run: dict[str, Any], targets: dict[str, float], unit: str) -> li
         f"Efficiency target ≥ {targets['efficiency']}. r = plain draft forward / plain main forward at the same "
         "length, both measured in this run (the main forward is the full-prefill baseline's prefill). "
         "A keep rate with a look-ahead named after it: the same run with that look-ahead instead of the "
-        "default (\"siblings, early exit\": the L − 1 likeliest next tokens in one forward after a prompt "
-        "forward that stops at the highest aggregated layer; \"greedy 8\": 7 sequential decode steps).",
+        "default (the settings line names the default's): \"greedy 8\" = 7 sequential decode steps; \"full "
+        "forward\" = after a prompt forward through every layer; \"early exit, upper layers read X%\" = the "
+        "prompt's forward stops at the highest aggregated layer and the layers above read X% of the prompt "
+        "to choose the tokens, in every step; \"siblings\" = the L − 1 likeliest next tokens in one forward "
+        "(older runs' \"greedy 8\" and \"siblings, early exit\": full forward and 15%).",
         "",
     ]
 

@@ -50,6 +50,7 @@ from benchmarks.common import (
     command_line,
     compared_lookahead,
     essay_text,
+    lookahead_label,
     lookahead_variants,
     machine_info,
     result_name,
@@ -484,8 +485,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lookahead", type=int, default=None, help="look-ahead L (default: the library's)")
     p.add_argument(
         "--compared-keep-rates", type=float, nargs="*", default=[0.1],
-        help="keep rates also run with the compared look-ahead (benchmarks/common.compared_lookahead: siblings "
-        "with early exit beside a greedy default, else greedy 8), side by side",
+        help="keep rates also run with the compared look-ahead (benchmarks/common.compared_lookahead: greedy 8 over "
+        "full forwards beside the early-exit default), side by side",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -561,6 +562,7 @@ def new_payload(args: argparse.Namespace, command: str) -> dict[str, Any]:
             "reps": args.reps,
             "lookahead": draft.lookahead,
             "draft_config": dataclasses.asdict(draft),
+            "lookahead_label": lookahead_label(draft),
             "compared_keep_rates": args.compared_keep_rates,
             "device": args.device,
             "dtype": "float32",

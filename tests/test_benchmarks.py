@@ -209,10 +209,13 @@ def test_gpu_script_dry_run_on_cpu(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     (row,) = data["runs"][0]["lengths"]
     assert row["n_tokens"] == 128 and row["cells"][0]["speedup"] > 0
-    # The other look-ahead side by side: siblings with early exit beside the greedy default.
-    assert row["compared_label"] == "siblings, early exit" and row["cells_compared"][0]["keep_rate"] == 0.1
-    assert "greedy 8" not in row["lookahead_scoring"]  # the default is not a variant of itself
-    assert set(row["lookahead_scoring"]) >= {"siblings, full forward", "siblings, early exit, upper layers read 15%"}
+    # The other look-ahead side by side: greedy over full forwards beside the early-exit default.
+    assert row["compared_label"] == "greedy 8, full forward" and row["cells_compared"][0]["keep_rate"] == 0.1
+    # the default is not a variant of itself
+    assert "greedy 8, early exit, upper layers read 30%" not in row["lookahead_scoring"]
+    assert set(row["lookahead_scoring"]) >= {"greedy 8, full forward", "greedy 8, early exit, upper layers read 15%",
+                                             "siblings, full forward", "siblings, early exit, upper layers read 15%"}
+    assert data["settings"]["lookahead_label"] == "greedy 8, early exit, upper layers read 30%"
 
 
 def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
@@ -396,7 +399,9 @@ def test_evidence_variant_scores_equal_the_draft_models(tokenizer) -> None:
         DraftConfig(),
         DraftConfig(lookahead=4, lookahead_weight=0.25, layers="middle_half", heads="mean"),
         DraftConfig(lookahead_weight=0.0, layers="all", normalize=False),
-        DraftConfig(lookahead_tokens="greedy"),
+        DraftConfig(lookahead_tokens="greedy", early_exit=False),
+        DraftConfig(lookahead_tokens="greedy", early_exit=True, upper_keep=0.3),
+        DraftConfig(lookahead_tokens="greedy", early_exit=True, layers="all"),  # nothing above to skip
         DraftConfig(lookahead_tokens="siblings", early_exit=False, layers="all"),
         DraftConfig(lookahead=4, lookahead_tokens="siblings", early_exit=True),
         DraftConfig(lookahead=8, lookahead_tokens="siblings", early_exit=True, upper_keep=0.3),
