@@ -228,7 +228,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
                 tokens += _greedy_steps(draft, cache, logits, n, k)
                 continue
             if block.startswith("greedyupper"):
-                tokens += _upper_greedy_steps(draft, recorder, cache, seen["leaving"], question, aggregated,
+                tokens += _upper_greedy_steps(draft, recorder, cache, seen["leaving"], aggregated,
                                               float(block.removeprefix("greedyupper")), k)
                 continue
             siblings = firsts[block].topk(k).indices
@@ -256,25 +256,25 @@ def _greedy_steps(draft: Any, cache: Any, logits: torch.Tensor, n: int, k: int) 
     return greedy
 
 
-def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, leaving: torch.Tensor, question: torch.Tensor,
-                        aggregated: list[int], share: float, k: int) -> list[int]:
+def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, leaving: torch.Tensor, aggregated: list[int],
+                        share: float, k: int) -> list[int]:
     """The library's early-exit greedy look-ahead (``lookahead.upper_greedy``) on the full forward's
     cache, whose layers up to the top aggregated one are the early-exit forward's; then those
     layers back to the prompt. The layers above get zero rows (they are never read for it)."""
     from transformers import DynamicCache
 
-    from specprefill_rag.lookahead import DecoderParts, reading_set, upper_greedy
+    from specprefill_rag.lookahead import DecoderParts, upper_greedy
 
     parts = DecoderParts.of(draft.model)
     assert parts is not None
     top = max(aggregated)
-    keep = reading_set(draft._first_scores(recorder, 0, aggregated), question, share).to(draft.device)
+    keeps = draft._reading_sets(recorder, share, aggregated)
     n = int(leaving.shape[1])
     everything = recorder.layers
     recorder.layers = frozenset(range(top + 1))
     try:
         tokens = upper_greedy(parts, cache, DynamicCache(config=draft.model.config), leaving,
-                              torch.ones(1, n, dtype=torch.int64, device=draft.device), [keep], top + 1, k)
+                              torch.ones(1, n, dtype=torch.int64, device=draft.device), keeps, top + 1, k)
     finally:
         recorder.layers = everything
     for layer in range(top + 1, draft.n_layers):

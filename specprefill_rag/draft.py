@@ -340,12 +340,21 @@ class DraftModel:
         """(batch, vocab): each prompt's next-token logits from the layers above ``top`` over its
         reading set (``leaving`` (batch, width, d_model): the hidden states leaving ``top``),
         chosen by the rows of ``layers`` (default: every recorded layer)."""
-        out = []
         with _recording(None):  # the upper layers' rows are not the prompt's
-            for b, (question, end) in enumerate(zip(recorder.questions, last.tolist(), strict=True)):
-                keep = reading_set(self._first_scores(recorder, b, layers), question, share)
-                out.append(upper_logits(parts, leaving[b, : end + 1], keep, top + 1))
-        return torch.stack(out)
+            keeps = self._reading_sets(recorder, share, layers)
+            return torch.stack([
+                upper_logits(parts, leaving[b, : end + 1], keep, top + 1)
+                for b, (keep, end) in enumerate(zip(keeps, last.tolist(), strict=True))
+            ])
+
+    def _reading_sets(self, recorder: _Recorder, share: float, layers: Sequence[int] | None = None
+                      ) -> list[torch.Tensor]:
+        """Each prompt's reading set (``lookahead.reading_set``), chosen by its recorded rows in
+        ``layers`` (default every recorded one), on the device."""
+        return [
+            reading_set(self._first_scores(recorder, b, layers), question, share).to(self.device)
+            for b, question in enumerate(recorder.questions)
+        ]
 
     def _first_scores(self, recorder: _Recorder, b: int, layers: Sequence[int] | None = None) -> torch.Tensor:
         """(n_b,) prompt b's importance from the rows recorded at the prompt (its question's and
@@ -378,12 +387,9 @@ class DraftModel:
             leaving = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache,
                                            leave=parts.layers[top])
             assert leaving is not None
-            keeps = [
-                reading_set(self._first_scores(recorder, b), question, upper_keep).to(self.device)
-                for b, question in enumerate(recorder.questions)
-            ]
             # Only the steps' queries are recorded: the layers above ``top`` never are.
             upper = DynamicCache(config=self.model.config)
+            keeps = self._reading_sets(recorder, upper_keep)
             return upper_greedy(parts, cache, upper, leaving, mask, keeps, top + 1, steps)
         logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache)
         assert logits is not None

@@ -83,22 +83,20 @@ def upper_logits(parts: DecoderParts, hidden: torch.Tensor, keep: torch.Tensor, 
     themselves. ``hidden`` (n, d_model): the hidden states leaving layer ``start - 1``."""
     keep = keep.to(hidden.device)
     h = hidden[keep].unsqueeze(0)  # (1, m, d_model)
-    positions = keep.unsqueeze(0)
     m = keep.numel()
     causal = torch.ones(m, m, dtype=torch.bool, device=hidden.device).tril().reshape(1, 1, m, m)
-    embeddings = parts.rotary(h, positions)
-    for layer in parts.layers[start:]:
-        out = layer(h, attention_mask=causal, position_ids=positions, position_embeddings=embeddings)
-        h = out[0] if isinstance(out, tuple) else out
+    h = _run_layers(parts, range(start, len(parts.layers)), h, causal, keep.unsqueeze(0), None)
     return parts.head(parts.norm(h[0, -1]))
 
 
 def _run_layers(parts: DecoderParts, layers: range, h: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                 cache: Any) -> torch.Tensor:
+    """``h`` through the decoder ``layers`` by hand, under ``mask``, at ``positions``; their keys
+    and values appended to ``cache`` (None: kept nowhere)."""
     embeddings = parts.rotary(h, positions)
     for i in layers:
-        out = parts.layers[i](h, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                              position_embeddings=embeddings)
+        out = parts.layers[i](h, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                              use_cache=cache is not None, position_embeddings=embeddings)
         h = out[0] if isinstance(out, tuple) else out
     return h
 
