@@ -228,7 +228,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
                 tokens += _greedy_steps(draft, cache, logits, n, k)
                 continue
             if block.startswith("greedyupper"):
-                tokens += _upper_greedy_steps(draft, recorder, cache, seen["leaving"], aggregated,
+                tokens += _upper_greedy_steps(draft, recorder, cache, prompt, seen["leaving"], aggregated,
                                               float(block.removeprefix("greedyupper")), k)
                 continue
             siblings = firsts[block].topk(k).indices
@@ -256,11 +256,12 @@ def _greedy_steps(draft: Any, cache: Any, logits: torch.Tensor, n: int, k: int) 
     return greedy
 
 
-def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, leaving: torch.Tensor, aggregated: list[int],
-                        share: float, k: int) -> list[int]:
+def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, prompt: torch.Tensor, leaving: torch.Tensor,
+                        aggregated: list[int], share: float, k: int) -> list[int]:
     """The library's early-exit greedy look-ahead (``lookahead.upper_greedy``) on the full forward's
     cache, whose layers up to the top aggregated one are the early-exit forward's; then those
-    layers back to the prompt. The layers above get zero rows (they are never read for it)."""
+    layers back to the prompt. The layers above get zero rows (they are never read for it).
+    One step per token: verified guesses give the same tokens and rows (tests/test_lookahead.py)."""
     from transformers import DynamicCache
 
     from specprefill_rag.lookahead import DecoderParts, upper_greedy
@@ -273,8 +274,8 @@ def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, leaving: torch.Te
     everything = recorder.layers
     recorder.layers = frozenset(range(top + 1))
     try:
-        tokens = upper_greedy(parts, cache, DynamicCache(config=draft.model.config), leaving,
-                              torch.ones(1, n, dtype=torch.int64, device=draft.device), keeps, top + 1, k)
+        tokens, _ = upper_greedy(parts, cache, DynamicCache(config=draft.model.config), leaving, prompt,
+                                 torch.ones(1, n, dtype=torch.int64, device=draft.device), keeps, top + 1, k)
     finally:
         recorder.layers = everything
     for layer in range(top + 1, draft.n_layers):

@@ -115,6 +115,14 @@ class DraftConfig:
     # the last token, plus the question, the first and the last tokens). 1.0: the full forward's
     # tokens exactly.
     upper_keep: float = 0.3
+    # With early exit, greedy tokens may be found by verification: each forward feeds the next
+    # token plus up to lookahead_guesses guesses of the ones after it (what followed the same
+    # tokens in the prompt: RAG answers copy) and keeps those the draft's own argmax confirms.
+    # The tokens and queries are exactly the steps' (tested); only the forwards change: 4.1
+    # instead of 7 on average (Qwen 0.5B, 43 RAG prompts), but each feeds 7 tokens. 0: one
+    # decode step per token. None (auto): L - 2 on a CUDA draft, whose decode costs about the
+    # same for 7 tokens as for one; 0 on a CPU, where a 7-token forward costs ~4.6x a step.
+    lookahead_guesses: int | None = None
     # Concurrent requests' scoring runs as one padded draft batch of up to max_batch prompts,
     # formed within batch_window_s of the first one's arrival. 1: each request scores alone.
     # Worth it on a GPU (one pass for many prompts); on a CPU the draft is compute-bound.
@@ -126,7 +134,7 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         _check_types(
-            self, ints=("lookahead", "pool_kernel", "max_batch"),
+            self, ints=("lookahead", "pool_kernel", "max_batch", "lookahead_guesses"),
             numbers=("lookahead_weight", "batch_window_s", "upper_keep"),
         )
         _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
@@ -144,6 +152,10 @@ class DraftConfig:
         _check(isinstance(self.normalize, bool), f"normalize must be True or False, got {self.normalize!r}")
         _check(isinstance(self.early_exit, bool), f"early_exit must be True or False, got {self.early_exit!r}")
         _check(0.0 < self.upper_keep <= 1.0, f"upper_keep must be in (0, 1], got {self.upper_keep}")
+        _check(
+            self.lookahead_guesses is None or self.lookahead_guesses >= 0,
+            f"lookahead_guesses must be >= 0 or None (auto), got {self.lookahead_guesses}",
+        )
         check_choice("lookahead_tokens", self.lookahead_tokens, LookaheadTokens)
         _check(
             self.pool_kernel >= 1 and self.pool_kernel % 2 == 1,
@@ -163,6 +175,14 @@ class DraftConfig:
         """Look-ahead length to run for a prompt with ``n_question`` question tokens: 1 (no
         decoding) when the look-ahead gets no vote and the question can carry the score."""
         return 1 if n_question and self.lookahead_weight == 0.0 else self.lookahead
+
+    def guesses_on(self, device_type: str, lookahead: int | None = None) -> int:
+        """Guesses verified per greedy forward by a draft on ``device_type`` ("cuda", "cpu", ...)
+        for a look-ahead of ``lookahead`` (default this config's): ``lookahead_guesses``, or for
+        None (auto) every remaining token on CUDA and none elsewhere."""
+        if self.lookahead_guesses is not None:
+            return self.lookahead_guesses
+        return max(0, (self.lookahead if lookahead is None else lookahead) - 2) if device_type == "cuda" else 0
 
     def extra_positions(self, lookahead: int, tokens: LookaheadTokens | None = None) -> int:
         """Positions past the prompt a look-ahead of ``lookahead`` queries of ``tokens`` (default:

@@ -94,6 +94,16 @@ class _Recorder:
         if layer == self.stop_after:
             raise _EarlyExit
 
+    def keep_lookahead(self, kept: torch.Tensor) -> None:
+        """Keep only the look-ahead query rows ``kept`` (batch, rows recorded after the prompt)
+        marks: the rows of rejected guesses go (``lookahead.upper_greedy``)."""
+        if bool(kept.all()):
+            return
+        for per_sequence in self.queries.values():
+            for b, pieces in enumerate(per_sequence):
+                rows = kept[b].nonzero().flatten().to(pieces[0].device)
+                pieces[1:] = [torch.cat(pieces[1:], dim=1).index_select(1, rows)]
+
     def captures(self, lookahead_ids: Sequence[list[int]]) -> list[DraftCapture]:
         layers = sorted(self.keys)
         if not layers:
@@ -207,6 +217,7 @@ class DraftModel:
         early_exit: bool = False,
         tokens: LookaheadTokens | None = None,
         upper_keep: float | None = None,
+        guesses: int | None = None,
     ) -> DraftCapture:
         """Prefill ``token_ids`` (n_prompt,) and run the look-ahead, recording post-RoPE queries
         of the ``question`` token indices (m,), of the last prompt token and of each of the
@@ -221,11 +232,14 @@ class DraftModel:
         the prompt (default: the draft's ``DraftConfig.upper_keep``) that the recorded rows
         score highest (``lookahead.upper_greedy``, ``lookahead.upper_logits``), and greedy steps
         read that share in their upper layers too. The recorded prompt tensors are exactly those
-        of the full forward.
+        of the full forward. ``guesses`` (default: the draft's ``DraftConfig.lookahead_guesses``;
+        None: ``lookahead - 2`` on CUDA, else 0): with early exit, greedy tokens are verified
+        that many guesses per forward (``lookahead.upper_greedy``): the same tokens and queries
+        in fewer forwards.
         """
         return self.capture_batch(
             [token_ids], lookahead, [question], layers=layers, early_exit=early_exit, tokens=tokens,
-            upper_keep=upper_keep,
+            upper_keep=upper_keep, guesses=guesses,
         )[0]
 
     @torch.inference_mode()
@@ -239,6 +253,7 @@ class DraftModel:
         early_exit: bool = False,
         tokens: LookaheadTokens | None = None,
         upper_keep: float | None = None,
+        guesses: int | None = None,
     ) -> list[DraftCapture]:
         """``capture`` for several prompts in one right-padded forward per step.
 
@@ -249,6 +264,7 @@ class DraftModel:
         lookahead = self.config.lookahead if lookahead is None else lookahead
         tokens = self.config.lookahead_tokens if tokens is None else tokens
         upper_keep = self.config.upper_keep if upper_keep is None else upper_keep
+        guesses = self._guesses(self.config.lookahead_guesses if guesses is None else guesses, lookahead)
         questions = list(questions) if questions is not None else [None] * len(token_ids)
         if not token_ids or len(questions) != len(token_ids):
             raise InputError("pass one question (or None) per prompt, and at least one prompt")
@@ -269,7 +285,7 @@ class DraftModel:
                 siblings = self._siblings(recorder, ids, mask, last, lookahead - 1, top, upper)
                 return recorder.captures(siblings.tolist())
             upper = upper_keep if early_exit else None
-            steps = self._greedy(recorder, ids, mask, last, lookahead - 1, top, upper)
+            steps = self._greedy(recorder, ids, mask, last, lookahead - 1, top, upper, guesses)
             return recorder.captures(steps.tolist())
 
     def _prompt_forward(
@@ -370,14 +386,15 @@ class DraftModel:
 
     def _greedy(
         self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, steps: int, top: int,
-        upper_keep: float | None = None,
+        upper_keep: float | None = None, guesses: int = 0,
     ) -> torch.Tensor:
         """The reference's look-ahead: ``steps`` greedy decode steps after the prompt's forward,
         with no host synchronisation inside the loop. (batch, steps) the tokens.
 
         ``upper_keep``: the prompt's forward stops after layer ``top``, and the layers above it
         read that share of each prompt (its reading set, as for siblings) in every step
-        (``lookahead.upper_greedy``); the recorded layers see the whole prompt. None: full forwards.
+        (``lookahead.upper_greedy``, which verifies ``guesses`` guessed tokens per forward); the
+        recorded layers see the whole prompt. None: full forwards, one per step.
         """
         from transformers import DynamicCache
 
@@ -390,7 +407,9 @@ class DraftModel:
             # Only the steps' queries are recorded: the layers above ``top`` never are.
             upper = DynamicCache(config=self.model.config)
             keeps = self._reading_sets(recorder, upper_keep)
-            return upper_greedy(parts, cache, upper, leaving, mask, keeps, top + 1, steps)
+            found, kept = upper_greedy(parts, cache, upper, leaving, ids, mask, keeps, top + 1, steps, guesses)
+            recorder.keep_lookahead(kept)
+            return found
         logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache)
         assert logits is not None
         batch = len(last)
@@ -408,6 +427,11 @@ class DraftModel:
                 break
             logits = out.logits[:, -1]
         return torch.stack(tokens, dim=1)
+
+    def _guesses(self, value: int | None, lookahead: int) -> int:
+        """Guesses verified per greedy forward: ``value``, or for None (auto) what
+        ``DraftConfig.guesses_on`` gives on this draft's device."""
+        return DraftConfig(lookahead_guesses=value).guesses_on(self.device.type, lookahead)
 
     def _embeds_plainly(self, parts: DecoderParts, ids: torch.Tensor) -> bool:
         """Whether the first decoder layer receives exactly the input embedding's output (checked
@@ -496,6 +520,7 @@ class DraftModel:
         caps = self.capture_batch(
             token_ids, max(lookaheads), questions, layers=layers, early_exit=cfg.early_exit,
             tokens=cfg.lookahead_tokens, upper_keep=cfg.upper_keep,
+            guesses=self._guesses(cfg.lookahead_guesses, max(lookaheads)),
         )
         results = []
         for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True):

@@ -103,20 +103,30 @@ def _run_layers(parts: DecoderParts, layers: range, h: torch.Tensor, mask: torch
 
 @torch.inference_mode()
 def upper_greedy(
-    parts: DecoderParts, cache: Any, upper_cache: Any, hidden: torch.Tensor, prompt_mask: torch.Tensor,
-    keeps: list[torch.Tensor], start: int, steps: int,
-) -> torch.Tensor:
-    """(batch, steps) greedy look-ahead tokens of right-padded prompts whose forward stopped
-    before layer ``start``: layers below ``start`` read each whole prompt, the layers from
-    ``start`` on read its reading set ``keeps[b]`` (sorted prompt indices, ending with the last
-    prompt token) only, at their original positions, the way ``upper_logits`` finds siblings.
+    parts: DecoderParts, cache: Any, upper_cache: Any, hidden: torch.Tensor, prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor, keeps: list[torch.Tensor], start: int, steps: int, guesses: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy look-ahead tokens of right-padded prompts whose forward stopped before layer
+    ``start``: layers below ``start`` read each whole prompt, the layers from ``start`` on read its
+    reading set ``keeps[b]`` (sorted prompt indices, ending with the last prompt token) only, at
+    their original positions, the way ``upper_logits`` finds siblings.
 
-    ``cache`` holds the prompts' keys and values of the layers below ``start`` (``prompt_mask``
-    (batch, width), 1 = a prompt token); ``hidden`` (batch, width, d_model) the hidden states
-    entering ``start``. The upper layers' keys go into ``upper_cache``. Step j's token sits at
-    position n_b + j and sees its prompt (lower layers) or reading set (upper layers) and the
-    steps before it, as in a full greedy decode; the last step runs the layers below ``start``
-    only (its logits go unused). No host synchronisation inside the loop.
+    ``cache`` holds the prompts' keys and values of the layers below ``start`` (``prompt_ids`` and
+    ``prompt_mask`` (batch, width), 1 = a prompt token); ``hidden`` (batch, width, d_model) the
+    hidden states entering ``start``. The upper layers' keys go into ``upper_cache``. Token j sits
+    at position n_b + j and sees its prompt (lower layers) or reading set (upper layers) and the
+    tokens before it, as in a full greedy decode.
+
+    ``guesses`` = 0: one decode step per token with no host synchronisation inside the loop; the
+    last step runs the layers below ``start`` only (its logits go unused). ``guesses`` = g > 0:
+    each forward feeds the next unfed token plus g guesses of the tokens after it
+    (``prompt_lookup``) and keeps the guesses the draft's own argmax confirms, so the tokens and
+    their queries are those of the steps (tested) in fewer forwards; one host synchronisation
+    per forward tells whether another is needed. Rejected guesses stay in the caches, masked out
+    for every later token.
+
+    Returns (tokens (batch, steps), kept (batch, fed) bool): which of the look-ahead query rows
+    the layers below ``start`` recorded, in order, belong to the tokens (``steps`` per row).
     """
     batch, device = len(keeps), hidden.device
     width = max(int(k.numel()) for k in keeps)
@@ -131,18 +141,76 @@ def upper_greedy(
     h = hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
     h = _run_layers(parts, range(start, len(parts.layers)), h, square.unsqueeze(1), index, upper_cache)
     logits = parts.head(parts.norm(h[torch.arange(batch, device=device), lengths - 1]))  # (batch, vocab)
-    last = prompt_mask.sum(1) - 1  # (batch,) each prompt's last index
+    feed = 1 + max(0, min(guesses, steps - 1))  # tokens per forward
+    n = prompt_mask.sum(1)  # (batch,)
+    tokens = torch.zeros(batch, steps + 1, dtype=torch.int64, device=device)  # the last column: a bin
+    tokens[:, 0] = logits.argmax(-1)
+    fed = torch.zeros(batch, dtype=torch.int64, device=device)  # tokens fed; tokens 0 … fed are known
     lower, upper = prompt_mask.bool(), valid
-    tokens: list[torch.Tensor] = []
+    slot = torch.arange(feed, device=device)
+    kept: list[torch.Tensor] = []
     for step in range(steps):
-        tokens.append(logits.argmax(-1))
-        one = torch.ones(batch, 1, dtype=torch.bool, device=device)
-        lower, upper = torch.cat([lower, one], dim=1), torch.cat([upper, one], dim=1)
-        h = parts.embed(tokens[-1]).unsqueeze(1)  # (batch, 1, d_model)
-        positions = (last + 1 + step).unsqueeze(1)
-        h = _run_layers(parts, range(start), h, lower[:, None, None], positions, cache)
-        if step == steps - 1:
-            break
-        h = _run_layers(parts, range(start, len(parts.layers)), h, upper[:, None, None], positions, upper_cache)
-        logits = parts.head(parts.norm(h[:, -1]))
-    return torch.stack(tokens, dim=1)
+        if feed == 1:  # every row feeds token ``step``: nothing to ask the device
+            predict = step < steps - 1
+        else:
+            remaining, predict = torch.stack([(fed < steps).any(), (fed + 1 < steps).any()]).tolist()
+            if not remaining:
+                break
+        index = fed.unsqueeze(1) + slot  # (batch, feed) the token index each slot holds
+        live = index < steps  # slots holding a token (a done row's hold none)
+        x = tokens.gather(1, index[:, :1].clamp(max=steps - 1))  # the next unfed token
+        if feed > 1:
+            x = torch.cat([x, prompt_lookup(prompt_ids, n, tokens[:, :steps], fed + 1, feed - 1)], dim=1)
+        positions = n.unsqueeze(1) + index.clamp(max=steps - 1)
+        h = _run_layers(parts, range(start), parts.embed(x), _step_mask(lower, feed), positions, cache)
+        if predict:
+            h = _run_layers(parts, range(start, len(parts.layers)), h, _step_mask(upper, feed), positions,
+                            upper_cache)
+            predicted = parts.head(parts.norm(h)).argmax(-1)  # (batch, feed): the token after each slot
+            # Guess i is kept while the guesses before it are, and it is what slot i - 1 predicts.
+            right = torch.cumprod((x[:, 1:] == predicted[:, :-1]).long(), dim=1).sum(1)
+            accepted = torch.minimum(right, (steps - 1 - fed).clamp(min=0))  # (batch,) guesses kept
+            take = live & (slot <= accepted.unsqueeze(1))  # the fed token and the kept guesses
+            # Each kept slot's prediction is the next token (the bin takes the rest: no host sync).
+            tokens.scatter_(1, torch.where(take & (index + 1 < steps), index + 1, steps), predicted)
+            upper = torch.cat([upper, take], dim=1)
+        else:  # only last tokens are left: their queries, no more predictions
+            accepted = torch.zeros_like(fed)
+            take = live & (slot == 0)
+        lower = torch.cat([lower, take], dim=1)
+        kept.append(take)
+        fed = torch.where(fed < steps, fed + 1 + accepted, fed)
+    return tokens[:, :steps], torch.cat(kept, dim=1)
+
+
+def _step_mask(valid: torch.Tensor, feed: int) -> torch.Tensor:
+    """(batch, 1, feed, cached + feed) bool: ``feed`` new tokens each seeing the ``valid``
+    (batch, cached) cache entries and, causally, one another."""
+    batch, device = valid.shape[0], valid.device
+    causal = torch.ones(feed, feed, dtype=torch.bool, device=device).tril().expand(batch, feed, feed)
+    return torch.cat([valid.unsqueeze(1).expand(-1, feed, -1), causal], dim=2).unsqueeze(1)
+
+
+def prompt_lookup(prompt_ids: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor, known: torch.Tensor,
+                  count: int) -> torch.Tensor:
+    """(batch, count) guesses of the look-ahead tokens ``known`` … ``known + count - 1`` of each
+    row: what followed the latest earlier occurrence of its last two tokens (else of its last
+    token) in its prompt (``prompt_ids`` (batch, width), ``n`` (batch,) lengths) followed by its
+    ``known`` first ``tokens`` (batch, steps) — the answer a RAG draft writes is mostly copied.
+    Any guess is safe: a wrong one is only not kept. On the device, no host synchronisation."""
+    batch, width = prompt_ids.shape
+    steps, device = tokens.shape[1], tokens.device
+    seq = torch.cat([prompt_ids, torch.zeros(batch, steps, dtype=prompt_ids.dtype, device=device)], dim=1)
+    seq = seq.scatter(1, n.unsqueeze(1) + torch.arange(steps, device=device), tokens.to(seq.dtype))
+    end = (n + known).unsqueeze(1)  # (batch, 1) the sequence's length
+    rows = torch.arange(batch, device=device).unsqueeze(1)
+    one, two = seq.gather(1, end - 1), seq.gather(1, end - 2)  # its last and second-last tokens
+    at = torch.arange(seq.shape[1], device=device).unsqueeze(0)  # where a continuation would start
+    before = torch.cat([seq.new_full((batch, 1), -1), seq[:, :-1]], dim=1)  # the token before each
+    twice = torch.cat([seq.new_full((batch, 2), -1), seq[:, :-2]], dim=1)
+    inside = (at >= 1) & (at < end)
+    single = torch.where(inside & (before == one), at, -1).amax(1)
+    double = torch.where(inside & (at >= 2) & (before == one) & (twice == two), at, -1).amax(1)
+    start = torch.where(double >= 0, double, single).clamp(min=0)  # no match: any guess will do
+    where = (start.unsqueeze(1) + torch.arange(count, device=device)).clamp(max=seq.shape[1] - 1)
+    return seq[rows, where].to(tokens.dtype)

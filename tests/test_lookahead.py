@@ -130,14 +130,16 @@ def test_siblings_run_at_most_two_forwards(tokenizer, n):
         draft.score(ids, question=torch.arange(n - 10, n - 2), config=DraftConfig())  # greedy, early exit
         check, _ = counter.layers[-2:]  # the first such call checks the embeddings: one token, no layer run
         assert check == [(0, 1)]
-        counter.forwards, counter.layers = 0, []
-        draft.score(ids, question=torch.arange(n - 10, n - 2), config=DraftConfig())
-        (ran,) = counter.layers  # one model forward (the prompt's); the steps run the layers by hand
         lower, upper = list(range(top + 1)), list(range(top + 1, 8))
-        assert [i for i, _ in ran] == lower + upper + (lower + upper) * 6 + lower
-        assert all(tokens == n for _, tokens in ran[: top + 1])  # the aggregated layers read the whole prompt
-        assert all(tokens <= min(n, reading) for _, tokens in ran[top + 1 : 8])  # the upper ones its reading set
-        assert all(tokens == 1 for _, tokens in ran[8:])  # then one token per step
+        for guesses in (0, 6):  # one token per step; the next token and 6 guesses per forward
+            counter.forwards, counter.layers = 0, []
+            draft.score(ids, question=torch.arange(n - 10, n - 2), config=DraftConfig(lookahead_guesses=guesses))
+            (ran,) = counter.layers  # one model forward (the prompt's); the steps run the layers by hand
+            assert all(tokens == n for _, tokens in ran[: top + 1])  # the aggregated layers read the whole prompt
+            assert all(tokens <= min(n, reading) for _, tokens in ran[top + 1 : 8])  # the upper ones its reading set
+            assert all(tokens == 1 + guesses for _, tokens in ran[8:])
+            # A random model's guesses all fail: 7 forwards, the last one's logits unused.
+            assert [i for i, _ in ran] == lower + upper + (lower + upper) * 6 + lower
     finally:
         counter.remove()
 
@@ -192,6 +194,8 @@ def test_siblings_need_one_position_past_the_prompt(tokenizer):
         ({"upper_keep": 0.0}, r"upper_keep must be in \(0, 1\], got 0.0"),
         ({"upper_keep": 1.5}, r"upper_keep must be in \(0, 1\], got 1.5"),
         ({"lookahead_tokens": "jacobi"}, "lookahead_tokens must be 'siblings' or 'greedy', got 'jacobi'"),
+        ({"lookahead_guesses": -1}, r"lookahead_guesses must be >= 0 or None \(auto\), got -1"),
+        ({"lookahead_guesses": 2.0}, r"lookahead_guesses must be an int, got 2.0"),
     ],
 )
 def test_lookahead_fields_are_checked(kwargs, message) -> None:
@@ -265,3 +269,76 @@ def test_greedy_early_exit_needs_plain_embeddings(tokenizer):
     assert scaled._plain_embedding is False
     assert got.lookahead_token_ids == reference.lookahead_token_ids
     assert full.lookahead_token_ids  # the unscaled model decoded too
+
+
+def _steps(draft, prompts, questions, **kwargs):
+    """Each prompt's capture with one decode step per look-ahead token (the reference for guesses)."""
+    return [draft.capture(ids, 6, q, guesses=0, **kwargs) for ids, q in zip(prompts, questions, strict=True)]
+
+
+def _oracle(reference: torch.Tensor, right: list[int]):
+    """A ``prompt_lookup`` stand-in whose guesses are row b's true tokens below index ``right[b]``
+    and a wrong token from there on."""
+    def guess(prompt_ids, n, tokens, known, count):
+        at = known.unsqueeze(1) + torch.arange(count)
+        true = reference.gather(1, at.clamp(max=reference.shape[1] - 1))
+        return torch.where(at < torch.tensor(right).unsqueeze(1), true, (true + 1) % 50)
+    return guess
+
+
+@pytest.mark.parametrize("upper_keep", [1.0, 0.2])
+def test_verified_guesses_give_the_steps_tokens_and_queries(family, tokenizer, monkeypatch, upper_keep):
+    """Guessed tokens are kept only where the draft's argmax confirms them, so whatever the
+    guesses (all right, right up to some token, all wrong, different per row of a batch), the
+    tokens and every recorded query are those of one decode step per token; all-right guesses
+    need one forward after the prompt's, all-wrong ones as many as the steps."""
+    from specprefill_rag import lookahead
+
+    model = make_model(family, len(tokenizer), layers=4)
+    draft = DraftModel(model, tokenizer)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, len(tokenizer), (n,), generator=gen) for n in (70, 33, 128)]
+    questions = [torch.arange(n - 9, n - 2) for n in (70, 33, 128)]
+    kwargs = dict(layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=upper_keep)
+    steps = _steps(draft, prompts, questions, **kwargs)
+    reference = torch.tensor([s.lookahead_token_ids for s in steps])
+    # Row b's guesses are right up to token right[b]: the first forward keeps right[b] - 1 of
+    # them, every later one the next token alone, so the slowest row sets the count.
+    for right, forwards in (([5, 5, 5], 1), ([2, 3, 5], 4), ([0, 4, 1], 5)):
+        monkeypatch.setattr(lookahead, "prompt_lookup", _oracle(reference, right))
+        counter = ForwardCounter(model)
+        try:
+            got = draft.capture_batch(prompts, 6, questions, guesses=6, **kwargs)
+        finally:
+            counter.remove()
+        (ran,) = counter.layers
+        assert sum(1 for i, _ in ran[4:] if i == 0) == forwards, right  # layer 0 runs once per forward
+        for alone, batched in zip(steps, got, strict=True):
+            assert batched.lookahead_token_ids == alone.lookahead_token_ids
+            for a, b in zip(alone.queries, batched.queries, strict=True):
+                assert a.shape == b.shape
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_prompt_lookup_continues_the_latest_match():
+    """Guesses: what followed the last two known tokens' latest earlier occurrence, else the
+    last token's; rows of a right-padded batch each search their own prompt and tokens."""
+    from specprefill_rag.lookahead import prompt_lookup
+
+    prompts = torch.tensor([[10, 11, 12, 20, 11, 13, 30], [40, 41, 42, 41, 0, 0, 0]])
+    n = torch.tensor([7, 4])
+    tokens = torch.tensor([[10, 11, 0, 0], [41, 0, 0, 0]])
+    got = prompt_lookup(prompts, n, tokens, torch.tensor([2, 1]), 3)
+    # Row 0: "10 11" occurred at the start, so "12 20 11" (the later "11" alone would give "13 30").
+    # Row 1: "41 41" never occurred; the latest "41" before the end is at 3, followed by the token itself.
+    assert got[0].tolist() == [12, 20, 11]
+    assert got[1, 0].item() == 41
+
+
+def test_guesses_are_verified_on_cuda_only_unless_asked(tokenizer, monkeypatch):
+    """Auto (None): every remaining token guessed where the draft runs on CUDA, none on a CPU,
+    where a forward of several tokens costs several steps; an explicit count is kept anywhere."""
+    draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
+    assert draft._guesses(None, 8) == 0 and draft._guesses(3, 8) == 3
+    monkeypatch.setattr(DraftModel, "device", property(lambda self: torch.device("cuda")))
+    assert draft._guesses(None, 8) == 6 and draft._guesses(None, 1) == 0 and draft._guesses(0, 8) == 0
