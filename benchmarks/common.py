@@ -153,15 +153,18 @@ def ttft_cell(keep: float, rows: list[dict[str, Any]], ttft_full: float, r: floa
     }
 
 
-def lookahead_label(config: Any) -> str:
-    """What a draft config's look-ahead does, in the words the TTFT tables use: "greedy 8, early
-    exit, upper layers read 30%", "greedy 8, full forward", "siblings, ...", "look-ahead 1, ..."."""
+def lookahead_label(config: Any, device: str = "cpu") -> str:
+    """What a draft config's look-ahead does on ``device``, in the words the TTFT tables use:
+    "greedy 8, early exit, upper layers read 30%" (one decode step per token), the same with
+    ", 6 guesses per forward" (``DraftConfig.lookahead_guesses``), "greedy 8, full forward",
+    "siblings, ...", "look-ahead 1, ..."."""
     forward = f"early exit, upper layers read {config.upper_keep:.0%}" if config.early_exit else "full forward"
     if config.lookahead == 1:
         return f"look-ahead 1, {'early exit' if config.early_exit else 'full forward'}"
     if config.lookahead_tokens == "siblings":
         return f"siblings, {forward}"
-    return f"greedy {config.lookahead}, {forward}"
+    guesses = config.guesses_on(device) if config.early_exit else 0
+    return f"greedy {config.lookahead}, {forward}" + (f", {guesses} guesses per forward" if guesses else "")
 
 
 def compared_lookahead() -> tuple[str, Any]:
@@ -180,9 +183,9 @@ def compared_lookahead() -> tuple[str, Any]:
     return lookahead_label(compared), compared
 
 
-def lookahead_variants() -> dict[str, Any]:
-    """Look-ahead variants whose scoring cost the TTFT runs measure beside the default, by
-    ``lookahead_label`` (those equal to the default left out)."""
+def lookahead_variants(device: str = "cpu") -> dict[str, Any]:
+    """Look-ahead variants whose scoring cost the TTFT runs measure beside the default on
+    ``device``, by ``lookahead_label`` (those that run as the default does left out)."""
     import dataclasses
 
     from specprefill_rag import DraftConfig
@@ -193,8 +196,13 @@ def lookahead_variants() -> dict[str, Any]:
         look = dataclasses.replace(default, lookahead=8, lookahead_tokens=tokens)
         variants += [dataclasses.replace(look, early_exit=False)]
         variants += [dataclasses.replace(look, early_exit=True, upper_keep=share) for share in (0.15, 0.3)]
+    # Greedy steps after an early exit, one token per forward and verified guesses (same tokens).
+    variants += [dataclasses.replace(default, lookahead=8, lookahead_tokens="greedy", early_exit=True,
+                                     upper_keep=0.3, lookahead_guesses=g) for g in (0, 6)]
     variants.append(dataclasses.replace(default, lookahead=1, early_exit=True))
-    return {lookahead_label(config): config for config in variants if config != default}
+    own = lookahead_label(default, device)
+    named = {lookahead_label(config, device): config for config in variants}
+    return {label: config for label, config in named.items() if label != own}
 
 
 def _lookahead_rows(raw: dict[tuple[Any, ...], list[Any]], draft_plain: float, main_plain: float

@@ -14,7 +14,8 @@ SpecPrefill at each keep rate with the library's default draft config (draft sco
 (``common.compared_lookahead``: greedy 8 over full forwards beside the early-exit default), a
 plain draft forward, a draft forward with capture and no look-ahead, and the scoring of each
 look-ahead variant of ``common.lookahead_variants`` (greedy or siblings after a full forward or
-with early exit, look-ahead 1 with early exit). Then 8 concurrent 8k requests in
+with early exit, greedy after an early exit one step per token beside the default's verified
+guesses on CUDA, look-ahead 1 with early exit). Then 8 concurrent 8k requests in
 one batched draft pass. Reported like ``benchmarks/ttft.py``: TTFT full / spec, speedup,
 breakdown, r, ideal 1/(r+k), efficiency, capture overhead per variant, and peak GPU memory of
 scoring vs a plain draft forward. Stops before a length that would pass ``--time-budget-s``
@@ -264,7 +265,7 @@ def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: i
         draft.capture(ids, lookahead=1)
         sync(draft.device)
 
-    variants = lookahead_variants()
+    variants = lookahead_variants(draft.device.type)
     measures: dict[str, Callable[[Any], Any]] = {
         "full": full,
         "spec": lambda keep: spec_ttft(draft, main, ids, protected, segment, keep),
@@ -346,7 +347,7 @@ def build_models(args: argparse.Namespace, device: str) -> tuple[Any, Any, int]:
     ids, protected, segment = synthetic_prompt(min(args.lengths), vocab, seed=0)
     prefill(main_model, ids, torch.arange(ids.numel()))
     spec_ttft(draft, main_model, ids, protected, segment, 0.3)
-    for variant in lookahead_variants().values():  # each look-ahead's kernels chosen before timing
+    for variant in lookahead_variants(draft.device.type).values():  # each look-ahead's kernels chosen before timing
         scoring_s(draft, ids, protected, variant)
     plain_forward(draft.model, ids)
     return main_model, draft, vocab
@@ -368,7 +369,8 @@ def new_payload(args: argparse.Namespace, device: str) -> dict[str, Any]:
         },
         "settings": {"lengths": args.lengths, "keep_rates": args.keep_rates, "reps": args.reps,
                      "lookahead": config.lookahead, "device": device, "dtype": "bfloat16",
-                     "draft_config": dataclasses.asdict(config), "lookahead_label": lookahead_label(config),
+                     "draft_config": dataclasses.asdict(config),
+                     "lookahead_label": lookahead_label(config, torch.device(device).type),
                      "compared_keep_rates": list(COMPARED_KEEP)},
         "targets": {"efficiency": 0.85, "capture_overhead": 1.10, "memory": 1.15},
         "memory": None,

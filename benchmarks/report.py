@@ -746,6 +746,7 @@ HEADER = [
     "make bench-quality   # specprefill-rag bench quality  → benchmarks/results/quality.json",
     "specprefill-rag bench quality --quick                 # → benchmarks/results/quality_quick.json",
     "specprefill-rag bench evidence --n 200                # → benchmarks/results/evidence.jsonl (draft only)",
+    "specprefill-rag bench guesses --check                 # → benchmarks/results/guesses.jsonl (look-ahead forwards)",
     "# the main model served by vLLM (start it first: specprefill-rag serve qwen2.5-coder-1.5b-instruct)",
     "specprefill-rag bench ttft --backend vllm_server --server-url http://127.0.0.1:8000",
     "#                                                      → benchmarks/results/ttft_vllm_server.json",

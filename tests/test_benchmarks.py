@@ -508,3 +508,30 @@ def test_quality_runs_are_labelled_by_what_differs() -> None:
     assert report.run_label({"models": {"draft": "qwen"}, "settings": {"lookahead": 4}}, "qwen") == "look-ahead 4"
     assert report.run_label({"models": {"draft": "small"}, "settings": {"lookahead": 4}}, "qwen") == \
         "draft small, look-ahead 4"
+
+
+def test_guesses_bench_counts_the_lookahead_forwards(tokenizer) -> None:
+    """``bench guesses`` counts the look-ahead's forwards at the first decoder layer: a random
+    draft rejects every guess, so the 7 tokens take 7 forwards of 7 tokens, and they are the
+    tokens of one step per token; a guess-free run counts its 7 one-token steps."""
+    from types import SimpleNamespace
+
+    from helpers import make_model
+
+    from benchmarks import guesses
+    from specprefill_rag import DraftConfig, DraftModel
+    from specprefill_rag.types import SegmentKind
+
+    draft = DraftModel(make_model("qwen2", len(tokenizer), layers=4), tokenizer)
+    ids = torch.randint(0, len(tokenizer), (90,), generator=torch.Generator().manual_seed(2))
+    prompt = SimpleNamespace(token_ids=ids, positions_of=lambda kind: torch.arange(80, 88)
+                             if kind is SegmentKind.QUESTION else torch.arange(0))
+    forwards, tokens = guesses.forwards_and_tokens(draft, prompt, DraftConfig(lookahead_guesses=6))
+    steps, reference = guesses.forwards_and_tokens(draft, prompt, DraftConfig(lookahead_guesses=0))
+    assert forwards == 7 == steps and tokens == reference and len(tokens) == 7
+    rows = [{"task": "a", "forwards": f, "steps": 7, "agrees": True} for f in (2, 4)]
+    rows.append({"task": "b", "forwards": 7, "steps": 7, "agrees": None})
+    summary = {s["task"]: s for s in guesses.summarize(rows)}
+    assert summary["a"]["forwards"] == 3.0 and summary["a"]["checked"] == 2 == summary["a"]["agree"]
+    assert summary["all"]["n"] == 3 and summary["all"]["forwards"] == pytest.approx(13 / 3)
+    assert summary["b"]["checked"] == 0

