@@ -389,7 +389,8 @@ class DraftModel:
         upper_keep: float | None = None, guesses: int = 0,
     ) -> torch.Tensor:
         """The reference's look-ahead: ``steps`` greedy decode steps after the prompt's forward,
-        with no host synchronisation inside the loop. (batch, steps) the tokens.
+        with no host synchronisation inside the loop (verified guesses: one per forward).
+        (batch, steps) the tokens.
 
         ``upper_keep``: the prompt's forward stops after layer ``top``, and the layers above it
         read that share of each prompt (its reading set, as for siblings) in every step

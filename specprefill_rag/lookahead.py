@@ -106,47 +106,29 @@ def upper_greedy(
     parts: DecoderParts, cache: Any, upper_cache: Any, hidden: torch.Tensor, prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor, keeps: list[torch.Tensor], start: int, steps: int, guesses: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy look-ahead tokens of right-padded prompts whose forward stopped before layer
-    ``start``: layers below ``start`` read each whole prompt, the layers from ``start`` on read its
-    reading set ``keeps[b]`` (sorted prompt indices, ending with the last prompt token) only, at
-    their original positions, the way ``upper_logits`` finds siblings.
+    """Greedy look-ahead tokens of right-padded prompts (``prompt_ids``, ``prompt_mask`` (batch,
+    width)) whose forward stopped before layer ``start``: layers below ``start`` read each whole
+    prompt (``cache``), the layers from ``start`` on its reading set ``keeps[b]`` (sorted prompt
+    indices ending with its last token; ``hidden`` (batch, width, d_model) entering ``start``;
+    their keys into ``upper_cache``). Token j sits at position n_b + j and sees what a full
+    greedy decode shows it, but in the upper layers the reading set instead of the prompt.
 
-    ``cache`` holds the prompts' keys and values of the layers below ``start`` (``prompt_ids`` and
-    ``prompt_mask`` (batch, width), 1 = a prompt token); ``hidden`` (batch, width, d_model) the
-    hidden states entering ``start``. The upper layers' keys go into ``upper_cache``. Token j sits
-    at position n_b + j and sees its prompt (lower layers) or reading set (upper layers) and the
-    tokens before it, as in a full greedy decode.
-
-    ``guesses`` = 0: one decode step per token with no host synchronisation inside the loop; the
-    last step runs the layers below ``start`` only (its logits go unused). ``guesses`` = g > 0:
-    each forward feeds the next unfed token plus g guesses of the tokens after it
-    (``prompt_lookup``) and keeps the guesses the draft's own argmax confirms, so the tokens and
-    their queries are those of the steps (tested) in fewer forwards; one host synchronisation
-    per forward tells whether another is needed. Rejected guesses stay in the caches, masked out
-    for every later token.
+    ``guesses`` = 0: one step per token, no host synchronisation; the last step runs the lower
+    layers only. g > 0: each forward feeds the next token and g guesses (``prompt_lookup``) and
+    keeps those the draft's argmax confirms: the same tokens and queries (tested) in fewer
+    forwards, one host synchronisation each; rejected guesses stay in the caches, masked out.
 
     Returns (tokens (batch, steps), kept (batch, fed) bool): which of the look-ahead query rows
     the layers below ``start`` recorded, in order, belong to the tokens (``steps`` per row).
     """
     batch, device = len(keeps), hidden.device
-    width = max(int(k.numel()) for k in keeps)
-    lengths = torch.tensor([int(k.numel()) for k in keeps], device=device)
-    index = torch.zeros(batch, width, dtype=torch.int64, device=device)
-    for b, keep in enumerate(keeps):  # padding repeats the last prompt token, masked out below
-        index[b] = keep[-1]
-        index[b, : keep.numel()] = keep
-    valid = torch.arange(width, device=device) < lengths.unsqueeze(1)  # (batch, width)
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    square = (causal & valid.unsqueeze(1)) | torch.eye(width, dtype=torch.bool, device=device)  # no empty row
-    h = hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    h = _run_layers(parts, range(start, len(parts.layers)), h, square.unsqueeze(1), index, upper_cache)
-    logits = parts.head(parts.norm(h[torch.arange(batch, device=device), lengths - 1]))  # (batch, vocab)
+    logits, upper = _reading_pass(parts, upper_cache, hidden, keeps, start)
     feed = 1 + max(0, min(guesses, steps - 1))  # tokens per forward
     n = prompt_mask.sum(1)  # (batch,)
     tokens = torch.zeros(batch, steps + 1, dtype=torch.int64, device=device)  # the last column: a bin
     tokens[:, 0] = logits.argmax(-1)
     fed = torch.zeros(batch, dtype=torch.int64, device=device)  # tokens fed; tokens 0 … fed are known
-    lower, upper = prompt_mask.bool(), valid
+    lower = prompt_mask.bool()
     slot = torch.arange(feed, device=device)
     kept: list[torch.Tensor] = []
     for step in range(steps):
@@ -167,9 +149,7 @@ def upper_greedy(
             h = _run_layers(parts, range(start, len(parts.layers)), h, _step_mask(upper, feed), positions,
                             upper_cache)
             predicted = parts.head(parts.norm(h)).argmax(-1)  # (batch, feed): the token after each slot
-            # Guess i is kept while the guesses before it are, and it is what slot i - 1 predicts.
-            right = torch.cumprod((x[:, 1:] == predicted[:, :-1]).long(), dim=1).sum(1)
-            accepted = torch.minimum(right, (steps - 1 - fed).clamp(min=0))  # (batch,) guesses kept
+            accepted = _confirmed(x, predicted, fed, steps)
             take = live & (slot <= accepted.unsqueeze(1))  # the fed token and the kept guesses
             # Each kept slot's prediction is the next token (the bin takes the rest: no host sync).
             tokens.scatter_(1, torch.where(take & (index + 1 < steps), index + 1, steps), predicted)
@@ -181,6 +161,34 @@ def upper_greedy(
         kept.append(take)
         fed = torch.where(fed < steps, fed + 1 + accepted, fed)
     return tokens[:, :steps], torch.cat(kept, dim=1)
+
+
+def _reading_pass(parts: DecoderParts, upper_cache: Any, hidden: torch.Tensor, keeps: list[torch.Tensor],
+                  start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layers from ``start`` over each row's reading set ``keeps[b]`` (``hidden`` (batch,
+    width, d_model) entering ``start``), their keys into ``upper_cache``: (batch, vocab) the
+    next-token logits after each prompt, and (batch, m) which cached entries are a reading set's."""
+    batch, device = len(keeps), hidden.device
+    width = max(int(k.numel()) for k in keeps)
+    lengths = torch.tensor([int(k.numel()) for k in keeps], device=device)
+    index = torch.zeros(batch, width, dtype=torch.int64, device=device)
+    for b, keep in enumerate(keeps):  # padding repeats the last prompt token, masked out below
+        index[b] = keep[-1]
+        index[b, : keep.numel()] = keep
+    valid = torch.arange(width, device=device) < lengths.unsqueeze(1)  # (batch, width)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    square = (causal & valid.unsqueeze(1)) | torch.eye(width, dtype=torch.bool, device=device)  # no empty row
+    h = hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    h = _run_layers(parts, range(start, len(parts.layers)), h, square.unsqueeze(1), index, upper_cache)
+    return parts.head(parts.norm(h[torch.arange(batch, device=device), lengths - 1])), valid
+
+
+def _confirmed(x: torch.Tensor, predicted: torch.Tensor, fed: torch.Tensor, steps: int) -> torch.Tensor:
+    """(batch,) guesses kept of a forward that fed ``x`` (batch, feed: the next token, then
+    guesses) and predicted ``predicted`` after each slot: guess i is kept while the guesses
+    before it are and it is what slot i − 1 predicts, up to the tokens still missing."""
+    right = torch.cumprod((x[:, 1:] == predicted[:, :-1]).long(), dim=1).sum(1)
+    return torch.minimum(right, (steps - 1 - fed).clamp(min=0))
 
 
 def _step_mask(valid: torch.Tensor, feed: int) -> torch.Tensor:
@@ -198,8 +206,7 @@ def prompt_lookup(prompt_ids: torch.Tensor, n: torch.Tensor, tokens: torch.Tenso
     token) in its prompt (``prompt_ids`` (batch, width), ``n`` (batch,) lengths) followed by its
     ``known`` first ``tokens`` (batch, steps) — the answer a RAG draft writes is mostly copied.
     Any guess is safe: a wrong one is only not kept. On the device, no host synchronisation."""
-    batch, width = prompt_ids.shape
-    steps, device = tokens.shape[1], tokens.device
+    batch, steps, device = prompt_ids.shape[0], tokens.shape[1], tokens.device
     seq = torch.cat([prompt_ids, torch.zeros(batch, steps, dtype=prompt_ids.dtype, device=device)], dim=1)
     seq = seq.scatter(1, n.unsqueeze(1) + torch.arange(steps, device=device), tokens.to(seq.dtype))
     end = (n + known).unsqueeze(1)  # (batch, 1) the sequence's length
