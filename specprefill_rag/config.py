@@ -131,13 +131,20 @@ class DraftConfig:
     # A prompt that fits the main model but not the draft's window (look-ahead included):
     # "full" prefills it whole and logs a warning; "raise" refuses it with InputError.
     on_overflow: OverflowPolicy = "full"
+    # The engine keeps the scores of its last memo_entries prompts (at most memo_bytes of score
+    # tensors together), keyed by what the draft reads and the scoring fields of this config:
+    # an identical request (a retry, "regenerate") skips the draft. 0: no memo.
+    memo_entries: int = 32
+    memo_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         _check_types(
-            self, ints=("lookahead", "pool_kernel", "max_batch", "lookahead_guesses"),
+            self, ints=("lookahead", "pool_kernel", "max_batch", "lookahead_guesses", "memo_entries", "memo_bytes"),
             numbers=("lookahead_weight", "batch_window_s", "upper_keep"),
         )
         _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
+        _check(self.memo_entries >= 0, f"memo_entries must be >= 0, got {self.memo_entries}")
+        _check(self.memo_bytes >= 0, f"memo_bytes must be >= 0, got {self.memo_bytes}")
         _check(
             math.isfinite(self.batch_window_s) and self.batch_window_s >= 0,
             f"batch_window_s must be >= 0 seconds, got {self.batch_window_s}",
@@ -175,6 +182,12 @@ class DraftConfig:
         """Look-ahead length to run for a prompt with ``n_question`` question tokens: 1 (no
         decoding) when the look-ahead gets no vote and the question can carry the score."""
         return 1 if n_question and self.lookahead_weight == 0.0 else self.lookahead
+
+    def scoring(self) -> DraftConfig:
+        """This config with the fields that never change a score (batching, overflow, memo size)
+        at fixed values: what the engine's memo keys on."""
+        return dataclasses.replace(self, max_batch=1, batch_window_s=0.0, on_overflow="full", memo_entries=0,
+                                   memo_bytes=0)
 
     def guesses_on(self, device_type: str, lookahead: int | None = None) -> int:
         """Guesses verified per greedy forward by a draft on ``device_type`` ("cuda", "cpu", ...)

@@ -29,6 +29,7 @@ from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillC
 from .detokenize import IncrementalDecoder
 from .draft import DraftModel
 from .errors import BackendTimeoutError, ConfigError, InputError, InputTypeError
+from .memo import ScoreMemo, digest
 from .streams import AsyncTextStream, TextStream
 from .types import (
     AssembledPrompt,
@@ -99,10 +100,10 @@ def _result(planned: PlannedPrompt, decoder: IncrementalDecoder, finish: str, *,
         total_s=end - started,
         decode_tokens_per_s=(n_generated - 1) / (end - first) if n_generated > 1 and end > first else None,
     )
-    plan = planned.plan
+    plan, memo_hit = planned.plan, planned.scores is not None and planned.scores.from_memo
     return GenerationResult(text=decoder.text, token_ids=decoder.token_ids, finish_reason=finish,
                             prompt_tokens=plan.n_prompt, prefilled_tokens=plan.n_kept, plan=plan, timings=timings,
-                            prompt=planned.prompt)
+                            prompt=planned.prompt, draft_memo_hit=memo_hit)
 
 
 class SpecPrefillEngine:
@@ -133,6 +134,8 @@ class SpecPrefillEngine:
         if draft is not None:
             mode = self.config.draft.tokenizer_mapping
             self.maps_tokens = tokenmap.needs_mapping(draft.tokenizer, self.tokenizer, mode)
+        # The scores of the last prompts, so an identical request skips the draft (DraftConfig.memo_entries).
+        self.memo = ScoreMemo(draft_config.memo_entries, draft_config.memo_bytes)
 
     @classmethod
     def from_pretrained(
@@ -333,10 +336,24 @@ class SpecPrefillEngine:
         return None
 
     def _draft_scores(self, item: _DraftInput) -> TokenScores:
+        """The draft's scores of ``item``: from the memo when an identical request was scored
+        (the same draft reading, the same scoring config), else scored and remembered."""
         config = self.config.draft
-        if config.max_batch > 1:
-            return self._batcher.submit(config, item)
-        return self._score_inputs([item], config)[0]
+        key = self._memo_key(item, config) if config.memo_entries else None
+        if key is not None and (remembered := self.memo.get(key)) is not None:
+            return remembered
+        scores = self._batcher.submit(config, item) if config.max_batch > 1 else self._score_inputs([item], config)[0]
+        if key is not None:
+            self.memo.put(key, scores)
+        return scores
+
+    def _memo_key(self, item: _DraftInput, config: DraftConfig) -> bytes:
+        """What the draft's scores of ``item`` depend on: the draft's token ids, question and
+        prunable tokens, the main prompt's token ids when scores are mapped onto them, and the
+        scoring fields of ``config``."""
+        read = item.read
+        main = item.prompt.token_ids if self.maps_tokens else None
+        return digest([read.token_ids, read.positions_of(SegmentKind.QUESTION), read.protected, main], config.scoring())
 
     def _score_inputs(self, items: Sequence[_DraftInput], config: DraftConfig) -> list[TokenScores]:
         """The draft's scores of each prompt, read in its own rendering (one batched run), mapped

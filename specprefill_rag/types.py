@@ -158,7 +158,8 @@ class TokenScores:
 
     scores: torch.Tensor  # (n_prompt,) float32
     lookahead_token_ids: tuple[int, ...]  # the draft's greedy look-ahead tokens
-    seconds: float  # wall time of draft prefill + look-ahead + scoring
+    seconds: float  # wall time of draft prefill + look-ahead + scoring (0.0 from the memo)
+    from_memo: bool = False  # the engine's memo had them (an identical request): the draft did not run
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,7 @@ class GenerationResult:
     plan: PrefillPlan
     timings: Timings
     prompt: AssembledPrompt | None = None  # the assembled prompt the plan was made from
+    draft_memo_hit: bool = False  # the draft's scores came from the engine's memo: the draft did not run
 
     @property
     def keep_ratio(self) -> float:
@@ -256,6 +258,7 @@ class GenerationResult:
         return {
             "finish_reason": self.finish_reason,
             "speculated": self.plan.speculated,
+            "draft_memo_hit": self.draft_memo_hit,
             "prompt_tokens": self.prompt_tokens,
             "prefilled_tokens": self.prefilled_tokens,
             "generated_tokens": self.generated_tokens,

@@ -1,0 +1,83 @@
+"""The draft's scores of recent prompts, so an identical request (a retry, "regenerate", the same
+question twice) skips the draft.
+
+Keyed by a digest of everything the scores depend on: what the draft reads (its token ids, the
+question's positions, the prunable tokens), the main prompt's token ids when scores are mapped
+onto another tokenizer, and the draft config's scoring fields. Bounded in entries and in bytes,
+least recently used first out; thread-safe (the engine serves threads and async tasks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import torch
+
+from .types import TokenScores
+
+__all__ = ["ScoreMemo", "digest"]
+
+
+def digest(tensors: Iterable[torch.Tensor | None], settings: object) -> bytes:
+    """A SHA-256 of ``tensors`` (dtype, shape and contents of each; None counts) and ``repr(settings)``."""
+    h = hashlib.sha256(repr(settings).encode())
+    for t in tensors:
+        if t is None:
+            h.update(b"none")
+            continue
+        data = t.detach().cpu().contiguous()
+        h.update(f"{data.dtype}{tuple(data.shape)}".encode())
+        h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+def _size(scores: TokenScores) -> int:
+    return scores.scores.numel() * scores.scores.element_size() + 8 * len(scores.lookahead_token_ids)
+
+
+class ScoreMemo:
+    """The last scores, at most ``entries`` of them and ``max_bytes`` of score tensors together
+    (0 entries: nothing is kept). ``get`` returns a hit with ``seconds=0.0`` and ``from_memo``."""
+
+    def __init__(self, entries: int, max_bytes: int) -> None:
+        self.entries, self.max_bytes = entries, max_bytes
+        self._items: OrderedDict[bytes, TokenScores] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def get(self, key: bytes) -> TokenScores | None:
+        with self._lock:
+            found = self._items.get(key)
+            if found is None:
+                return None
+            self._items.move_to_end(key)
+        return dataclasses.replace(found, seconds=0.0, from_memo=True)
+
+    def put(self, key: bytes, scores: TokenScores) -> None:
+        size = _size(scores)
+        if self.entries == 0 or size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._items:
+                self._bytes -= _size(self._items.pop(key))
+            self._items[key] = scores
+            self._bytes += size
+            while len(self._items) > self.entries or self._bytes > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= _size(old)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
