@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.questions:
         cases += demo_cases(args.questions, args.top_k)
     config = SpecPrefillConfig(
-        draft=DraftConfig(),
+        draft=DraftConfig(memo_entries=0),  # every keep rate and repetition scored
         selection=SelectionConfig(keep_rate=args.keep_rates[0]),
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens),
         instructions=INSTRUCTIONS,

@@ -111,7 +111,8 @@ class Gateway:
         command = [sys.executable, "-m", "specprefill_rag.tools.cli", "gateway", "--backend", "vllm_server",
                    "--vllm-url", vllm_url, "--main", args.main, "--draft", args.draft,
                    "--keep-rate", str(args.keep_rate), "--max-concurrency", str(args.clients),
-                   "--max-queue", str(max(64, args.clients)), "--port", str(self.port), "--log-level", "warning"]
+                   "--max-queue", str(max(64, args.clients)), "--port", str(self.port), "--log-level", "warning",
+                   "--draft-memo", "0"]  # rounds repeat their prompts: every request is scored
         if args.gateway_threads:
             command += ["--threads", str(args.gateway_threads)]
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,

@@ -452,7 +452,8 @@ def build_engine(args: argparse.Namespace) -> Any:
     from specprefill_rag import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
 
     config = SpecPrefillConfig(
-        draft=DraftConfig(lookahead=args.lookahead) if args.lookahead else DraftConfig(),
+        # Each keep rate is its own request, scored (no score memo): the timings stay per request.
+        draft=DraftConfig(lookahead=args.lookahead or DraftConfig.lookahead, memo_entries=0),
         selection=SelectionConfig(min_prompt_tokens=0),
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens, stop=("\n",)),
         instructions=INSTRUCTIONS,

@@ -292,13 +292,17 @@ def measure_memory(draft_name: str, length: int, tiny: bool, device: str) -> dic
 def build_draft_config(args: argparse.Namespace) -> Any:
     from specprefill_rag import DraftConfig
 
-    return DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead)
+    # Repetitions send the same prompt again: no score memo, every one is scored.
+    return DraftConfig(memo_entries=0) if args.lookahead is None else DraftConfig(lookahead=args.lookahead,
+                                                                                  memo_entries=0)
 
 
 def with_draft_config(engine: Any, draft: Any) -> Any:
-    """An engine on the same backend and draft model, scoring with ``draft`` (a look-ahead variant)."""
+    """An engine on the same backend and draft model, scoring with ``draft`` (a look-ahead variant),
+    every request scored (no score memo)."""
     from specprefill_rag import SpecPrefillEngine
 
+    draft = dataclasses.replace(draft, memo_entries=0)
     return SpecPrefillEngine(engine.backend, engine.draft, dataclasses.replace(engine.config, draft=draft))
 
 

@@ -535,3 +535,20 @@ def test_guesses_bench_counts_the_lookahead_forwards(tokenizer) -> None:
     assert summary["a"]["forwards"] == 3.0 and summary["a"]["checked"] == 2 == summary["a"]["agree"]
     assert summary["all"]["n"] == 3 and summary["all"]["forwards"] == pytest.approx(13 / 3)
     assert summary["b"]["checked"] == 0
+
+
+def test_benchmarks_that_repeat_a_prompt_score_every_request() -> None:
+    """TTFT repetitions and keep rates send the same prompt again: with the engine's score memo
+    on they would time a memo hit, so the benchmarks' engines keep no memo."""
+    import argparse
+
+    from benchmarks import ttft
+    from specprefill_rag import DraftConfig
+    from specprefill_rag.testing import tiny_engine
+
+    assert ttft.build_draft_config(argparse.Namespace(lookahead=None)).memo_entries == 0
+    assert ttft.build_draft_config(argparse.Namespace(lookahead=4)).memo_entries == 0
+    assert ttft.with_draft_config(tiny_engine(), DraftConfig(lookahead=3)).config.draft.memo_entries == 0
+    engine = quality.build_engine(argparse.Namespace(tiny=True, main="m", draft="d", lookahead=None, max_new_tokens=4))
+    assert engine.config.draft.memo_entries == 0
+    assert engine.config.draft.lookahead == DraftConfig().lookahead

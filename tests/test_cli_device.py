@@ -90,3 +90,12 @@ def test_lookahead_tokens_reach_the_draft_config(built: list[dict[str, Any]], ar
     with pytest.raises(_Built):
         cli.main(argv)
     assert built[-1]["config"].draft.lookahead_tokens == "greedy"  # the library's default
+
+
+def test_draft_memo_reaches_the_gateways_draft_config(built: list[dict[str, Any]]) -> None:
+    with pytest.raises(_Built):
+        cli.main(["gateway", "--draft-memo", "0"])
+    assert built[-1]["config"].draft.memo_entries == 0
+    with pytest.raises(_Built):
+        cli.main(["gateway"])
+    assert built[-1]["config"].draft.memo_entries == 32  # the library's default

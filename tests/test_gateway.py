@@ -504,6 +504,8 @@ def test_metrics_after_traffic(gateway):
     assert metric(text, "specprefill_gateway_requests_total", endpoint="chat", mode="none", status="401") >= 1
     assert metric(text, "specprefill_gateway_ttft_seconds_count", mode="specprefill") >= 3
     assert metric(text, "specprefill_gateway_draft_seconds_count") >= 3
+    # The streamed chat repeats the first chat request: its scores come from the engine's memo.
+    assert metric(text, "specprefill_gateway_draft_memo_hits_total") >= 1
     assert metric(text, "specprefill_gateway_prefill_seconds_count", mode="full") >= 1
     assert metric(text, "specprefill_gateway_keep_ratio_count", mode="specprefill") >= 3
     prompt = metric(text, "specprefill_gateway_tokens_total", kind="prompt")

@@ -40,6 +40,9 @@ class GatewayMetrics:
                                     ["mode"], buckets=_RATIOS, registry=r)
         self.tokens = Counter("specprefill_gateway_tokens", "Tokens by kind: prompt, prefilled, generated",
                               ["kind"], registry=r)
+        self.memo_hits = Counter("specprefill_gateway_draft_memo_hits", "Pruned prompts whose draft scores came "
+                                 "from the engine's memo (an identical request before): the draft did not run",
+                                 registry=r)
 
     def finished(self, endpoint: str, mode: str, status: int, result: GenerationResult | None = None) -> None:
         """Count one answered request; a complete ``result`` also feeds the histograms."""
@@ -50,7 +53,9 @@ class GatewayMetrics:
         timings = result.timings
         self.ttft.labels(ran).observe(timings.ttft_s)
         self.prefill.labels(ran).observe(timings.prefill_s)
-        if timings.draft_s is not None:
+        if result.draft_memo_hit:
+            self.memo_hits.inc()
+        elif timings.draft_s is not None:
             self.draft.observe(timings.draft_s)
         self.keep_ratio.labels(ran).observe(result.keep_ratio)
         self.tokens.labels("prompt").inc(result.prompt_tokens)
