@@ -2,7 +2,8 @@
 
 One server (SmolLM2-135M, CPU) serves the module; it is started by the fixture and stopped
 by PID. Checks: plans give transformers' tokens and log-probabilities, positions matter,
-concurrent plans do not interfere, the prefix cache is isolated per plan, bad plans get
+concurrent plans do not interfere, the prefix cache shares exactly the blocks before a plan's
+first gap, bad plans get
 HTTP 400 (streaming or not, completions and chat) and leave the engine serving, the client's
 plugin check passes, and a request id reused with another plan gets that plan (the server runs
 with vLLM's request-id randomization off, so a reused id reaches the model runner unchanged).
@@ -15,6 +16,7 @@ import json
 import os
 import re
 import socket
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -128,36 +130,61 @@ def test_concurrent_plans_equal_one_by_one(backend, hf_backend):
         torch.testing.assert_close(torch.tensor(t_logprobs), torch.tensor(a_logprobs), atol=1e-3, rtol=0)
 
 
-def cached_tokens(server, plan: PrefillPlan, *, client_salt: bool = True) -> tuple[int, list[int]]:
+def complete(server, plan: PrefillPlan, salt: str | None) -> tuple[int, list[int], list[float]]:
+    """One request as the backend sends it: (prompt tokens vLLM served from its prefix cache,
+    greedy tokens, their log-probabilities)."""
     from specprefill_rag.backends.vllm_server import request_body
 
-    body = request_body(plan, GREEDY, model=str(server.model_dir), max_tokens=4, logprobs=False, stream=False)
-    if not client_salt:
-        body.pop("cache_salt", None)
+    body = request_body(plan, GREEDY, model=str(server.model_dir), max_tokens=4, logprobs=True, stream=False,
+                        cache_salt=salt)
     status, text = post(server, body)
     assert status == 200, text
     data = json.loads(text)
     details = data["usage"].get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0), data["choices"][0]["token_ids"]
+    choice = data["choices"][0]
+    return int(details.get("cached_tokens") or 0), choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
-def test_prefix_cache_isolated_between_plans(server, hf_backend):
-    """Plans A and B prefill the same kept tokens at different positions: B never reuses A's KV."""
-    ids = prompt_ids(hf_backend.tokenizer, repeats=8)[:400]
-    kept = list(range(0, 300)) + list(range(392, 400))  # shared 300-token prefix, then a gap
-    a = make_plan(ids, kept)
-    b = PrefillPlan(a.token_ids, torch.tensor([p + 37 for p in kept]), 437, 437, (), True)
-    ref_b = reference(hf_backend, b, 4)[0]
-    cached_a, _ = cached_tokens(server, a)
-    cached_a_again, _ = cached_tokens(server, a)
-    cached_b, tokens_b = cached_tokens(server, b)
-    assert cached_a == 0 and cached_a_again >= 256  # the cache works within one plan ...
-    assert cached_b == 0  # ... and never across plans
-    assert tokens_b == ref_b
-    # The server salts by itself: a client that sends no salt is isolated too.
-    c = PrefillPlan(a.token_ids, torch.tensor([p + 11 for p in kept]), 411, 411, (), True)
-    cached_c, tokens_c = cached_tokens(server, c, client_salt=False)
-    assert cached_c == 0 and tokens_c == reference(hf_backend, c, 4)[0]
+def block_size(server) -> int:
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    found = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', text)
+    assert found, "vllm:cache_config_info has no block_size"
+    return int(found.group(1))
+
+
+@pytest.mark.parametrize("salted", [True, False])
+def test_prefix_cache_shares_blocks_before_the_first_gap_and_no_other(server, hf_backend, salted):
+    """Planned and full requests interleaved over one prefix: a plan reuses a full request's blocks up
+    to its first gap, never a block computed at other positions or over other tokens (a full request
+    after it, a plan that differs after the gap, a shifted plan, the same plan over another token),
+    and every answer is the cold-cache answer (the transformers backend's)."""
+    bs = block_size(server)
+    run = uuid.uuid4().hex  # cold blocks: a prefix of this run's own (no other test shares it)
+    ids = torch.cat([torch.tensor(hf_backend.tokenizer(f"Run {run}.")["input_ids"]),
+                     prompt_ids(hf_backend.tokenizer, repeats=12)])[:560]
+    kept = list(range(0, 300)) + list(range(400, 560))  # 460 tokens, slot 300 at position 400
+    planned = make_plan(ids, kept)
+    full = make_plan(planned.token_ids, list(range(len(kept))))  # the same tokens at their own index
+    later = PrefillPlan(planned.token_ids, torch.tensor(kept[:300] + [p + 1 for p in kept[300:]]), 561, 561, (), True)
+    shifted = PrefillPlan(planned.token_ids, torch.tensor([p + 37 for p in kept]), 597, 597, (), True)
+    other = planned.token_ids.clone()
+    other[350] = (int(other[350]) + 1) % 1000 + 1000  # same plan, another token after the gap (block 2)
+    retokened = PrefillPlan(other, planned.position_ids, 560, 560, (), True)
+    salt = f"tenant-{run}" if salted else None
+    before_gap, own = 300 // bs * bs, (len(kept) - 1) // bs * bs
+    expected = [(full, 0), (planned, before_gap), (full, own), (planned, own), (later, before_gap), (shifted, 0),
+                (retokened, before_gap)]
+    for plan, cached in expected:
+        got, tokens, logprobs = complete(server, plan, salt)
+        ref_tokens, ref_logprobs = reference(hf_backend, plan, 4)
+        assert got == cached, (plan.position_ids[298:302].tolist(), got, cached)
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=5e-3, rtol=0)
 
 
 OK = [3 * i for i in range(40)]  # valid positions for a 40-token prompt

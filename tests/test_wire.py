@@ -136,15 +136,14 @@ def test_request_body_sends_plan_only_when_positions_differ():
     sparse = PrefillPlan(ids[:5], torch.tensor(kept), 30, 30, (), True)
     body = request_body(sparse, GenerationConfig(), model="m", max_tokens=5, logprobs=False, stream=True)
     assert body["vllm_xargs"] == plan_to_xargs(kept, 30)
-    assert body["cache_salt"] == plan_salt(kept, 30)
-    # A caller's salt (tenant, cold benchmark requests) goes on every request; the plan's follows it
-    # in the plugin's own format, so the plugin leaves it as is.
+    assert "cache_salt" not in body  # positions are the plugin's part of the block hash, not a salt
+    # A caller's salt (tenant, cold benchmark requests) goes on every request as given.
     body = request_body(full, GenerationConfig(), model="m", max_tokens=5, logprobs=False, stream=True,
                         cache_salt="tenant-a")
     assert body["cache_salt"] == "tenant-a" and "vllm_xargs" not in body
     body = request_body(sparse, GenerationConfig(), model="m", max_tokens=5, logprobs=False, stream=True,
                         cache_salt="tenant-a")
-    assert body["cache_salt"] == f"tenant-a-{plan_salt(kept, 30)}"
+    assert body["cache_salt"] == "tenant-a" and body["vllm_xargs"] == plan_to_xargs(kept, 30)
 
 
 def test_server_in_another_environment_is_checked_there(tmp_path):

@@ -1,9 +1,10 @@
 """Main model behind a vLLM OpenAI-compatible server with the SpecPrefill plugin loaded.
 
 Each plan becomes one streamed ``/v1/completions`` request: the kept token ids as the prompt,
-their original positions in ``vllm_xargs`` and a ``cache_salt`` derived from them (so the
-prefix cache never mixes blocks computed at different positions). A full plan is sent as a
-plain request, exactly what stock vLLM serves. The tokenizer is loaded locally from the same
+their original positions in ``vllm_xargs``; the plugin makes vLLM's prefix-cache block hashes
+position-aware, so planned and full requests share the blocks before a plan's first gap and
+never a block computed at other positions. A full plan is sent as a plain request, exactly what
+stock vLLM serves. The tokenizer is loaded locally from the same
 HF directory the server serves. Standard library HTTP only (``http.client``, through the
 backend's own ``vllm_http.VLLMHTTPClient``: deadlines, retries, server-sent events), no extra
 dependency.
@@ -36,7 +37,7 @@ from typing import Any
 from ..config import GenerationConfig
 from ..errors import BackendError, ServerError
 from ..types import PrefillPlan, is_int, is_number
-from ..wire import INVALID_PLAN, is_contiguous, plan_salt, plan_to_xargs
+from ..wire import INVALID_PLAN, is_contiguous, plan_to_xargs
 from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, eos_ids, max_new_tokens
 from .vllm_http import VLLMHTTPClient, describe
 
@@ -69,7 +70,7 @@ def request_body(
     """The ``/v1/completions`` JSON for a plan (stop strings are applied client side).
 
     ``cache_salt`` is vLLM's own per-request prefix-cache salt (requests share cached blocks only
-    when their salts are equal); a plan's position salt is appended to it, as the plugin does.
+    when their salts are equal), sent as given: positions are the plugin's part of the block hash.
     """
     positions = plan.position_ids.tolist()
     body: dict[str, Any] = {
@@ -92,8 +93,6 @@ def request_body(
         body["cache_salt"] = cache_salt
     if not is_contiguous(positions, plan.next_position):
         body["vllm_xargs"] = plan_to_xargs(positions, plan.next_position)
-        salt = plan_salt(positions, plan.next_position)
-        body["cache_salt"] = salt if cache_salt is None else f"{cache_salt}-{salt}"
     return body
 
 

@@ -9,9 +9,10 @@ extension ``runner.SpecPrefillWorkerExtension``. Requests without a plan are unt
 - this module: ``register()``, the version check, and applying the patches as vLLM imports the
   modules they wrap (``apply_patches``);
 - ``admission``: validation and refusal of planned requests before they reach an engine;
-- ``runner``: the per-step position rewrite in vLLM's model runner, and the worker extension.
+- ``runner``: the per-step position rewrite in vLLM's model runner, and the worker extension;
+- ``prefix_cache``: position-aware prefix-cache block hashes for planned requests.
 
-Only ``admission`` and ``runner`` touch vLLM internals. The wire format is
+Only ``admission``, ``runner`` and ``prefix_cache`` touch vLLM internals. The wire format is
 ``specprefill_rag.wire``, which the plugin imports, never the other way round; the how-to is
 docs/vllm.md.
 """
@@ -141,12 +142,12 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
 
 def apply_patches() -> None:
-    """Patch the modules vLLM already imported (``admission.PATCHES``, ``runner.PATCHES``); patch
-    the others as they get imported."""
-    from . import admission, runner
+    """Patch the modules vLLM already imported (``runner``, ``admission``, ``prefix_cache``: their
+    ``PATCHES``, in that order); patch the others as they get imported."""
+    from . import admission, prefix_cache, runner
 
     pending = {}
-    for name, patch in {**runner.PATCHES, **admission.PATCHES}.items():
+    for name, patch in {**runner.PATCHES, **admission.PATCHES, **prefix_cache.PATCHES}.items():
         module = sys.modules.get(name)
         if module is not None:
             patch(module)

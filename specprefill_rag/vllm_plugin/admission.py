@@ -2,9 +2,11 @@
 
 - ``InputProcessor.process_inputs``: every request entering an engine (offline ``LLM`` and the
   server alike) has its plan validated (``ValueError`` → HTTP 400, never an engine crash) and
-  its prefix cache salted with the plan's hash. A plan the engine cannot honour (``plan_refusal``:
-  V2 runner, speculative decoding, M-RoPE, models that use positions beyond rotary embeddings) is
-  refused there too, never silently run at contiguous positions.
+  the plan's hash appended to its ``cache_salt``: the fail-safe that isolates each plan's cached
+  blocks. ``prefix_cache`` takes the plan's salt off again in the engine's block hasher and hashes
+  positions instead, so blocks before the plan's first gap are shared. A plan the engine cannot
+  honour (``plan_refusal``: V2 runner, speculative decoding, M-RoPE, models that use positions
+  beyond rotary embeddings) is refused there too, never silently run at contiguous positions.
 - ``OpenAIServingCompletion.render_completion_request`` and ``OpenAIServingChat.render_chat_request``:
   validate and refuse once the prompt is rendered, before a stream starts, so streaming requests
   also get a plain HTTP 400 instead of an error event.
