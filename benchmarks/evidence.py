@@ -396,7 +396,7 @@ def evaluate(
             sel = dataclasses.replace(v.selection, keep_rate=keep)
             kept_idx = selection_lib.select(
                 scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start,
-                prior if v.prior else None,
+                prior if v.prior else None, prompt.cut_level,
             )
             kept = torch.zeros(prompt.n_tokens, dtype=torch.bool)
             kept[kept_idx] = True

@@ -526,7 +526,7 @@ def _random(case: _Case, sel: Any) -> Outcome:
     prompt = case.prompt
     g = torch.Generator().manual_seed(case.args.seed * 1000 + case.index)
     kept = selection_lib.select(torch.rand(prompt.n_tokens, generator=g), prompt.protected, prompt.segment_index,
-                                sel, prompt.sentence_start)
+                                sel, prompt.sentence_start, cut_level=prompt.cut_level)
     return *answer(case.engine, prompt, selection_lib.plan_from_indices(prompt, kept)), {}
 
 

@@ -383,7 +383,7 @@ class SpecPrefillEngine:
         began = time.perf_counter()
         prior = selection_lib.retriever_scores(prompt.segments) if sel.retriever_weight else None
         kept = selection_lib.select(
-            scores.scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start, prior
+            scores.scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start, prior, prompt.cut_level
         )
         plan = selection_lib.plan_from_indices(
             prompt, kept, contiguous_positions=sel.positions == "contiguous"

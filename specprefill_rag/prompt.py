@@ -31,6 +31,7 @@ from .types import AssembledPrompt, PrefillPlan, Segment, SegmentKind, lone_surr
 
 __all__ = [
     "assemble",
+    "cut_levels",
     "kept_runs",
     "render",
     "sentence_breaks",
@@ -143,6 +144,47 @@ def _sentence_starts(
     sentence = torch.searchsorted(torch.tensor(breaks, dtype=torch.int64), starts.contiguous(), right=True)
     out = torch.ones_like(starts, dtype=torch.bool)
     out[1:] = sentence[1:] != sentence[:-1]
+    return out
+
+
+# Characters that may be cut between only at a word boundary: letters and digits of scripts that
+# write spaces between words. CJK, kana, Thai and the like are cut anywhere (no spaces to find).
+_NO_SPACE_SCRIPTS = ((0x0E00, 0x0EFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x2E80, 0xA4CF), (0xF900, 0xFAFF),
+                     (0xFF66, 0xFF9F), (0x20000, 0x3FFFF))
+_CLAUSE_END = ",;:\u2013\u2014"  # a clause starts after a comma, semicolon, colon or dash
+_IN_NUMBER = ".,:'\u2019"  # between two digits (3.14, 1,986, 10:30) or two letters (don't): inside
+
+
+def _word_char(c: str) -> bool:
+    if not c.isalnum():
+        return False
+    code = ord(c)
+    return not any(a <= code <= b for a, b in _NO_SPACE_SCRIPTS)
+
+
+def _joined(text: str, at: int) -> bool:
+    """Whether the characters on both sides of position ``at`` belong to one word or number."""
+    before, after = text[at - 1: at], text[at: at + 1]
+    if _word_char(before) and _word_char(after):
+        return True
+    if after and after in _IN_NUMBER and _word_char(before) and _word_char(text[at + 1: at + 2]):
+        return before.isdigit() == text[at + 1].isdigit()  # 3|.14, don|'t
+    if before and before in _IN_NUMBER and _word_char(after) and _word_char(text[at - 2: at - 1]):
+        return after.isdigit() == text[at - 2].isdigit()  # 3.|14, don'|t
+    return False
+
+
+def cut_levels(text: str, offsets: torch.Tensor) -> torch.Tensor:
+    """(n,) int8: may a unit begin at token ``i``? 0: no, it continues a word or number (or a
+    character the previous token began); 1: a word begins; 2: a clause begins (after , ; : or a
+    dash). ``selection.unit_bounds`` cuts sentences longer than its limit only where this allows."""
+    out = torch.zeros(offsets.shape[0], dtype=torch.int8)
+    previous_end = 0
+    for i, (a, b) in enumerate(offsets.tolist()):
+        if a >= previous_end and not _joined(text, a):
+            stripped = text[max(0, a - 16): a].rstrip()
+            out[i] = 2 if stripped and stripped[-1] in _CLAUSE_END else 1
+        previous_end = max(previous_end, b)
     return out
 
 
@@ -277,6 +319,7 @@ def assemble(
         segments=segments,
         segment_spans=tuple(spans),
         sentence_start=_sentence_starts(text, starts, spans, segments),
+        cut_level=cut_levels(text, offsets),
     )
 
 

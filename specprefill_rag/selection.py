@@ -29,27 +29,55 @@ def unit_bounds(
     prunable: torch.Tensor,
     max_tokens: int,
     starts: torch.Tensor | None = None,
+    cuts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[start, end) bounds of the units of prunable tokens, in prompt order.
 
-    segment_index (n,) int64, prunable (n,) bool, starts (n,) bool or None → (n_units, 2) int64.
-    A unit is cut at every change of segment, at every non-prunable token, where ``starts`` is
-    True (a sentence begins) and after ``max_tokens`` tokens.
+    segment_index (n,) int64, prunable (n,) bool, starts (n,) bool or None, cuts (n,) int8 or None
+    (``AssembledPrompt.cut_level``) → (n_units, 2) int64. A unit is cut at every change of segment,
+    at every non-prunable token and where ``starts`` is True (a sentence begins). A unit that
+    reaches ``max_tokens`` is cut too: without ``cuts`` right there; with them never inside a word
+    or number, at the latest clause start of its second half, else at its latest word start. A
+    unit without any word start runs on to the next one, up to ``LONG_RUN`` × ``max_tokens``
+    tokens (a run of letters or digits that long, such as an encoded blob, is cut anyway).
     """
     bounds: list[tuple[int, int]] = []
     seg = segment_index.tolist()
     ok = prunable.tolist()
     begins = starts.tolist() if starts is not None else [False] * len(seg)
+    levels = cuts.tolist() if cuts is not None else None
     start = -1
     for i, (s, p, b) in enumerate(zip(seg, ok, begins, strict=True)):
-        if start >= 0 and (not p or b or s != seg[start] or i - start == max_tokens):
+        if start >= 0 and (not p or b or s != seg[start]):
             bounds.append((start, i))
             start = -1
+        elif start >= 0 and i - start >= max_tokens:
+            cut = i if levels is None else _cut_point(levels, start, i, max_tokens)
+            if cut is not None:
+                bounds.append((start, cut))
+                start = cut
         if p and start < 0:
             start = i
     if start >= 0:
         bounds.append((start, len(seg)))
     return torch.tensor(bounds, dtype=torch.int64).reshape(-1, 2)
+
+
+LONG_RUN = 4  # a unit without a word start is cut anyway after this many times max_tokens
+
+
+def _cut_point(levels: list[int], start: int, end: int, max_tokens: int) -> int | None:
+    """Where to cut the unit [start, end) that reached its limit: a token index in (start, end],
+    or None to let it grow (no word start in it yet)."""
+    word = None
+    for j in range(end, start, -1):
+        if levels[j] >= 2 and j - start >= max_tokens // 2:
+            return j
+        if word is None and levels[j] >= 1:
+            word = j
+    if word is not None:
+        return word
+    return end if end - start >= LONG_RUN * max_tokens else None
 
 
 def unit_sums(scores: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
@@ -120,14 +148,17 @@ def select(
     config: SelectionConfig,
     sentence_start: torch.Tensor | None = None,
     passage_prior: torch.Tensor | None = None,
+    cut_level: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sorted indices of the tokens to prefill.
 
     scores (n,) float, protected (n,) bool, segment_index (n,) int64, sentence_start (n,) bool
     (True where a sentence begins; None: fixed chunks), passage_prior (n_segments,) float or None
     (the retriever's score per segment, NaN where unknown; weighted by
-    ``config.retriever_weight``) → (n_kept,) int64. Prompts shorter than
-    ``config.min_prompt_tokens`` are kept whole.
+    ``config.retriever_weight``), cut_level (n,) int8 or None (``AssembledPrompt.cut_level``:
+    where a sentence longer than its limit may be cut; None: anywhere; fixed chunks ignore it)
+    → (n_kept,) int64. Prompts
+    shorter than ``config.min_prompt_tokens`` are kept whole.
     """
     n = scores.numel()
     if protected.numel() != n or segment_index.numel() != n:
@@ -135,17 +166,18 @@ def select(
             f"scores ({n}), protected ({protected.numel()}) and segment_index "
             f"({segment_index.numel()}) must have one entry per prompt token"
         )
-    if sentence_start is not None and sentence_start.numel() != n:
-        raise InputError(f"sentence_start ({sentence_start.numel()}) must have one entry per prompt token ({n})")
+    for name, given in (("sentence_start", sentence_start), ("cut_level", cut_level)):
+        if given is not None and given.numel() != n:
+            raise InputError(f"{name} ({given.numel()}) must have one entry per prompt token ({n})")
     if n < config.min_prompt_tokens:
         return torch.arange(n, dtype=torch.int64)
     keep = protected.clone()
     prunable = ~protected
     budget = config.budget(int(prunable.sum()))
     if config.unit == "sentence" and sentence_start is not None:
-        bounds = unit_bounds(segment_index, prunable, config.max_sentence_tokens, sentence_start)
+        bounds = unit_bounds(segment_index, prunable, config.max_sentence_tokens, sentence_start, cut_level)
     else:
-        bounds = unit_bounds(segment_index, prunable, config.chunk_size)
+        bounds = unit_bounds(segment_index, prunable, config.chunk_size)  # the paper's fixed chunks
     if budget > 0 and len(bounds):
         ranks = unit_ranks(
             scores, bounds, segment_index, config.passage_weight, passage_prior, config.retriever_weight

@@ -136,6 +136,9 @@ class AssembledPrompt:
     segments: tuple[Segment, ...]
     segment_spans: tuple[tuple[int, int, int], ...] = ()
     sentence_start: torch.Tensor | None = None  # (n_prompt,) bool
+    # (n_prompt,) int8: 0 = the token continues a word or number, 1 = a word begins, 2 = a clause
+    # begins; where selection may cut a sentence longer than its limit (None: anywhere)
+    cut_level: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:

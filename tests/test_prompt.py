@@ -147,3 +147,59 @@ def test_kept_runs_cover_each_prunable_segment_exactly(tokenizer):
     a, b = int(p.offsets[first[1], 0]), int(p.offsets[first[2], 1])
     assert runs[0][1][0] == p.text[a:b]
     assert runs[1] == ((segments[1].text, True),)
+
+
+def char_levels(text: str) -> list[int]:
+    """cut_levels with one token per character."""
+    import torch
+
+    from specprefill_rag.prompt import cut_levels
+
+    offsets = torch.tensor([(i, i + 1) for i in range(len(text))], dtype=torch.int64)
+    return cut_levels(text, offsets).tolist()
+
+
+def test_cut_levels_mark_word_and_clause_starts_and_keep_numbers_whole():
+    #             a  b ' ' 1  9  ,  8  6  ,  ' ' c
+    assert char_levels("ab 19,86, c") == [1, 0, 1, 1, 0, 0, 0, 0, 1, 2, 2]
+    assert char_levels("3.14 don't") == [1, 0, 0, 0, 1, 1, 0, 0, 0, 0]
+    assert char_levels("東京都") == [1, 1, 1]  # no spaces to find: cut anywhere
+
+
+def test_cut_levels_never_split_a_character_between_tokens():
+    import torch
+
+    from specprefill_rag.prompt import cut_levels
+
+    # byte-level BPE: two tokens share one character's span
+    offsets = torch.tensor([(0, 1), (1, 2), (1, 2), (2, 3)], dtype=torch.int64)
+    assert cut_levels("a 😀", offsets).tolist() == [1, 1, 0, 1]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+def test_units_never_cut_a_word_or_a_number(name):
+    """A sentence far longer than the unit limit (no sentence end in it) is cut only between words:
+    no unit begins inside a run of letters or digits (Qwen writes digits one token each)."""
+    import re
+
+    from specprefill_rag.loading import load_tokenizer
+    from specprefill_rag.selection import unit_bounds
+
+    tok = load_tokenizer(name)
+    words = ("the expedition of 1986 reached 3,141,592 metres with internationalization of 20250317 "
+             "logistics, then 7.25 kilometres; unquestionably the 1,986th attempt").split()
+    sentence = " ".join(words[i % len(words)] for i in range(400))
+    prompt = assemble(tok, build_segments("How far?", [sentence]))
+    assert prompt.cut_level is not None
+    for limit in (16, 64):
+        bounds = unit_bounds(prompt.segment_index, ~prompt.protected, limit, prompt.sentence_start, prompt.cut_level)
+        assert len(bounds) > 400 * 1.5 / limit / 4  # the sentence was cut, into units near the limit
+        runs = [(m.start(), m.end()) for m in re.finditer(r"\d[\d,.]*\d|[A-Za-z]+", prompt.text)]
+        inside = set()
+        for a, b in runs:
+            inside.update(range(a + 1, b))
+        for start, end in bounds.tolist():
+            at = int(prompt.offsets[start, 0])
+            assert at not in inside, (limit, prompt.text[at - 10: at + 10])
+            assert end - start <= 2 * limit

@@ -252,3 +252,37 @@ def test_retriever_scores_come_from_passage_metadata():
     assert prior is not None and prior[0].item() == pytest.approx(0.7)  # no instructions: passage a first
     assert torch.isnan(prior[1:]).all()  # b, c and the question have no score
     assert retriever_scores(build_segments("q?", ["a", Passage("b", metadata={"score": True})])) is None
+
+
+def bounds_of(levels: list[int], max_tokens: int) -> list[list[int]]:
+    n = len(levels)
+    return unit_bounds(torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool), max_tokens,
+                       cuts=torch.tensor(levels, dtype=torch.int8)).tolist()
+
+
+def test_long_units_are_cut_at_word_starts_never_inside_a_word():
+    # a word of 5 tokens (0..4), then words at 5 and 9: the limit of 4 falls inside the first word
+    assert bounds_of([1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0], 4) == [[0, 5], [5, 9], [9, 12]]
+    # without cut levels: exactly after max_tokens, wherever that falls
+    n = 12
+    exact = unit_bounds(torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool), 4).tolist()
+    assert exact == [[0, 4], [4, 8], [8, 12]]
+
+
+def test_a_clause_start_in_the_second_half_wins_over_a_later_word_start():
+    assert bounds_of([1, 1, 2, 1, 1, 1, 1, 1], 4) == [[0, 2], [2, 6], [6, 8]]
+    assert bounds_of([1, 2, 1, 1, 1, 1], 4) == [[0, 4], [4, 6]]  # a clause at 1 is too early: latest word start
+
+
+def test_a_run_without_word_starts_is_cut_after_long_run_limits():
+    from specprefill_rag.selection import LONG_RUN
+
+    levels = [1] + [0] * 40
+    assert bounds_of(levels, 4) == [[0, 4 * LONG_RUN], [4 * LONG_RUN, 8 * LONG_RUN], [8 * LONG_RUN, 41]]
+
+
+def test_select_checks_the_cut_levels_length():
+    config = SelectionConfig(keep_rate=0.5, min_prompt_tokens=0)
+    with pytest.raises(Exception, match=r"cut_level \(3\) must have one entry per prompt token \(4\)"):
+        select(torch.rand(4), torch.zeros(4, dtype=torch.bool), torch.zeros(4, dtype=torch.int64), config,
+               cut_level=torch.ones(3, dtype=torch.int8))
