@@ -6,8 +6,9 @@ their segments here:
 
 * ``build_segments``: the instructions, the passages in order, then the question;
 * ``chat_segments``: a chat given as (role, text) turns: system turns are the instructions, the
-  last user turn is the protected question, every other turn a prunable context segment, the
-  passages after the history;
+  last user turn is the question, every earlier user or assistant turn a history segment (its own
+  chat message, so turn k's prompt begins with turn k − 1's conversation), the passages in the
+  last user message;
 * ``as_passages`` / ``passage_segments``: what counts as a passage (a ``Passage`` or a str), and
   its segment (a passage without an id gets its number);
 * ``split_documents``: documents joined by blank lines (LangChain's separator, LlamaIndex's
@@ -33,7 +34,8 @@ __all__ = [
     "split_documents",
 ]
 
-_ROLE_NAMES = {"user": "User", "human": "User", "assistant": "Assistant", "ai": "Assistant", "tool": "Tool"}
+_ROLE_NAMES = {"tool": "Tool", "function": "Function"}
+_CHAT_ROLES = {"user": "user", "human": "user", "assistant": "assistant", "ai": "assistant"}
 # A blank line: what joins documents (LangChain's default separator, LlamaIndex's context_str).
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
 
@@ -106,9 +108,12 @@ def chat_segments(
     """Segments for a chat given as (role, text) turns, oldest first.
 
     System turns become the instructions (else ``instructions``); the last user turn is the
-    protected question; every other turn becomes a prunable context segment "User: ..." /
-    "Assistant: ..." with id ``turn-<i>`` (a long history is what SpecPrefill trims); passages
-    follow the history. Roles: "system", "user"/"human", "assistant"/"ai", others as named.
+    protected question. Every other user or assistant turn becomes a history segment with id
+    ``turn-<i>``, rendered as the chat message it was (``prompt.render``), so the prompt of turn
+    k begins with the conversation of turn k − 1 and vLLM's prefix cache holds it; history is
+    protected unless ``SelectionConfig.protect_history`` is False. Turns of other roles (a tool's
+    output) become prunable context "Tool: ..." in the last user message, before the passages.
+    Roles: "system", "user"/"human", "assistant"/"ai", others as named.
     """
     if not turns:
         raise InputError("no messages: pass at least one message with the question")
@@ -126,10 +131,17 @@ def chat_segments(
     joined = "\n\n".join(system) or instructions
     if joined:
         segments.append(Segment(SegmentKind.INSTRUCTIONS, joined))
+    others: list[Segment] = []
     for i, (role, text) in enumerate(history):
-        if i != question_at and text.strip():
+        if i == question_at or not text.strip():
+            continue
+        chat_role = _CHAT_ROLES.get(role)
+        if chat_role is not None:
+            segments.append(Segment(SegmentKind.HISTORY, text.strip(), f"turn-{i}", role=chat_role))
+        else:
             name = _ROLE_NAMES.get(role, role.capitalize())
-            segments.append(Segment(SegmentKind.CONTEXT, f"{name}: {text.strip()}", f"turn-{i}"))
+            others.append(Segment(SegmentKind.CONTEXT, f"{name}: {text.strip()}", f"turn-{i}"))
+    segments.extend(others)
     segments.extend(passage_segments(passages))
     segments.append(Segment(SegmentKind.QUESTION, question))
     return tuple(segments)

@@ -249,6 +249,10 @@ class SelectionConfig:
     retriever_weight: float = 0.25
     min_prompt_tokens: int = 256  # tokens; shorter prompts skip speculation (full prefill)
     protect_instructions: bool = True  # never prune the system instructions
+    # Never prune earlier chat turns (history segments): turn k's prompt begins with turn k − 1's
+    # conversation, which vLLM's prefix cache holds, so kept whole it costs little to prefill and a
+    # plan's first gap comes after it. False lets a long history be pruned (no prefix cache).
+    protect_history: bool = True
     protect_tail_tokens: int = 8  # tokens at the end of the prompt always kept
     positions: PositionMode = "original"  # "contiguous" re-indexes kept tokens (ablation only)
 
@@ -291,10 +295,9 @@ class SelectionConfig:
         )
         _check(self.min_prompt_tokens >= 0, "min_prompt_tokens must be >= 0")
         _check(self.protect_tail_tokens >= 0, "protect_tail_tokens must be >= 0")
-        _check(
-            isinstance(self.protect_instructions, bool),
-            f"protect_instructions must be True or False, got {self.protect_instructions!r}",
-        )
+        for name in ("protect_instructions", "protect_history"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), f"{name} must be True or False, got {value!r}")
         check_choice("positions", self.positions, PositionMode)
 
     def budget(self, n_context: int) -> int:

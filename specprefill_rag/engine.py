@@ -211,6 +211,7 @@ class SpecPrefillEngine:
             segments,
             protect_instructions=sel.protect_instructions,
             protect_tail_tokens=sel.protect_tail_tokens,
+            protect_history=sel.protect_history,
         )
         if prompt.n_tokens >= window:
             raise InputError(

@@ -56,7 +56,7 @@ def _user_content(segments: Sequence[Segment]) -> tuple[str, list[tuple[int, int
         parts.append(text)
         length += len(text)
 
-    context = [i for i, s in enumerate(segments) if s.prunable]
+    context = [i for i, s in enumerate(segments) if s.prunable and s.kind is not SegmentKind.HISTORY]
     if context:
         add("Context:\n")
         for number, i in enumerate(context, start=1):
@@ -87,27 +87,60 @@ def _system_content(segments: Sequence[Segment]) -> tuple[str, list[tuple[int, i
     return "".join(parts), spans
 
 
+def _messages(segments: Sequence[Segment]) -> list[tuple[str, str, list[tuple[int, int, int]]]]:
+    """(role, content, spans) of each chat message, in order: the system message (the instructions),
+    one message per history segment, then the last user message (context and question)."""
+    out = []
+    system, system_spans = _system_content(segments)
+    if system:
+        out.append(("system", system, system_spans))
+    for i, s in enumerate(segments):
+        if s.kind is SegmentKind.HISTORY:
+            out.append((str(s.role), s.text, [(i, 0, len(s.text))]))
+    user, user_spans = _user_content(segments)
+    out.append(("user", user, user_spans))
+    return out
+
+
+def _plain_layout(roles: Sequence[str], markers: Sequence[str]) -> str:
+    """The layout without a chat template: the system text, "User: ..." / "Assistant: ..." turns,
+    the last user message, then "Answer:"."""
+    parts = []
+    for n, (role, marker) in enumerate(zip(roles, markers, strict=True)):
+        if n == len(roles) - 1:
+            parts.append(f"{marker}\nAnswer:")
+        elif role == "system":
+            parts.append(f"{marker}\n\n")
+        else:
+            parts.append(f"{role.capitalize()}: {marker}\n\n")
+    return "".join(parts)
+
+
+def _chat_layout(tokenizer: Any, roles: Sequence[str], markers: Sequence[str]) -> str:
+    messages = [{"role": role, "content": marker} for role, marker in zip(roles, markers, strict=True)]
+    try:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    except Exception as error:  # jinja's TemplateError: e.g. "roles must alternate user/assistant"
+        if type(error).__module__.split(".")[0] != "jinja2":
+            raise
+        raise InputError(f"the model's chat template refused the conversation ({', '.join(roles)}): {error}") from None
+
+
 def render(tokenizer: Any, segments: Sequence[Segment]) -> tuple[str, list[tuple[int, int, int]], bool]:
     """Full prompt text, segment character spans in it, and whether a chat template was used.
 
     Spans come from construction, never from searching the rendered text (client text may
     repeat the template's own strings): the template is rendered with a placeholder for each
-    message's content, and the content is put in its place.
+    message's content, and the content is put in its place. Messages: the instructions as the
+    system message, each history segment as a message of its role, the rest as the last user
+    message.
     """
-    system, system_spans = _system_content(segments)
-    user, user_spans = _user_content(segments)
-    contents = [(system, system_spans)] if system else []
-    contents.append((user, user_spans))
+    messages = _messages(segments)
+    roles = [role for role, _, _ in messages]
+    contents = [(content, spans) for _, content, spans in messages]
     markers = [f"\x00specprefill-content-{n}\x00" for n in range(len(contents))]
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": markers[-1]}]
-        if system:
-            messages.insert(0, {"role": "system", "content": markers[0]})
-        layout = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        chat = True
-    else:
-        layout = f"{markers[0]}\n\n{markers[1]}\nAnswer:" if system else f"{markers[0]}\nAnswer:"
-        chat = False
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    layout = _chat_layout(tokenizer, roles, markers) if chat else _plain_layout(roles, markers)
     pieces: list[str] = []
     spans: list[tuple[int, int, int]] = []
     at = length = 0
@@ -269,12 +302,13 @@ def assemble(
     *,
     protect_instructions: bool = True,
     protect_tail_tokens: int = 8,
+    protect_history: bool = True,
 ) -> AssembledPrompt:
     """Render ``segments`` with the tokenizer's chat template and tokenize with bookkeeping.
 
     Needs a fast tokenizer (character offsets). Template tokens, the question, the
-    instructions (unless ``protect_instructions`` is False) and the last
-    ``protect_tail_tokens`` tokens are marked protected.
+    instructions (unless ``protect_instructions`` is False), earlier chat turns (unless
+    ``protect_history`` is False) and the last ``protect_tail_tokens`` tokens are marked protected.
     """
     segments = tuple(segments)
     if not any(s.text.strip() for s in segments):
@@ -301,7 +335,9 @@ def assemble(
     segment_index = _segment_of(visible, starts, ends, spans)
     keep = torch.tensor(
         [
-            s.kind is SegmentKind.QUESTION or (s.kind is SegmentKind.INSTRUCTIONS and protect_instructions)
+            s.kind is SegmentKind.QUESTION
+            or (s.kind is SegmentKind.INSTRUCTIONS and protect_instructions)
+            or (s.kind is SegmentKind.HISTORY and protect_history)
             for s in segments
         ]
         + [True],  # index -1: template text

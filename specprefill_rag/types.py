@@ -21,6 +21,7 @@ import torch
 from .errors import InputError
 
 __all__ = [
+    "HISTORY_ROLES",
     "RETRIEVER_SCORE_KEY",
     "AssembledPrompt",
     "GenerationResult",
@@ -75,12 +76,16 @@ def _check_id(owner: str, pid: object) -> None:
         )
 
 
+HISTORY_ROLES = ("user", "assistant")  # the chat roles a history segment is rendered with
+
+
 class SegmentKind(enum.StrEnum):
     """What a piece of the prompt is; decides whether selection may prune it."""
 
     INSTRUCTIONS = "instructions"  # system prompt: protected by default
     PASSAGE = "passage"  # a retrieved passage: prunable
     CONTEXT = "context"  # free-form context without passage structure: prunable
+    HISTORY = "history"  # an earlier chat turn, rendered as its own message (Segment.role)
     QUESTION = "question"  # the user query: always protected
 
 
@@ -109,13 +114,20 @@ class Segment:
     text: str
     id: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    role: str | None = None  # HISTORY only: the turn's chat role, "user" or "assistant"
 
     def __post_init__(self) -> None:
         _check_id("segment", self.id)
+        if self.kind is SegmentKind.HISTORY and self.role not in HISTORY_ROLES:
+            raise InputError(f"a history segment needs the role 'user' or 'assistant', got {self.role!r:.40}")
+        if self.kind is not SegmentKind.HISTORY and self.role is not None:
+            raise InputError(f"only history segments have a role; a {self.kind.value} segment got {self.role!r:.40}")
 
     @property
     def prunable(self) -> bool:
-        return self.kind in (SegmentKind.PASSAGE, SegmentKind.CONTEXT)
+        """Selection may drop its tokens: passages, context and history (unless
+        ``SelectionConfig.protect_history``)."""
+        return self.kind in (SegmentKind.PASSAGE, SegmentKind.CONTEXT, SegmentKind.HISTORY)
 
 
 @dataclass(frozen=True)

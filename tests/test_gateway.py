@@ -632,7 +632,8 @@ def test_unknown_layouts_are_left_whole():
     assert [(s.kind.value, s.text) for s in segments] == [("instructions", "Rules:\n\nBe brief."),
                                                           ("question", message)]
     history, _ = to_segments([("user", "Hello"), ("assistant", "Hi!"), ("developer", "Be kind."), ("user", "Q?")])
-    assert [s.kind.value for s in history] == ["instructions", "context", "context", "question"]
+    assert [(s.kind.value, s.role) for s in history] == [("instructions", None), ("history", "user"),
+                                                         ("history", "assistant"), ("question", None)]
 
 
 @pytest.mark.parametrize("text", [

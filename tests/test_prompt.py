@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specprefill_rag.chat import build_segments
 from specprefill_rag.prompt import assemble
@@ -89,14 +90,20 @@ def test_chat_segments_map_turns():
     )
     assert [(s.kind, s.id) for s in segments] == [
         (SegmentKind.INSTRUCTIONS, None),
-        (SegmentKind.CONTEXT, "turn-0"),
-        (SegmentKind.CONTEXT, "turn-1"),
+        (SegmentKind.HISTORY, "turn-0"),
+        (SegmentKind.HISTORY, "turn-1"),
         (SegmentKind.PASSAGE, "sky"),
         (SegmentKind.PASSAGE, "2"),
         (SegmentKind.QUESTION, None),
     ]
     assert segments[0].text == "Be brief."
-    assert segments[1].text == "User: hello" and segments[2].text == "Assistant: hi there"
+    assert (segments[1].role, segments[1].text) == ("user", "hello")
+    assert (segments[2].role, segments[2].text) == ("assistant", "hi there")
+    tool = chat_segments([("user", "a"), ("tool", "42"), ("human", "b"), ("ai", "c"), ("user", "q?")])
+    assert [(s.kind, s.role, s.text) for s in tool] == [
+        (SegmentKind.HISTORY, "user", "a"), (SegmentKind.HISTORY, "user", "b"), (SegmentKind.HISTORY, "assistant", "c"),
+        (SegmentKind.CONTEXT, None, "Tool: 42"), (SegmentKind.QUESTION, None, "q?"),
+    ]
     assert segments[-1].text == "what is the passkey?"
     assert chat_segments([("user", "q?")], instructions="Answer.")[0].text == "Answer."
     with pytest.raises(ValueError, match="no messages"):
@@ -203,3 +210,85 @@ def test_units_never_cut_a_word_or_a_number(name):
             at = int(prompt.offsets[start, 0])
             assert at not in inside, (limit, prompt.text[at - 10: at + 10])
             assert end - start <= 2 * limit
+
+
+def conversation(turns: int) -> list[tuple[str, str]]:
+    out = [("system", "Answer from the context.")]
+    for k in range(turns):
+        out += [("user", f"Question {k}: what did the crew of expedition {k} find?"),
+                ("assistant", f"They found sample {k}. The ice core was 30{k} metres long.")]
+    return out
+
+
+@pytest.fixture(scope="module", params=["chatml", "inst"])
+def chat_tokenizer(request):
+    from specprefill_rag.testing import tiny_inst_tokenizer, tiny_tokenizer
+
+    return tiny_tokenizer() if request.param == "chatml" else tiny_inst_tokenizer()
+
+
+def test_turn_k_begins_with_turn_k_minus_one_conversation(chat_tokenizer):
+    """History turns are the chat messages they were: the prompt of turn k starts with turn k - 1's
+    whole conversation as the chat template renders it, and shares with turn k - 1's own prompt
+    everything before that turn's question (what vLLM's prefix cache holds), token for token."""
+    check_turns(chat_tokenizer)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+def test_turns_share_their_prefix_with_the_packaged_templates(name):
+    from specprefill_rag.loading import load_tokenizer
+
+    check_turns(load_tokenizer(name))
+
+
+def check_turns(tok) -> None:
+    from specprefill_rag.chat import chat_segments
+
+    def rendered(turns: list[tuple[str, str]]) -> str:
+        return tok.apply_chat_template([{"role": r, "content": t} for r, t in turns], tokenize=False)
+
+    prompts = [assemble(tok, chat_segments([*conversation(k), ("user", f"Question {k}: and then?")],
+                                           [f"Passage of turn {k}."])) for k in range(4)]
+    for k in range(1, 4):
+        prompt, previous = prompts[k], prompts[k - 1]
+        assert prompt.text.startswith(rendered(conversation(k)))
+        ids, before = prompt.token_ids.tolist(), previous.token_ids.tolist()
+        shared = next((i for i, (a, b) in enumerate(zip(ids, before, strict=False)) if a != b), len(before))
+        assert shared >= len(tok(rendered(conversation(k - 1)), add_special_tokens=False)["input_ids"])
+        history = [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.HISTORY]
+        assert len(history) == 2 * k
+        assert prompt.protected[torch.isin(prompt.segment_index, torch.tensor(history))].all()  # kept whole
+        for index, a, b in prompt.segment_spans:
+            assert prompt.text[a:b] == prompt.segments[index].text
+        assert f"Passage of turn {k}." in prompt.text and f"Passage of turn {k - 1}." not in prompt.text
+
+
+def test_history_without_a_chat_template_is_written_as_turns(tokenizer):
+    from specprefill_rag.chat import chat_segments
+
+    template, tokenizer.chat_template = tokenizer.chat_template, None
+    try:
+        prompt = assemble(tokenizer, chat_segments([("user", "hi"), ("assistant", "hello"), ("user", "q?")], ["P."]))
+    finally:
+        tokenizer.chat_template = template
+    assert prompt.text.startswith("User: hi\n\nAssistant: hello\n\nContext:\n")
+    assert prompt.text.endswith("Question: q?\nAnswer:")
+
+
+def test_history_can_be_left_prunable(tokenizer):
+    from specprefill_rag.chat import chat_segments
+    from specprefill_rag.config import SelectionConfig, SpecPrefillConfig
+    from specprefill_rag.testing import tiny_engine
+
+    segments = chat_segments([*conversation(2), ("user", "q?")], ["A passage."])
+    history = torch.tensor([i for i, s in enumerate(segments) if s.kind is SegmentKind.HISTORY])
+    prompt = assemble(tokenizer, segments, protect_history=False)
+    assert not prompt.protected[torch.isin(prompt.segment_index, history)].any()
+    engine = tiny_engine(SpecPrefillConfig(selection=SelectionConfig(protect_history=False)))
+    unprotected = engine.assemble(list(segments))
+    assert not unprotected.protected[torch.isin(unprotected.segment_index, history)].any()
+    default = engine.assemble(list(segments), selection=SelectionConfig())
+    assert default.protected[torch.isin(default.segment_index, history)].all()
+    with pytest.raises(ValueError, match="protect_history must be True or False"):
+        SelectionConfig(protect_history=1)  # type: ignore[arg-type]

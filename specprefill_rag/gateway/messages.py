@@ -4,7 +4,9 @@ Rules (docs/gateway.md):
 
 * system (and developer) messages are the instructions: protected;
 * the last user message is the question: protected;
-* every other turn is prunable context ("User: ..." / "Assistant: ...", ``chat.chat_segments``);
+* every earlier user or assistant turn is history, rendered as the chat message it was
+  (``chat.chat_segments``), so turn k's prompt begins with turn k − 1's conversation and vLLM's
+  prefix cache holds it; kept whole unless ``SelectionConfig.protect_history`` is False;
 * retrieved documents are recognised, and become prunable passages, when a message follows a
   known shape: ``<document>`` / ``<context>`` tags, LlamaIndex's default ``text_qa_template``,
   or the prompts LangChain documents for ``create_stuff_documents_chain`` (documents joined by

@@ -6,7 +6,9 @@ metadata. How messages map to segments (see docs/integrations.md):
 
 - system messages → the instructions (protected); without one, ``instructions`` if set;
 - the last human message → the question (protected);
-- every other turn → a prunable context segment ``"<Role>: <text>"`` with id ``turn-<i>``;
+- earlier human and AI turns → history segments with id ``turn-<i>``, each rendered as the chat
+  message it was (kept whole unless ``SelectionConfig.protect_history`` is False); tool
+  messages → a prunable context segment ``"Tool: <text>"``;
 - ``passages=[Document | Passage | str, ...]`` passed to ``invoke``/``stream`` (or ``bind``)
   → one prunable passage segment each, with the document's id (else its 1-based number).
 """

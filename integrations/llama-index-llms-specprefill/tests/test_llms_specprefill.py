@@ -114,7 +114,7 @@ def test_chat_maps_roles():
     ]
     response = llm.chat(messages)
     assert [(s["kind"], s["id"]) for s in response.additional_kwargs["kept_spans"]] == [
-        ("instructions", None), ("context", "turn-0"), ("context", "turn-1"), ("question", None),
+        ("instructions", None), ("history", "turn-0"), ("history", "turn-1"), ("question", None),
     ]
     chunks = list(llm.stream_chat(messages))
     assert chunks[-1].message.content == response.message.content

@@ -38,14 +38,15 @@ def test_messages_map_to_segments():
     segments = messages_to_segments(messages, DOCS)
     assert [(s.kind, s.id) for s in segments] == [
         (SegmentKind.INSTRUCTIONS, None),
-        (SegmentKind.CONTEXT, "turn-0"),
-        (SegmentKind.CONTEXT, "turn-1"),
+        (SegmentKind.HISTORY, "turn-0"),
+        (SegmentKind.HISTORY, "turn-1"),
         (SegmentKind.PASSAGE, "sky"),
         (SegmentKind.PASSAGE, "key"),
         (SegmentKind.PASSAGE, "3"),
         (SegmentKind.QUESTION, None),
     ]
-    assert segments[1].text == "User: hello" and segments[2].text == "Assistant: hi there"
+    assert (segments[1].role, segments[1].text) == ("user", "hello")
+    assert (segments[2].role, segments[2].text) == ("assistant", "hi there")
     assert segments[-1].text == "what is the passkey?"
     with pytest.raises(ValueError, match="no messages"):
         messages_to_segments([])

@@ -215,7 +215,7 @@ class SpecPrefillLLM(CustomLLM):
         return [*([Segment(SegmentKind.INSTRUCTIONS, system)] if system else []), Segment(SegmentKind.CONTEXT, prompt)]
 
     def _chat_segments(self, messages: Sequence[ChatMessage]) -> list[Segment]:
-        """System → instructions; last user message → question; other turns → prunable context."""
+        """System → instructions; last user message → question; earlier turns → history messages."""
         turns = [(str(m.role.value), m.content or "") for m in messages]
         return list(chat_segments(turns, instructions=self.system_prompt))
 
