@@ -39,6 +39,7 @@ from typing import Any
 from benchmarks import quality
 from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci, paired_ratio_ci
 from benchmarks.evidence import load_rows
+from benchmarks.gateway_load import free_port
 
 READY_TIMEOUT_S = 900.0
 INSTRUCTIONS = (
@@ -217,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.vllm_url is None:
         logs = ROOT / "benchmarks" / ".cache" / "prefix_cache"
         logs.mkdir(parents=True, exist_ok=True)
-        server = VLLMServer(args.main, port=_free_port(), max_model_len=4096, log_path=logs / "vllm.log",
+        server = VLLMServer(args.main, port=free_port(), max_model_len=4096, log_path=logs / "vllm.log",
                             extra_args=["--enable-prefix-caching"],
                             env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
         print("starting vLLM ...", flush=True)
@@ -244,13 +245,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_summary(summarize(load_rows(path)))
     return 0
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":
