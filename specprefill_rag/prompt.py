@@ -24,6 +24,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import InputError
@@ -180,45 +181,59 @@ def _sentence_starts(
     return out
 
 
-# Characters that may be cut between only at a word boundary: letters and digits of scripts that
-# write spaces between words. CJK, kana, Thai and the like are cut anywhere (no spaces to find).
+# How ``cut_levels`` classes characters: letters and digits of scripts that write spaces between
+# words (cut only between words), scripts without spaces (CJK, kana, Thai, ...: cut anywhere),
+# white space, and the punctuation that ends a clause or joins the parts of a number or word.
 _NO_SPACE_SCRIPTS = ((0x0E00, 0x0EFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x2E80, 0xA4CF), (0xF900, 0xFAFF),
                      (0xFF66, 0xFF9F), (0x20000, 0x3FFFF))
-_CLAUSE_END = ",;:\u2013\u2014"  # a clause starts after a comma, semicolon, colon or dash
-_IN_NUMBER = ".,:'\u2019"  # between two digits (3.14, 1,986, 10:30) or two letters (don't): inside
+_DIGIT, _LETTER, _SPACE, _CLAUSE_JOIN, _CLAUSE, _JOIN, _OTHER = b"0a kcpo"
+_CLAUSE_CHARS = {",": "k", ":": "k", ";": "c", "\u2013": "c", "\u2014": "c"}  # a clause starts after these
+_JOIN_CHARS = {".": "p", "'": "p", "\u2019": "p"}  # inside between two digits (3.14) or letters (don't); , : too
 
 
-def _word_char(c: str) -> bool:
-    if not c.isalnum():
-        return False
-    code = ord(c)
-    return not any(a <= code <= b for a, b in _NO_SPACE_SCRIPTS)
-
-
-def _joined(text: str, at: int) -> bool:
-    """Whether the characters on both sides of position ``at`` belong to one word or number."""
-    before, after = text[at - 1: at], text[at: at + 1]
-    if _word_char(before) and _word_char(after):
-        return True
-    if after and after in _IN_NUMBER and _word_char(before) and _word_char(text[at + 1: at + 2]):
-        return before.isdigit() == text[at + 1].isdigit()  # 3|.14, don|'t
-    if before and before in _IN_NUMBER and _word_char(after) and _word_char(text[at - 2: at - 1]):
-        return after.isdigit() == text[at - 2].isdigit()  # 3.|14, don'|t
-    return False
+def _char_class(c: str) -> str:
+    if c in _CLAUSE_CHARS:
+        return _CLAUSE_CHARS[c]
+    if c in _JOIN_CHARS:
+        return _JOIN_CHARS[c]
+    if c.isspace():
+        return " "
+    if c.isalnum() and not any(a <= ord(c) <= b for a, b in _NO_SPACE_SCRIPTS):
+        return "0" if c.isdigit() else "a"
+    return "o"
 
 
 def cut_levels(text: str, offsets: torch.Tensor) -> torch.Tensor:
-    """(n,) int8: may a unit begin at token ``i``? 0: no, it continues a word or number (or a
-    character the previous token began); 1: a word begins; 2: a clause begins (after , ; : or a
-    dash). ``selection.unit_bounds`` cuts sentences longer than its limit only where this allows."""
-    out = torch.zeros(offsets.shape[0], dtype=torch.int8)
-    previous_end = 0
-    for i, (a, b) in enumerate(offsets.tolist()):
-        if a >= previous_end and not _joined(text, a):
-            stripped = text[max(0, a - 16): a].rstrip()
-            out[i] = 2 if stripped and stripped[-1] in _CLAUSE_END else 1
-        previous_end = max(previous_end, b)
-    return out
+    """(n,) int8: may a unit begin at token ``i``? 0: no, it continues a word or number (digits
+    joined by . , : such as 3.14 or 1,986, letters joined by an apostrophe), or a character the
+    previous token began; 1: a word begins; 2: a clause begins (after , ; : or a dash).
+    ``selection.unit_bounds`` cuts sentences longer than its limit only where this allows. Array
+    operations over the text's characters (one table lookup per distinct character)."""
+    n = offsets.shape[0]
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int8)
+    table = {ord(c): _char_class(c) for c in set(text)}
+    cls = np.frombuffer(text.translate(table).encode("ascii"), dtype=np.uint8)
+    pad = 2  # cls[p] is at padded[p + pad]; positions before and after the text are "other"
+    padded = np.concatenate([np.full(pad, _OTHER, np.uint8), cls, np.full(pad + 1, _OTHER, np.uint8)])
+    digit, letter = padded == _DIGIT, padded == _LETTER
+    word, join = digit | letter, (padded == _JOIN) | (padded == _CLAUSE_JOIN)
+
+    def at(mask: np.ndarray, shift: int) -> np.ndarray:
+        """mask at character p + shift, for every boundary p in 0..len(text)."""
+        return mask[pad + shift: pad + shift + len(cls) + 1]
+
+    joined = (at(word, -1) & at(word, 0)) \
+        | (at(join, 0) & ((at(digit, -1) & at(digit, 1)) | (at(letter, -1) & at(letter, 1)))) \
+        | (at(join, -1) & ((at(digit, -2) & at(digit, 0)) | (at(letter, -2) & at(letter, 0))))
+    # the last non-space character before boundary p ends a clause
+    last = np.maximum.accumulate(np.where(cls != _SPACE, np.arange(len(cls)), -1))
+    before = np.concatenate([[-1], last])  # (len + 1,): last non-space index < p
+    clause = (before >= 0) & np.isin(np.append(cls, _OTHER)[np.maximum(before, 0)], (_CLAUSE, _CLAUSE_JOIN))
+    starts, ends = offsets[:, 0].numpy().clip(0, len(cls)), offsets[:, 1].numpy()
+    previous_end = np.maximum.accumulate(np.concatenate([[0], ends[:-1]]))
+    levels = np.where(joined[starts] | (starts < previous_end), 0, np.where(clause[starts], 2, 1))
+    return torch.from_numpy(levels.astype(np.int8))
 
 
 def special_token_ids(tokenizer: Any) -> frozenset[int]:

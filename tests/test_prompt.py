@@ -173,6 +173,57 @@ def test_cut_levels_mark_word_and_clause_starts_and_keep_numbers_whole():
     assert char_levels("東京都") == [1, 1, 1]  # no spaces to find: cut anywhere
 
 
+def reference_cut_levels(text: str, offsets: list[tuple[int, int]]) -> list[int]:
+    """cut_levels one token and one character at a time: the rule, written out."""
+    no_space = ((0x0E00, 0x0EFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x2E80, 0xA4CF), (0xF900, 0xFAFF),
+                (0xFF66, 0xFF9F), (0x20000, 0x3FFFF))
+
+    def word(c: str) -> bool:
+        return c.isalnum() and not any(a <= ord(c) <= b for a, b in no_space)
+
+    def joined(at: int) -> bool:
+        before, after = text[at - 1: at] if at else "", text[at: at + 1]
+        if word(before) and word(after):
+            return True
+        nxt, prev = text[at + 1: at + 2], text[at - 2: at - 1] if at >= 2 else ""
+        if after and after in ".,:'\u2019" and word(before) and word(nxt):
+            return before.isdigit() == nxt.isdigit()
+        if before and before in ".,:'\u2019" and word(after) and word(prev):
+            return after.isdigit() == prev.isdigit()
+        return False
+
+    out, previous_end = [], 0
+    for a, b in offsets:
+        if a < previous_end or joined(a):
+            out.append(0)
+        else:
+            stripped = text[:a].rstrip()
+            out.append(2 if stripped and stripped[-1] in ",;:\u2013\u2014" else 1)
+        previous_end = max(previous_end, b)
+    return out
+
+
+def test_cut_levels_equal_the_rule_written_out():
+    import random
+
+    import torch
+
+    from specprefill_rag.prompt import cut_levels
+
+    rng = random.Random(0)
+    alphabet = list("ab9 0.,:;'\u2019-\u2014\n\t") + ["東", "é", "ß", "٣", "ก", "😀", "_", "x"]
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, len(text) + 1)))
+        spans = list(zip([0, *cuts], [*cuts, len(text)], strict=True))
+        offsets = [(a, b) for a, b in spans if rng.random() < 0.9]
+        if offsets and rng.random() < 0.3:  # a character split across two byte tokens
+            k = rng.randrange(len(offsets))
+            offsets.insert(k + 1, offsets[k])
+        tensor = torch.tensor(offsets, dtype=torch.int64).reshape(-1, 2)
+        assert cut_levels(text, tensor).tolist() == reference_cut_levels(text, offsets), (text, offsets)
+
+
 def test_cut_levels_never_split_a_character_between_tokens():
     import torch
 
