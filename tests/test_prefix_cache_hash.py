@@ -109,6 +109,18 @@ def test_without_the_wrapper_admissions_salt_isolates_each_plan(hasher, monkeypa
     assert all(p != f for p, f in zip(planned, full, strict=True))
 
 
+def test_streaming_input_sessions_keep_the_per_plan_salt(hasher, monkeypatch):
+    """vLLM hashes a streaming session's new chunk before it swaps in the chunk's plan: such a
+    session keeps admission's salt (isolated, as without the wrapper)."""
+    session = stub(TOKENS, GAP50, 110)
+    session.resumable = True
+    wrapped = hashes(hasher, session)
+    monkeypatch.setattr(kv_cache_utils, "generate_block_hash_extra_keys", ORIGINAL)
+    unwrapped = stub(TOKENS, GAP50, 110)
+    assert hashes(hasher, unwrapped) == wrapped
+    assert wrapped[0] != hashes(hasher, stub(TOKENS))[0]
+
+
 def test_generated_tokens_carry_their_positions(hasher):
     prompt = TOKENS[:40]
     full = hashes(hasher, stub(prompt, generated=30))

@@ -84,13 +84,17 @@ def _caller_salt(salt: str | None, plan: str) -> str | None:
 
 def hash_plan(request: Any) -> HashPlan | None:
     """The request's plan as the hasher reads it (parsed once, cached on the request); None when
-    the request carries none. Admission validated the plan before the request reached the engine."""
+    the request carries none. Admission validated the plan before the request reached the engine.
+
+    A streaming-input session (``request.resumable``) gets None too: vLLM hashes the blocks of an
+    input chunk before it swaps in the chunk's sampling params (and plan), so its hashes keep
+    admission's per-plan salt and share nothing, as before this module."""
     cached = getattr(request, _ATTR, _UNSET)
     if cached is not _UNSET:
         return cached  # type: ignore[return-value]
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
     plan = None
-    if extra and POSITIONS_KEY in extra and NEXT_POSITION_KEY in extra:
+    if extra and POSITIONS_KEY in extra and NEXT_POSITION_KEY in extra and not getattr(request, "resumable", False):
         positions, next_position = extra[POSITIONS_KEY], int(extra[NEXT_POSITION_KEY])
         plan = HashPlan(positions, next_position, _first_gap(positions, next_position),
                         _caller_salt(getattr(request, "cache_salt", None), plan_salt(positions, next_position)))
