@@ -348,16 +348,9 @@ def assemble(
     lead = torch.tensor([len(t) - len(t.lstrip()) for t in (text[a:b] for a, b in offsets.tolist())])
     visible = torch.where(starts + lead < ends, starts + lead, starts)
     segment_index = _segment_of(visible, starts, ends, spans)
-    keep = torch.tensor(
-        [
-            s.kind is SegmentKind.QUESTION
-            or (s.kind is SegmentKind.INSTRUCTIONS and protect_instructions)
-            or (s.kind is SegmentKind.HISTORY and protect_history)
-            for s in segments
-        ]
-        + [True],  # index -1: template text
-        dtype=torch.bool,
-    )
+    kinds = {SegmentKind.QUESTION} | ({SegmentKind.INSTRUCTIONS} if protect_instructions else set()) \
+        | ({SegmentKind.HISTORY} if protect_history else set())
+    keep = torch.tensor([s.kind in kinds for s in segments] + [True], dtype=torch.bool)  # [-1]: template text
     protected = keep[segment_index]
     if protect_tail_tokens:
         protected[-protect_tail_tokens:] = True
