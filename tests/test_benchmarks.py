@@ -584,3 +584,11 @@ def test_prefix_cache_bench_builds_its_prompts_and_reads_vllms_counter(tokenizer
     assert summary["retry_over_prefill"][0] == pytest.approx(2.0)
     assert summary["retry_over_first_prefill"][0] == pytest.approx(0.5)
     assert summary["sys_spec_cached"][0] == 1024 and summary["sys_full_new_tokens"][0] == 976
+    chats = [{"id": f"c{c}", "turns": [
+        {"turn": t, "full": {**run(10.0, 1000 * t), "prompt_tokens": 3000}, "spec": run(4.0 + c, 1000 * t),
+         "spec_cold": run(6.0, 0), "same_as_cold": c == 0} for t in (1, 2)]} for c in range(2)]
+    per_turn = prefix_cache.summarize_chat(chats)
+    assert [s["turn"] for s in per_turn] == [1, 2] and per_turn[1]["n"] == 2
+    assert per_turn[1]["speedup"][0] == pytest.approx(20.0 / 9.0) and per_turn[1]["full_cached"][0] == 2000
+    assert per_turn[0]["spec_faster"] == 2 and per_turn[0]["same_as_cold"] == 1
+    assert prefix_cache.chat_lines(per_turn)[2].startswith("| 1 | 2 | 3000 | 1000 / 1000 | 10.0 s | 4.5 s | 2.22×")
