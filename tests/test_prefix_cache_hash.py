@@ -121,6 +121,16 @@ def test_streaming_input_sessions_keep_the_per_plan_salt(hasher, monkeypatch):
     assert wrapped[0] != hashes(hasher, stub(TOKENS))[0]
 
 
+def test_a_request_without_a_dict_is_parsed_every_time():
+    class Slotted:
+        __slots__ = ("cache_salt", "sampling_params")
+
+    request = Slotted()
+    request.cache_salt, request.sampling_params = None, SimpleNamespace(extra_args=plan_to_xargs(GAP50, 110))
+    plans = [prefix_cache.hash_plan(request) for _ in range(2)]
+    assert plans[0] == plans[1] and plans[0] is not None and plans[0].first_gap == 50
+
+
 def test_generated_tokens_carry_their_positions(hasher):
     prompt = TOKENS[:40]
     full = hashes(hasher, stub(prompt, generated=30))

@@ -98,7 +98,10 @@ def hash_plan(request: Any) -> HashPlan | None:
         positions, next_position = extra[POSITIONS_KEY], int(extra[NEXT_POSITION_KEY])
         plan = HashPlan(positions, next_position, _first_gap(positions, next_position),
                         _caller_salt(getattr(request, "cache_salt", None), plan_salt(positions, next_position)))
-    setattr(request, _ATTR, plan)
+    try:
+        setattr(request, _ATTR, plan)
+    except AttributeError:  # a Request with __slots__ (not vLLM 0.32/0.33): parsed again next time
+        pass
     return plan
 
 
