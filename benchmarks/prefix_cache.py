@@ -101,13 +101,6 @@ def cache_hits(url: str) -> float:
         return hits_in(response.read().decode())
 
 
-def measure(engine: Any, url: str, question: str, passages: list[str], instructions: str, salt: str | None,
-            mode: str, keep: float) -> dict[str, Any]:
-    from specprefill_rag.chat import build_segments
-
-    return measure_segments(engine, url, list(build_segments(question, passages, instructions)), salt, mode, keep)
-
-
 def measure_segments(engine: Any, url: str, segments: list[Any], salt: str | None, mode: str, keep: float
                      ) -> dict[str, Any]:
     """One request, alone: TTFT, the main model's prefill time, what vLLM served from its cache."""
@@ -122,14 +115,18 @@ def measure_segments(engine: Any, url: str, segments: list[Any], salt: str | Non
 
 def run_example(engines: dict[str, Any], url: str, ex: quality.Example, passages: list[str], system: str,
                 index: int, keep: float) -> dict[str, Any]:
+    from specprefill_rag.chat import build_segments
+
     cold = f"bench-prefix-{ex.id}-{time.time_ns()}"
     order = ["sys_full", "sys_spec"] if index % 2 == 0 else ["sys_spec", "sys_full"]
+    with_system = list(build_segments(ex.question, passages, system))
+    without = list(build_segments(ex.question, passages, ""))
     runs = {
-        "sys_full": lambda: measure(engines["off"], url, ex.question, passages, system, None, "full", keep),
-        "sys_spec": lambda: measure(engines["memo"], url, ex.question, passages, system, None, "spec", keep),
-        "retry": lambda: measure(engines["memo"], url, ex.question, passages, system, None, "spec", keep),
-        "nosys_full": lambda: measure(engines["off"], url, ex.question, passages, "", cold + "-f", "full", keep),
-        "nosys_spec": lambda: measure(engines["off"], url, ex.question, passages, "", cold + "-s", "spec", keep),
+        "sys_full": lambda: measure_segments(engines["off"], url, with_system, None, "full", keep),
+        "sys_spec": lambda: measure_segments(engines["memo"], url, with_system, None, "spec", keep),
+        "retry": lambda: measure_segments(engines["memo"], url, with_system, None, "spec", keep),
+        "nosys_full": lambda: measure_segments(engines["off"], url, without, cold + "-f", "full", keep),
+        "nosys_spec": lambda: measure_segments(engines["off"], url, without, cold + "-s", "spec", keep),
     }
     out = {name: runs[name]() for name in [*order, "retry", "nosys_full", "nosys_spec"]}
     return {"id": ex.id, "keep": keep, **out}
@@ -190,7 +187,7 @@ def chat_lines(summary: list[dict[str, Any]]) -> list[str]:
 
 
 def summarize(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
-    """Medians and 95% CIs: cached tokens, speedups over warm full prefill, the retry's draft cost."""
+    """Means and 95% CIs: cached tokens, speedups over warm full prefill, the retry's draft cost."""
     def column(name: str, field: str) -> list[float]:
         return [float(r[name][field]) for r in rows]
 
@@ -305,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sample = quality.load_hotpotqa(args.n + 60 + args.chats * args.chat_turns, args.seed)
     todo, pool, chat_pool = sample[: args.n], sample[args.n: args.n + 60], sample[args.n + 60:]
     system = system_prompt(tokenizer, args.system_tokens, pool[:40])
+    system_tokens = count(tokenizer, system)
     done = {r["id"] for r in load_rows(path)}
     server = None
     if args.vllm_url is None:
@@ -325,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             passages = passages_of(ex, pool[40:], tokenizer, args.passage_tokens, args.seed + i)
             row = run_example(engines, url, ex, passages, system, i, args.keep)
-            row["system_tokens"] = count(tokenizer, system)
+            row["system_tokens"] = system_tokens
             with path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"[{i + 1}/{len(todo)}] " + "  ".join(
@@ -338,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_summary(summarize(load_rows(path)))
     print("\n".join(chat_lines(summarize_chat(load_rows(chat_path)))))
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -157,8 +157,7 @@ def select(
     (the retriever's score per segment, NaN where unknown; weighted by
     ``config.retriever_weight``), cut_level (n,) int8 or None (``AssembledPrompt.cut_level``:
     where a sentence longer than its limit may be cut; None: anywhere; fixed chunks ignore it)
-    → (n_kept,) int64. Prompts
-    shorter than ``config.min_prompt_tokens`` are kept whole.
+    → (n_kept,) int64. Prompts shorter than ``config.min_prompt_tokens`` are kept whole.
     """
     n = scores.numel()
     if protected.numel() != n or segment_index.numel() != n:

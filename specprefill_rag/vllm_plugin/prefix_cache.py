@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -149,8 +150,6 @@ def _patch_kv_cache_utils(module: ModuleType) -> None:
 
 def _patch_importer(module: ModuleType) -> None:
     """A module that imported the function by name gets the wrapped one (same keys in KV events)."""
-    import sys
-
     utils = sys.modules.get(KV_CACHE_UTILS_MODULE)
     wrapped = getattr(utils, _FUNCTION, None)
     if wrapped is not None and getattr(wrapped, MARK, False) and hasattr(module, _FUNCTION):
