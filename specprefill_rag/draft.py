@@ -30,6 +30,7 @@ from . import scoring
 from .config import DraftConfig, LookaheadTokens
 from .errors import InputError
 from .lookahead import DecoderParts, reading_set, tree_mask, upper_greedy, upper_logits
+from .prefixkv import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
 from .types import TokenScores
 
 __all__ = ["CAPTURE_ATTENTION", "DraftCapture", "DraftModel"]
@@ -48,6 +49,7 @@ class DraftCapture:
     positions: torch.Tensor  # (n_question + lookahead,) int64 prompt index each query sits at (causal mask)
     n_question: int = 0  # the first n_question queries are the question's tokens; the rest the look-ahead
     layer_ids: tuple[int, ...] = ()  # the draft layer of each entry (all layers unless a subset was asked)
+    cached_tokens: int = 0  # the prompt's first tokens, read from the draft's prefix store (``prefixkv``)
 
 
 class _EarlyExit(Exception):
@@ -67,6 +69,7 @@ class _Recorder:
         self.lengths = list(lengths)
         self.layers = layers  # None: every layer
         self.stop_after = stop_after  # layer after whose capture the current forward stops
+        self.offset = 0  # prompt tokens before the current forward's first one (a stored head)
         empty = torch.empty(0, dtype=torch.int64)
         self.questions = [q if q is not None else empty for q in questions]
         # Prompt rows whose queries the prefill keeps: the question's tokens, then the last token.
@@ -86,7 +89,7 @@ class _Recorder:
             # index_select copies: a view would keep the whole prefill query tensor alive
             # (heads × n_prompt × head_dim per layer) until scoring ends.
             self.queries[layer] = [
-                [query[b].index_select(1, rows.to(query.device))] for b, rows in enumerate(self.rows)
+                [query[b].index_select(1, (rows - self.offset).to(query.device))] for b, rows in enumerate(self.rows)
             ]
         else:  # a look-ahead forward: every query row of it (one greedy token, or all siblings)
             for b, pieces in enumerate(self.queries[layer]):
@@ -104,7 +107,7 @@ class _Recorder:
                 rows = kept[b].nonzero().flatten().to(pieces[0].device)
                 pieces[1:] = [torch.cat(pieces[1:], dim=1).index_select(1, rows)]
 
-    def captures(self, lookahead_ids: Sequence[list[int]]) -> list[DraftCapture]:
+    def captures(self, lookahead_ids: Sequence[list[int]], cached: int = 0) -> list[DraftCapture]:
         layers = sorted(self.keys)
         if not layers:
             raise RuntimeError(
@@ -120,6 +123,7 @@ class _Recorder:
                 positions=torch.cat([question, torch.full((len(lookahead_ids[b]) + 1,), n - 1)]),
                 n_question=int(question.numel()),
                 layer_ids=tuple(layers),
+                cached_tokens=cached,
             )
             for b, (question, n) in enumerate(zip(self.questions, self.lengths, strict=True))
         ]
@@ -159,6 +163,12 @@ def _recording(recorder: _Recorder | None) -> Iterator[None]:
         _RECORDER.reset(token)
 
 
+def _heads(contexts: Sequence[torch.Tensor | None]) -> list[int]:
+    """Each prompt's protected start: its tokens before the first prunable one (``contexts``
+    (n,) bool); none without a mask or a prunable token."""
+    return [0 if c is None or not bool(c.any()) else int(c.to(torch.int8).argmax()) for c in contexts]
+
+
 class DraftModel:
     """A small causal LM that scores prompt tokens for SpecPrefill.
 
@@ -176,6 +186,9 @@ class DraftModel:
         self.tokenizer = tokenizer
         self.config = config or DraftConfig()
         self._plain_embedding: bool | None = None  # see _embeds_plainly
+        self._plain_cache: bool | None = None  # see _stores_heads
+        # Keys and values of prompt heads read before (``prefixkv``; DraftConfig.prefix_cache_entries).
+        self.prefixes = PrefixStore(self.config.prefix_cache_entries, self.config.prefix_cache_bytes)
 
     @classmethod
     def from_pretrained(
@@ -218,6 +231,7 @@ class DraftModel:
         tokens: LookaheadTokens | None = None,
         upper_keep: float | None = None,
         guesses: int | None = None,
+        head: int = 0,
     ) -> DraftCapture:
         """Prefill ``token_ids`` (n_prompt,) and run the look-ahead, recording post-RoPE queries
         of the ``question`` token indices (m,), of the last prompt token and of each of the
@@ -235,11 +249,13 @@ class DraftModel:
         of the full forward. ``guesses`` (default: the draft's ``DraftConfig.lookahead_guesses``;
         None: ``lookahead - 2`` on CUDA, else 0): with early exit, greedy tokens are verified
         that many guesses per forward (``lookahead.upper_greedy``): the same tokens and queries
-        in fewer forwards.
+        in fewer forwards. ``head``: the prompt's first tokens that later prompts may share (its
+        protected start): read from the draft's prefix store (``prefixkv``) when it holds them, and
+        stored once read; the prompt's forward then runs over the rest only.
         """
         return self.capture_batch(
             [token_ids], lookahead, [question], layers=layers, early_exit=early_exit, tokens=tokens,
-            upper_keep=upper_keep, guesses=guesses,
+            upper_keep=upper_keep, guesses=guesses, heads=[head],
         )[0]
 
     @torch.inference_mode()
@@ -254,12 +270,15 @@ class DraftModel:
         tokens: LookaheadTokens | None = None,
         upper_keep: float | None = None,
         guesses: int | None = None,
+        heads: Sequence[int] | None = None,
     ) -> list[DraftCapture]:
         """``capture`` for several prompts in one right-padded forward per step.
 
         Padding sits after each prompt and is masked out of every attention; look-ahead tokens
         of prompt b sit at positions n_b, n_b + 1, ... (greedy) or all at n_b (siblings). So
-        each capture equals the prompt's own (within floating-point tolerance).
+        each capture equals the prompt's own (within floating-point tolerance). ``heads``: one
+        ``capture`` head per prompt; the prefix store serves the batch when all prompts begin
+        with the same tokens (``_shared_head``).
         """
         lookahead = self.config.lookahead if lookahead is None else lookahead
         tokens = self.config.lookahead_tokens if tokens is None else tokens
@@ -276,26 +295,35 @@ class DraftModel:
         recorder = _Recorder(lengths, [None if q is None else q.to(torch.int64).cpu() for q in questions], wanted)
         ids, mask = self._right_padded(token_ids, lengths)
         last = torch.tensor(lengths, device=self.device) - 1  # (batch,) each prompt's last token
+        shared = self._shared_head(token_ids, lengths, recorder.questions, heads)
+        head = self._read_head(token_ids[0][:shared], self._exit_layer(lookahead, tokens, early_exit, top, ids)
+                               ) if shared else None
+        cached = shared if head is not None else 0
         with _recording(recorder):
             if lookahead == 1:
-                self._prompt_forward(recorder, ids, mask, last, stop_after=top if early_exit else None)
-                return recorder.captures([[] for _ in lengths])
-            if tokens == "siblings":
-                upper = upper_keep if early_exit else None
-                siblings = self._siblings(recorder, ids, mask, last, lookahead - 1, top, upper)
-                return recorder.captures(siblings.tolist())
+                cache = self._cache(head, len(lengths)) if head is not None else None
+                self._prompt_forward(recorder, ids, mask, last, stop_after=top if early_exit else None, cache=cache,
+                                     head=head)
+                return recorder.captures([[] for _ in lengths], cached)
             upper = upper_keep if early_exit else None
-            steps = self._greedy(recorder, ids, mask, last, lookahead - 1, top, upper, guesses)
-            return recorder.captures(steps.tolist())
+            if tokens == "siblings":
+                siblings = self._siblings(recorder, ids, mask, last, lookahead - 1, top, upper, head)
+                return recorder.captures(siblings.tolist(), cached)
+            steps = self._greedy(recorder, ids, mask, last, lookahead - 1, top, upper, guesses, head)
+            return recorder.captures(steps.tolist(), cached)
 
     def _prompt_forward(
         self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, *,
-        stop_after: int | None, cache: Any = None, leave: Any = None,
+        stop_after: int | None, cache: Any = None, leave: Any = None, head: PrefixEntry | None = None,
     ) -> torch.Tensor | None:
         """The prompt's forward: (batch, vocab) logits at each prompt's last token; or None when it
         stopped inside layer ``stop_after``; or, with ``leave`` (a decoder layer), the hidden
-        states (batch, width, d_model) leaving that layer, where the forward then stops."""
-        recorder.stop_after = stop_after
+        states (batch, width, d_model) leaving that layer, where the forward then stops.
+
+        ``head``: the prompts' shared first tokens, already in ``cache``: the forward reads the
+        tokens after them, and the hidden states returned begin with the head's."""
+        start = 0 if head is None else head.n_tokens
+        recorder.stop_after, recorder.offset = stop_after, start
         keep = torch.unique(last)  # logits only where some prompt ends
         left: list[torch.Tensor] = []
 
@@ -306,11 +334,13 @@ class DraftModel:
         handle = leave.register_forward_hook(stop) if leave is not None else None
         try:
             out = self.model(
-                input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=cache is not None,
-                logits_to_keep=keep,
+                input_ids=ids[:, start:], attention_mask=mask, past_key_values=cache, use_cache=cache is not None,
+                logits_to_keep=keep - start,
             )
         except _EarlyExit:
-            return left[0] if left else None
+            if not left or head is None:
+                return left[0] if left else None
+            return torch.cat([head.hidden.expand(len(last), -1, -1), left[0]], dim=1)
         finally:
             if handle is not None:
                 handle.remove()
@@ -318,7 +348,7 @@ class DraftModel:
 
     def _siblings(
         self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, k: int, top: int,
-        upper_keep: float | None,
+        upper_keep: float | None, head: PrefixEntry | None = None,
     ) -> torch.Tensor:
         """Two forwards: the prompt's, then the ``k`` likeliest next tokens of each prompt together,
         each at position n_b seeing its prompt and itself (``lookahead.tree_mask``). (batch, k).
@@ -326,17 +356,15 @@ class DraftModel:
         ``upper_keep``: the prompt's forward stops after layer ``top``; the layers above it read
         that share of each prompt's tokens only, the best by the recorded rows (question and last
         token), to find the likeliest next tokens (``lookahead.upper_logits``). None: the full
-        forward's logits.
+        forward's logits. ``head``: the prompts' shared start, read from the prefix store.
         """
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
+        cache = self._cache(head, len(last))
         parts = DecoderParts.of(self.model) if upper_keep is not None and top < self.n_layers - 1 else None
         if parts is None or upper_keep is None:
-            logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache)
+            logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache, head=head)
         else:
             leaving = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache,
-                                           leave=parts.layers[top])
+                                           leave=parts.layers[top], head=head)
             assert leaving is not None
             logits = self._upper_logits(recorder, parts, leaving, last, top, upper_keep)
         assert logits is not None
@@ -386,7 +414,7 @@ class DraftModel:
 
     def _greedy(
         self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, steps: int, top: int,
-        upper_keep: float | None = None, guesses: int = 0,
+        upper_keep: float | None = None, guesses: int = 0, head: PrefixEntry | None = None,
     ) -> torch.Tensor:
         """The reference's look-ahead: ``steps`` greedy decode steps after the prompt's forward,
         with no host synchronisation inside the loop (verified guesses: one per forward).
@@ -395,15 +423,16 @@ class DraftModel:
         ``upper_keep``: the prompt's forward stops after layer ``top``, and the layers above it
         read that share of each prompt (its reading set, as for siblings) in every step
         (``lookahead.upper_greedy``, which verifies ``guesses`` guessed tokens per forward); the
-        recorded layers see the whole prompt. None: full forwards, one per step.
+        recorded layers see the whole prompt. None: full forwards, one per step. ``head``: the
+        prompts' shared start, read from the prefix store.
         """
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
+        cache = self._cache(head, len(last))
         parts = DecoderParts.of(self.model) if upper_keep is not None and top < self.n_layers - 1 else None
         if parts is not None and upper_keep is not None and self._embeds_plainly(parts, ids):
             leaving = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache,
-                                           leave=parts.layers[top])
+                                           leave=parts.layers[top], head=head)
             assert leaving is not None
             # Only the steps' queries are recorded: the layers above ``top`` never are.
             upper = DynamicCache(config=self.model.config)
@@ -411,7 +440,7 @@ class DraftModel:
             found, kept = upper_greedy(parts, cache, upper, leaving, ids, mask, keeps, top + 1, steps, guesses)
             recorder.keep_lookahead(kept)
             return found
-        logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache)
+        logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache, head=head)
         assert logits is not None
         batch = len(last)
         tokens: list[torch.Tensor] = []
@@ -428,6 +457,90 @@ class DraftModel:
                 break
             logits = out.logits[:, -1]
         return torch.stack(tokens, dim=1)
+
+    # -- the prefix store: prompt heads read once (``prefixkv``) ----------------------------
+
+    def _shared_head(self, token_ids: Sequence[torch.Tensor], lengths: list[int], questions: list[torch.Tensor],
+                     heads: Sequence[int] | None) -> int:
+        """How many first tokens of the batch the prefix store may serve: the shortest of
+        ``heads`` when every prompt begins with the same tokens, before every question token and
+        each prompt's last token (their queries are recorded); 0 when that is under
+        ``MIN_PREFIX_TOKENS``, the store is off, or this draft's cache is not plain."""
+        if not heads or self.prefixes.entries == 0:
+            return 0
+        if len(heads) != len(lengths):
+            raise InputError("pass one head length per prompt")
+        starts = [int(q.min()) for q in questions if q.numel()]
+        p = min(min(int(h) for h in heads), min(lengths) - 1, *starts)
+        if p < MIN_PREFIX_TOKENS or not self._stores_heads():
+            return 0
+        first = token_ids[0][:p].to(torch.int64).cpu()
+        return p if all(torch.equal(t[:p].to(torch.int64).cpu(), first) for t in token_ids[1:]) else 0
+
+    def _exit_layer(self, lookahead: int, tokens: LookaheadTokens, early_exit: bool, top: int, ids: torch.Tensor
+                    ) -> int:
+        """The last layer the prompt's forward runs (what a stored head must hold for it)."""
+        last = self.n_layers - 1
+        if not early_exit or top >= last:
+            return last
+        if lookahead == 1:
+            return top
+        parts = DecoderParts.of(self.model)
+        if parts is None or (tokens == "greedy" and not self._embeds_plainly(parts, ids)):
+            return last
+        return top
+
+    def _read_head(self, head_ids: torch.Tensor, exit_layer: int) -> PrefixEntry:
+        """The store's entry for ``head_ids`` (p,): stored, or read on from the longest stored
+        head it begins with (a chat's previous turn), or from nothing, and then stored."""
+        head_ids = head_ids.to(torch.int64).cpu()
+        found = self.prefixes.longest(head_ids, exit_layer)
+        if found is not None and found.n_tokens == head_ids.numel():
+            return found
+        done = 0 if found is None else found.n_tokens
+        cache = self._cache(found, 1)
+        left: list[torch.Tensor] = []
+
+        def stop(module: Any, args: Any, output: Any) -> None:
+            left.append(output[0] if isinstance(output, tuple) else output)
+            raise _EarlyExit
+
+        handle = self.model.get_decoder().layers[exit_layer].register_forward_hook(stop)
+        try:
+            with _recording(None), contextlib.suppress(_EarlyExit):
+                self.model(input_ids=head_ids[done:].unsqueeze(0).to(self.device), past_key_values=cache,
+                           use_cache=True)
+        finally:
+            handle.remove()
+        hidden = left[0] if found is None else torch.cat([found.hidden, left[0]], dim=1)
+        layers = cache.layers[: exit_layer + 1]
+        entry = PrefixEntry(head_ids, exit_layer, tuple(layer.keys for layer in layers),
+                            tuple(layer.values for layer in layers), hidden)
+        self.prefixes.put(entry)
+        return entry
+
+    def _cache(self, head: PrefixEntry | None, batch: int) -> Any:
+        """A new KV cache for ``batch`` prompts, holding ``head``'s keys and values when given."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        if head is not None:
+            for i, (keys, values) in enumerate(zip(head.keys, head.values, strict=True)):
+                cache.update(keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1), i)
+        return cache
+
+    def _stores_heads(self) -> bool:
+        """Whether this draft can resume from a stored head: a decoder whose KV cache is plain
+        (every layer a growing full-attention one); checked once."""
+        if self._plain_cache is None:
+            from transformers import DynamicCache
+            from transformers.cache_utils import DynamicLayer
+
+            decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+            layers = DynamicCache(config=self.model.config).layers
+            self._plain_cache = (getattr(decoder, "layers", None) is not None and len(layers) == self.n_layers
+                                 and all(type(layer) is DynamicLayer for layer in layers))
+        return self._plain_cache
 
     def _guesses(self, value: int | None, lookahead: int) -> int:
         """Guesses verified per greedy forward: ``value``, or for None (auto) what
@@ -508,7 +621,11 @@ class DraftModel:
     ) -> list[TokenScores]:
         """``score`` for several prompts of any lengths in one batched draft run (one padded
         prefill, one batched step per look-ahead token); each result equals the prompt's own
-        ``score`` within floating-point tolerance. ``seconds`` is the whole batch's time."""
+        ``score`` within floating-point tolerance. ``seconds`` is the whole batch's time.
+
+        Each prompt's protected start (its tokens before the first one ``contexts`` marks
+        prunable) is its head (``capture``): an application's system prompt, a chat's earlier
+        turns are read once and then served from the prefix store (``DraftConfig.prefix_cache_entries``)."""
         cfg = config or self.config
         start = time.perf_counter()
         batch = len(token_ids)
@@ -518,10 +635,13 @@ class DraftModel:
             raise InputError("pass one question and one context mask (or None) per prompt")
         lookaheads = [cfg.lookahead_for(0 if q is None else int(q.numel())) for q in questions]
         layers = cfg.layer_indices(self.n_layers)
+        if cfg.prefix_cache_entries:  # 0: this call neither reads nor changes the store
+            self.prefixes.resize(cfg.prefix_cache_entries, cfg.prefix_cache_bytes)
         caps = self.capture_batch(
             token_ids, max(lookaheads), questions, layers=layers, early_exit=cfg.early_exit,
             tokens=cfg.lookahead_tokens, upper_keep=cfg.upper_keep,
             guesses=self._guesses(cfg.lookahead_guesses, max(lookaheads)),
+            heads=_heads(contexts) if cfg.prefix_cache_entries else None,
         )
         results = []
         for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True):
@@ -543,6 +663,7 @@ class DraftModel:
                     scores=scoring.importance(per_layer, weights).cpu(),
                     lookahead_token_ids=cap.lookahead_token_ids[: lookahead - 1],
                     seconds=0.0,
+                    cached_tokens=cap.cached_tokens,
                 )
             )
         seconds = time.perf_counter() - start

@@ -100,10 +100,11 @@ def _result(planned: PlannedPrompt, decoder: IncrementalDecoder, finish: str, *,
         total_s=end - started,
         decode_tokens_per_s=(n_generated - 1) / (end - first) if n_generated > 1 and end > first else None,
     )
-    plan, memo_hit = planned.plan, planned.scores is not None and planned.scores.from_memo
+    plan, scores = planned.plan, planned.scores
     return GenerationResult(text=decoder.text, token_ids=decoder.token_ids, finish_reason=finish,
                             prompt_tokens=plan.n_prompt, prefilled_tokens=plan.n_kept, plan=plan, timings=timings,
-                            prompt=planned.prompt, draft_memo_hit=memo_hit)
+                            prompt=planned.prompt, draft_memo_hit=scores is not None and scores.from_memo,
+                            draft_cached_tokens=0 if scores is None else scores.cached_tokens)
 
 
 class SpecPrefillEngine:
@@ -373,10 +374,7 @@ class SpecPrefillEngine:
         mapped = [tokenmap.map_scores(s.scores, item.read, item.prompt) for s, item in zip(scored, items, strict=True)]
         seconds = time.perf_counter() - start
         logger.debug("mapped draft scores onto %d prompts in %.3f s", len(items), seconds - scored[0].seconds)
-        return [
-            TokenScores(scores=m, lookahead_token_ids=s.lookahead_token_ids, seconds=seconds)
-            for m, s in zip(mapped, scored, strict=True)
-        ]
+        return [dataclasses.replace(s, scores=m, seconds=seconds) for m, s in zip(mapped, scored, strict=True)]
 
     def _select(self, prompt: AssembledPrompt, sel: SelectionConfig, scores: TokenScores) -> PlannedPrompt:
         """The plan from the draft's ``scores``: the best units within the budget (timed here;

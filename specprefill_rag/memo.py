@@ -62,7 +62,7 @@ class ScoreMemo:
             if found is None:
                 return None
             self._items.move_to_end(key)
-        return dataclasses.replace(found, seconds=0.0, from_memo=True)
+        return dataclasses.replace(found, seconds=0.0, from_memo=True, cached_tokens=0)
 
     def put(self, key: bytes, scores: TokenScores) -> None:
         size = _size(scores)

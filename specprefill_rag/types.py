@@ -175,6 +175,7 @@ class TokenScores:
     lookahead_token_ids: tuple[int, ...]  # the draft's greedy look-ahead tokens
     seconds: float  # wall time of draft prefill + look-ahead + scoring (0.0 from the memo)
     from_memo: bool = False  # the engine's memo had them (an identical request): the draft did not run
+    cached_tokens: int = 0  # the prompt's first tokens the draft read from its prefix store, not again
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,7 @@ class GenerationResult:
     timings: Timings
     prompt: AssembledPrompt | None = None  # the assembled prompt the plan was made from
     draft_memo_hit: bool = False  # the draft's scores came from the engine's memo: the draft did not run
+    draft_cached_tokens: int = 0  # the prompt's first draft tokens read from the draft's prefix store
 
     @property
     def keep_ratio(self) -> float:
@@ -274,6 +276,7 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "speculated": self.plan.speculated,
             "draft_memo_hit": self.draft_memo_hit,
+            "draft_cached_tokens": self.draft_cached_tokens,
             "prompt_tokens": self.prompt_tokens,
             "prefilled_tokens": self.prefilled_tokens,
             "generated_tokens": self.generated_tokens,

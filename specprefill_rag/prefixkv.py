@@ -1,0 +1,111 @@
+"""The draft's keys and values of prompt heads it has read, so a prompt that starts the same way
+(the application's system prompt, a chat's earlier turns) is read from where the head ends.
+
+A causal model's keys and values of a prompt's first p tokens depend on those p tokens only, so
+the draft computes them once and later prompts that begin with the same p token ids reuse them:
+the draft's prompt forward then runs over the rest of the prompt alone. What the draft reads is
+protected (never pruned) and shared by the requests of an application, the part vLLM's prefix
+cache already makes free for the main model; without this store the draft re-read it each time.
+
+An entry holds the keys and values of layers 0 … ``exit_layer`` (the layers the prompt's forward
+runs: all of them, or up to the highest aggregated one under early exit) and the hidden states
+leaving ``exit_layer`` (what the upper layers' reading set is gathered from). Entries are looked
+up by the longest stored head of a prompt, so a chat's turn k + 1 extends turn k's entry instead
+of reading the conversation again. Bounded in entries and bytes, least recently used first out;
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MIN_PREFIX_TOKENS", "PrefixEntry", "PrefixStore"]
+
+MIN_PREFIX_TOKENS = 32  # a shorter head is read with the rest: splitting the forward would not pay
+
+
+@dataclass(frozen=True)
+class PrefixEntry:
+    """The draft's state after reading ``token_ids`` (p,): per layer 0 … ``exit_layer`` its keys
+    and values (1, kv_heads, p, head_dim), and the hidden states (1, p, d_model) leaving ``exit_layer``."""
+
+    token_ids: torch.Tensor  # (p,) int64, on the CPU
+    exit_layer: int
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    hidden: torch.Tensor
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (*self.keys, *self.values, self.hidden)
+        return sum(t.numel() * t.element_size() for t in tensors) + 8 * self.n_tokens
+
+
+class PrefixStore:
+    """At most ``entries`` prompt heads and ``max_bytes`` of their tensors together (0 entries:
+    nothing is kept). ``longest`` finds the longest stored head of a prompt."""
+
+    def __init__(self, entries: int, max_bytes: int) -> None:
+        self.entries, self.max_bytes = entries, max_bytes
+        self._items: OrderedDict[tuple[int, bytes], PrefixEntry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def resize(self, entries: int, max_bytes: int) -> None:
+        """New bounds; entries over them leave now."""
+        with self._lock:
+            self.entries, self.max_bytes = entries, max_bytes
+            self._evict()
+
+    def longest(self, token_ids: torch.Tensor, exit_layer: int) -> PrefixEntry | None:
+        """The longest stored entry of ``exit_layer`` whose token ids begin ``token_ids`` (n,), or None."""
+        ids = token_ids.to(torch.int64).cpu()
+        with self._lock:
+            best: tuple[tuple[int, bytes], PrefixEntry] | None = None
+            for key, entry in self._items.items():
+                p = entry.n_tokens
+                if entry.exit_layer != exit_layer or p > ids.numel() or (best is not None and p <= best[1].n_tokens):
+                    continue
+                if torch.equal(entry.token_ids, ids[:p]):
+                    best = (key, entry)
+            if best is None:
+                return None
+            self._items.move_to_end(best[0])
+            return best[1]
+
+    def put(self, entry: PrefixEntry) -> None:
+        size = entry.nbytes
+        if self.entries == 0 or size > self.max_bytes:
+            return
+        key = (entry.exit_layer, entry.token_ids.numpy().tobytes())
+        with self._lock:
+            if key in self._items:
+                self._bytes -= self._items.pop(key).nbytes
+            self._items[key] = entry
+            self._bytes += size
+            self._evict()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+    def _evict(self) -> None:
+        while self._items and (len(self._items) > self.entries or self._bytes > self.max_bytes):
+            _, old = self._items.popitem(last=False)
+            self._bytes -= old.nbytes
