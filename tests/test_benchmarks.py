@@ -546,11 +546,12 @@ def test_benchmarks_that_repeat_a_prompt_score_every_request() -> None:
     from specprefill_rag import DraftConfig
     from specprefill_rag.testing import tiny_engine
 
-    assert ttft.build_draft_config(argparse.Namespace(lookahead=None)).memo_entries == 0
-    assert ttft.build_draft_config(argparse.Namespace(lookahead=4)).memo_entries == 0
-    assert ttft.with_draft_config(tiny_engine(), DraftConfig(lookahead=3)).config.draft.memo_entries == 0
+    drafts = [ttft.build_draft_config(argparse.Namespace(lookahead=None)),
+              ttft.build_draft_config(argparse.Namespace(lookahead=4)),
+              ttft.with_draft_config(tiny_engine(), DraftConfig(lookahead=3)).config.draft]
     engine = quality.build_engine(argparse.Namespace(tiny=True, main="m", draft="d", lookahead=None, max_new_tokens=4))
-    assert engine.config.draft.memo_entries == 0
+    drafts.append(engine.config.draft)
+    assert all(d.memo_entries == 0 and d.prefix_cache_entries == 0 for d in drafts)
     assert engine.config.draft.lookahead == DraftConfig().lookahead
 
 
@@ -575,10 +576,14 @@ def test_prefix_cache_bench_builds_its_prompts_and_reads_vllms_counter(tokenizer
     def run(ttft: float, cached: int, memo: bool = False) -> dict[str, object]:
         return {"ttft_s": ttft, "prefill_s": ttft / 2, "cached_tokens": cached, "sent_tokens": 2000, "memo_hit": memo}
 
-    rows = [{"id": str(i), "system_tokens": 1024, "sys_full": run(10.0, 1024), "sys_spec": run(2.0, 1024),
+    rows = [{"id": str(i), "system_tokens": 1024, "sys_full": run(10.0, 1024),
+             "sys_spec": {**run(2.0, 1024), "draft_cached_tokens": 1000 + 10 * i},
              "retry": run(0.5, 1100, memo=True), "nosys_full": run(8.0, 0), "nosys_spec": run(2.5, 0)}
             for i in range(4)]
     summary = prefix_cache.summarize(rows)
+    assert summary["sys_spec_draft_cached"][0] == 1015
+    assert prefix_cache.summary_lines(summary)[-1].startswith("- sys_spec draft tokens read from the draft's prefix "
+                                                             "store: 1015 [")
     assert summary["n"] == 4 and summary["retry_memo_hits"] == 4
     assert summary["speedup_sys"][0] == pytest.approx(5.0) and summary["speedup_nosys"][0] == pytest.approx(3.2)
     assert summary["retry_over_prefill"][0] == pytest.approx(2.0)
