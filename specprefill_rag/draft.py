@@ -11,6 +11,10 @@ tokens ("siblings", ``lookahead``), scored together in one more forward at posit
 sees the prompt and itself). With early exit the prompt's forward stops after the highest layer
 whose attention is aggregated, and the layers above it read a reading set of the prompt to
 choose the look-ahead tokens (``lookahead``); the last look-ahead forward always stops there.
+
+A prompt's protected start (template, system prompt, a chat's earlier turns) is read once: its
+keys and values go to the draft's prefix store (``prefixkv``), and a later prompt that begins
+with it runs its forward over the rest only.
 """
 
 from __future__ import annotations
@@ -295,10 +299,9 @@ class DraftModel:
         recorder = _Recorder(lengths, [None if q is None else q.to(torch.int64).cpu() for q in questions], wanted)
         ids, mask = self._right_padded(token_ids, lengths)
         last = torch.tensor(lengths, device=self.device) - 1  # (batch,) each prompt's last token
-        shared = self._shared_head(token_ids, lengths, recorder.questions, heads)
-        head = self._read_head(token_ids[0][:shared], self._exit_layer(lookahead, tokens, early_exit, top, ids)
-                               ) if shared else None
-        cached = shared if head is not None else 0
+        cached = self._shared_head(token_ids, lengths, recorder.questions, heads)
+        head = self._read_head(token_ids[0][:cached], self._exit_layer(lookahead, tokens, early_exit, top, ids)
+                               ) if cached else None
         with _recording(recorder):
             if lookahead == 1:
                 cache = self._cache(head, len(lengths)) if head is not None else None

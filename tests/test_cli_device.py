@@ -99,3 +99,10 @@ def test_draft_memo_reaches_the_gateways_draft_config(built: list[dict[str, Any]
     with pytest.raises(_Built):
         cli.main(["gateway"])
     assert built[-1]["config"].draft.memo_entries == 32  # the library's default
+    assert built[-1]["config"].draft.prefix_cache_entries == 8
+
+
+def test_draft_prefix_cache_reaches_the_gateways_draft_config(built: list[dict[str, Any]]) -> None:
+    with pytest.raises(_Built):
+        cli.main(["gateway", "--draft-prefix-cache", "0"])
+    assert built[-1]["config"].draft.prefix_cache_entries == 0 and built[-1]["config"].draft.memo_entries == 32

@@ -84,6 +84,10 @@ def _gateway_args(group: Any) -> None:
     add("--draft-memo", type=int, default=None,
         help="prompts whose draft scores are kept, so an identical request (a retry) skips the draft, "
         "DraftConfig.memo_entries (default: the engine's, 32; 0: off)")
+    add("--draft-prefix-cache", type=int, default=None,
+        help="prompt heads (system prompt, a chat's earlier turns) whose draft keys and values are kept, so a "
+        "request that begins with one is read from where it ends, DraftConfig.prefix_cache_entries "
+        "(default: the engine's, 8; 0: off)")
     add("--model-name", default=None, help="model id shown to clients (default: the main model's name)")
     add("--max-body-bytes", type=int, default=8 << 20,
         help="request bodies larger than this are refused with HTTP 413 before they are read whole "
@@ -294,7 +298,8 @@ def _gateway_config(args: argparse.Namespace, base: Any) -> Any:
     if args.keep_rate is not None:
         config = dataclasses.replace(config, selection=dataclasses.replace(
             config.selection, keep_rate=args.keep_rate, token_budget=None))
-    draft = {"max_batch": args.draft_batch, "lookahead_tokens": args.lookahead_tokens, "memo_entries": args.draft_memo}
+    draft = {"max_batch": args.draft_batch, "lookahead_tokens": args.lookahead_tokens, "memo_entries": args.draft_memo,
+             "prefix_cache_entries": args.draft_prefix_cache}
     if draft := {name: value for name, value in draft.items() if value is not None}:
         config = dataclasses.replace(config, draft=dataclasses.replace(config.draft, **draft))
     if args.max_new_tokens is not None:
