@@ -22,6 +22,8 @@ from specprefill_rag import (
     GenerationResult,
     Passage,
     PrefillPlan,
+    Segment,
+    SegmentKind,
     SelectionConfig,
     SpecPrefillConfig,
     SpecPrefillEngine,
@@ -29,6 +31,7 @@ from specprefill_rag import (
     available_backends,
 )
 from specprefill_rag import prompt as prompt_lib
+from specprefill_rag.chat import chat_segments
 from specprefill_rag.loading import MODEL_PAIRS as MODEL_PAIRS_BY_NAME
 from specprefill_rag.tools.retrieval import Document, Retriever, demo_documents, split_passages
 
@@ -106,7 +109,7 @@ class PendingAnswer:
     """A question being answered: what was retrieved and the assembled prompt."""
 
     question: str  # as the user typed it
-    prompt_question: str  # what the model sees (with earlier turns in front)
+    segments: tuple[Segment, ...]  # what the model sees: instructions, earlier turns as chat, passages, question
     passages: tuple[Passage, ...]
     prompt: AssembledPrompt
 
@@ -215,11 +218,11 @@ def build_retriever(documents: Sequence[Document] | None = None) -> Retriever:
 
 def passage_views(prompt: AssembledPrompt, plan: PrefillPlan) -> list[PassageView]:
     """Each passage's text cut into kept / dropped runs (``prompt.kept_runs`` in the core);
-    only passage text, never the chat template around it."""
+    only passage text, never the chat template around it nor the chat's earlier turns."""
     runs = prompt_lib.kept_runs(prompt, plan)
     views: list[PassageView] = []
     for span in plan.kept_spans:
-        if span.segment_index in runs:
+        if span.segment_index in runs and span.kind in (SegmentKind.PASSAGE, SegmentKind.CONTEXT):
             views.append(PassageView(len(views) + 1, span.id, span.n_tokens, span.n_kept, runs[span.segment_index]))
     return views
 
@@ -246,8 +249,10 @@ class ChatSession:
     """A multi-turn RAG chat: retrieve for each question, answer with SpecPrefill, keep history.
 
     A follow-up is retrieved with the previous question appended (so "and who built it?"
-    finds the same passages), and the last ``history_turns`` questions follow the new one
-    inside the protected question segment.
+    finds the same passages). The last ``history_turns`` exchanges go before it as the chat
+    messages they were (``chat_segments``: protected history, rendered with the model's chat
+    template), so turn k's prompt begins with turn k − 1's conversation: vLLM's prefix cache and
+    the draft's prefix store serve it instead of reading it again.
     """
 
     def __init__(
@@ -273,17 +278,15 @@ class ChatSession:
         SelectionConfig(keep_rate=keep_rate)  # raises "keep_rate must be in (0, 1]"
         self.keep_rate = keep_rate
 
-    def _contextualize(self, question: str, history: Sequence[Turn]) -> tuple[str, str]:
-        """(retrieval query, prompt question) for ``question`` after ``history``.
-
-        Only earlier *questions* go into the prompt: a small model given its earlier answers
-        tends to repeat them instead of answering the new question.
-        """
+    def _contextualize(self, question: str, history: Sequence[Turn]) -> tuple[str, list[tuple[str, str]]]:
+        """(retrieval query, chat messages) for ``question`` after ``history``: the last
+        ``history_turns`` exchanges as user and assistant messages, then the question."""
         recent = list(history)[-self.history_turns :] if self.history_turns else []
+        messages = [m for t in recent for m in (("user", t.question), ("assistant", t.answer))]
+        messages.append(("user", question))
         if not recent:
-            return question, question
-        earlier = " ".join(t.question for t in recent)
-        return f"{question} {earlier}", f"{question}\n(Earlier in this chat I asked: {earlier})"
+            return question, messages
+        return f"{question} {' '.join(t.question for t in recent)}", messages
 
     def ask(self, question: str, history: Sequence[Turn] | None = None) -> tuple[TextStream, PendingAnswer]:
         """Start answering; iterate the stream for text, then call ``finish(stream, answer)``.
@@ -294,12 +297,13 @@ class ChatSession:
         if not question:
             raise ValueError("the question is empty: type a question first")
         history = self.history if history is None else history
-        query, prompt_question = self._contextualize(question, history)
+        query, messages = self._contextualize(question, history)
         passages = tuple(self.retriever.retrieve(query, top_k=self.top_k))
-        prompt = self.engine.assemble(prompt_question, passages)
+        segments = chat_segments(messages, passages, instructions=self.engine.config.instructions)
+        prompt = self.engine.assemble(segments)
         generation = dataclasses.replace(self.engine.config.generation, max_new_tokens=self.max_new_tokens)
-        stream = self.engine.stream(prompt_question, passages, keep_rate=self.keep_rate, generation=generation)
-        return stream, PendingAnswer(question, prompt_question, passages, prompt)
+        stream = self.engine.stream(segments, keep_rate=self.keep_rate, generation=generation)
+        return stream, PendingAnswer(question, segments, passages, prompt)
 
     def finish(self, stream: TextStream, pending: PendingAnswer, *, compare_full: bool = False) -> Answer:
         """The finished answer (after the stream ended), optionally with a full-prefill TTFT."""
@@ -308,10 +312,7 @@ class ChatSession:
         full = None
         if compare_full:
             # TTFT is all the comparison needs: one token of the same prompt, fully prefilled.
-            full = self.engine.generate(
-                pending.prompt_question, pending.passages, mode="full",
-                generation=GenerationConfig(max_new_tokens=1),
-            )
+            full = self.engine.generate(pending.segments, mode="full", generation=GenerationConfig(max_new_tokens=1))
         self.history.append(Turn(pending.question, stream.result.text))
         return Answer(pending.question, pending.passages, pending.prompt, stream.result, full)
 

@@ -1,7 +1,7 @@
 """Unit tests of the example apps' shared helpers (examples/rag_chat.py): no model files.
 
-Kept token ranges → kept / dropped character runs of each passage, and uploads → documents
-with readable errors.
+Kept token ranges → kept / dropped character runs of each passage, uploads → documents with
+readable errors, and a follow-up's prompt carrying the last exchange as chat turns.
 """
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from examples.rag_chat import load_uploads, passage_views
+from examples.rag_chat import ChatSession, load_uploads, passage_views
 from specprefill_rag import Passage, SegmentKind, chat
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag.selection import full_plan, plan_from_indices
+from specprefill_rag.testing import tiny_engine
 
 PASSAGES = [
     Passage("The quick brown fox jumps over the lazy dog near the river bank.", id="fox"),
@@ -24,6 +25,38 @@ PASSAGES = [
 def prompt(tokenizer):
     segments = chat.build_segments("what is the passkey?", PASSAGES, "be concise")
     return prompt_lib.assemble(tokenizer, segments)
+
+
+class FixedRetriever:
+    """Returns the same passages for every query, and remembers the queries."""
+
+    def __init__(self, passages) -> None:
+        self.passages, self.queries = passages, []
+
+    def retrieve(self, question: str, top_k: int = 8) -> list[Passage]:
+        self.queries.append(question)
+        return list(self.passages[:top_k])
+
+
+def test_a_follow_up_carries_the_last_exchange_as_chat_turns():
+    """Turn 2's prompt begins with turn 1's exchange as protected history messages (so caches
+    serve it), retrieval still sees the earlier question, and the views show passages only."""
+    passages = [Passage(f"Bridge {i} spans the river at mile {i * 13} since {1900 + i}.", id=f"p{i}") for i in range(6)]
+    retriever = FixedRetriever(passages)
+    session = ChatSession(tiny_engine(), retriever, keep_rate=0.5, top_k=6, max_new_tokens=3)
+    first = list(session.answer("Which bridge is at mile 26?"))[-1]
+    stream, pending = session.ask("And when was it built?")
+    history = [s for s in pending.segments if s.kind is SegmentKind.HISTORY]
+    assert [(s.role, s.text) for s in history] == [("user", "Which bridge is at mile 26?"),
+                                                   ("assistant", first.result.text.strip())]
+    assert retriever.queries[-1] == "And when was it built? Which bridge is at mile 26?"
+    for _ in stream:
+        pass
+    second = session.finish(stream, pending)
+    assert second.prompt.protected[pending.prompt.segment_index == pending.segments.index(history[0])].all()
+    assert [v.id for v in second.views] == [p.id for p in passages]  # no history among the passages
+    # The head (template, instructions, turn 1) is read by the draft once per new head at most.
+    assert second.result.draft_cached_tokens >= first.result.draft_cached_tokens > 0
 
 
 def test_views_cover_each_passage_text_exactly(prompt):
