@@ -519,7 +519,7 @@ class DraftModel:
         layers = cache.layers[: exit_layer + 1]
         entry = PrefixEntry(head_ids, exit_layer, tuple(layer.keys for layer in layers),
                             tuple(layer.values for layer in layers), hidden)
-        self.prefixes.put(entry)
+        self.prefixes.add(entry)
         return entry
 
     def _cache(self, head: PrefixEntry | None, batch: int) -> Any:

@@ -13,13 +13,17 @@ import dataclasses
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
 
 import torch
 
 from .types import TokenScores
 
-__all__ = ["ScoreMemo", "digest"]
+K = TypeVar("K")
+V = TypeVar("V")
+
+__all__ = ["Bounded", "ScoreMemo", "digest"]
 
 
 def digest(tensors: Iterable[torch.Tensor | None], settings: object) -> bytes:
@@ -39,13 +43,14 @@ def _size(scores: TokenScores) -> int:
     return scores.scores.numel() * scores.scores.element_size() + 8 * len(scores.lookahead_token_ids)
 
 
-class ScoreMemo:
-    """The last scores, at most ``entries`` of them and ``max_bytes`` of score tensors together
-    (0 entries: nothing is kept). ``get`` returns a hit with ``seconds=0.0`` and ``from_memo``."""
+class Bounded(Generic[K, V]):
+    """At most ``entries`` values and ``max_bytes`` of them together (``size(value)``), least
+    recently used first out; 0 entries: nothing is kept, and a value larger than ``max_bytes``
+    alone is not kept. Thread-safe. The score memo and the draft's prefix store (``prefixkv``)."""
 
-    def __init__(self, entries: int, max_bytes: int) -> None:
-        self.entries, self.max_bytes = entries, max_bytes
-        self._items: OrderedDict[bytes, TokenScores] = OrderedDict()
+    def __init__(self, entries: int, max_bytes: int, size: Callable[[V], int]) -> None:
+        self.entries, self.max_bytes, self._size = entries, max_bytes, size
+        self._items: OrderedDict[K, V] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -56,28 +61,54 @@ class ScoreMemo:
     def nbytes(self) -> int:
         return self._bytes
 
-    def get(self, key: bytes) -> TokenScores | None:
+    def _get(self, key: K) -> V | None:
         with self._lock:
             found = self._items.get(key)
-            if found is None:
-                return None
-            self._items.move_to_end(key)
-        return dataclasses.replace(found, seconds=0.0, from_memo=True, cached_tokens=0)
+            if found is not None:
+                self._items.move_to_end(key)
+            return found
 
-    def put(self, key: bytes, scores: TokenScores) -> None:
-        size = _size(scores)
+    def _snapshot(self) -> list[tuple[K, V]]:
+        with self._lock:
+            return list(self._items.items())
+
+    def put(self, key: K, value: V) -> None:
+        size = self._size(value)
         if self.entries == 0 or size > self.max_bytes:
             return
         with self._lock:
             if key in self._items:
-                self._bytes -= _size(self._items.pop(key))
-            self._items[key] = scores
+                self._bytes -= self._size(self._items.pop(key))
+            self._items[key] = value
             self._bytes += size
-            while len(self._items) > self.entries or self._bytes > self.max_bytes:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= _size(old)
+            self._evict()
+
+    def resize(self, entries: int, max_bytes: int) -> None:
+        """New bounds; values over them leave now."""
+        with self._lock:
+            self.entries, self.max_bytes = entries, max_bytes
+            self._evict()
 
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
             self._bytes = 0
+
+    def _evict(self) -> None:
+        while self._items and (len(self._items) > self.entries or self._bytes > self.max_bytes):
+            _, old = self._items.popitem(last=False)
+            self._bytes -= self._size(old)
+
+
+class ScoreMemo(Bounded[bytes, TokenScores]):
+    """The last scores, at most ``entries`` of them and ``max_bytes`` of score tensors together
+    (0 entries: nothing is kept). ``get`` returns a hit with ``seconds=0.0`` and ``from_memo``."""
+
+    def __init__(self, entries: int, max_bytes: int) -> None:
+        super().__init__(entries, max_bytes, _size)
+
+    def get(self, key: bytes) -> TokenScores | None:
+        found = self._get(key)
+        if found is None:
+            return None
+        return dataclasses.replace(found, seconds=0.0, from_memo=True, cached_tokens=0)

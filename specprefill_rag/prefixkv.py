@@ -17,11 +17,11 @@ thread-safe.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from .memo import Bounded
 
 __all__ = ["MIN_PREFIX_TOKENS", "PrefixEntry", "PrefixStore"]
 
@@ -49,63 +49,27 @@ class PrefixEntry:
         return sum(t.numel() * t.element_size() for t in tensors) + 8 * self.n_tokens
 
 
-class PrefixStore:
+class PrefixStore(Bounded[tuple[int, bytes], PrefixEntry]):
     """At most ``entries`` prompt heads and ``max_bytes`` of their tensors together (0 entries:
     nothing is kept). ``longest`` finds the longest stored head of a prompt."""
 
     def __init__(self, entries: int, max_bytes: int) -> None:
-        self.entries, self.max_bytes = entries, max_bytes
-        self._items: OrderedDict[tuple[int, bytes], PrefixEntry] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-    def resize(self, entries: int, max_bytes: int) -> None:
-        """New bounds; entries over them leave now."""
-        with self._lock:
-            self.entries, self.max_bytes = entries, max_bytes
-            self._evict()
+        super().__init__(entries, max_bytes, lambda entry: entry.nbytes)
 
     def longest(self, token_ids: torch.Tensor, exit_layer: int) -> PrefixEntry | None:
         """The longest stored entry of ``exit_layer`` whose token ids begin ``token_ids`` (n,), or None."""
         ids = token_ids.to(torch.int64).cpu()
-        with self._lock:
-            best: tuple[tuple[int, bytes], PrefixEntry] | None = None
-            for key, entry in self._items.items():
-                p = entry.n_tokens
-                if entry.exit_layer != exit_layer or p > ids.numel() or (best is not None and p <= best[1].n_tokens):
-                    continue
-                if torch.equal(entry.token_ids, ids[:p]):
-                    best = (key, entry)
-            if best is None:
-                return None
-            self._items.move_to_end(best[0])
-            return best[1]
+        best: tuple[tuple[int, bytes], PrefixEntry] | None = None
+        for key, entry in self._snapshot():
+            p = entry.n_tokens
+            if entry.exit_layer != exit_layer or p > ids.numel() or (best is not None and p <= best[1].n_tokens):
+                continue
+            if torch.equal(entry.token_ids, ids[:p]):
+                best = (key, entry)
+        if best is None:
+            return None
+        self._get(best[0])  # now the most recently used
+        return best[1]
 
-    def put(self, entry: PrefixEntry) -> None:
-        size = entry.nbytes
-        if self.entries == 0 or size > self.max_bytes:
-            return
-        key = (entry.exit_layer, entry.token_ids.numpy().tobytes())
-        with self._lock:
-            if key in self._items:
-                self._bytes -= self._items.pop(key).nbytes
-            self._items[key] = entry
-            self._bytes += size
-            self._evict()
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._bytes = 0
-
-    def _evict(self) -> None:
-        while self._items and (len(self._items) > self.entries or self._bytes > self.max_bytes):
-            _, old = self._items.popitem(last=False)
-            self._bytes -= old.nbytes
+    def add(self, entry: PrefixEntry) -> None:
+        self.put((entry.exit_layer, entry.token_ids.numpy().tobytes()), entry)

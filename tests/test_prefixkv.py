@@ -118,21 +118,21 @@ def _entry(p: int, exit_layer: int = 1, width: int = 10) -> PrefixEntry:
 
 def test_the_store_finds_the_longest_head_and_keeps_its_bounds():
     store = PrefixStore(entries=2, max_bytes=10**6)
-    store.put(_entry(40))
-    store.put(_entry(60))
+    store.add(_entry(40))
+    store.add(_entry(60))
     assert store.longest(torch.arange(100), 1).n_tokens == 60
     assert store.longest(torch.arange(50), 1).n_tokens == 40
     assert store.longest(torch.arange(100), 2) is None  # another exit layer: other tensors
     assert store.longest(torch.cat([torch.arange(30), torch.zeros(70, dtype=torch.int64)]), 1) is None
     store.longest(torch.arange(50), 1)  # 40 is now the most recent
-    store.put(_entry(80))  # evicts 60
+    store.add(_entry(80))  # evicts 60
     assert [e.n_tokens for e in (store.longest(torch.arange(100), 1),)] == [80] and len(store) == 2
     store.resize(entries=2, max_bytes=_entry(80).nbytes)  # only the newest fits
     assert len(store) == 1 and store.nbytes == _entry(80).nbytes
-    store.put(_entry(200))  # larger than the whole store: not kept, nothing evicted
+    store.add(_entry(200))  # larger than the whole store: not kept, nothing evicted
     assert len(store) == 1 and store.longest(torch.arange(300), 1).n_tokens == 80
     off = PrefixStore(entries=0, max_bytes=10**6)
-    off.put(_entry(40))
+    off.add(_entry(40))
     assert len(off) == 0 and off.longest(torch.arange(100), 1) is None
 
 
