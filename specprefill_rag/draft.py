@@ -167,6 +167,24 @@ def _recording(recorder: _Recorder | None) -> Iterator[None]:
         _RECORDER.reset(token)
 
 
+@contextmanager
+def _leaving(layer: Any) -> Iterator[list[torch.Tensor]]:
+    """While open, a forward through ``layer`` (a decoder layer; None: none) appends the hidden
+    states leaving it to the list yielded and stops there (``_EarlyExit``)."""
+    left: list[torch.Tensor] = []
+
+    def stop(module: Any, args: Any, output: Any) -> None:
+        left.append(output[0] if isinstance(output, tuple) else output)
+        raise _EarlyExit
+
+    handle = layer.register_forward_hook(stop) if layer is not None else None
+    try:
+        yield left
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 def _heads(contexts: Sequence[torch.Tensor | None]) -> list[int]:
     """Each prompt's protected start: its tokens before the first prunable one (``contexts``
     (n,) bool); none without a mask or a prunable token."""
@@ -328,25 +346,16 @@ class DraftModel:
         start = 0 if head is None else head.n_tokens
         recorder.stop_after, recorder.offset = stop_after, start
         keep = torch.unique(last)  # logits only where some prompt ends
-        left: list[torch.Tensor] = []
-
-        def stop(module: Any, args: Any, output: Any) -> None:
-            left.append(output[0] if isinstance(output, tuple) else output)
-            raise _EarlyExit
-
-        handle = leave.register_forward_hook(stop) if leave is not None else None
-        try:
-            out = self.model(
-                input_ids=ids[:, start:], attention_mask=mask, past_key_values=cache, use_cache=cache is not None,
-                logits_to_keep=keep - start,
-            )
-        except _EarlyExit:
-            if not left or head is None:
-                return left[0] if left else None
-            return torch.cat([head.hidden.expand(len(last), -1, -1), left[0]], dim=1)
-        finally:
-            if handle is not None:
-                handle.remove()
+        with _leaving(leave) as left:
+            try:
+                out = self.model(
+                    input_ids=ids[:, start:], attention_mask=mask, past_key_values=cache,
+                    use_cache=cache is not None, logits_to_keep=keep - start,
+                )
+            except _EarlyExit:
+                if not left or head is None:
+                    return left[0] if left else None
+                return torch.cat([head.hidden.expand(len(last), -1, -1), left[0]], dim=1)
         return out.logits[torch.arange(len(last), device=self.device), torch.searchsorted(keep, last)]
 
     def _siblings(
@@ -502,19 +511,9 @@ class DraftModel:
             return found
         done = 0 if found is None else found.n_tokens
         cache = self._cache(found, 1)
-        left: list[torch.Tensor] = []
-
-        def stop(module: Any, args: Any, output: Any) -> None:
-            left.append(output[0] if isinstance(output, tuple) else output)
-            raise _EarlyExit
-
-        handle = self.model.get_decoder().layers[exit_layer].register_forward_hook(stop)
-        try:
-            with _recording(None), contextlib.suppress(_EarlyExit):
-                self.model(input_ids=head_ids[done:].unsqueeze(0).to(self.device), past_key_values=cache,
-                           use_cache=True)
-        finally:
-            handle.remove()
+        with _leaving(self.model.get_decoder().layers[exit_layer]) as left, _recording(None), \
+                contextlib.suppress(_EarlyExit):
+            self.model(input_ids=head_ids[done:].unsqueeze(0).to(self.device), past_key_values=cache, use_cache=True)
         hidden = left[0] if found is None else torch.cat([found.hidden, left[0]], dim=1)
         layers = cache.layers[: exit_layer + 1]
         entry = PrefixEntry(head_ids, exit_layer, tuple(layer.keys for layer in layers),
