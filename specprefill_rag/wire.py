@@ -10,6 +10,13 @@ same code the server validates with. A request carries its plan in ``SamplingPar
 
 Prompt slot ``i`` (vLLM's contiguous index) gets position ``positions[i]``; generated token
 ``t`` (slot ``k + t``, ``k`` = prompt length) gets ``next_position + t``.
+
+The answer carries the plugin's proof that it applied the plan: every JSON object of a planned
+``/v1/completions`` response (each streamed chunk, or the whole non-streamed body) has a
+``"specprefill_plan"`` field holding ``plan_proof`` of the prompt token ids the server rendered
+and the plan it admitted. Stock vLLM accepts ``vllm_xargs`` silently and answers at contiguous
+positions, so a client refuses a planned answer without the proof it expects: behind a router, a
+replica without the plugin can then never answer wrongly with HTTP 200.
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ __all__ = [
     "INVALID_PLAN",
     "NEXT_POSITION_KEY",
     "POSITIONS_KEY",
+    "PROOF_FIELD",
     "PositionPlan",
     "is_contiguous",
     "parse_plan",
+    "plan_proof",
     "plan_salt",
     "plan_to_xargs",
 ]
@@ -38,7 +47,10 @@ NEXT_POSITION_KEY = "specprefill_next_position"
 # How the plugin words a refused plan (HTTP 400, VLLMValidationError): "<INVALID_PLAN>: <the rule>".
 # A client that gets it for an invalid plan knows the plugin is active in the server.
 INVALID_PLAN = "invalid SpecPrefill plan in vllm_xargs"
+# The response field that carries ``plan_proof`` (module docstring).
+PROOF_FIELD = "specprefill_plan"
 _SALT_PREFIX = "specprefill-"
+_PROOF_PREFIX = "specprefill-proof-"
 _SALT_HEX = 32  # hex digits of sha256 kept in the salt (128 bits)
 
 
@@ -66,6 +78,17 @@ def plan_salt(positions: Sequence[int], next_position: int) -> str:
     digest.update(",".join(map(str, positions)).encode())
     digest.update(f";{next_position}".encode())
     return _SALT_PREFIX + digest.hexdigest()[:_SALT_HEX]
+
+
+def plan_proof(prompts: Sequence[Sequence[int]], positions: Sequence[int], next_position: int) -> str:
+    """What the plugin answers a planned request with: sha256 (128 bits) of the request's prompts
+    (token ids, in order; one for our clients) and its plan. Pure ASCII, so it can be spliced into
+    JSON unescaped."""
+    digest = hashlib.sha256()
+    for ids in prompts:
+        digest.update(("[" + ",".join(map(str, ids)) + "]").encode())
+    digest.update(f"@{','.join(map(str, positions))};{next_position}".encode())
+    return _PROOF_PREFIX + digest.hexdigest()[:_SALT_HEX]
 
 
 def plan_to_xargs(positions: Sequence[int], next_position: int) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 - The client's plugin check (``VLLMServerBackend.ensure_plugin``) against fake servers: a server
   that accepts an invalid plan is refused with the fix, the plugin's 400 lets plans through, the
-  check runs once per backend and outside the request's deadline.
+  check runs once per backend and outside the request's deadline; a planned answer without the
+  plugin's proof, or with another plan's, is discarded before its first token.
+- The proof the wrapped completion serving adds to planned answers (stub serving objects).
 - ``plan_refusal`` and the wrapped ``process_inputs`` / ``render_completion_request`` on stub
   vLLM objects: V2 runner, speculative decoding, M-RoPE, position-dependent architectures.
 - The wrapped ``_prepare_inputs`` on a stub runner: a reused request id gets its new plan, finished
@@ -37,7 +39,7 @@ from specprefill_rag.types import PrefillPlan
 from specprefill_rag.vllm_plugin import admission
 from specprefill_rag.vllm_plugin import runner as plugin_runner
 from specprefill_rag.vllm_plugin.admission import POSITION_DEPENDENT_ARCHITECTURES, plan_refusal
-from specprefill_rag.wire import plan_to_xargs
+from specprefill_rag.wire import PROOF_FIELD, plan_proof, plan_to_xargs
 
 serve = fakes.serve  # the fake-server fixture of the transport tests
 GEN = GenerationConfig(max_new_tokens=3)
@@ -56,14 +58,29 @@ def is_probe(body: bytes) -> bool:
     return data.get("max_tokens") == 1 and data.get("stream") is False and "vllm_xargs" in data
 
 
-def answering(probe: Any, delay: float = 0.0) -> Any:
-    """Answers the plugin check with ``probe(h)`` (after ``delay`` s), plans with a one-token stream."""
+def proof_of(body: bytes) -> dict[str, str]:
+    """The proof field the plugin adds to the answer of the request ``body`` (none for a full plan)."""
+    data = json.loads(body)
+    xargs = data.get("vllm_xargs")
+    if not xargs:
+        return {}
+    return {PROOF_FIELD: plan_proof([data["prompt"]], xargs["specprefill_positions"], xargs["specprefill_next_position"])}
+
+
+def proven(*ids: int, proof: dict[str, str]) -> bytes:
+    return b"data: " + json.dumps({**proof, "choices": [{"index": 0, "token_ids": list(ids)}]}).encode() + b"\n\n"
+
+
+def answering(probe: Any, delay: float = 0.0, proof: Any = proof_of) -> Any:
+    """Answers the plugin check with ``probe(h)`` (after ``delay`` s), plans with a one-token stream
+    carrying ``proof(body)`` (the plugin's proof by default)."""
     def script(h: Handler, n: int) -> None:
-        if is_probe(h.server.requests[n - 1][2]):
+        body = h.server.requests[n - 1][2]
+        if is_probe(body):
             h.server.stop.wait(delay)
             probe(h)
         else:
-            stream(event(11))(h, n)
+            stream(proven(11, proof=proof(body)))(h, n)
     return script
 
 
@@ -153,6 +170,23 @@ def test_full_plans_and_opt_out_skip_the_check(serve):
     assert "vllm_xargs" not in json.loads(server.bodies[0]) and "vllm_xargs" in json.loads(server.bodies[1])
 
 
+@pytest.mark.parametrize("proof, message", [
+    (lambda body: {}, "without the plugin's proof"),
+    (lambda body: {PROOF_FIELD: plan_proof([[5, 6, 8]], [0, 4, 9], 12)}, "with the proof of another plan"),
+])
+def test_answer_without_the_plans_proof_is_discarded(serve, proof, message):
+    """Behind a router the handshake may reach a replica with the plugin and a plan one without it
+    (HTTP 200 at contiguous positions): the answer is refused before its first token."""
+    server = serve(answering(plugin, proof=proof))
+    client = backend(server)
+    tokens: list[int] = []
+    with pytest.raises(BackendError, match=message) as info:
+        tokens.extend(client.stream_tokens(PLAN, GEN))
+    assert tokens == [] and "every replica needs the plugin" in str(info.value)
+    assert "specprefill-rag serve MODEL" in str(info.value)
+    assert list(client.stream_tokens(FULL, GEN)) == [11]  # a full plan is a stock request: no proof needed
+
+
 def test_check_is_outside_the_request_deadline(serve):
     """0.4 s check + 0.3 s stream under a 0.5 s timeout: only the stream counts."""
     def script(h: Handler, n: int) -> None:
@@ -161,7 +195,7 @@ def test_check_is_outside_the_request_deadline(serve):
             plugin(h)
         else:
             h.server.stop.wait(0.3)
-            stream(event(11))(h, n)
+            stream(proven(11, proof=proof_of(h.server.requests[n - 1][2])))(h, n)
 
     server = serve(script)
     started = time.monotonic()
@@ -326,6 +360,55 @@ async def test_render_refuses_before_the_stream(path):
     request.max_completion_tokens = 20  # ... 990 + 20 does not (chat reads max_completion_tokens first)
     expected = "400" if path == "chat" else rendered
     assert await render(self, request) == expected
+
+
+class _Serving:
+    """A stub ``OpenAIServingCompletion``: engine inputs are token-id dicts."""
+
+    @staticmethod
+    def _extract_prompt_components(engine_input: dict[str, Any]) -> Any:
+        return SimpleNamespace(token_ids=engine_input.get("prompt_token_ids"))
+
+
+async def _chunks(*objects: Any) -> Any:
+    for obj in objects:
+        yield f"data: {json.dumps(obj)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def test_planned_stream_carries_the_proof_in_every_chunk():
+    generator = admission._wrap_stream_generator(lambda self, request, inputs: _chunks(*CHUNKS))
+    xargs = plan_to_xargs([0, 5, 9], 20)
+    request = SimpleNamespace(vllm_xargs=xargs)
+    out = [c async for c in generator(_Serving(), request, [{"prompt_token_ids": [1, 2, 3]}])]
+    assert out[-1] == "data: [DONE]\n\n"
+    objects = [json.loads(c[6:]) for c in out[:-1]]
+    proof = plan_proof([[1, 2, 3]], [0, 5, 9], 20)
+    assert objects == [{PROOF_FIELD: proof, **obj} for obj in CHUNKS]
+    assert proof != plan_proof([[1, 2, 4]], [0, 5, 9], 20) != plan_proof([[1, 2, 3]], [0, 5, 10], 20)
+    # No plan (or no token ids to prove): vLLM's own generator, untouched.
+    stream = _chunks(*CHUNKS)
+    plain = admission._wrap_stream_generator(lambda self, request, inputs: stream)
+    assert plain(_Serving(), SimpleNamespace(vllm_xargs=None), [{"prompt_token_ids": [1]}]) is stream
+    assert plain(_Serving(), request, [{"prompt_embeds": "..."}]) is stream
+
+
+CHUNKS = [{"id": "cmpl-1", "choices": [{"index": 0, "text": "a", "token_ids": [7]}]},
+          {"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": 3}}]
+
+
+def test_planned_completion_response_carries_the_proof():
+    pydantic = pytest.importorskip("pydantic")
+
+    class Response(pydantic.BaseModel):  # vLLM's OpenAIBaseModel allows extra fields too
+        model_config = pydantic.ConfigDict(extra="allow")
+        id: str
+
+    build = admission._wrap_completion_response(lambda self, batch, request, *a: Response(id="cmpl-2"))
+    outputs = [SimpleNamespace(prompt_token_ids=[4, 5])]
+    body = json.loads(build(None, outputs, SimpleNamespace(vllm_xargs=plan_to_xargs([3, 8], 9))).model_dump_json())
+    assert body == {"id": "cmpl-2", PROOF_FIELD: plan_proof([[4, 5]], [3, 8], 9)}
+    assert PROOF_FIELD not in build(None, outputs, SimpleNamespace(vllm_xargs=None)).model_dump()
 
 
 def test_position_limit_is_max_model_len():

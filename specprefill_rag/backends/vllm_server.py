@@ -19,10 +19,19 @@ connection could not be made or the server answered 502/503/504, so always befor
 token; with exponential backoff, at most ``max_retries`` times and never past the deadline.
 
 Plugin check: stock vLLM accepts any ``vllm_xargs`` and would answer a plan at contiguous
-positions. Before its first planned request (non-contiguous positions) a backend sends one tiny,
-deliberately invalid plan and requires the plugin's own HTTP 400; any other answer refuses plans
-with a ``BackendError`` that says how to load the plugin. Full plans are plain requests and need no
-check. ``verify_plugin=False`` skips it (fake servers in tests).
+positions. Two checks keep that from ever reaching a caller:
+
+- the proof, per request: the plugin puts ``wire.plan_proof`` of the prompt and plan it applied
+  into every chunk of a planned answer (``wire.PROOF_FIELD``), and the backend requires the proof
+  it expects before it yields a token. Behind a router each request may reach another replica;
+  one without the plugin (a rolling upgrade, a pod from another image) sends no proof, and the
+  request fails with a ``BackendError`` instead of a silently wrong answer;
+- the handshake, once per backend: before its first planned request a backend sends one tiny,
+  deliberately invalid plan and requires the plugin's own HTTP 400, so a server without the
+  plugin is named with the fix before any plan is sent.
+
+Full plans are plain requests and need neither. ``verify_plugin=False`` skips both (fake servers
+in tests).
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from typing import Any
 from ..config import GenerationConfig
 from ..errors import BackendError, ServerError
 from ..types import PrefillPlan, is_int, is_number
-from ..wire import INVALID_PLAN, is_contiguous, plan_to_xargs
+from ..wire import INVALID_PLAN, NEXT_POSITION_KEY, POSITIONS_KEY, PROOF_FIELD, is_contiguous, plan_proof, plan_to_xargs
 from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, eos_ids, max_new_tokens
 from .vllm_http import VLLMHTTPClient, describe
 
@@ -124,7 +133,7 @@ class VLLMServerBackend(ModelIdentity):
         max_retries: int = DEFAULT_MAX_RETRIES,  # extra attempts after a failed connect or HTTP 502/503/504
         retry_backoff: float = 0.5,  # seconds before the first retry, doubled each time
         cache_salt: str | None = None,  # vLLM prefix-cache salt sent with every request (None: shared cache)
-        verify_plugin: bool = True,  # check once that the server honours plans before sending one
+        verify_plugin: bool = True,  # the handshake and the per-request proof (module docstring)
     ) -> None:
         # The transport (``http.base_url``, timeouts, ``http.max_retries``): private to this backend.
         self.http = VLLMHTTPClient(base_url, connect_timeout=connect_timeout, read_timeout=read_timeout,
@@ -176,6 +185,10 @@ class VLLMServerBackend(ModelIdentity):
             f"{', '.join(str(c['id']) for c in cards) or 'nothing'}"
         )
 
+    def ping(self) -> None:
+        """``BackendError`` unless the server answers ``/v1/models`` now (the gateway's ``/ready``)."""
+        self._model_card(self.model_name)
+
     # -- plugin check ----------------------------------------------------------------------
 
     def ensure_plugin(self) -> None:
@@ -216,6 +229,18 @@ class VLLMServerBackend(ModelIdentity):
             f"would be answered at contiguous positions, silently wrong. {_PLUGIN_FIX}"
         )
 
+    def _unproven(self, event: dict[str, Any]) -> BackendError:
+        """The error for a chunk of a planned answer without the proof this request expects."""
+        got = event.get(PROOF_FIELD)
+        what = (f"without the plugin's proof (no {PROOF_FIELD!r} field), so the vLLM process that served it "
+                "does not run the specprefill plugin and answered at contiguous positions" if got is None else
+                f"with the proof of another plan ({got!r:.60}), so what it served is not this request's plan")
+        return BackendError(
+            f"discarded the answer of the vLLM server at {self.http.base_url} to a SpecPrefill plan (response "
+            f"{str(event.get('id'))!r:.60}): it came {what}. Behind a router or load balancer, every replica "
+            f"needs the plugin. {_PLUGIN_FIX}"
+        )
+
     # -- generation ------------------------------------------------------------------------
 
     def check_plan(self, plan: PrefillPlan, max_tokens: int) -> None:
@@ -236,11 +261,16 @@ class VLLMServerBackend(ModelIdentity):
         self.check_plan(plan, max_tokens)
         body = request_body(plan, generation, model=self.model_name, max_tokens=max_tokens,
                             logprobs=logprobs, stream=True, cache_salt=self.cache_salt)
+        proof = None
         if "vllm_xargs" in body and self.verify_plugin:
             self.ensure_plugin()  # before the deadline starts: bounded by its own timeouts
+            xargs = body["vllm_xargs"]
+            proof = plan_proof([body["prompt"]], xargs[POSITIONS_KEY], xargs[NEXT_POSITION_KEY])
         # Closed when this generator is: that cancels the request on the server when the caller stops early.
         with contextlib.closing(self.http.stream("/v1/completions", body, generation.timeout)) as events:
             for event in events:
+                if proof is not None and event.get(PROOF_FIELD) != proof:
+                    raise self._unproven(event)
                 try:
                     steps = _token_steps(event, logprobs)
                 except (TypeError, ValueError) as exc:

@@ -10,17 +10,21 @@
 - ``OpenAIServingCompletion.render_completion_request`` and ``OpenAIServingChat.render_chat_request``:
   validate and refuse once the prompt is rendered, before a stream starts, so streaming requests
   also get a plain HTTP 400 instead of an error event.
+- ``OpenAIServingCompletion.completion_stream_generator`` and ``request_output_to_completion_response``:
+  every JSON object of a planned ``/v1/completions`` answer carries the plan's proof
+  (``wire.PROOF_FIELD``: ``wire.plan_proof`` of the rendered prompt ids and the admitted plan), which
+  clients require before they accept a token (a replica without the plugin sends none).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 from ..errors import PlanError
-from ..wire import INVALID_PLAN, NEXT_POSITION_KEY, PositionPlan, parse_plan
+from ..wire import INVALID_PLAN, NEXT_POSITION_KEY, POSITIONS_KEY, PROOF_FIELD, PositionPlan, parse_plan, plan_proof
 from .runner import MARK
 
 __all__ = [
@@ -224,12 +228,65 @@ def _wrap_render(
     return render
 
 
+# -- the proof in the answer -----------------------------------------------------------------
+
+
+def _proof(request: Any, prompts: Sequence[Sequence[int] | None]) -> str | None:
+    """The proof for a request admitted with a plan (None: no plan, or a prompt without token ids).
+
+    Only called once rendering admitted the request, so the plan is valid."""
+    extra = getattr(request, "vllm_xargs", None)
+    if not extra or POSITIONS_KEY not in extra or any(ids is None for ids in prompts):
+        return None
+    return plan_proof([list(ids or ()) for ids in prompts], extra[POSITIONS_KEY], extra[NEXT_POSITION_KEY])
+
+
+async def _with_proof(stream: AsyncGenerator[str, None], proof: str) -> AsyncGenerator[str, None]:
+    """``stream``'s server-sent events with the proof as the first field of each JSON object."""
+    head = f'data: {{"{PROOF_FIELD}":"{proof}",'
+    try:
+        async for chunk in stream:
+            yield head + chunk[7:] if chunk.startswith('data: {"') else chunk
+    finally:
+        await stream.aclose()
+
+
+def _wrap_stream_generator(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def completion_stream_generator(self: Any, request: Any, engine_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        stream = original(self, request, engine_inputs, *args, **kwargs)
+        prompts = [self._extract_prompt_components(e).token_ids for e in engine_inputs]
+        proof = _proof(request, prompts)
+        return stream if proof is None else _with_proof(stream, proof)
+
+    setattr(completion_stream_generator, MARK, True)
+    return completion_stream_generator
+
+
+def _wrap_completion_response(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def request_output_to_completion_response(self: Any, final_res_batch: Any, request: Any, *args: Any,
+                                              **kwargs: Any) -> Any:
+        response = original(self, final_res_batch, request, *args, **kwargs)
+        proof = _proof(request, [getattr(r, "prompt_token_ids", None) for r in final_res_batch])
+        if proof is not None:
+            setattr(response, PROOF_FIELD, proof)  # an extra field: vLLM's response models allow them
+        return response
+
+    setattr(request_output_to_completion_response, MARK, True)
+    return request_output_to_completion_response
+
+
 def _patch_serving(module: ModuleType) -> None:
     cls = module.OpenAIServingCompletion
-    if not getattr(cls.render_completion_request, MARK, False):
-        cls.render_completion_request = _wrap_render(
-            cls.render_completion_request, _completion_inputs, _completion_max_tokens
-        )
+    wrappers = {
+        "render_completion_request": lambda f: _wrap_render(f, _completion_inputs, _completion_max_tokens),
+        "completion_stream_generator": _wrap_stream_generator,
+        "request_output_to_completion_response": _wrap_completion_response,
+    }
+    for name, wrap in wrappers.items():
+        if not getattr(getattr(cls, name), MARK, False):
+            setattr(cls, name, wrap(getattr(cls, name)))
 
 
 def _patch_chat_serving(module: ModuleType) -> None:
