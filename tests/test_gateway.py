@@ -18,6 +18,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -153,6 +154,14 @@ class FakeVLLM(ThreadingHTTPServer):
 class FakeHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: FakeVLLM
+
+    def do_GET(self) -> None:  # /v1/models: the gateway's readiness check
+        body = json.dumps({"object": "list", "data": [{"id": "tiny", "max_model_len": 2048}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def do_POST(self) -> None:
         self.server.bodies.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0))))
@@ -302,7 +311,15 @@ def test_models_health_and_metrics_endpoints(gateway):
     assert [m.id for m in gateway.client().models.list().data] == ["tiny-llama"]
     health = gateway.health()
     assert health["status"] == "ok" and health["draft_max_batch"] == 4 and health["max_queue"] == 64
+    assert health["draining"] is False
     assert "specprefill_gateway_requests_in_flight" in gateway.metrics()
+
+
+def test_ready_once_warmed_up(gateway):
+    """In-process engine: no upstream to check; the warm-up started with the app."""
+    status, body = get(gateway.port, "/ready")
+    assert (status, json.loads(body)) == (200, {"ready": True, "checks": {
+        "draining": "no", "warm_up": "done", "upstream": "none"}})
 
 
 def test_api_key_is_required(gateway):
@@ -525,6 +542,65 @@ def test_upstream_down_is_503(upstream_gateway):
         list(upstream_gateway.client().chat.completions.create(
             model="x", messages=[{"role": "user", "content": "hi"}], stream=True))
     assert info.value.status_code == 503
+
+
+def test_ready_only_while_the_upstream_answers(upstream_gateway, upstream_port):
+    status, body = get(upstream_gateway.port, "/ready")  # no vLLM yet: the warm-up cannot run
+    checks = json.loads(body)["checks"]
+    assert status == 503 and checks["warm_up"].startswith("failed: ") and "unreachable" in checks["warm_up"]
+    assert get(upstream_gateway.port, "/health")[0] == 200  # alive all the same
+    server = FakeVLLM(upstream_port, tiny_tokenizer().encode("Warm."))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        status, body = get(upstream_gateway.port, "/ready")
+        assert (status, json.loads(body)["checks"]) == (200, {"draining": "no", "warm_up": "done", "upstream": "ok"})
+        assert server.bodies and server.bodies[0]["max_tokens"] == 2  # the warm-up's answer
+    finally:
+        server.shutdown()
+        server.server_close()
+    status, body = get(upstream_gateway.port, "/ready")  # warmed, but the upstream went away
+    assert status == 503 and json.loads(body)["checks"]["upstream"].startswith("failed: ")
+
+
+def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
+    """SIGTERM mid-stream: the stream ends whole, /ready and new requests get 503 meanwhile, and
+    the process exits once nothing is in flight, well inside the drain timeout."""
+    from transformers import LlamaConfig
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tiny-main")
+    LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=2048).save_pretrained(tmp_path / "tiny-main")
+    port = free_port()
+    upstream = FakeVLLM(port, tokenizer.encode("The sky is blue. The grass is green."))
+    threading.Thread(target=upstream.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    gateway = GatewayProcess(["--backend", "vllm_server", "--vllm-url", f"http://127.0.0.1:{port}",
+                              "--main", str(tmp_path / "tiny-main"), "--no-draft", "--served-model-name", "tiny",
+                              "--max-model-len", "2048", "--drain-timeout", "40"], tmp_path / "gateway.log")
+    try:
+        gateway.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        assert wait_for(lambda: get(gateway.port, "/ready")[0] == 200, 30)
+        upstream.behaviour = "slow"  # 400 tokens over ~10 s
+        stream = gateway.client().chat.completions.create(
+            model="x", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=400)
+        chunks = iter(stream)
+        first = [next(chunks), next(chunks)]
+        gateway.process.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: gateway.health()["draining"], 5)
+        status, body = get(gateway.port, "/ready")
+        assert status == 503 and json.loads(body)["checks"]["draining"] == "yes"
+        with pytest.raises(openai.InternalServerError) as info:
+            gateway.client().chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])
+        assert info.value.status_code == 503 and info.value.body["code"] == "draining"
+        rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length"
+        text = "".join(c.choices[0].delta.content or "" for c in first + rest if c.choices)
+        assert len(tokenizer.encode(text)) >= 300  # the whole answer, not cut by the shutdown
+        gateway.process.wait(15)  # exits once the stream is done, not after the 40 s drain timeout
+    finally:
+        gateway.stop()
+        upstream.shutdown()
+        upstream.server_close()
 
 
 def test_upstream_error_is_502_and_mid_stream_error_is_an_event(upstream_gateway, fake_vllm):

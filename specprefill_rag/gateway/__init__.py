@@ -1,8 +1,8 @@
 """An OpenAI-compatible HTTP gateway: any OpenAI client gets SpecPrefill with no code change.
 
 ``create_app(engine)`` builds a FastAPI app serving ``/v1/chat/completions``,
-``/v1/completions``, ``/v1/models``, ``/health`` and ``/metrics``; ``run_app`` serves it with
-uvicorn; ``specprefill-rag gateway`` and ``specprefill-rag serve MODEL --gateway-port 8080``
+``/v1/completions``, ``/v1/models``, ``/health``, ``/ready`` and ``/metrics``; ``run_app`` serves it
+with uvicorn and drains on SIGTERM; ``specprefill-rag gateway`` and ``specprefill-rag serve MODEL --gateway-port 8080``
 do both from the command line. See docs/gateway.md.
 
 FastAPI, uvicorn and prometheus-client are optional (``pip install 'specprefill-rag[gateway]'``)
@@ -76,10 +76,12 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
     return _app_module().create_app(engine, options, **fields)
 
 
-def run_app(app: Any, *, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until SIGINT/SIGTERM."""
+def run_app(app: Any, *, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
+            drain_timeout: float = 30.0) -> None:
+    """Serve ``app`` with uvicorn until SIGINT/SIGTERM, then drain: the requests in flight get up
+    to ``drain_timeout`` seconds while new ones get 503 (docs/deploy.md)."""
     try:
         import uvicorn  # noqa: F401
     except ImportError as error:
         raise ImportError(f"serving the gateway needs uvicorn: {INSTALL_HINT}") from error
-    _app_module().run_app(app, host=host, port=port, log_level=log_level)
+    _app_module().run_app(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout)

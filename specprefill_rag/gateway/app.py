@@ -10,6 +10,15 @@ Failures before the first token are plain HTTP errors (400, 413, 502, 503, 504, 
 after it, an ``{"error": ...}`` event ends the stream, and every stream ends with ``[DONE]``. A
 client that goes away stops its generation: the engine stream is closed (and with it the
 request to an upstream vLLM). A body over ``max_body_bytes`` is refused before it is read whole.
+
+Deployment (docs/deploy.md): ``/health`` says the process is alive; ``/ready`` answers 200 only
+once the engine has warmed up (one tiny answer through the draft and the main model: for a vLLM
+upstream that also proves it reachable and its plugin active), the upstream answers now, and the
+gateway is not draining, 503 with the failing check otherwise. SIGTERM (or Ctrl-C) starts a
+drain: ``/ready`` turns 503 and new generation requests get 503 with ``Retry-After`` while the
+requests in flight finish; the process exits once none is left or after ``drain_timeout`` seconds
+(a second signal shuts down at once). Gateways share nothing, so N of them behind one load
+balancer answer alike.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -191,6 +201,9 @@ class Gateway:
         self.admitted = 0  # requests in flight: running or waiting for a slot
         self.running = 0
         self.created = now()
+        self.draining = False  # set by a shutdown signal (``run_app``): not ready, new generations 503
+        self.warmed = False  # the engine answered once (``ready``)
+        self._warm_lock = asyncio.Lock()
 
     # -- request handling ------------------------------------------------------------------
 
@@ -249,6 +262,10 @@ class Gateway:
             error = to_api_error(exc)  # an unexpected failure too: OpenAI-shaped and counted
             self.metrics.finished(endpoint, "none", error.status)
             raise error from exc
+        if self.draining:
+            self.metrics.finished(endpoint, req.mode, 503)
+            raise APIError(503, "the gateway is shutting down: retry, the load balancer sends you to another one",
+                           type="service_unavailable", code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
         if self.admitted >= self.max_queue:
             self.metrics.finished(endpoint, req.mode, 429)
             raise APIError(
@@ -327,8 +344,35 @@ class Gateway:
             "draft": self.engine.draft is not None, "default_mode": self.default_mode,
             "keep_rate": config.selection.keep_rate, "draft_max_batch": config.draft.max_batch,
             "in_flight": self.admitted, "running": self.running,
-            "max_queue": self.max_queue, "max_concurrency": self.max_concurrency,
+            "max_queue": self.max_queue, "max_concurrency": self.max_concurrency, "draining": self.draining,
         }
+
+    async def ready(self) -> tuple[bool, dict[str, Any]]:
+        """Whether to send this gateway traffic, and each check's verdict (the module docstring).
+
+        The warm-up runs once, on the first call that finds the engine cold (one at a time; a
+        failed one is tried again on the next call); the upstream check runs on every call.
+        """
+        checks: dict[str, str] = {"draining": "yes" if self.draining else "no"}
+        if not self.warmed:
+            async with self._warm_lock:
+                if not self.warmed:
+                    try:
+                        await asyncio.to_thread(self.engine.warm_up)
+                        self.warmed = True
+                    except Exception as error:  # reported, tried again on the next probe
+                        checks["warm_up"] = f"failed: {to_api_error(error).message}"
+        if self.warmed:
+            checks["warm_up"] = "done"
+            ping = getattr(self.engine.backend, "ping", None)  # backends with an upstream server
+            try:
+                if ping is not None:
+                    await asyncio.to_thread(ping)
+                checks["upstream"] = "ok" if ping is not None else "none"
+            except Exception as error:
+                checks["upstream"] = f"failed: {to_api_error(error).message}"
+        ok = not self.draining and checks["warm_up"] == "done" and checks.get("upstream") in ("ok", "none")
+        return ok, {"ready": ok, "checks": checks}
 
 
 def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None, **fields: Any) -> FastAPI:
@@ -338,7 +382,7 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
         raise ConfigError("give GatewayOptions or its fields as keywords, not both")
     gateway = Gateway(engine, options or GatewayOptions(**fields))
     # No docs pages and no schema: /openapi.json would describe the API to anyone, key or not.
-    app = FastAPI(title="SpecPrefill gateway", lifespan=_lifespan(gateway.max_concurrency), docs_url=None,
+    app = FastAPI(title="SpecPrefill gateway", lifespan=_lifespan(gateway), docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
     app.exception_handler(APIError)(_api_error)
@@ -369,6 +413,11 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
     async def health() -> dict[str, Any]:
         return gateway.health()
 
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok, body = await gateway.ready()
+        return JSONResponse(body, status_code=200 if ok else 503)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         body, content_type = gateway.metrics.render()
@@ -377,14 +426,16 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
     return app
 
 
-def _lifespan(max_concurrency: int) -> Any:
+def _lifespan(gateway: Gateway) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Every model step runs in the loop's default executor (asyncio.to_thread): size it so
         # that each running generation has a thread, plus a few for closing and tokenizing.
-        executor = ThreadPoolExecutor(max_concurrency + 4, thread_name_prefix="specprefill-gateway")
+        executor = ThreadPoolExecutor(gateway.max_concurrency + 4, thread_name_prefix="specprefill-gateway")
         asyncio.get_running_loop().set_default_executor(executor)
+        warm_up = asyncio.create_task(gateway.ready())  # ready without waiting for the first probe
         yield
+        warm_up.cancel()
         executor.shutdown(wait=False, cancel_futures=True)
 
     return lifespan
@@ -400,9 +451,32 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
                         status_code=error.status_code, headers=error.headers)
 
 
-def run_app(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until interrupted (SIGINT/SIGTERM; in-flight streams get 5 s)."""
+DRAIN_TIMEOUT_S = 30.0  # seconds a drain waits for the requests in flight
+
+
+def run_app(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
+            drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
+    """Serve ``app`` with uvicorn until SIGTERM/SIGINT, then drain (module docstring): in-flight
+    requests get ``drain_timeout`` seconds, then 5 s more while uvicorn closes their connections."""
     import uvicorn
 
+    class DrainingServer(uvicorn.Server):
+        drain_until: float | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.drain_until is not None:  # a second signal: shut down now
+                super().handle_exit(sig, frame)
+                return
+            self.drain_until = time.monotonic() + drain_timeout
+            getattr(self, "_captured_signals", []).append(sig)  # uvicorn re-raises it once shut down
+            app.state.gateway.draining = True
+            logger.warning("draining: %d requests in flight, at most %g s", app.state.gateway.admitted, drain_timeout)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_until is not None and not self.should_exit and (
+                    app.state.gateway.admitted == 0 or time.monotonic() >= self.drain_until):
+                self.should_exit = True
+            return await super().on_tick(counter)
+
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+    DrainingServer(config).run()

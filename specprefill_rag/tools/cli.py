@@ -92,6 +92,9 @@ def _gateway_args(group: Any) -> None:
     add("--max-body-bytes", type=int, default=8 << 20,
         help="request bodies larger than this are refused with HTTP 413 before they are read whole "
         "(%(default)s = 8 MiB)")
+    add("--drain-timeout", type=float, default=30.0,
+        help="seconds SIGTERM lets in-flight requests finish while new ones get 503 and /ready says 503 "
+        "(%(default)s)")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level (%(default)s)")
 
@@ -320,7 +323,7 @@ def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int,
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_concurrency=args.max_concurrency,
                      model_name=args.model_name or model_name, max_body_bytes=args.max_body_bytes)
     try:
-        run_app(app, host=host, port=port, log_level=args.log_level)
+        run_app(app, host=host, port=port, log_level=args.log_level, drain_timeout=args.drain_timeout)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
         return 130
     return 0
