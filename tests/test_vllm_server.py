@@ -145,13 +145,18 @@ def complete(server, plan: PrefillPlan, salt: str | None) -> tuple[int, list[int
     return int(details.get("cached_tokens") or 0), choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
-def block_size(server) -> int:
+def metrics_text(server) -> str:
+    """The server's Prometheus ``/metrics`` page."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
     try:
         conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        return conn.getresponse().read().decode()
     finally:
         conn.close()
+
+
+def block_size(server) -> int:
+    text = metrics_text(server)
     found = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', text)
     assert found, "vllm:cache_config_info has no block_size"
     return int(found.group(1))
