@@ -103,9 +103,9 @@ def _variants() -> list[Variant]:
         for layers in ("all", "upper_half", "middle_half", "lower_half"):
             for normalize in (False, True):
                 for heads in ("max", "mean"):
-                    d = DraftConfig(  # the scoring grid, measured with the greedy look-ahead
+                    d = DraftConfig(  # the scoring grid, measured with the greedy look-ahead on full forwards
                         lookahead=MAX_LOOKAHEAD, lookahead_tokens="greedy", lookahead_weight=weight, layers=layers,
-                        heads=heads, normalize=normalize,  # type: ignore[arg-type]
+                        heads=heads, normalize=normalize, early_exit=False,  # type: ignore[arg-type]
                     )
                     tag = f"w={weight:g} {layers} {heads}{' norm' if normalize else ''}"
                     out.append(Variant(f"{tag} | chunks 32", d, CHUNKS))

@@ -412,6 +412,10 @@ def test_evidence_variant_scores_equal_the_draft_models(tokenizer) -> None:
             prompt.token_ids, question=prompt.positions_of(SegmentKind.QUESTION), context=~prompt.protected, config=cfg
         ).scores
         torch.testing.assert_close(evidence.variant_scores(rows, cfg), expected, atol=2e-3, rtol=2e-2)
+    # Every named variant scores from one capture (a run without --variants evaluates them all).
+    for variant in evidence.VARIANTS.values():
+        block = "lens" if variant.scores == "lens" else None
+        assert evidence.variant_scores(rows, variant.draft, block).shape == expected.shape, variant.name
     # A capture of the first layout (greedy, full, lens) gets the blocks it lacks added.
     lead, k = rows["n_question"] + 1, evidence.MAX_LOOKAHEAD - 1
     old = {**rows, "blocks": ["greedy", "full", "lens"]}
