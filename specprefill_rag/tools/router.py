@@ -12,7 +12,6 @@ backend refuses them. The topology and the policies: docs/deploy.md.
 
 from __future__ import annotations
 
-import http.client
 import importlib.util
 import os
 import socket
@@ -90,16 +89,8 @@ class VLLMRouter(ManagedProcess):
             raise ServerStartError("vllm-router is not installed: pip install 'specprefill-rag[router]'")
 
     def _ready(self) -> bool:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=2.0)
-        try:
-            conn.request("GET", "/health")
-            if conn.getresponse().status != 200:
-                return False
-        except (OSError, http.client.HTTPException):
-            return False
-        finally:
-            conn.close()
-        return super()._ready()
+        health = self._get("/health")
+        return health is not None and health[0] == 200 and super()._ready()
 
 
 def _free_port(host: str) -> int:

@@ -207,16 +207,26 @@ class ManagedProcess:
     def _log_hint(self) -> str:
         return f" (log: {self.log_path})" if self.log_path else ""
 
-    def _ready(self) -> bool:
+    def _get(self, path: str) -> tuple[int, bytes] | None:
+        """Status and body of ``GET path`` (2 s timeout); None when the process does not answer."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=2.0)
         try:
-            conn.request("GET", "/v1/models")
+            conn.request("GET", path)
             response = conn.getresponse()
-            return response.status == 200 and bool(json.loads(response.read()).get("data"))
-        except (OSError, ValueError, http.client.HTTPException):
-            return False
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException):
+            return None
         finally:
             conn.close()
+
+    def _ready(self) -> bool:
+        answer = self._get("/v1/models")
+        if answer is None or answer[0] != 200:
+            return False
+        try:
+            return bool(json.loads(answer[1]).get("data"))
+        except (ValueError, AttributeError):
+            return False
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the process group (by PID), SIGKILL after ``timeout`` seconds."""
