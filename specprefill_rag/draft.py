@@ -167,22 +167,41 @@ def _recording(recorder: _Recorder | None) -> Iterator[None]:
         _RECORDER.reset(token)
 
 
+_HOOKS: contextvars.ContextVar[frozenset[object]] = contextvars.ContextVar("specprefill_hooks", default=frozenset())
+
+
+@contextmanager
+def _hooked(module: Any, hook: Any, *, pre: bool = False) -> Iterator[None]:
+    """While open, ``hook`` runs as ``module``'s forward hook (``pre``: forward pre-hook, with
+    kwargs) for forwards of the calling context only. A module's hooks are shared by every
+    thread, and the gateway runs concurrent requests' draft forwards in threads of one
+    process: another request's forward must neither stop at nor be read by this one's hook."""
+    marker = object()
+    token = _HOOKS.set(_HOOKS.get() | {marker})
+
+    def mine(*args: Any, **kwargs: Any) -> Any:
+        return hook(*args, **kwargs) if marker in _HOOKS.get() else None
+
+    handle = module.register_forward_pre_hook(mine, with_kwargs=True) if pre else module.register_forward_hook(mine)
+    try:
+        yield
+    finally:
+        handle.remove()
+        _HOOKS.reset(token)
+
+
 @contextmanager
 def _leaving(layer: Any) -> Iterator[list[torch.Tensor]]:
-    """While open, a forward through ``layer`` (a decoder layer; None: none) appends the hidden
-    states leaving it to the list yielded and stops there (``_EarlyExit``)."""
+    """While open, a forward of this context through ``layer`` (a decoder layer; None: none)
+    appends the hidden states leaving it to the list yielded and stops there (``_EarlyExit``)."""
     left: list[torch.Tensor] = []
 
     def stop(module: Any, args: Any, output: Any) -> None:
         left.append(output[0] if isinstance(output, tuple) else output)
         raise _EarlyExit
 
-    handle = layer.register_forward_hook(stop) if layer is not None else None
-    try:
+    with _hooked(layer, stop) if layer is not None else contextlib.nullcontext():
         yield left
-    finally:
-        if handle is not None:
-            handle.remove()
 
 
 def _heads(contexts: Sequence[torch.Tensor | None]) -> list[int]:
@@ -560,12 +579,8 @@ class DraftModel:
                 seen.append(args[0] if args else kwargs["hidden_states"])
                 raise _EarlyExit
 
-            handle = parts.layers[0].register_forward_pre_hook(entering, with_kwargs=True)
-            try:
-                with _recording(None), contextlib.suppress(_EarlyExit):
-                    self.model(input_ids=ids[:1, :1], use_cache=False)
-            finally:
-                handle.remove()
+            with _hooked(parts.layers[0], entering, pre=True), _recording(None), contextlib.suppress(_EarlyExit):
+                self.model(input_ids=ids[:1, :1], use_cache=False)
             self._plain_embedding = bool(seen) and torch.equal(seen[0], parts.embed(ids[:1, :1]))
         return self._plain_embedding
 

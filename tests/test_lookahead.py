@@ -342,3 +342,43 @@ def test_guesses_are_verified_on_cuda_only_unless_asked(tokenizer, monkeypatch):
     assert draft._guesses(None, 8) == 0 and draft._guesses(3, 8) == 3
     monkeypatch.setattr(DraftModel, "device", property(lambda self: torch.device("cuda")))
     assert draft._guesses(None, 8) == 6 and draft._guesses(None, 1) == 0 and draft._guesses(0, 8) == 0
+
+
+def test_another_threads_early_exit_leaves_this_threads_forwards_alone(tokenizer):
+    """The gateway scores concurrent requests in threads of one process, and a module's hooks are
+    shared by every thread. While another thread's capture holds its stop-after-a-layer hook (and
+    the plain-embedding check's pre-hook) open, this thread's captures must run exactly as alone:
+    before the hooks were context-local, its forward stopped at the other capture's layer (a 500
+    from the gateway while its warm-up ran beside the first request)."""
+    import threading
+
+    from specprefill_rag.draft import _hooked, _leaving
+
+    draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
+    ids, question = _prompt(tokenizer), torch.arange(50, 58)
+    configs = [dict(tokens="greedy"), dict(tokens="greedy", early_exit=True, upper_keep=0.2),
+               dict(tokens="siblings", early_exit=True, upper_keep=0.2)]
+    alone = [draft.capture(ids, 6, question, layers=LAYERS, **config) for config in configs]
+    opened, done = threading.Event(), threading.Event()
+    seen: list[object] = []
+
+    def other() -> None:
+        layers = draft.model.get_decoder().layers
+        with _leaving(layers[0]) as left, _hooked(layers[1], lambda *args, **kwargs: seen.append(args), pre=True):
+            opened.set()
+            done.wait(60)
+        seen.extend(left)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert opened.wait(60)
+        beside = [draft.capture(ids, 6, question, layers=LAYERS, **config) for config in configs]
+    finally:
+        done.set()
+        thread.join()
+    assert seen == []  # the other thread's hooks saw none of this thread's forwards
+    for a, b in zip(alone, beside, strict=True):
+        assert a.lookahead_token_ids == b.lookahead_token_ids
+        for qa, qb, ka, kb in zip(a.queries, b.queries, a.keys, b.keys, strict=True):
+            assert torch.equal(qa, qb) and torch.equal(ka, kb)
