@@ -164,15 +164,16 @@ def ttft_cell(keep: float, rows: list[dict[str, Any]], ttft_full: float, r: floa
 def lookahead_label(config: Any, device: str = "cpu") -> str:
     """What a draft config's look-ahead does on ``device``, in the words the TTFT tables use:
     "greedy 8, early exit, upper layers read 30%" (one decode step per token), the same with
-    ", 6 guesses per forward" (``DraftConfig.lookahead_guesses``), "greedy 8, full forward",
-    "siblings, ...", "look-ahead 1, ..."."""
+    ", 6 guesses per forward" (``DraftConfig.lookahead_guesses``) and ", CUDA graphs"
+    (``DraftConfig.cuda_graphs``), "greedy 8, full forward", "siblings, ...", "look-ahead 1, ..."."""
     forward = f"early exit, upper layers read {config.upper_keep:.0%}" if config.early_exit else "full forward"
     if config.lookahead == 1:
         return f"look-ahead 1, {'early exit' if config.early_exit else 'full forward'}"
     if config.lookahead_tokens == "siblings":
         return f"siblings, {forward}"
     guesses = config.guesses_on(device) if config.early_exit else 0
-    return f"greedy {config.lookahead}, {forward}" + (f", {guesses} guesses per forward" if guesses else "")
+    graphs = ", CUDA graphs" if config.early_exit and config.graphs_on(device) else ""
+    return f"greedy {config.lookahead}, {forward}" + (f", {guesses} guesses per forward" if guesses else "") + graphs
 
 
 def compared_lookahead() -> tuple[str, Any]:
@@ -204,9 +205,11 @@ def lookahead_variants(device: str = "cpu") -> dict[str, Any]:
         look = dataclasses.replace(default, lookahead=8, lookahead_tokens=tokens)
         variants += [dataclasses.replace(look, early_exit=False)]
         variants += [dataclasses.replace(look, early_exit=True, upper_keep=share) for share in (0.15, 0.3)]
-    # Greedy steps after an early exit, one token per forward and verified guesses (same tokens).
+    # Greedy steps after an early exit, one token per forward and verified guesses (same tokens),
+    # each replayed from CUDA graphs and eager (on a CPU both are eager: one label).
     variants += [dataclasses.replace(default, lookahead=8, lookahead_tokens="greedy", early_exit=True,
-                                     upper_keep=0.3, lookahead_guesses=g) for g in (0, 6)]
+                                     upper_keep=0.3, lookahead_guesses=g, cuda_graphs=graphs)
+                 for g in (0, 6) for graphs in (True, False)]
     variants.append(dataclasses.replace(default, lookahead=1, early_exit=True))
     own = lookahead_label(default, device)
     named = {lookahead_label(config, device): config for config in variants}

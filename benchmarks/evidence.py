@@ -259,9 +259,10 @@ def _greedy_steps(draft: Any, cache: Any, logits: torch.Tensor, n: int, k: int) 
 def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, prompt: torch.Tensor, leaving: torch.Tensor,
                         aggregated: list[int], share: float, k: int) -> list[int]:
     """The library's early-exit greedy look-ahead (``lookahead.upper_greedy``) on the full forward's
-    cache, whose layers up to the top aggregated one are the early-exit forward's; then those
-    layers back to the prompt. The layers above get zero rows (they are never read for it).
-    One step per token: verified guesses give the same tokens and rows (tests/test_lookahead.py)."""
+    cache, whose layers up to the top aggregated one are the early-exit forward's (left as they
+    are: the loop runs on fixed-size copies, ``lookahead.StepLoop``). The layers above get zero
+    rows (they are never read for it). One step per token: verified guesses give the same tokens
+    and rows (tests/test_lookahead.py)."""
     from transformers import DynamicCache
 
     from specprefill_rag.lookahead import DecoderParts, upper_greedy
@@ -282,9 +283,7 @@ def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, prompt: torch.Ten
         pieces = recorder.queries[layer][0]
         heads, _, dim = pieces[0].shape
         pieces.append(pieces[0].new_zeros(heads, k, dim))
-    for layer in cache.layers[: top + 1]:
-        layer.crop(-k)
-    return tokens[0].tolist()
+    return tokens[0].tolist()  # the loop ran on copies: ``cache`` still holds the prompt alone
 
 
 def _block_rows(cap: Any, prompt: AssembledPrompt) -> dict[str, torch.Tensor]:

@@ -15,7 +15,9 @@ SpecPrefill at each keep rate with the library's default draft config (draft sco
 plain draft forward, a draft forward with capture and no look-ahead, and the scoring of each
 look-ahead variant of ``common.lookahead_variants`` (greedy or siblings after a full forward or
 with early exit, greedy after an early exit one step per token beside the default's verified
-guesses on CUDA, look-ahead 1 with early exit). Then 8 concurrent 8k requests in
+guesses on CUDA, each replayed from CUDA graphs and eager, look-ahead 1 with early exit). The
+look-ahead's CUDA graphs are captured once before any timing, as the engine's warm-up does
+(``capture_graphs``: seconds and GPU memory reported). Then 8 concurrent 8k requests in
 one batched draft pass. Reported like ``benchmarks/ttft.py``: TTFT full / spec, speedup,
 breakdown, r, ideal 1/(r+k), efficiency, capture overhead per variant, and peak GPU memory of
 scoring vs a plain draft forward. Stops before a length that would pass ``--time-budget-s``
@@ -356,6 +358,32 @@ def build_models(args: argparse.Namespace, device: str) -> tuple[Any, Any, int]:
     return main_model, draft, vocab
 
 
+def concurrency_length(args: argparse.Namespace) -> int:
+    """The prompt length of the concurrent-requests row."""
+    return 8192 if 8192 in args.lengths else args.lengths[0]
+
+
+def capture_graphs(draft: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """What the engine's warm-up does on a GPU (``DraftModel.capture_graphs``), for every length
+    this run measures and for the concurrent batch at its length: the CUDA graphs of the
+    look-ahead's forwards, timed, with the GPU memory their buffers hold. Nothing on a CPU."""
+    device = draft.device
+    cuda = device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) if cuda else 0
+    start = time.perf_counter()
+    config = dataclasses.replace(draft.config, graph_max_tokens=max(args.lengths))
+    shapes = draft.capture_graphs(config)
+    if args.concurrency > 1:
+        batch = dataclasses.replace(config, graph_max_tokens=concurrency_length(args))
+        shapes += draft.capture_graphs(batch, batches=(args.concurrency,))
+    sync(device)
+    row = {"shapes": shapes, "seconds": time.perf_counter() - start,
+           "bytes": torch.cuda.memory_allocated(device) - before if cuda else 0}
+    print(f"captured the look-ahead's CUDA graphs for {shapes} loop shapes in {row['seconds']:.1f} s,"
+          f" holding {row['bytes'] / 2**20:.0f} MiB", flush=True)
+    return row
+
+
 def new_payload(args: argparse.Namespace, device: str) -> dict[str, Any]:
     from specprefill_rag import DraftConfig
 
@@ -396,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     main_model, draft, vocab = build_models(args, device)
     print(f"built and warmed up in {time.perf_counter() - started:.1f} s", flush=True)
     payload = new_payload(args, device)
+    payload["graphs"] = capture_graphs(draft, args)
     name = "gpu_ttft_tiny" if args.tiny else "gpu_ttft"
     rows: list[dict[str, Any]] = []
     last_s, last_n = 0.0, 1
@@ -411,8 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload["runs"] = [{"backend": "transformers", "status": "partial", "lengths": rows}]
         write_results(name, payload, args.out)
     if rows and args.concurrency > 1:
-        at = 8192 if 8192 in args.lengths else args.lengths[0]
-        payload["concurrency"] = concurrency_row(draft, at, vocab, args.concurrency, args.reps)
+        payload["concurrency"] = concurrency_row(draft, concurrency_length(args), vocab, args.concurrency, args.reps)
         write_results(name, payload, args.out)
     if cuda and rows:
         mem = memory_row(draft, synthetic_prompt(rows[-1]["n_tokens"], vocab, seed=1)[0])

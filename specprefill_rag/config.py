@@ -143,11 +143,20 @@ class DraftConfig:
     # floating-point tolerance. 0: every prompt is read whole.
     prefix_cache_entries: int = 8
     prefix_cache_bytes: int = 512 * 2**20
+    # CUDA graphs of the greedy look-ahead's forwards (``stepgraphs``), captured by the engine's
+    # warm-up for padded prompt widths 512, 1024, … up to graph_max_tokens (and the draft's
+    # window) and replayed per request: one launch per forward instead of one per kernel. A
+    # prompt wider than that, or a batch size not captured, runs the same loop eagerly. Static
+    # buffers cost about (draft layers × 2 × kv_heads × head_dim × dtype bytes) per token per
+    # width (~32 KB/token for a 1B Llama in bf16: ~2 GB for all widths up to 32k).
+    # Only a CUDA draft captures graphs; False: never (every forward eager).
+    cuda_graphs: bool = True
+    graph_max_tokens: int = 32768
 
     def __post_init__(self) -> None:
         _check_types(
             self, ints=("lookahead", "pool_kernel", "max_batch", "lookahead_guesses", "memo_entries", "memo_bytes",
-                        "prefix_cache_entries", "prefix_cache_bytes"),
+                        "prefix_cache_entries", "prefix_cache_bytes", "graph_max_tokens"),
             numbers=("lookahead_weight", "batch_window_s", "upper_keep"),
         )
         _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
@@ -155,6 +164,8 @@ class DraftConfig:
         _check(self.memo_bytes >= 0, f"memo_bytes must be >= 0, got {self.memo_bytes}")
         _check(self.prefix_cache_entries >= 0, f"prefix_cache_entries must be >= 0, got {self.prefix_cache_entries}")
         _check(self.prefix_cache_bytes >= 0, f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        _check(self.graph_max_tokens >= 1, f"graph_max_tokens must be >= 1, got {self.graph_max_tokens}")
         _check(
             math.isfinite(self.batch_window_s) and self.batch_window_s >= 0,
             f"batch_window_s must be >= 0 seconds, got {self.batch_window_s}",
@@ -194,10 +205,15 @@ class DraftConfig:
         return 1 if n_question and self.lookahead_weight == 0.0 else self.lookahead
 
     def scoring(self) -> DraftConfig:
-        """This config with the fields that never change a score (batching, overflow, memo size)
-        at fixed values: what the engine's memo keys on."""
+        """This config with the fields that never change a score (batching, overflow, memo size,
+        graphs) at fixed values: what the engine's memo keys on."""
         return dataclasses.replace(self, max_batch=1, batch_window_s=0.0, on_overflow="full", memo_entries=0,
-                                   memo_bytes=0, prefix_cache_entries=0, prefix_cache_bytes=0)
+                                   memo_bytes=0, prefix_cache_entries=0, prefix_cache_bytes=0, cuda_graphs=True,
+                                   graph_max_tokens=1)
+
+    def graphs_on(self, device_type: str) -> bool:
+        """Whether a draft on ``device_type`` captures its look-ahead as CUDA graphs."""
+        return device_type == "cuda" and self.cuda_graphs
 
     def guesses_on(self, device_type: str, lookahead: int | None = None) -> int:
         """Guesses verified per greedy forward by a draft on ``device_type`` ("cuda", "cpu", ...)

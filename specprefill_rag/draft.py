@@ -33,8 +33,9 @@ import torch
 from . import scoring
 from .config import DraftConfig, LookaheadTokens
 from .errors import InputError
-from .lookahead import DecoderParts, reading_set, tree_mask, upper_greedy, upper_logits
+from .lookahead import DecoderParts, LoopShape, reading_set, tree_mask, upper_greedy, upper_logits
 from .prefixkv import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
+from .stepgraphs import MIN_GRAPH_WIDTH, StepGraphs
 from .types import TokenScores
 
 __all__ = ["CAPTURE_ATTENTION", "DraftCapture", "DraftModel"]
@@ -96,10 +97,17 @@ class _Recorder:
                 [query[b].index_select(1, (rows - self.offset).to(query.device))] for b, rows in enumerate(self.rows)
             ]
         else:  # a look-ahead forward: every query row of it (one greedy token, or all siblings)
-            for b, pieces in enumerate(self.queries[layer]):
-                pieces.append(query[b].clone())
+            self.lookahead_rows(layer, query)
         if layer == self.stop_after:
             raise _EarlyExit
+
+    def lookahead_rows(self, layer: int, query: torch.Tensor) -> None:
+        """Keep a look-ahead forward's query rows of ``layer`` (batch, heads, q_len, head_dim),
+        copied (a replayed CUDA graph overwrites its tensors: ``stepgraphs``)."""
+        if self.layers is not None and layer not in self.layers:
+            return
+        for b, pieces in enumerate(self.queries[layer]):
+            pieces.append(query[b].clone())
 
     def keep_lookahead(self, kept: torch.Tensor) -> None:
         """Keep only the look-ahead query rows ``kept`` (batch, rows recorded after the prompt)
@@ -230,6 +238,7 @@ class DraftModel:
         self._plain_cache: bool | None = None  # see _stores_heads
         # Keys and values of prompt heads read before (``prefixkv``; DraftConfig.prefix_cache_entries).
         self.prefixes = PrefixStore(self.config.prefix_cache_entries, self.config.prefix_cache_bytes)
+        self.graphs: StepGraphs | None = None  # the look-ahead's CUDA graphs (``capture_graphs``)
 
     @classmethod
     def from_pretrained(
@@ -312,6 +321,7 @@ class DraftModel:
         upper_keep: float | None = None,
         guesses: int | None = None,
         heads: Sequence[int] | None = None,
+        graphs: bool = True,
     ) -> list[DraftCapture]:
         """``capture`` for several prompts in one right-padded forward per step.
 
@@ -319,7 +329,8 @@ class DraftModel:
         of prompt b sit at positions n_b, n_b + 1, ... (greedy) or all at n_b (siblings). So
         each capture equals the prompt's own (within floating-point tolerance). ``heads``: one
         ``capture`` head per prompt; the prefix store serves the batch when all prompts begin
-        with the same tokens (``_shared_head``).
+        with the same tokens (``_shared_head``). ``graphs``: replay the look-ahead's CUDA
+        graphs where ``capture_graphs`` captured one for this shape (False: run it eagerly).
         """
         lookahead = self.config.lookahead if lookahead is None else lookahead
         tokens = self.config.lookahead_tokens if tokens is None else tokens
@@ -349,7 +360,8 @@ class DraftModel:
             if tokens == "siblings":
                 siblings = self._siblings(recorder, ids, mask, last, lookahead - 1, top, upper, head)
                 return recorder.captures(siblings.tolist(), cached)
-            steps = self._greedy(recorder, ids, mask, last, lookahead - 1, top, upper, guesses, head)
+            steps = self._greedy(recorder, ids, mask, last, lookahead - 1, top, upper, guesses, head,
+                                 self.graphs if graphs else None)
             return recorder.captures(steps.tolist(), cached)
 
     def _prompt_forward(
@@ -446,6 +458,7 @@ class DraftModel:
     def _greedy(
         self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, steps: int, top: int,
         upper_keep: float | None = None, guesses: int = 0, head: PrefixEntry | None = None,
+        loops: StepGraphs | None = None,
     ) -> torch.Tensor:
         """The reference's look-ahead: ``steps`` greedy decode steps after the prompt's forward,
         with no host synchronisation inside the loop (verified guesses: one per forward).
@@ -455,7 +468,8 @@ class DraftModel:
         read that share of each prompt (its reading set, as for siblings) in every step
         (``lookahead.upper_greedy``, which verifies ``guesses`` guessed tokens per forward); the
         recorded layers see the whole prompt. None: full forwards, one per step. ``head``: the
-        prompts' shared start, read from the prefix store.
+        prompts' shared start, read from the prefix store. ``loops``: captured CUDA graphs of
+        the steps (``stepgraphs``).
         """
         from transformers import DynamicCache
 
@@ -468,7 +482,8 @@ class DraftModel:
             # Only the steps' queries are recorded: the layers above ``top`` never are.
             upper = DynamicCache(config=self.model.config)
             keeps = self._reading_sets(recorder, upper_keep)
-            found, kept = upper_greedy(parts, cache, upper, leaving, ids, mask, keeps, top + 1, steps, guesses)
+            found, kept = upper_greedy(parts, cache, upper, leaving, ids, mask, keeps, top + 1, steps, guesses,
+                                       loops=loops)
             recorder.keep_lookahead(kept)
             return found
         logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache, head=head)
@@ -488,6 +503,45 @@ class DraftModel:
                 break
             logits = out.logits[:, -1]
         return torch.stack(tokens, dim=1)
+
+    # -- CUDA graphs of the look-ahead (``stepgraphs``) ---------------------------------------
+
+    @torch.inference_mode()
+    def capture_graphs(self, config: DraftConfig | None = None, batches: Sequence[int] = (1,)) -> int:
+        """Capture the greedy look-ahead's forwards as CUDA graphs for what ``config`` (default:
+        the draft's own) runs: each batch size of ``batches`` and every padded prompt width from
+        512 up to ``graph_max_tokens`` and the window. What an engine's warm-up calls, so that no
+        request pays for a capture. Returns how many loop shapes were captured now: 0 where
+        nothing is to capture (a CPU draft, ``cuda_graphs=False``, a look-ahead that is not
+        greedy steps after an early exit)."""
+        cfg = config or self.config
+        shapes = self._graph_shapes(cfg, batches)
+        if not shapes:
+            return 0
+        if self.graphs is None:
+            parts = DecoderParts.of(self.model)
+            assert parts is not None
+            self.graphs = StepGraphs(parts, self.device, _recording, _RECORDER.get)
+        return sum(self.graphs.capture(shape) for shape in shapes)
+
+    def _graph_shapes(self, cfg: DraftConfig, batches: Sequence[int]) -> list[LoopShape]:
+        """The loop shapes ``capture_graphs`` captures for ``cfg``: none unless the draft runs
+        ``lookahead.upper_greedy`` on a CUDA device with graphs on."""
+        lookahead, top = cfg.lookahead, max(cfg.layer_indices(self.n_layers))
+        probe = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+        if (not cfg.graphs_on(self.device.type) or lookahead < 2 or cfg.lookahead_tokens != "greedy"
+                or self._exit_layer(lookahead, "greedy", cfg.early_exit, top, probe) != top):
+            return []
+        cache = self._cache(None, 1)
+        with _recording(None):
+            self.model(input_ids=probe, past_key_values=cache, use_cache=True)  # the cache's sizes
+        limit = min(cfg.graph_max_tokens, self.max_context - cfg.extra_positions(lookahead, "greedy"))
+        feed = 1 + min(self._guesses(cfg.lookahead_guesses, lookahead), lookahead - 2)
+        widths = [MIN_GRAPH_WIDTH]
+        while widths[-1] < limit:
+            widths.append(2 * widths[-1])
+        one = [LoopShape.of(cache, top + 1, self.n_layers, lookahead - 1, feed, width, width) for width in widths]
+        return [dataclasses.replace(shape, batch=b) for b in sorted(set(batches)) for shape in one]
 
     # -- the prefix store: prompt heads read once (``prefixkv``) ----------------------------
 
@@ -658,7 +712,7 @@ class DraftModel:
             token_ids, max(lookaheads), questions, layers=layers, early_exit=cfg.early_exit,
             tokens=cfg.lookahead_tokens, upper_keep=cfg.upper_keep,
             guesses=self._guesses(cfg.lookahead_guesses, max(lookaheads)),
-            heads=_heads(contexts) if cfg.prefix_cache_entries else None,
+            heads=_heads(contexts) if cfg.prefix_cache_entries else None, graphs=cfg.cuda_graphs,
         )
         results = []
         for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True):

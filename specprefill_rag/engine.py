@@ -172,10 +172,17 @@ class SpecPrefillEngine:
 
     def warm_up(self) -> None:
         """One tiny answer through the draft and the main model, so that the first real request
-        (and any timing) does not pay one-off costs: lazy initialisation, kernel selection, caches."""
+        (and any timing) does not pay one-off costs: lazy initialisation, kernel selection, caches.
+        A CUDA draft also captures its look-ahead's graphs here (``DraftModel.capture_graphs``,
+        ``DraftConfig.cuda_graphs``): for single requests and, with micro-batching, full batches."""
         probe = SelectionConfig(keep_rate=0.5, min_prompt_tokens=16)
         self.generate("Warm-up?", ["Warm-up context. " * 40], mode="specprefill" if self.draft else "full",
                       selection=probe, generation=GenerationConfig(max_new_tokens=2))
+        if self.draft is not None:
+            draft = self.config.draft
+            captured = self.draft.capture_graphs(draft, batches=(1, draft.max_batch))
+            if captured:
+                logger.info("captured the draft's look-ahead as CUDA graphs for %d loop shapes", captured)
 
     # -- building blocks -------------------------------------------------------------------
 

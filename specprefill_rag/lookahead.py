@@ -19,13 +19,16 @@ measured is in docs/configuration.md (``early_exit``, ``upper_keep``, ``lookahea
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["DecoderParts", "reading_set", "tree_mask", "upper_greedy", "upper_logits"]
+__all__ = [
+    "DecoderParts", "FixedKV", "LoopShape", "StepLoop", "reading_set", "tree_mask", "upper_greedy", "upper_logits",
+]
 
 SINK_TOKENS = 4  # first prompt tokens always read (attention sinks)
 TAIL_TOKENS = 16  # last prompt tokens always read (the generation prompt, the question's end)
@@ -105,6 +108,7 @@ def _run_layers(parts: DecoderParts, layers: range, h: torch.Tensor, mask: torch
 def upper_greedy(
     parts: DecoderParts, cache: Any, upper_cache: Any, hidden: torch.Tensor, prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor, keeps: list[torch.Tensor], start: int, steps: int, guesses: int = 0,
+    loops: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy look-ahead tokens of right-padded prompts (``prompt_ids``, ``prompt_mask`` (batch,
     width)) whose forward stopped before layer ``start``: layers below ``start`` read each whole
@@ -118,49 +122,170 @@ def upper_greedy(
     keeps those the draft's argmax confirms: the same tokens and queries (tested) in fewer
     forwards, one host synchronisation each; rejected guesses stay in the caches, masked out.
 
+    The loop runs on a ``StepLoop``: fixed-size buffers copied from the two caches once (the
+    caches themselves are left as they were). ``loops`` (a ``stepgraphs.StepGraphs``): where a
+    loop of this shape was captured as CUDA graphs at warm-up, its forwards are replayed.
+
     Returns (tokens (batch, steps), kept (batch, fed) bool): which of the look-ahead query rows
     the layers below ``start`` recorded, in order, belong to the tokens (``steps`` per row).
     """
-    batch, device = len(keeps), hidden.device
     logits, upper = _reading_pass(parts, upper_cache, hidden, keeps, start)
     feed = 1 + max(0, min(guesses, steps - 1))  # tokens per forward
-    n = prompt_mask.sum(1)  # (batch,)
-    tokens = torch.zeros(batch, steps + 1, dtype=torch.int64, device=device)  # the last column: a bin
-    tokens[:, 0] = logits.argmax(-1)
-    fed = torch.zeros(batch, dtype=torch.int64, device=device)  # tokens fed; tokens 0 … fed are known
-    lower = prompt_mask.bool()
-    slot = torch.arange(feed, device=device)
-    kept: list[torch.Tensor] = []
-    for step in range(steps):
-        if feed == 1:  # every row feeds token ``step``: nothing to ask the device
-            predict = step < steps - 1
-        else:
-            remaining, predict = torch.stack([(fed < steps).any(), (fed + 1 < steps).any()]).tolist()
-            if not remaining:
-                break
-        index = fed.unsqueeze(1) + slot  # (batch, feed) the token index each slot holds
+    shape = LoopShape.of(cache, start, len(parts.layers), steps, feed, prompt_mask.shape[1], upper.shape[1])
+    with loops.claim(shape) if loops is not None else contextlib.nullcontext() as captured:
+        loop = captured.loop if captured is not None else StepLoop(parts, shape, hidden.device)
+        loop.load(cache, upper_cache, prompt_ids, prompt_mask, upper, logits.argmax(-1))
+        run = captured.run if captured is not None else loop.run
+        kept: list[torch.Tensor] = []
+        for step in range(steps):
+            if feed == 1:  # every row feeds token ``step``: nothing to ask the device
+                predict = step < steps - 1
+            else:
+                remaining, predict = torch.stack([(loop.fed < steps).any(), (loop.fed + 1 < steps).any()]).tolist()
+                if not remaining:
+                    break
+            kept.append(run(predict).clone())  # a graph's output is overwritten by its next replay
+        return loop.tokens[:, :steps].clone(), torch.cat(kept, dim=1)
+
+
+@dataclass(frozen=True)
+class LoopShape:
+    """What fixes the size of a look-ahead loop's buffers (and so of a captured graph)."""
+
+    batch: int
+    start: int  # the first upper layer
+    n_layers: int
+    steps: int
+    feed: int  # tokens per forward
+    width: int  # prompt columns of the lower layers' buffers (at least the padded prompt's)
+    reading: int  # reading-set columns of the upper layers' buffers
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, cache: Any, start: int, n_layers: int, steps: int, feed: int, width: int, reading: int
+           ) -> LoopShape:
+        """The shape of a loop over ``cache`` (a prompt forward's, its first layer read for sizes)."""
+        batch, kv_heads, _, head_dim = cache.layers[0].keys.shape
+        return cls(int(batch), start, n_layers, steps, feed, width, reading, int(kv_heads), int(head_dim),
+                   cache.layers[0].keys.dtype)
+
+
+class FixedKV:
+    """Keys and values of decoder layers ``first`` … in buffers of fixed size (batch, kv_heads,
+    columns, head_dim), which the layers' attention reads whole under ``mask()``. ``update``
+    (what a decoder layer calls on its cache) writes the forward's tokens at ``slots``, device
+    tensors: no shape changes and no host synchronisation from one forward to the next."""
+
+    def __init__(self, first: int, count: int, base: int, shape: LoopShape, device: torch.device) -> None:
+        columns = base + shape.steps * shape.feed  # at most one forward per token
+        size = (shape.batch, shape.kv_heads, columns, shape.head_dim)
+        self.first, self.base, self.feed = first, base, shape.feed
+        self.keys = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(count)]
+        self.values = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(count)]
+        self.valid = torch.zeros(shape.batch, columns, dtype=torch.bool, device=device)  # columns a token may read
+        self.slots = torch.zeros(shape.feed, dtype=torch.int64, device=device)  # where this forward writes
+        self.causal = torch.ones(shape.feed, shape.feed, dtype=torch.bool, device=device).tril()
+
+    def load(self, cache: Any, valid: torch.Tensor) -> None:
+        """The cached keys and values of ``cache``'s layers, ``valid`` (batch, w ≤ base) their
+        readable entries."""
+        w = valid.shape[1]
+        for i, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            layer = cache.layers[self.first + i]
+            keys[:, :, :w].copy_(layer.keys)
+            values[:, :, :w].copy_(layer.values)
+        self.reset()
+        self.valid[:, :w].copy_(valid.bool())
+
+    def reset(self) -> None:
+        """Nothing readable; the next forward writes at column ``base``."""
+        self.valid.zero_()
+        self.slots.copy_(torch.arange(self.base, self.base + self.feed, device=self.slots.device))
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        i = layer_idx - self.first
+        self.keys[i].index_copy_(2, self.slots, key.to(self.keys[i].dtype))
+        self.values[i].index_copy_(2, self.slots, value.to(self.values[i].dtype))
+        return self.keys[i], self.values[i]
+
+    def mask(self) -> torch.Tensor:
+        """(batch, 1, feed, columns) bool: the forward's tokens see the valid columns and, causally,
+        one another."""
+        own = torch.zeros(self.feed, self.valid.shape[1], dtype=torch.bool, device=self.valid.device)
+        own.index_copy_(1, self.slots, self.causal)
+        return (self.valid.unsqueeze(1) | own.unsqueeze(0)).unsqueeze(1)
+
+    def keep(self, take: torch.Tensor) -> None:
+        """After a forward: its tokens ``take`` (batch, feed) marks stay readable; the next one
+        writes after them."""
+        self.valid.index_copy_(1, self.slots, take)
+        self.slots.add_(self.feed)
+
+
+class StepLoop:
+    """The state of one greedy look-ahead (``upper_greedy``) in tensors of fixed size: the lower
+    and upper layers' keys and values (``FixedKV``), the tokens, how many each row has fed.
+    ``run`` is one forward; it changes only these tensors, in place, so the same forward can be
+    captured once as a CUDA graph and replayed (``stepgraphs``)."""
+
+    def __init__(self, parts: DecoderParts, shape: LoopShape, device: torch.device) -> None:
+        self.parts, self.shape = parts, shape
+        self.lower = FixedKV(0, shape.start, shape.width, shape, device)
+        self.upper = FixedKV(shape.start, shape.n_layers - shape.start, shape.reading, shape, device)
+        self.prompt_ids = torch.zeros(shape.batch, shape.width, dtype=torch.int64, device=device)
+        self.n = torch.zeros(shape.batch, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(shape.batch, shape.steps + 1, dtype=torch.int64, device=device)  # last: a bin
+        self.fed = torch.zeros(shape.batch, dtype=torch.int64, device=device)  # tokens 0 … fed are known
+        self.slot = torch.arange(shape.feed, device=device)
+
+    def load(self, cache: Any, upper_cache: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+             upper: torch.Tensor, first: torch.Tensor) -> None:
+        """A request's prompts (``prompt_ids``, ``prompt_mask`` (batch, w)), their caches, the
+        reading sets' entries ``upper`` (batch, m) and each row's ``first`` look-ahead token."""
+        self.reset()
+        self.lower.load(cache, prompt_mask)
+        self.upper.load(upper_cache, upper)
+        self.prompt_ids[:, : prompt_ids.shape[1]].copy_(prompt_ids)
+        self.n.copy_(prompt_mask.sum(1))
+        self.tokens[:, 0].copy_(first)
+
+    def reset(self) -> None:
+        """No prompt, no token fed (what a graph is captured from)."""
+        for part in (self.lower, self.upper):
+            part.reset()
+        for tensor in (self.prompt_ids, self.n, self.tokens, self.fed):
+            tensor.zero_()
+
+    def run(self, predict: bool) -> torch.Tensor:
+        """One forward: each row's next unfed token (and guesses); ``predict`` also runs the
+        upper layers and records the tokens found. (batch, feed) which slots hold kept tokens."""
+        parts, steps, feed, slot = self.parts, self.shape.steps, self.shape.feed, self.slot
+        index = self.fed.unsqueeze(1) + slot  # (batch, feed) the token index each slot holds
         live = index < steps  # slots holding a token (a done row's hold none)
-        x = tokens.gather(1, index[:, :1].clamp(max=steps - 1))  # the next unfed token
+        x = self.tokens.gather(1, index[:, :1].clamp(max=steps - 1))  # the next unfed token
         if feed > 1:
-            x = torch.cat([x, prompt_lookup(prompt_ids, n, tokens[:, :steps], fed + 1, feed - 1)], dim=1)
-        positions = n.unsqueeze(1) + index.clamp(max=steps - 1)
-        h = _run_layers(parts, range(start), parts.embed(x), _step_mask(lower, feed), positions, cache)
+            x = torch.cat([x, prompt_lookup(self.prompt_ids, self.n, self.tokens[:, :steps], self.fed + 1, feed - 1)],
+                          dim=1)
+        positions = self.n.unsqueeze(1) + index.clamp(max=steps - 1)
+        h = _run_layers(parts, range(self.shape.start), parts.embed(x), self.lower.mask(), positions, self.lower)
         if predict:
-            h = _run_layers(parts, range(start, len(parts.layers)), h, _step_mask(upper, feed), positions,
-                            upper_cache)
+            h = _run_layers(parts, range(self.shape.start, len(parts.layers)), h, self.upper.mask(), positions,
+                            self.upper)
             predicted = parts.head(parts.norm(h)).argmax(-1)  # (batch, feed): the token after each slot
-            accepted = _confirmed(x, predicted, fed, steps)
+            accepted = _confirmed(x, predicted, self.fed, steps)
             take = live & (slot <= accepted.unsqueeze(1))  # the fed token and the kept guesses
             # Each kept slot's prediction is the next token (the bin takes the rest: no host sync).
-            tokens.scatter_(1, torch.where(take & (index + 1 < steps), index + 1, steps), predicted)
-            upper = torch.cat([upper, take], dim=1)
+            self.tokens.scatter_(1, torch.where(take & (index + 1 < steps), index + 1, steps), predicted)
+            self.upper.keep(take)
         else:  # only last tokens are left: their queries, no more predictions
-            accepted = torch.zeros_like(fed)
+            accepted = torch.zeros_like(self.fed)
             take = live & (slot == 0)
-        lower = torch.cat([lower, take], dim=1)
-        kept.append(take)
-        fed = torch.where(fed < steps, fed + 1 + accepted, fed)
-    return tokens[:, :steps], torch.cat(kept, dim=1)
+        self.lower.keep(take)
+        self.fed.copy_(torch.where(self.fed < steps, self.fed + 1 + accepted, self.fed))
+        return take
 
 
 def _reading_pass(parts: DecoderParts, upper_cache: Any, hidden: torch.Tensor, keeps: list[torch.Tensor],
@@ -191,14 +316,6 @@ def _confirmed(x: torch.Tensor, predicted: torch.Tensor, fed: torch.Tensor, step
     return torch.minimum(right, (steps - 1 - fed).clamp(min=0))
 
 
-def _step_mask(valid: torch.Tensor, feed: int) -> torch.Tensor:
-    """(batch, 1, feed, cached + feed) bool: ``feed`` new tokens each seeing the ``valid``
-    (batch, cached) cache entries and, causally, one another."""
-    batch, device = valid.shape[0], valid.device
-    causal = torch.ones(feed, feed, dtype=torch.bool, device=device).tril().expand(batch, feed, feed)
-    return torch.cat([valid.unsqueeze(1).expand(-1, feed, -1), causal], dim=2).unsqueeze(1)
-
-
 def prompt_lookup(prompt_ids: torch.Tensor, n: torch.Tensor, tokens: torch.Tensor, known: torch.Tensor,
                   count: int) -> torch.Tensor:
     """(batch, count) guesses of the look-ahead tokens ``known`` … ``known + count - 1`` of each
@@ -211,7 +328,7 @@ def prompt_lookup(prompt_ids: torch.Tensor, n: torch.Tensor, tokens: torch.Tenso
     seq = seq.scatter(1, n.unsqueeze(1) + torch.arange(steps, device=device), tokens.to(seq.dtype))
     end = (n + known).unsqueeze(1)  # (batch, 1) the sequence's length
     rows = torch.arange(batch, device=device).unsqueeze(1)
-    one, two = seq.gather(1, end - 1), seq.gather(1, end - 2)  # its last and second-last tokens
+    one, two = seq.gather(1, end - 1), seq.gather(1, (end - 2).clamp(min=0))  # its last and second-last tokens
     at = torch.arange(seq.shape[1], device=device).unsqueeze(0)  # where a continuation would start
     before = torch.cat([seq.new_full((batch, 1), -1), seq[:, :-1]], dim=1)  # the token before each
     twice = torch.cat([seq.new_full((batch, 2), -1), seq[:, :-2]], dim=1)
