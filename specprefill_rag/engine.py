@@ -29,7 +29,7 @@ from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillC
 from .detokenize import IncrementalDecoder
 from .draft import DraftModel
 from .errors import BackendTimeoutError, ConfigError, InputError, InputTypeError
-from .memo import ScoreMemo, digest
+from .memo import PromptMemo, ScoreMemo, digest
 from .streams import AsyncTextStream, TextStream
 from .types import (
     AssembledPrompt,
@@ -135,8 +135,11 @@ class SpecPrefillEngine:
         if draft is not None:
             mode = self.config.draft.tokenizer_mapping
             self.maps_tokens = tokenmap.needs_mapping(draft.tokenizer, self.tokenizer, mode)
-        # The scores of the last prompts, so an identical request skips the draft (DraftConfig.memo_entries).
+        # The scores of the last prompts, so an identical request skips the draft (DraftConfig.memo_entries),
+        # and their assembly, so it skips the template and the tokenizer too.
         self.memo = ScoreMemo(draft_config.memo_entries, draft_config.memo_bytes)
+        self.prompts = PromptMemo(draft_config.memo_entries, draft_config.memo_bytes)
+        self.draft_prompts = PromptMemo(draft_config.memo_entries, draft_config.memo_bytes)  # a draft's own rendering
 
     @classmethod
     def from_pretrained(
@@ -214,18 +217,28 @@ class SpecPrefillEngine:
         sel = selection or self.config.selection
         window = self.backend.max_context
         self._check_length(segments, window)
-        prompt = prompt_lib.assemble(
-            self.tokenizer,
-            segments,
-            protect_instructions=sel.protect_instructions,
-            protect_tail_tokens=sel.protect_tail_tokens,
-            protect_history=sel.protect_history,
-        )
+        prompt = self._assembled(self.prompts, self.tokenizer, segments, sel.protect_instructions,
+                                 sel.protect_tail_tokens, sel.protect_history)
         if prompt.n_tokens >= window:
             raise InputError(
                 f"the prompt has {prompt.n_tokens} tokens but the main model's window is {window}: "
                 "retrieve fewer or shorter passages"
             )
+        return prompt
+
+    @staticmethod
+    def _assembled(memo: PromptMemo, tokenizer: Any, segments: Sequence[Segment], protect_instructions: bool,
+                   protect_tail_tokens: int, protect_history: bool) -> AssembledPrompt:
+        """``prompt.assemble`` of ``segments``, or the same prompt assembled before: a retry skips
+        the template and the tokenizer (``memo``: as many entries as the score memo)."""
+        options = (protect_instructions, protect_tail_tokens, protect_history)
+        key = PromptMemo.key(segments, options) if memo.entries else None
+        if key is not None and (remembered := memo.get(key, segments)) is not None:
+            return remembered
+        prompt = prompt_lib.assemble(tokenizer, segments, protect_instructions=protect_instructions,
+                                     protect_tail_tokens=protect_tail_tokens, protect_history=protect_history)
+        if key is not None:
+            memo.put(key, prompt)
         return prompt
 
     def _check_length(self, segments: Sequence[Segment], window: int) -> None:
@@ -318,7 +331,7 @@ class SpecPrefillEngine:
         if not prompt.segment_spans:
             raise InputError("the prompt carries no segment spans: build it with engine.assemble")
         tokenizer = self._require_draft().tokenizer
-        return _DraftInput(prompt, prompt_lib.assemble(tokenizer, prompt.segments, protect_tail_tokens=0))
+        return _DraftInput(prompt, self._assembled(self.draft_prompts, tokenizer, prompt.segments, True, 0, True))
 
     def _overflow(self, item: _DraftInput, config: DraftConfig) -> str | None:
         """Why the draft cannot read ``item`` (its rendering plus the look-ahead), or None."""

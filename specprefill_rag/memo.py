@@ -1,5 +1,6 @@
 """The draft's scores of recent prompts, so an identical request (a retry, "regenerate", the same
-question twice) skips the draft.
+question twice) skips the draft; and their assembled prompts, so it skips the template and the
+tokenizer too (``PromptMemo``).
 
 Keyed by a digest of everything the scores depend on: what the draft reads (its token ids, the
 question's positions, the prunable tokens), the main prompt's token ids when scores are mapped
@@ -13,17 +14,17 @@ import dataclasses
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 import torch
 
-from .types import TokenScores
+from .types import AssembledPrompt, Segment, TokenScores
 
 K = TypeVar("K")
 V = TypeVar("V")
 
-__all__ = ["Bounded", "ScoreMemo", "digest"]
+__all__ = ["Bounded", "PromptMemo", "ScoreMemo", "digest"]
 
 
 def digest(tensors: Iterable[torch.Tensor | None], settings: object) -> bytes:
@@ -112,3 +113,33 @@ class ScoreMemo(Bounded[bytes, TokenScores]):
         if found is None:
             return None
         return dataclasses.replace(found, seconds=0.0, from_memo=True, cached_tokens=0)
+
+
+def _prompt_size(prompt: AssembledPrompt) -> int:
+    tensors = (prompt.token_ids, prompt.segment_index, prompt.protected, prompt.offsets, prompt.sentence_start,
+               prompt.cut_level)
+    return 4 * len(prompt.text) + sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class PromptMemo(Bounded[bytes, AssembledPrompt]):
+    """The last assembled prompts (rendered, tokenized, with their bookkeeping), at most
+    ``entries`` of them and ``max_bytes`` together: a retry skips the chat template and the
+    tokenizer (tens of milliseconds for a few thousand tokens). Keyed by what ``prompt.assemble``
+    reads of the segments (kind, role, text) and its options; a hit carries the request's own
+    segments (ids and metadata, which assembly never reads, may differ)."""
+
+    def __init__(self, entries: int, max_bytes: int) -> None:
+        super().__init__(entries, max_bytes, _prompt_size)
+
+    @staticmethod
+    def key(segments: Sequence[Segment], options: object) -> bytes:
+        h = hashlib.sha256(repr(options).encode())
+        for segment in segments:
+            text = segment.text.encode("utf-8", "surrogatepass")
+            h.update(f"{segment.kind.value}|{segment.role}|{len(text)}|".encode())
+            h.update(text)
+        return h.digest()
+
+    def get(self, key: bytes, segments: Sequence[Segment]) -> AssembledPrompt | None:
+        found = self._get(key)
+        return None if found is None else dataclasses.replace(found, segments=tuple(segments))

@@ -294,6 +294,25 @@ def _encode(
     return torch.tensor(all_ids, dtype=torch.int64), torch.tensor(all_offsets, dtype=torch.int64).reshape(-1, 2)
 
 
+# Every code point str.isspace() (and so str.lstrip()) treats as white space (a test checks the
+# list against Python's own rule).
+_WHITESPACE = np.array(
+    [0x9, 0xA, 0xB, 0xC, 0xD, 0x1C, 0x1D, 0x1E, 0x1F, 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028,
+     0x2029, 0x202F, 0x205F, 0x3000],
+    dtype=np.uint32,
+)
+
+
+def _visible_starts(text: str, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """(n,) each token's first character that is not white space (``str.lstrip``'s rule); its
+    start when it is white space only. Vectorised: one pass over the text's code points."""
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    solid = np.flatnonzero(~np.isin(codes, _WHITESPACE))  # indices of the non-white characters
+    at = np.searchsorted(solid, starts.numpy())  # the first non-white character at or after each start
+    first = torch.from_numpy(np.append(solid, len(codes))[at].astype(np.int64))
+    return torch.where(first < ends, first, starts)
+
+
 def _segment_of(
     visible: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, spans: Sequence[tuple[int, int, int]]
 ) -> torch.Tensor:
@@ -345,8 +364,7 @@ def assemble(
     starts, ends = offsets[:, 0], offsets[:, 1]
     # A token such as " what" starts on the space before a segment's first character: it
     # belongs to the segment by its visible text (pure white space keeps its own start).
-    lead = torch.tensor([len(t) - len(t.lstrip()) for t in (text[a:b] for a, b in offsets.tolist())])
-    visible = torch.where(starts + lead < ends, starts + lead, starts)
+    visible = _visible_starts(text, starts, ends)
     segment_index = _segment_of(visible, starts, ends, spans)
     kinds = {SegmentKind.QUESTION} | ({SegmentKind.INSTRUCTIONS} if protect_instructions else set()) \
         | ({SegmentKind.HISTORY} if protect_history else set())

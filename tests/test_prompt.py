@@ -343,3 +343,27 @@ def test_history_can_be_left_prunable(tokenizer):
     assert default.protected[torch.isin(default.segment_index, history)].all()
     with pytest.raises(ValueError, match="protect_history must be True or False"):
         SelectionConfig(protect_history=1)  # type: ignore[arg-type]
+
+
+def test_visible_starts_follow_str_lstrip():
+    """A token's visible start is its first character ``str.lstrip`` keeps (its start when it is
+    white space only): the vectorised rule against the per-token one, on random texts full of
+    Unicode white space, and the code-point list against Python's own ``str.isspace``."""
+    import random
+
+    from specprefill_rag.prompt import _WHITESPACE, _visible_starts
+
+    assert sorted(_WHITESPACE.tolist()) == [c for c in range(0x110000) if chr(c).isspace()]
+    chars = [" ", "\t", "\n", "\u00a0", "\u2003", "\u3000", "\x1c", "\x85", "a", "é", "中", "😀", "\u200b"]
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(chars) for _ in range(rng.randint(0, 60)))
+        pairs = []
+        for _ in range(20):
+            a = rng.randint(0, len(text))
+            pairs.append((a, rng.randint(a, len(text))))
+        offsets = torch.tensor(pairs, dtype=torch.int64)
+        starts, ends = offsets[:, 0], offsets[:, 1]
+        lead = torch.tensor([len(text[a:b]) - len(text[a:b].lstrip()) for a, b in pairs])
+        expected = torch.where(starts + lead < ends, starts + lead, starts)
+        assert torch.equal(_visible_starts(text, starts, ends), expected)
