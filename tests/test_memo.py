@@ -20,18 +20,29 @@ def _scores(n: int) -> TokenScores:
     return TokenScores(scores=torch.arange(n, dtype=torch.float32), lookahead_token_ids=(1, 2), seconds=1.5)
 
 
-class Counting:
-    """Counts the draft's scoring runs of an engine."""
+class Calls:
+    """Counts the calls of ``owner.name`` from now on (``draft_runs``, ``assembly``)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, owner, name: str, monkeypatch=None) -> None:
         self.runs = 0
-        original = engine.draft.score_batch
+        original = getattr(owner, name)
 
-        def score_batch(*args, **kwargs):
+        def counted(*args, **kwargs):
             self.runs += 1
             return original(*args, **kwargs)
 
-        engine.draft.score_batch = score_batch
+        (monkeypatch.setattr if monkeypatch is not None else setattr)(owner, name, counted)
+
+
+def draft_runs(engine) -> Calls:
+    return Calls(engine.draft, "score_batch")
+
+
+def assembly(monkeypatch) -> Calls:
+    """Counts ``prompt.assemble`` calls (the template and the tokenizer) of the engine module."""
+    from specprefill_rag import engine as engine_module
+
+    return Calls(engine_module.prompt_lib, "assemble", monkeypatch)
 
 
 def test_memo_keeps_the_last_entries_and_bytes():
@@ -65,7 +76,7 @@ def test_digest_sees_contents_dtype_shape_and_settings():
 
 def test_an_identical_request_skips_the_draft_and_gets_the_same_plan():
     engine = tiny_engine()
-    runs = Counting(engine)
+    runs = draft_runs(engine)
     first = engine.generate("How wide is river 3?", PASSAGES)
     second = engine.generate("How wide is river 3?", PASSAGES)
     assert runs.runs == 1
@@ -80,7 +91,7 @@ def test_an_identical_request_skips_the_draft_and_gets_the_same_plan():
 @pytest.mark.parametrize("change", ["question", "passage", "draft config"])
 def test_anything_that_changes_the_scores_misses(change):
     engine = tiny_engine()
-    runs = Counting(engine)
+    runs = draft_runs(engine)
     engine.generate("How wide is river 3?", PASSAGES)
     question, passages = "How wide is river 3?", PASSAGES
     if change == "question":
@@ -96,13 +107,13 @@ def test_anything_that_changes_the_scores_misses(change):
 
 def test_settings_that_never_change_a_score_share_the_memo_and_zero_entries_turn_it_off():
     engine = tiny_engine()
-    runs = Counting(engine)
+    runs = draft_runs(engine)
     engine.generate("How wide is river 3?", PASSAGES)
     engine.config = dataclasses.replace(
         engine.config, draft=dataclasses.replace(engine.config.draft, on_overflow="raise", memo_entries=8))
     assert engine.generate("How wide is river 3?", PASSAGES).draft_memo_hit and runs.runs == 1
     off = tiny_engine(dataclasses.replace(engine.config, draft=DraftConfig(lookahead=2, memo_entries=0)))
-    runs = Counting(off)
+    runs = draft_runs(off)
     results = [off.generate("How wide is river 3?", PASSAGES) for _ in range(2)]
     assert runs.runs == 2 and not any(r.draft_memo_hit for r in results) and len(off.memo) == 0
 
@@ -110,13 +121,13 @@ def test_settings_that_never_change_a_score_share_the_memo_and_zero_entries_turn
 def test_cross_family_scores_are_remembered_per_main_prompt(monkeypatch):
     engine = tiny_engine(cross_family=True)
     assert engine.maps_tokens
-    runs = Counting(engine)
-    assembly = CountingAssembly(monkeypatch)
+    runs = draft_runs(engine)
+    assembled = assembly(monkeypatch)
     first = engine.generate("How wide is river 3?", PASSAGES)
-    assert assembly.calls == 2  # the main prompt, and the draft's own rendering of it
+    assert assembled.runs == 2  # the main prompt, and the draft's own rendering of it
     second = engine.generate("How wide is river 3?", PASSAGES)
     assert runs.runs == 1 and second.draft_memo_hit and torch.equal(first.plan.position_ids, second.plan.position_ids)
-    assert assembly.calls == 2  # a retry renders neither again
+    assert assembled.runs == 2  # a retry renders neither again
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -129,30 +140,15 @@ def test_memo_fields_are_checked(kwargs, message):
         DraftConfig(**kwargs)
 
 
-class CountingAssembly:
-    """Counts ``prompt.assemble`` calls (the template and the tokenizer) of the engine module."""
-
-    def __init__(self, monkeypatch) -> None:
-        from specprefill_rag import engine as engine_module
-
-        self.calls = 0
-        original = engine_module.prompt_lib.assemble
-
-        def assemble(*args, **kwargs):
-            self.calls += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(engine_module.prompt_lib, "assemble", assemble)
-
 
 def test_a_retry_skips_assembly_and_gets_the_same_prompt(monkeypatch):
     """The same request again reuses its assembled prompt (a retry's time before the main
     prefill is then the memo's, not the tokenizer's); anything assembly reads misses."""
     engine = tiny_engine()
-    counting = CountingAssembly(monkeypatch)
+    counting = assembly(monkeypatch)
     first = engine.assemble("How wide is river 3?", PASSAGES)
     again = engine.assemble("How wide is river 3?", list(PASSAGES))
-    assert counting.calls == 1 and again is not first  # a new object carrying the request's own segments
+    assert counting.runs == 1 and again is not first  # a new object carrying the request's own segments
     for field in ("token_ids", "segment_index", "protected", "offsets", "sentence_start", "cut_level"):
         assert torch.equal(getattr(first, field), getattr(again, field)), field
     assert again.text == first.text and again.segment_spans == first.segment_spans
@@ -163,21 +159,21 @@ def test_a_retry_skips_assembly_and_gets_the_same_prompt(monkeypatch):
     from specprefill_rag import SelectionConfig
 
     free = engine.assemble("How wide is river 3?", PASSAGES, selection=SelectionConfig(protect_instructions=False))
-    assert counting.calls == 5 and int(free.protected.sum()) < int(first.protected.sum())
+    assert counting.runs == 5 and int(free.protected.sum()) < int(first.protected.sum())
     result = engine.generate("How wide is river 3?", PASSAGES)  # the engine's own path: a hit
-    assert counting.calls == 5 and result.text
+    assert counting.runs == 5 and result.text
 
 
 def test_a_remembered_prompt_carries_the_requests_metadata(monkeypatch):
     """Assembly never reads ids or metadata, so a request that differs only there reuses the
     prompt, with its own segments: the retriever's scores the selection weighs are this request's."""
     engine = tiny_engine()
-    counting = CountingAssembly(monkeypatch)
+    counting = assembly(monkeypatch)
     scored = [Passage(p.text, id=f"p{i}", metadata={"score": 0.1 * i}) for i, p in enumerate(PASSAGES)]
     rescored = [Passage(p.text, id=f"q{i}", metadata={"score": 1.0 - 0.1 * i}) for i, p in enumerate(PASSAGES)]
     engine.assemble("How wide is river 3?", scored)
     again = engine.assemble("How wide is river 3?", rescored)
-    assert counting.calls == 1
+    assert counting.runs == 1
     passages = [s for s in again.segments if s.metadata]
     assert [s.metadata["score"] for s in passages] == [1.0 - 0.1 * i for i in range(8)]
     assert [s.id for s in passages] == [f"q{i}" for i in range(8)]
@@ -187,10 +183,10 @@ def test_zero_memo_entries_assemble_every_time_and_the_window_still_refuses(monk
     from specprefill_rag.errors import InputError
 
     off = tiny_engine(dataclasses.replace(tiny_engine().config, draft=DraftConfig(lookahead=2, memo_entries=0)))
-    counting = CountingAssembly(monkeypatch)
+    counting = assembly(monkeypatch)
     for _ in range(2):
         off.assemble("How wide is river 3?", PASSAGES)
-    assert counting.calls == 2 and len(off.prompts) == 0
+    assert counting.runs == 2 and len(off.prompts) == 0
     engine = tiny_engine()
     long = [Passage("river " * 3000)]
     for _ in range(2):  # remembered or not, a prompt over the window is refused
