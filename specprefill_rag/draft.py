@@ -530,8 +530,9 @@ class DraftModel:
         lookahead, top = cfg.lookahead, max(cfg.layer_indices(self.n_layers))
         probe = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
         if (not cfg.graphs_on(self.device.type) or lookahead < 2 or cfg.lookahead_tokens != "greedy"
-                or self._exit_layer(lookahead, "greedy", cfg.early_exit, top, probe) != top):
-            return []
+                or not cfg.early_exit or top >= self.n_layers - 1
+                or self._exit_layer(lookahead, "greedy", True, top, probe) != top):
+            return []  # no upper_greedy loop: siblings, full forwards, no layer above the aggregated ones
         cache = self._cache(None, 1)
         with _recording(None):
             self.model(input_ids=probe, past_key_values=cache, use_cache=True)  # the cache's sizes

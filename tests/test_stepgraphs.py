@@ -201,11 +201,11 @@ def test_a_config_with_graphs_off_runs_eagerly(tokenizer, fake_cuda):
 @pytest.mark.parametrize(
     "config",
     [DraftConfig(), DraftConfig(cuda_graphs=False), DraftConfig(lookahead_tokens="siblings"),
-     DraftConfig(early_exit=False), DraftConfig(lookahead=1)],
+     DraftConfig(early_exit=False), DraftConfig(lookahead=1), DraftConfig(layers="upper_half")],
 )
 def test_nothing_is_captured_without_a_graph_to_replay(tokenizer, monkeypatch, config):
-    """A CPU draft (the default here), graphs off, siblings, full forwards, no look-ahead: no
-    capture, no graphs object, nothing allocated."""
+    """A CPU draft (the default here), graphs off, siblings, full forwards, no look-ahead, no
+    layer above the aggregated ones: no capture, no graphs object, nothing allocated."""
     if config != DraftConfig():  # these would capture on CUDA: pretend to be there
         monkeypatch.setattr(DraftConfig, "graphs_on", lambda self, device_type: self.cuda_graphs)
     draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
