@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -41,6 +42,8 @@ from .types import TokenScores
 __all__ = ["CAPTURE_ATTENTION", "DraftCapture", "DraftModel"]
 
 CAPTURE_ATTENTION = "specprefill_sdpa"  # name of our entry in transformers' attention registry
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -513,7 +516,8 @@ class DraftModel:
         512 up to ``graph_max_tokens`` and the window. What an engine's warm-up calls, so that no
         request pays for a capture. Returns how many loop shapes were captured now: 0 where
         nothing is to capture (a CPU draft, ``cuda_graphs=False``, a look-ahead that is not
-        greedy steps after an early exit)."""
+        greedy steps after an early exit). A capture that fails is logged and ends the capturing:
+        the widths not captured run eagerly (the draft still serves)."""
         cfg = config or self.config
         shapes = self._graph_shapes(cfg, batches)
         if not shapes:
@@ -522,7 +526,16 @@ class DraftModel:
             parts = DecoderParts.of(self.model)
             assert parts is not None
             self.graphs = StepGraphs(parts, self.device, _recording, _RECORDER.get)
-        return sum(self.graphs.capture(shape) for shape in shapes)
+        captured = 0
+        for shape in shapes:
+            try:
+                captured += self.graphs.capture(shape)
+            except Exception as error:  # a kernel that cannot be captured: serve eagerly, never fail to start
+                logger.warning("could not capture the draft's look-ahead as a CUDA graph for batch %d, width %d "
+                               "(%s: %s): the look-ahead of the shapes not captured runs eagerly",
+                               shape.batch, shape.width, type(error).__name__, error)
+                break
+        return captured
 
     def _graph_shapes(self, cfg: DraftConfig, batches: Sequence[int]) -> list[LoopShape]:
         """The loop shapes ``capture_graphs`` captures for ``cfg``: none unless the draft runs

@@ -212,6 +212,28 @@ def test_nothing_is_captured_without_a_graph_to_replay(tokenizer, monkeypatch, c
     assert draft.capture_graphs(config) == 0 and draft.graphs is None
 
 
+def test_a_failed_capture_is_logged_and_the_draft_serves_eagerly(tokenizer, fake_cuda, monkeypatch, caplog):
+    """The CUDA capture has not run on every GPU and kernel: one that fails must not stop the
+    engine from starting. The widths captured before it replay; the rest run eagerly."""
+    original = StepGraphs._capture_one
+
+    def capture_one(self, loop, predict):
+        if loop.shape.width > 512:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return original(self, loop, predict)
+
+    monkeypatch.setattr(StepGraphs, "_capture_one", capture_one)
+    draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer,
+                       DraftConfig(layers=tuple(LAYERS), graph_max_tokens=2000))
+    with caplog.at_level("WARNING", logger="specprefill_rag.draft"):
+        assert draft.capture_graphs() == 1  # width 512; 1024 failed, 2048 not tried
+    assert "width 1024" in caplog.text and "operation not permitted" in caplog.text
+    prompts, questions = _prompts(tokenizer, (600,))
+    eager = DraftModel(draft.model, tokenizer, draft.config).capture(prompts[0], 7, questions[0], **GREEDY)
+    got = draft.capture(prompts[0], 7, questions[0], **GREEDY)
+    assert FakeGraph.replays == 0 and got.lookahead_token_ids == eager.lookahead_token_ids
+
+
 def test_warm_up_captures_for_single_requests_and_full_batches(tokenizer, monkeypatch):
     import dataclasses
 
