@@ -23,11 +23,11 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -45,6 +45,7 @@ __all__ = [
     "SMALL_MODEL",
     "PackagedModel",
     "cache_dir",
+    "eos_ids",
     "load_model",
     "load_tokenizer",
     "resolve_device",
@@ -490,3 +491,12 @@ def _generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
                 eos.append(token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else None)
     return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos or None, pad_token_id=pad)
+
+
+def eos_ids(configured: int | Sequence[int] | None, tokenizer: Any) -> frozenset[int]:
+    """The ids that end an answer: the model's generation config's (``configured``: one id, a
+    list or None) and the tokenizer's EOS, as vLLM stops at both."""
+    ids = {configured} if isinstance(configured, int) else set(configured or ())
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(int(i) for i in ids)

@@ -128,6 +128,7 @@ def test_public_api() -> None:
         "SMALL_MODEL",
         "PackagedModel",
         "cache_dir",
+        "eos_ids",
         "load_model",
         "load_tokenizer",
         "resolve_device",

@@ -2,13 +2,14 @@
 
 The ``Backend`` protocol and ``BackendCapabilities``; ``ModelIdentity`` for the read-only
 properties; ``max_new_tokens`` (the generation limit: the configured one, cut at the end of the
-window), ``eos_ids`` (the ids that end an answer), ``TokenStep`` (a token with its log-probability)
-and ``checked_xargs`` (a plan's ``vllm_xargs``, validated as the plugin validates them).
+window), ``TokenStep`` (a token with its log-probability) and ``checked_xargs`` (a plan's
+``vllm_xargs``, validated as the plugin validates them). The ids that end an answer come from
+``loading.eos_ids``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Backend", "BackendCapabilities", "ModelIdentity", "SelfDrafting", "TokenStep", "check_window", "checked_xargs",
-    "eos_ids", "max_new_tokens",
+    "max_new_tokens",
 ]
 
 
@@ -126,15 +127,6 @@ def max_new_tokens(plan: PrefillPlan, generation: GenerationConfig, window: int)
     """Tokens to generate: the configured limit, cut at the end of the window (as transformers)."""
     check_window(plan, window)
     return min(generation.max_new_tokens, window - plan.next_position)
-
-
-def eos_ids(configured: int | Sequence[int] | None, tokenizer: Any) -> frozenset[int]:
-    """The ids that end an answer: the model's generation config's (``configured``: one id, a
-    list or None) and the tokenizer's EOS, as vLLM stops at both."""
-    ids = {configured} if isinstance(configured, int) else set(configured or ())
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(int(i) for i in ids)
 
 
 def checked_xargs(plan: PrefillPlan, *, max_tokens: int, window: int, model: str) -> dict[str, Any] | None:

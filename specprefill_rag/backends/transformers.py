@@ -16,8 +16,9 @@ import torch
 
 from ..config import DraftConfig, GenerationConfig
 from ..draft import DraftModel
+from ..loading import eos_ids
 from ..types import PrefillPlan
-from .base import BackendCapabilities, ModelIdentity, check_window, eos_ids, max_new_tokens
+from .base import BackendCapabilities, ModelIdentity, check_window, max_new_tokens
 
 __all__ = ["PrefillState", "TransformersBackend", "sample_token"]
 

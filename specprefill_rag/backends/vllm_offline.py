@@ -22,8 +22,9 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..errors import BackendError
+from ..loading import eos_ids
 from ..types import PrefillPlan
-from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, eos_ids, max_new_tokens
+from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, max_new_tokens
 
 __all__ = ["CPU_ENGINE_ARGS", "CPU_KV_CACHE_GIB", "VLLMOfflineBackend", "cpu_engine_args", "on_cpu"]
 

@@ -45,9 +45,10 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..errors import BackendError, ServerError
+from ..loading import eos_ids
 from ..types import PrefillPlan, is_int, is_number
 from ..wire import INVALID_PLAN, NEXT_POSITION_KEY, POSITIONS_KEY, PROOF_FIELD, is_contiguous, plan_proof, plan_to_xargs
-from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, eos_ids, max_new_tokens
+from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, max_new_tokens
 from .vllm_http import VLLMHTTPClient, describe
 
 __all__ = ["DEFAULT_MAX_RETRIES", "VLLMServerBackend", "request_body"]
