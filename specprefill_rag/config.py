@@ -123,6 +123,12 @@ class DraftConfig:
     # decode step per token. None (auto): L - 2 on a CUDA draft, whose decode costs about the
     # same for 7 tokens as for one; 0 on a CPU, where a 7-token forward costs ~4.6x a step.
     lookahead_guesses: int | None = None
+    # Greedy look-ahead only: stop where the draft's answer ends. Its queries are those of the
+    # tokens before its first end-of-turn token (``DraftModel.end_ids``: the tokenizer's EOS and
+    # the generation config's); the tokens it would write after its answer ("\n", "I apologize
+    # ...") are not fed. Fewer sequential forwards whenever the answer is short. False: always
+    # L - 1 tokens (the reference).
+    lookahead_stop_at_eos: bool = False
     # Concurrent requests' scoring runs as one padded draft batch of up to max_batch prompts,
     # formed within batch_window_s of the first one's arrival. 1: each request scores alone.
     # Worth it on a GPU (one pass for many prompts); on a CPU the draft is compute-bound.
@@ -179,6 +185,8 @@ class DraftConfig:
         check_choice("heads", self.heads, HeadReduction)
         _check(isinstance(self.normalize, bool), f"normalize must be True or False, got {self.normalize!r}")
         _check(isinstance(self.early_exit, bool), f"early_exit must be True or False, got {self.early_exit!r}")
+        _check(isinstance(self.lookahead_stop_at_eos, bool),
+               f"lookahead_stop_at_eos must be True or False, got {self.lookahead_stop_at_eos!r}")
         _check(0.0 < self.upper_keep <= 1.0, f"upper_keep must be in (0, 1], got {self.upper_keep}")
         _check(
             self.lookahead_guesses is None or self.lookahead_guesses >= 0,

@@ -34,6 +34,7 @@ import torch
 from . import scoring
 from .config import DraftConfig, LookaheadTokens
 from .errors import InputError
+from .loading import eos_ids
 from .lookahead import DecoderParts, LoopShape, reading_set, tree_mask, upper_greedy, upper_logits
 from .prefixkv import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
 from .stepgraphs import MIN_GRAPH_WIDTH, StepGraphs
@@ -242,6 +243,8 @@ class DraftModel:
         # Keys and values of prompt heads read before (``prefixkv``; DraftConfig.prefix_cache_entries).
         self.prefixes = PrefixStore(self.config.prefix_cache_entries, self.config.prefix_cache_bytes)
         self.graphs: StepGraphs | None = None  # the look-ahead's CUDA graphs (``capture_graphs``)
+        # The ids that end the draft's answer (``DraftConfig.lookahead_stop_at_eos``).
+        self.end_ids = eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer)
 
     @classmethod
     def from_pretrained(
@@ -285,6 +288,7 @@ class DraftModel:
         upper_keep: float | None = None,
         guesses: int | None = None,
         head: int = 0,
+        stop_at_eos: bool | None = None,
     ) -> DraftCapture:
         """Prefill ``token_ids`` (n_prompt,) and run the look-ahead, recording post-RoPE queries
         of the ``question`` token indices (m,), of the last prompt token and of each of the
@@ -304,11 +308,14 @@ class DraftModel:
         that many guesses per forward (``lookahead.upper_greedy``): the same tokens and queries
         in fewer forwards. ``head``: the prompt's first tokens that later prompts may share (its
         protected start): read from the draft's prefix store (``prefixkv``) when it holds them, and
-        stored once read; the prompt's forward then runs over the rest only.
+        stored once read; the prompt's forward then runs over the rest only. ``stop_at_eos``
+        (default: the draft's ``DraftConfig.lookahead_stop_at_eos``): greedy tokens stop where
+        the draft's answer ends (before its first ``end_ids`` token), so a capture may hold fewer
+        than ``lookahead - 1`` look-ahead tokens and rows.
         """
         return self.capture_batch(
             [token_ids], lookahead, [question], layers=layers, early_exit=early_exit, tokens=tokens,
-            upper_keep=upper_keep, guesses=guesses, heads=[head],
+            upper_keep=upper_keep, guesses=guesses, heads=[head], stop_at_eos=stop_at_eos,
         )[0]
 
     @torch.inference_mode()
@@ -325,6 +332,7 @@ class DraftModel:
         guesses: int | None = None,
         heads: Sequence[int] | None = None,
         graphs: bool = True,
+        stop_at_eos: bool | None = None,
     ) -> list[DraftCapture]:
         """``capture`` for several prompts in one right-padded forward per step.
 
@@ -339,6 +347,7 @@ class DraftModel:
         tokens = self.config.lookahead_tokens if tokens is None else tokens
         upper_keep = self.config.upper_keep if upper_keep is None else upper_keep
         guesses = self._guesses(self.config.lookahead_guesses if guesses is None else guesses, lookahead)
+        stop_at_eos = self.config.lookahead_stop_at_eos if stop_at_eos is None else stop_at_eos
         questions = list(questions) if questions is not None else [None] * len(token_ids)
         if not token_ids or len(questions) != len(token_ids):
             raise InputError("pass one question (or None) per prompt, and at least one prompt")
@@ -363,9 +372,9 @@ class DraftModel:
             if tokens == "siblings":
                 siblings = self._siblings(recorder, ids, mask, last, lookahead - 1, top, upper, head)
                 return recorder.captures(siblings.tolist(), cached)
-            steps = self._greedy(recorder, ids, mask, last, lookahead - 1, top, upper, guesses, head,
-                                 self.graphs if graphs else None)
-            return recorder.captures(steps.tolist(), cached)
+            found = self._greedy(recorder, ids, mask, last, lookahead - 1, top, upper, guesses, head,
+                                 self.graphs if graphs else None, self.end_ids if stop_at_eos else frozenset())
+            return recorder.captures(found, cached)
 
     def _prompt_forward(
         self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, *,
@@ -461,11 +470,12 @@ class DraftModel:
     def _greedy(
         self, recorder: _Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, steps: int, top: int,
         upper_keep: float | None = None, guesses: int = 0, head: PrefixEntry | None = None,
-        loops: StepGraphs | None = None,
-    ) -> torch.Tensor:
+        loops: StepGraphs | None = None, end_ids: frozenset[int] = frozenset(),
+    ) -> list[list[int]]:
         """The reference's look-ahead: ``steps`` greedy decode steps after the prompt's forward,
-        with no host synchronisation inside the loop (verified guesses: one per forward).
-        (batch, steps) the tokens.
+        with no host synchronisation inside the loop (verified guesses, or ``end_ids``: one per
+        forward). Each prompt's tokens fed: ``steps``, or with ``end_ids`` those before the first
+        of them (their recorded rows only: the rest are dropped).
 
         ``upper_keep``: the prompt's forward stops after layer ``top``, and the layers above it
         read that share of each prompt (its reading set, as for siblings) in every step
@@ -486,15 +496,30 @@ class DraftModel:
             upper = DynamicCache(config=self.model.config)
             keeps = self._reading_sets(recorder, upper_keep)
             found, kept = upper_greedy(parts, cache, upper, leaving, ids, mask, keeps, top + 1, steps, guesses,
-                                       loops=loops)
+                                       loops=loops, end_ids=sorted(end_ids))
             recorder.keep_lookahead(kept)
-            return found
+            return [row[:n] for row, n in zip(found.tolist(), kept.sum(1).tolist(), strict=True)]
         logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache, head=head)
         assert logits is not None
+        return self._decode_steps(recorder, cache, logits, mask, last, steps, top, end_ids)
+
+    def _decode_steps(self, recorder: _Recorder, cache: Any, logits: torch.Tensor, mask: torch.Tensor,
+                      last: torch.Tensor, steps: int, top: int, end_ids: frozenset[int]) -> list[list[int]]:
+        """Greedy decode steps over full forwards from the prompt's next-token ``logits``
+        (``_greedy`` without early exit); with ``end_ids`` a row's tokens end before the first
+        of them, its later rows are dropped and the loop ends once every row's answer has."""
         batch = len(last)
+        ends = torch.tensor(sorted(end_ids), dtype=torch.int64, device=self.device)
         tokens: list[torch.Tensor] = []
+        ended = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        fed: list[torch.Tensor] = []  # (batch,) per step: which rows' tokens count
         for step in range(steps):
             tokens.append(logits.argmax(-1))  # (batch,)
+            if end_ids:
+                ended |= torch.isin(tokens[-1], ends)
+                if bool(ended.all()):
+                    break
+            fed.append(~ended)
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=self.device)], dim=1)
             recorder.stop_after = top if step == steps - 1 else None  # the last step's logits go unused
             try:
@@ -505,7 +530,9 @@ class DraftModel:
             except _EarlyExit:
                 break
             logits = out.logits[:, -1]
-        return torch.stack(tokens, dim=1)
+        kept = torch.stack(fed, dim=1) if fed else torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
+        recorder.keep_lookahead(kept)
+        return [row[:n] for row, n in zip(torch.stack(tokens, dim=1).tolist(), kept.sum(1).tolist(), strict=True)]
 
     # -- CUDA graphs of the look-ahead (``stepgraphs``) ---------------------------------------
 
@@ -727,10 +754,13 @@ class DraftModel:
             tokens=cfg.lookahead_tokens, upper_keep=cfg.upper_keep,
             guesses=self._guesses(cfg.lookahead_guesses, max(lookaheads)),
             heads=_heads(contexts) if cfg.prefix_cache_entries else None, graphs=cfg.cuda_graphs,
+            stop_at_eos=cfg.lookahead_stop_at_eos,
         )
         results = []
         for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True):
-            rows = cap.n_question + lookahead  # a prompt that needs fewer look-ahead rows than the batch
+            # A prompt that needs fewer look-ahead rows than the batch, or whose answer ended sooner.
+            lookahead = min(lookahead, 1 + len(cap.lookahead_token_ids))
+            rows = cap.n_question + lookahead
             mask = context.to(self.device) if context is not None and cfg.normalize else None
             positions = cap.positions[:rows].to(self.device)
             per_layer = torch.stack(

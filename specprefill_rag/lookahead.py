@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,7 +109,7 @@ def _run_layers(parts: DecoderParts, layers: range, h: torch.Tensor, mask: torch
 def upper_greedy(
     parts: DecoderParts, cache: Any, upper_cache: Any, hidden: torch.Tensor, prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor, keeps: list[torch.Tensor], start: int, steps: int, guesses: int = 0,
-    loops: Any = None,
+    loops: Any = None, end_ids: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy look-ahead tokens of right-padded prompts (``prompt_ids``, ``prompt_mask`` (batch,
     width)) whose forward stopped before layer ``start``: layers below ``start`` read each whole
@@ -126,22 +127,28 @@ def upper_greedy(
     caches themselves are left as they were). ``loops`` (a ``stepgraphs.StepGraphs``): where a
     loop of this shape was captured as CUDA graphs at warm-up, its forwards are replayed.
 
-    Returns (tokens (batch, steps), kept (batch, fed) bool): which of the look-ahead query rows
-    the layers below ``start`` recorded, in order, belong to the tokens (``steps`` per row).
+    ``end_ids``: a row stops where its answer ends: a token one of these ids would follow is its
+    last one fed (a first token among them: none fed). The loop ends when every row has (one host
+    synchronisation per forward to ask). Empty: ``steps`` tokens per row.
+
+    Returns (tokens (batch, steps), kept (batch, rows) bool): which of the look-ahead query rows
+    the layers below ``start`` recorded, in order, belong to the tokens fed (``steps`` per row,
+    or the tokens before its end; ``tokens[b, :kept[b].sum()]`` are those tokens).
     """
     logits, upper = _reading_pass(parts, upper_cache, hidden, keeps, start)
     feed = 1 + max(0, min(guesses, steps - 1))  # tokens per forward
     shape = LoopShape.of(cache, start, len(parts.layers), steps, feed, prompt_mask.shape[1], upper.shape[1])
     with loops.claim(shape) if loops is not None else contextlib.nullcontext() as captured:
         loop = captured.loop if captured is not None else StepLoop(parts, shape, hidden.device)
-        loop.load(cache, upper_cache, prompt_ids, prompt_mask, upper, logits.argmax(-1))
+        loop.load(cache, upper_cache, prompt_ids, prompt_mask, upper, logits.argmax(-1), end_ids)
         run = captured.run if captured is not None else loop.run
-        kept: list[torch.Tensor] = []
+        kept = [torch.zeros(len(keeps), 0, dtype=torch.bool, device=hidden.device)]
         for step in range(steps):
-            if feed == 1:  # every row feeds token ``step``: nothing to ask the device
+            if feed == 1 and not end_ids:  # every row feeds token ``step``: nothing to ask the device
                 predict = step < steps - 1
             else:
-                remaining, predict = torch.stack([(loop.fed < steps).any(), (loop.fed + 1 < steps).any()]).tolist()
+                remaining, predict = torch.stack([(loop.fed < loop.limit).any(),
+                                                  (loop.fed + 1 < loop.limit).any()]).tolist()
                 if not remaining:
                     break
             kept.append(run(predict).clone())  # a graph's output is overwritten by its next replay
@@ -225,9 +232,13 @@ class FixedKV:
         self.slots.add_(self.feed)
 
 
+END_SLOTS = 8  # end-of-answer ids a loop checks (``StepLoop.end_ids``)
+
+
 class StepLoop:
     """The state of one greedy look-ahead (``upper_greedy``) in tensors of fixed size: the lower
-    and upper layers' keys and values (``FixedKV``), the tokens, how many each row has fed.
+    and upper layers' keys and values (``FixedKV``), the tokens, how many each row has fed and
+    may feed (``limit``: fewer once its answer ends).
     ``run`` is one forward; it changes only these tensors, in place, so the same forward can be
     captured once as a CUDA graph and replayed (``stepgraphs``)."""
 
@@ -239,18 +250,29 @@ class StepLoop:
         self.n = torch.zeros(shape.batch, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(shape.batch, shape.steps + 1, dtype=torch.int64, device=device)  # last: a bin
         self.fed = torch.zeros(shape.batch, dtype=torch.int64, device=device)  # tokens 0 … fed are known
+        self.limit = torch.full((shape.batch,), shape.steps, dtype=torch.int64, device=device)  # tokens it feeds
+        self.end_ids = torch.full((END_SLOTS,), -1, dtype=torch.int64, device=device)  # -1: no id
         self.slot = torch.arange(shape.feed, device=device)
 
     def load(self, cache: Any, upper_cache: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-             upper: torch.Tensor, first: torch.Tensor) -> None:
+             upper: torch.Tensor, first: torch.Tensor, end_ids: Sequence[int] = ()) -> None:
         """A request's prompts (``prompt_ids``, ``prompt_mask`` (batch, w)), their caches, the
-        reading sets' entries ``upper`` (batch, m) and each row's ``first`` look-ahead token."""
+        reading sets' entries ``upper`` (batch, m), each row's ``first`` look-ahead token and the
+        ids that end an answer (``upper_greedy``)."""
+        if len(end_ids) > END_SLOTS:
+            raise ValueError(f"a look-ahead checks at most {END_SLOTS} end ids, got {len(end_ids)}")
         self.reset()
         self.lower.load(cache, prompt_mask)
         self.upper.load(upper_cache, upper)
         self.prompt_ids[:, : prompt_ids.shape[1]].copy_(prompt_ids)
         self.n.copy_(prompt_mask.sum(1))
         self.tokens[:, 0].copy_(first)
+        self.end_ids[: len(end_ids)].copy_(torch.tensor(list(end_ids), dtype=torch.int64))
+        self.limit.masked_fill_(self._ends(first), 0)  # an answer that ends at once: nothing to feed
+
+    def _ends(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Which of ``tokens`` end an answer."""
+        return (tokens.unsqueeze(-1) == self.end_ids).any(-1)
 
     def reset(self) -> None:
         """No prompt, no token fed (what a graph is captured from)."""
@@ -258,16 +280,19 @@ class StepLoop:
             part.reset()
         for tensor in (self.prompt_ids, self.n, self.tokens, self.fed):
             tensor.zero_()
+        self.limit.fill_(self.shape.steps)
+        self.end_ids.fill_(-1)
 
     def run(self, predict: bool) -> torch.Tensor:
         """One forward: each row's next unfed token (and guesses); ``predict`` also runs the
         upper layers and records the tokens found. (batch, feed) which slots hold kept tokens."""
         parts, steps, feed, slot = self.parts, self.shape.steps, self.shape.feed, self.slot
         index = self.fed.unsqueeze(1) + slot  # (batch, feed) the token index each slot holds
-        live = index < steps  # slots holding a token (a done row's hold none)
+        live = index < self.limit.unsqueeze(1)  # slots holding a token to feed (a done row's hold none)
         x = self.tokens.gather(1, index[:, :1].clamp(max=steps - 1))  # the next unfed token
         if feed > 1:
-            x = torch.cat([x, prompt_lookup(self.prompt_ids, self.n, self.tokens[:, :steps], self.fed + 1, feed - 1)],
+            x = torch.cat([x, prompt_lookup(self.prompt_ids, self.n, self.tokens[:, :steps],
+                                          (self.fed + 1).clamp(max=steps), feed - 1)],
                           dim=1)
         positions = self.n.unsqueeze(1) + index.clamp(max=steps - 1)
         h = _run_layers(parts, range(self.shape.start), parts.embed(x), self.lower.mask(), positions, self.lower)
@@ -277,6 +302,10 @@ class StepLoop:
             predicted = parts.head(parts.norm(h)).argmax(-1)  # (batch, feed): the token after each slot
             accepted = _confirmed(x, predicted, self.fed, steps)
             take = live & (slot <= accepted.unsqueeze(1))  # the fed token and the kept guesses
+            # A kept slot that predicts an end token is its row's last one fed.
+            ends = torch.where(take & self._ends(predicted), index + 1, steps).amin(1)
+            self.limit.copy_(torch.minimum(self.limit, ends))
+            take &= index < self.limit.unsqueeze(1)
             # Each kept slot's prediction is the next token (the bin takes the rest: no host sync).
             self.tokens.scatter_(1, torch.where(take & (index + 1 < steps), index + 1, steps), predicted)
             self.upper.keep(take)

@@ -92,6 +92,19 @@ def test_lookahead_tokens_reach_the_draft_config(built: list[dict[str, Any]], ar
     assert built[-1]["config"].draft.lookahead_tokens == "greedy"  # the library's default
 
 
+@pytest.mark.parametrize("argv", [["demo"], ["gateway"]])
+def test_the_lookahead_stop_reaches_the_draft_config(built: list[dict[str, Any]], argv: list[str]) -> None:
+    from specprefill_rag import DraftConfig
+
+    for flag, want in (("--lookahead-stop-at-eos", True), ("--no-lookahead-stop-at-eos", False)):
+        with pytest.raises(_Built):
+            cli.main([*argv, flag])
+        assert built[-1]["config"].draft.lookahead_stop_at_eos is want
+    with pytest.raises(_Built):
+        cli.main(argv)
+    assert built[-1]["config"].draft.lookahead_stop_at_eos is DraftConfig().lookahead_stop_at_eos
+
+
 def test_draft_memo_reaches_the_gateways_draft_config(built: list[dict[str, Any]]) -> None:
     with pytest.raises(_Built):
         cli.main(["gateway", "--draft-memo", "0"])

@@ -118,7 +118,7 @@ def test_the_loop_keeps_every_tensor_in_place_and_leaves_the_caches_alone(tokeni
 def _tensors(loop: StepLoop) -> list[torch.Tensor]:
     parts = (loop.lower, loop.upper)
     return [*(t for p in parts for t in (*p.keys, *p.values, p.valid, p.slots)), loop.prompt_ids, loop.n,
-            loop.tokens, loop.fed]
+            loop.tokens, loop.fed, loop.limit, loop.end_ids]
 
 
 def test_graph_widths_double_from_512():
@@ -128,25 +128,32 @@ def test_graph_widths_double_from_512():
     assert (key.width, key.reading) == (1024, 1024) and key.steps == 7 and key.batch == 1
 
 
-@pytest.mark.parametrize("guesses", [0, 6])
-def test_replayed_graphs_give_the_eager_tokens_and_queries(family, tokenizer, fake_cuda, guesses):
+@pytest.mark.parametrize(("guesses", "stop"), [(0, False), (6, False), (0, True), (6, True)])
+def test_replayed_graphs_give_the_eager_tokens_and_queries(family, tokenizer, fake_cuda, guesses, stop):
     """Warm-up captures a loop per (batch, width up to graph_max_tokens); requests of any length
     up to it replay one (their prompt padded into the wider buffers) and get the eager loop's
-    tokens and recorded queries, batched or alone, one step per token or with guesses."""
+    tokens and recorded queries, batched or alone, one step per token or with guesses, and with
+    the look-ahead stopping at an end token (the same captured graphs)."""
     model = make_model(family, len(tokenizer), layers=4)
-    config = DraftConfig(layers=tuple(LAYERS), lookahead=7, lookahead_guesses=guesses, graph_max_tokens=1000)
+    config = DraftConfig(layers=tuple(LAYERS), lookahead=7, lookahead_guesses=guesses, graph_max_tokens=1000,
+                         lookahead_stop_at_eos=stop)
     plain = DraftModel(model, tokenizer, config)
     prompts, questions = _prompts(tokenizer)
+    if stop:  # an end token the first prompt's answer writes third
+        end = plain.capture(prompts[0], 7, questions[0], stop_at_eos=False, **GREEDY).lookahead_token_ids[2]
+        plain.end_ids = frozenset({end})
     eager = [plain.capture(p, 7, q, **GREEDY) for p, q in zip(prompts, questions, strict=True)]
     eager_batch = plain.capture_batch(prompts, 7, questions, **GREEDY)
     graphed = DraftModel(model, tokenizer, config)
+    graphed.end_ids = plain.end_ids
     assert graphed.capture_graphs(batches=(1, 3)) == 4  # widths 512 and 1024, batches 1 and 3
     assert graphed.capture_graphs(batches=(1, 3)) == 0  # once
     replayed = [graphed.capture(p, 7, q, **GREEDY) for p, q in zip(prompts, questions, strict=True)]
-    assert FakeGraph.replays >= 3 * (6 if guesses == 0 else 1)
+    assert FakeGraph.replays >= 3 * (6 if guesses == 0 else 1) - (4 if stop else 0)
     batched = graphed.capture_batch(prompts, 7, questions, **GREEDY)
+    assert len(eager[0].lookahead_token_ids) == (2 if stop else 6)
     for want, got in [*zip(eager, replayed, strict=True), *zip(eager_batch, batched, strict=True)]:
-        assert got.lookahead_token_ids == want.lookahead_token_ids and len(want.lookahead_token_ids) == 6
+        assert got.lookahead_token_ids == want.lookahead_token_ids
         for a, b in zip(want.queries, got.queries, strict=True):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -37,13 +37,18 @@ def _device_args(parser: Any, *, whose: str) -> None:
     )
 
 
-def _lookahead_tokens_arg(parser: Any) -> None:
+def _lookahead_args(parser: Any) -> None:
     parser.add_argument(
         "--lookahead-tokens", default=None, choices=list(get_args(LookaheadTokens)),
         help="the draft's L - 1 look-ahead tokens: greedy (L - 1 sequential decode steps) or siblings (the "
         "likeliest next tokens in one forward: cheaper, as good with the Qwen 0.5B draft, worse with drafts "
         "whose answers open with a preamble, such as SmolLM2; docs/configuration.md) (default: the library's "
         "DraftConfig)",
+    )
+    parser.add_argument(
+        "--lookahead-stop-at-eos", default=None, action=argparse.BooleanOptionalAction,
+        help="greedy look-ahead: stop where the draft's answer ends (its first end-of-turn token), or always "
+        "write L - 1 tokens (default: the library's DraftConfig.lookahead_stop_at_eos)",
     )
 
 
@@ -61,7 +66,7 @@ def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: in
     parser.add_argument(
         "--lookahead", type=int, default=None, help="draft look-ahead queries L (default: the library's DraftConfig)"
     )
-    _lookahead_tokens_arg(parser)
+    _lookahead_args(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     _device_args(parser, whose="the draft and the main model")
 
@@ -77,7 +82,7 @@ def _gateway_args(group: Any) -> None:
         "(%(default)s)")
     add("--max-concurrency", type=int, default=None,
         help="requests generating at once (default: max(4, --draft-batch))")
-    _lookahead_tokens_arg(group)
+    _lookahead_args(group)
     add("--draft-batch", type=int, default=None,
         help="concurrent requests scored in one draft batch, DraftConfig.max_batch (default: the engine's; "
         "worth raising on a GPU)")
@@ -168,13 +173,13 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks from a source checkout: ttft | quality | evidence | guesses | gateway_load | prefix_cache "
-        "| plugin_step | report (`bench SUITE --help`: options)",
+        help="benchmarks from a source checkout: ttft | quality | evidence | guesses | lookahead_cost | gateway_load "
+        "| prefix_cache | plugin_step | report (`bench SUITE --help`: options)",
         add_help=False,
     )
     bench.add_argument(
-        "suite", choices=["ttft", "quality", "evidence", "guesses", "gateway_load", "prefix_cache", "plugin_step",
-                  "report"]
+        "suite", choices=["ttft", "quality", "evidence", "guesses", "lookahead_cost", "gateway_load", "prefix_cache",
+                  "plugin_step", "report"]
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to benchmarks/<suite>.py")
 
@@ -188,7 +193,8 @@ def _build_engine(args: argparse.Namespace) -> Any:
     from ..engine import SpecPrefillEngine
     from ..loading import resolve_model_dir
 
-    draft = {"lookahead": args.lookahead, "lookahead_tokens": args.lookahead_tokens}
+    draft = {"lookahead": args.lookahead, "lookahead_tokens": args.lookahead_tokens,
+             "lookahead_stop_at_eos": args.lookahead_stop_at_eos}
     config = SpecPrefillConfig(
         draft=DraftConfig(**{name: value for name, value in draft.items() if value is not None}),
         selection=SelectionConfig(keep_rate=args.keep_rate),
@@ -302,7 +308,7 @@ def _gateway_config(args: argparse.Namespace, base: Any) -> Any:
         config = dataclasses.replace(config, selection=dataclasses.replace(
             config.selection, keep_rate=args.keep_rate, token_budget=None))
     draft = {"max_batch": args.draft_batch, "lookahead_tokens": args.lookahead_tokens, "memo_entries": args.draft_memo,
-             "prefix_cache_entries": args.draft_prefix_cache}
+             "prefix_cache_entries": args.draft_prefix_cache, "lookahead_stop_at_eos": args.lookahead_stop_at_eos}
     if draft := {name: value for name, value in draft.items() if value is not None}:
         config = dataclasses.replace(config, draft=dataclasses.replace(config.draft, **draft))
     if args.max_new_tokens is not None:
