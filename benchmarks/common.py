@@ -165,7 +165,8 @@ def lookahead_label(config: Any, device: str = "cpu") -> str:
     """What a draft config's look-ahead does on ``device``, in the words the TTFT tables use:
     "greedy 8, early exit, upper layers read 30%" (one decode step per token), the same with
     ", 6 guesses per forward" (``DraftConfig.lookahead_guesses``) and ", CUDA graphs"
-    (``DraftConfig.cuda_graphs``), "greedy 8, full forward", "siblings, ...", "look-ahead 1, ..."."""
+    (``DraftConfig.cuda_graphs``) and ", to the draft's end" (``DraftConfig.lookahead_stop_at_eos``),
+    "greedy 8, full forward", "siblings, ...", "look-ahead 1, ..."."""
     forward = f"early exit, upper layers read {config.upper_keep:.0%}" if config.early_exit else "full forward"
     if config.lookahead == 1:
         return f"look-ahead 1, {'early exit' if config.early_exit else 'full forward'}"
@@ -173,7 +174,9 @@ def lookahead_label(config: Any, device: str = "cpu") -> str:
         return f"siblings, {forward}"
     guesses = config.guesses_on(device) if config.early_exit else 0
     graphs = ", CUDA graphs" if config.early_exit and config.graphs_on(device) else ""
-    return f"greedy {config.lookahead}, {forward}" + (f", {guesses} guesses per forward" if guesses else "") + graphs
+    end = ", to the draft's end" if config.lookahead_stop_at_eos else ""
+    return (f"greedy {config.lookahead}, {forward}" + (f", {guesses} guesses per forward" if guesses else "")
+            + graphs + end)
 
 
 def compared_lookahead() -> tuple[str, Any]:
@@ -210,6 +213,10 @@ def lookahead_variants(device: str = "cpu") -> dict[str, Any]:
     variants += [dataclasses.replace(default, lookahead=8, lookahead_tokens="greedy", early_exit=True,
                                      upper_keep=0.3, lookahead_guesses=g, cuda_graphs=graphs)
                  for g in (0, 6) for graphs in (True, False)]
+    # The default's look-ahead with and without its stop at the draft's answer's end (random
+    # weights, as gpu_ttft.py's, rarely write an end token: there both cost the same).
+    variants += [dataclasses.replace(default, lookahead=8, lookahead_tokens="greedy", early_exit=True, upper_keep=0.3,
+                                     lookahead_stop_at_eos=stop) for stop in (False, True)]
     variants.append(dataclasses.replace(default, lookahead=1, early_exit=True))
     own = lookahead_label(default, device)
     named = {lookahead_label(config, device): config for config in variants}

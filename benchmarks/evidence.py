@@ -83,10 +83,11 @@ SENTENCES = SelectionConfig(min_prompt_tokens=0, unit="sentence")
 
 
 def _lookahead_name(d: DraftConfig) -> str:
+    end = ", to the draft's end" if d.lookahead_stop_at_eos and d.lookahead > 1 else ""
     if d.lookahead == 1 or (d.lookahead_tokens == "greedy" and not d.early_exit):
-        return f"look-ahead {d.lookahead}"
+        return f"look-ahead {d.lookahead}{end}"
     if d.lookahead_tokens == "greedy":
-        return f"look-ahead {d.lookahead}, upper layers read {d.upper_keep:.0%}"
+        return f"look-ahead {d.lookahead}, upper layers read {d.upper_keep:.0%}{end}"
     if not d.early_exit:
         return f"{d.lookahead - 1} siblings, full forward"
     return f"{d.lookahead - 1} siblings, upper layers read {d.upper_keep:.0%}"
@@ -116,6 +117,8 @@ def _variants() -> list[Variant]:
               for n in (2, 4, 8) for e in (False, True)]
     looks += [dataclasses.replace(best, lookahead=8, lookahead_tokens="greedy", early_exit=True, upper_keep=u)
               for u in UPPER_KEEPS]
+    looks += [dataclasses.replace(best, lookahead=8, lookahead_tokens="greedy", early_exit=e, lookahead_stop_at_eos=s)
+              for e in (False, True) for s in (False, True)]  # the look-ahead cut at the draft's answer's end
     looks += [dataclasses.replace(best, lookahead=n, lookahead_tokens="siblings", early_exit=False) for n in (2, 4, 8)]
     looks += [
         dataclasses.replace(best, lookahead=n, lookahead_tokens="siblings", early_exit=True, upper_keep=u)
@@ -240,6 +243,12 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
         return recorder.captures([tokens])[0]
 
 
+def _end_at(tokens: Sequence[int], end_ids: Iterable[int]) -> int:
+    """How many of a block's look-ahead ``tokens`` come before the first end token."""
+    ends = set(end_ids)
+    return next((i for i, t in enumerate(tokens) if t in ends), len(tokens))
+
+
 def _greedy_steps(draft: Any, cache: Any, logits: torch.Tensor, n: int, k: int) -> list[int]:
     """``k`` greedy decode steps after the prompt (recorded), then the cache back to the prompt."""
     device = draft.device
@@ -304,26 +313,35 @@ def _block_rows(cap: Any, prompt: AssembledPrompt) -> dict[str, torch.Tensor]:
     }
 
 
-def capture_rows(draft: Any, prompt: AssembledPrompt) -> dict[str, Any]:
+def _block_tokens(cap: Any, blocks: Sequence[str]) -> dict[str, list[int]]:
+    """Each block's look-ahead tokens (``MAX_LOOKAHEAD - 1`` per block, in ``blocks`` order)."""
+    k = MAX_LOOKAHEAD - 1
+    return {b: list(cap.lookahead_token_ids[i * k : (i + 1) * k]) for i, b in enumerate(blocks)}
+
+
+def capture_rows(draft: Any, prompt: AssembledPrompt, blocks: Sequence[str] = BLOCKS) -> dict[str, Any]:
     """Per-layer rows for every (normalize, heads) combination, (layers, n_q + 1 + 7 × blocks, n)
-    fp16: the question's queries, the last prompt token's, then each block of ``BLOCKS``."""
+    fp16: the question's queries, the last prompt token's, then each block of ``blocks``; each
+    block's tokens and the draft's end tokens (``DraftConfig.lookahead_stop_at_eos``)."""
     question = prompt.positions_of(SegmentKind.QUESTION)
-    cap = _capture_all(draft, prompt.token_ids, question, BLOCKS)
-    return {"n_question": cap.n_question, "n_layers": draft.n_layers, "blocks": list(BLOCKS),
-            **_block_rows(cap, prompt)}
+    cap = _capture_all(draft, prompt.token_ids, question, blocks)
+    return {"n_question": cap.n_question, "n_layers": draft.n_layers, "blocks": list(blocks),
+            "tokens": _block_tokens(cap, blocks), "end_ids": sorted(draft.end_ids), **_block_rows(cap, prompt)}
 
 
-def complete_rows(draft: Any, prompt: AssembledPrompt, rows: dict[str, Any]) -> dict[str, Any]:
-    """``rows`` of an older capture with the blocks of ``BLOCKS`` it lacks added (one more
-    prompt forward, no greedy steps unless those are missing too)."""
+def complete_rows(draft: Any, prompt: AssembledPrompt, rows: dict[str, Any], blocks: Sequence[str] = BLOCKS
+                  ) -> dict[str, Any]:
+    """``rows`` of an older capture with the ``blocks`` it lacks added (one more prompt
+    forward, no greedy steps unless those are missing too)."""
     have = rows.get("blocks", ["greedy", "full", "lens"])  # the first layout had these three
-    missing = [b for b in BLOCKS if b not in have]
+    missing = [b for b in blocks if b not in have]
     if not missing:
         return rows
     cap = _capture_all(draft, prompt.token_ids, prompt.positions_of(SegmentKind.QUESTION), missing)
     lead = cap.n_question + 1
     added = _block_rows(cap, prompt)
-    out = dict(rows, blocks=[*have, *missing])
+    out = dict(rows, blocks=[*have, *missing], end_ids=sorted(draft.end_ids),
+               tokens={**rows.get("tokens", {}), **_block_tokens(cap, missing)})
     for combo, extra in added.items():
         out[combo] = torch.cat([rows[combo], extra[:, lead:]], dim=1)
     return out
@@ -348,9 +366,14 @@ def variant_scores(rows: dict[str, Any], cfg: DraftConfig, block: str | None = N
                                  f"upper_keep in {UPPER_KEEPS} only")
             block = f"{'greedy' if greedy else ''}upper{cfg.upper_keep:g}"
     after = lead + (MAX_LOOKAHEAD - 1) * rows.get("blocks", ["greedy", "full", "lens"]).index(block)
+    fed = lookahead - 1  # look-ahead tokens whose rows count
+    if cfg.lookahead_stop_at_eos and lookahead > 1:
+        if "tokens" not in rows:
+            raise ValueError("this capture holds no look-ahead tokens: capture it again to cut at the draft's end")
+        fed = min(fed, _end_at(rows["tokens"][block], rows["end_ids"]))
     per_layer = per_layer[cfg.layer_indices(rows["n_layers"])]
-    per_layer = torch.cat([per_layer[:, :lead], per_layer[:, after : after + lookahead - 1]], dim=1)
-    return scoring.importance(per_layer, scoring.query_weights(n_q, lookahead, cfg.lookahead_weight))
+    per_layer = torch.cat([per_layer[:, :lead], per_layer[:, after : after + fed]], dim=1)
+    return scoring.importance(per_layer, scoring.query_weights(n_q, 1 + fed, cfg.lookahead_weight))
 
 
 _EMBEDDER: list[Any] = []
@@ -457,6 +480,36 @@ def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]
     return out
 
 
+def paired(rows: list[dict[str, Any]], base: str, seed: int = 0) -> list[dict[str, Any]]:
+    """Per (task, variant, keep rate): the mean difference in recall and in "complete" to the
+    variant ``base`` on the same examples (those that hold both), with bootstrap 95% CIs."""
+    out = []
+    for task in sorted({r["task"] for r in rows}):
+        mine = [r["results"] for r in rows if r["task"] == task]
+        for name in dict.fromkeys(k for r in mine for k in r):
+            variant, keep = name.rsplit("@", 1)
+            reference = f"{base}@{keep}"
+            pairs = [(r[name], r[reference]) for r in mine if name in r and reference in r]
+            if variant == base or not pairs:
+                continue
+            entry: dict[str, Any] = {"task": task, "variant": variant, "keep_rate": float(keep), "n": len(pairs),
+                                     "base": sum(float(b[0]) for _, b in pairs) / len(pairs)}
+            for column, metric in enumerate(METRICS[:2]):
+                mean, lo, hi = bootstrap_ci([float(a[column]) - float(b[column]) for a, b in pairs], seed=seed)
+                entry[f"{metric}_diff"], entry[f"{metric}_diff_ci"] = mean, [lo, hi]
+            out.append(entry)
+    return out
+
+
+def print_paired(entries: list[dict[str, Any]], base: str) -> None:
+    print(f"paired against {base!r}: difference in recall, in complete")
+    for e in sorted(entries, key=lambda e: (e["task"], e["keep_rate"], e["variant"])):
+        (lo, hi), (clo, chi) = e["recall_diff_ci"], e["complete_diff_ci"]
+        print(f"  {e['task']:<12} keep {e['keep_rate']:<4g} n={e['n']:<4} base {e['base']:.3f}  "
+              f"recall {e['recall_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]  "
+              f"complete {e['complete_diff']:+.3f} [{clo:+.3f}, {chi:+.3f}]  {e['variant']}")
+
+
 def pinned(variant: str) -> bool:
     """Baselines every table shows whatever their rank."""
     return variant.startswith(PINNED)
@@ -521,7 +574,7 @@ def reevaluate(
         row["results"] = {key: v for key, v in row["results"].items() if key.rsplit("@", 1)[0] in VARIANTS}
         prompt = assemble(tokenizer, ex)
         cached = torch.load(cache_path(ex, draft_name))
-        if cached.get("blocks") != list(BLOCKS):  # an older capture: add the blocks it lacks
+        if not set(BLOCKS) <= set(cached.get("blocks", [])):  # an older capture: add the blocks it lacks
             draft = draft or DraftModel.from_pretrained(args.draft)
             cached = complete_rows(draft, prompt, cached)
             torch.save(cached, cache_path(ex, draft_name))
@@ -548,6 +601,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--variants", nargs="*", default=None, help="names from VARIANTS (default: all)")
+    p.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=BLOCKS,
+                   help="look-ahead blocks to capture for new examples (default: all; fewer is faster, and "
+                   "variants reading a block not captured fail)")
     p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
     p.add_argument(
         "--reevaluate",
@@ -556,6 +612,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "rows (after a change of defaults or a new variant; no draft runs)",
     )
     p.add_argument("--top", type=int, default=None, help="--summary: best N variants per keep rate")
+    p.add_argument("--paired", default=None, metavar="VARIANT",
+                   help="--summary: each variant's paired difference to this one, on the examples holding both")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; scores mean nothing)")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/evidence.jsonl)")
     return p.parse_args(argv)
@@ -568,6 +626,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = Path(args.out) if args.out else RESULTS_DIR / ("evidence_tiny.jsonl" if args.tiny else "evidence.jsonl")
     if args.summary:
         rows = load_rows(path)
+        if args.paired:
+            print_paired(paired(rows, args.paired, args.seed), args.paired)
+            return 0
         print_summary(summarize(top_variants(rows, args.top) if args.top is not None else rows, args.seed))
         return 0
     if args.threads:
@@ -604,12 +665,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cached.exists():
             captured = torch.load(cached)
             draft_s = None
-            if draft is not None and captured.get("blocks") != list(BLOCKS):
-                captured = complete_rows(draft, prompt, captured)
+            if draft is not None and not set(args.blocks) <= set(captured.get("blocks", [])):
+                captured = complete_rows(draft, prompt, captured, args.blocks)
                 torch.save(captured, cached)
         else:
             t0 = time.perf_counter()
-            captured = capture_rows(draft, prompt)
+            captured = capture_rows(draft, prompt, args.blocks)
             draft_s = time.perf_counter() - t0
             if not args.tiny:
                 cached.parent.mkdir(parents=True, exist_ok=True)

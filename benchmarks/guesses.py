@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import evidence
+from benchmarks import evidence, long_context
 from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, bootstrap_ci
 from specprefill_rag import DraftConfig, DraftModel
 from specprefill_rag.loading import load_tokenizer
@@ -85,6 +85,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--n-needle", type=int, default=20)
     p.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--squad-tokens", type=int, default=1024)
+    long_context.add_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--check", action="store_true", help="also run one step per token and compare the tokens")

@@ -412,6 +412,15 @@ def test_evidence_variant_scores_equal_the_draft_models(tokenizer) -> None:
             prompt.token_ids, question=prompt.positions_of(SegmentKind.QUESTION), context=~prompt.protected, config=cfg
         ).scores
         torch.testing.assert_close(evidence.variant_scores(rows, cfg), expected, atol=2e-3, rtol=2e-2)
+    # The look-ahead cut at the draft's end: end ids among the tokens each greedy block wrote.
+    draft.end_ids = frozenset({rows["tokens"]["greedy"][2], rows["tokens"]["greedyupper0.3"][4]})
+    rows["end_ids"] = sorted(draft.end_ids)
+    for cfg in (DraftConfig(lookahead_stop_at_eos=True),
+                DraftConfig(lookahead_tokens="greedy", early_exit=False, lookahead_stop_at_eos=True)):
+        got = draft.score(prompt.token_ids, question=prompt.positions_of(SegmentKind.QUESTION),
+                          context=~prompt.protected, config=cfg)
+        assert len(got.lookahead_token_ids) < 7
+        torch.testing.assert_close(evidence.variant_scores(rows, cfg), got.scores, atol=2e-3, rtol=2e-2)
     # Every named variant scores from one capture (a run without --variants evaluates them all).
     for variant in evidence.VARIANTS.values():
         block = "lens" if variant.scores == "lens" else None
@@ -540,6 +549,43 @@ def test_guesses_bench_counts_the_lookahead_forwards(tokenizer) -> None:
     assert summary["a"]["forwards"] == 3.0 and summary["a"]["checked"] == 2 == summary["a"]["agree"]
     assert summary["all"]["n"] == 3 and summary["all"]["forwards"] == pytest.approx(13 / 3)
     assert summary["b"]["checked"] == 0
+
+
+def test_lookahead_cost_times_the_default_beside_its_stop_toggled(tokenizer) -> None:
+    """``bench lookahead_cost``: per example a plain forward and both configs (default, stop
+    toggled), whose forwards count the tokens fed: 7 without the stop, as many as the tokens
+    before the end with it; the summary pairs seconds against the first config."""
+    from types import SimpleNamespace
+
+    from helpers import make_model
+
+    from benchmarks import guesses, lookahead_cost
+    from specprefill_rag import DraftModel
+    from specprefill_rag.types import SegmentKind
+
+    draft = DraftModel(make_model("qwen2", len(tokenizer), layers=4), tokenizer)
+    ids = torch.randint(0, len(tokenizer), (90,), generator=torch.Generator().manual_seed(2))
+    prompt = SimpleNamespace(token_ids=ids, positions_of=lambda kind: torch.arange(80, 88)
+                             if kind is SegmentKind.QUESTION else torch.arange(0))
+    labels = list(lookahead_cost.configs())
+    assert len(labels) == 2 and sum(label.endswith("to the draft's end") for label in labels) == 1
+    first = lookahead_cost.measure(draft, prompt, 0)
+    tokens = first["configs"][labels[0]]["tokens"]
+    draft.end_ids = frozenset({tokens[3]})
+    record = lookahead_cost.measure(draft, prompt, 1)
+    assert list(record["configs"]) == labels[::-1]  # alternating order
+    for label, run in record["configs"].items():
+        stops = label.endswith("to the draft's end")
+        assert run["forwards"] == (tokens.index(tokens[3]) if stops else 7), label
+        assert run["tokens"] == (tokens[: tokens.index(tokens[3])] if stops else tokens)
+    rows = [{"task": "a", **record, "main_plain_s": 2 * record["plain_s"]}]
+    summary = lookahead_cost.summarize(rows)
+    assert {s["task"] for s in summary} == {"a", "all"} and len(summary) == 4
+    assert summary[0]["vs_first"][0] == 1.0 and summary[0]["n"] == 1
+    assert summary[0]["r"][0] == pytest.approx(summary[0]["overhead"][0] / 2)
+    for bench in (lookahead_cost, guesses):  # the task options ``evidence.examples`` reads, long tasks too
+        args = bench.parse_args([])
+        assert args.n_long == 30 and args.long_lengths == [4096, 8192] and args.tasks
 
 
 def test_benchmarks_that_repeat_a_prompt_score_every_request() -> None:
