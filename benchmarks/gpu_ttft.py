@@ -21,7 +21,9 @@ look-ahead's CUDA graphs are captured once before any timing, as the engine's wa
 one batched draft pass. Reported like ``benchmarks/ttft.py``: TTFT full / spec, speedup,
 breakdown, r, ideal 1/(r+k), efficiency, capture overhead per variant, and peak GPU memory of
 scoring vs a plain draft forward. Stops before a length that would pass ``--time-budget-s``
-(6 minutes), so one call of a lent GPU answers it.
+(6 minutes), so one call of a lent GPU answers it. Where vLLM is installed, the plugin's position
+rewrite in vLLM's V2 model runner is checked on the GPU against V2's own Triton kernel first
+(``runner_v2_check.gpu_check``: "skipped" with the reason elsewhere).
 
     python benchmarks/gpu_ttft.py                       # H200: <= 6 min, writes benchmarks/results/gpu_ttft.json
     python benchmarks/gpu_ttft.py --tiny                # CPU dry run with tiny shapes (~1 min)
@@ -46,6 +48,7 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/gpu_ttft.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import runner_v2_check
 from benchmarks.common import (
     cold,
     compared_lookahead,
@@ -425,6 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"built and warmed up in {time.perf_counter() - started:.1f} s", flush=True)
     payload = new_payload(args, device)
     payload["graphs"] = capture_graphs(draft, args)
+    payload["vllm_v2_runner"] = v2 = runner_v2_check.gpu_check()  # the plugin's V2 rewrite, where vLLM is here
+    print(f"vLLM V2 runner position rewrite: {v2['status']}" + (f" ({v2['why']})" if "why" in v2 else ""), flush=True)
     name = "gpu_ttft_tiny" if args.tiny else "gpu_ttft"
     rows: list[dict[str, Any]] = []
     last_s, last_n = 0.0, 1

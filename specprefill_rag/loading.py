@@ -495,8 +495,8 @@ def _generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
 
 def eos_ids(configured: int | Sequence[int] | None, tokenizer: Any) -> frozenset[int]:
     """The ids that end an answer: the model's generation config's (``configured``: one id, a
-    list or None) and the tokenizer's EOS, as vLLM stops at both."""
+    list or None) and the tokenizer's EOS (if it has one), as vLLM stops at both."""
     ids = {configured} if isinstance(configured, int) else set(configured or ())
-    if tokenizer.eos_token_id is not None:
+    if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(int(i) for i in ids)

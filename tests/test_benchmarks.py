@@ -217,6 +217,9 @@ def test_gpu_script_dry_run_on_cpu(tmp_path: Path) -> None:
     assert set(row["lookahead_scoring"]) >= {"greedy 8, full forward", "greedy 8, early exit, upper layers read 15%",
                                              "siblings, full forward", "siblings, early exit, upper layers read 15%"}
     assert data["settings"]["lookahead_label"] == "greedy 8, early exit, upper layers read 30%"
+    assert "greedy 8, early exit, upper layers read 30%, to the draft's end" in row["lookahead_scoring"]
+    # The V2 runner's rewrite is checked on a GPU with vLLM; here it says why it was not.
+    assert data["vllm_v2_runner"]["status"] == "skipped" and data["vllm_v2_runner"]["why"]
 
 
 def test_report_renders_tables_and_plots(tmp_path: Path) -> None:

@@ -106,7 +106,7 @@ def test_stock_server_is_refused_with_the_fix(serve):
     message = str(info.value)
     assert f"http://127.0.0.1:{server.port}" in message
     for fix in ("install specprefill-rag in vLLM's own environment", "VLLM_PLUGINS", "'specprefill'",
-                "VLLM_USE_V2_MODEL_RUNNER=1", "specprefill-rag serve MODEL"):
+                "specprefill-rag serve MODEL"):
         assert fix in message
     assert len(server.requests) == 1  # the plan itself was never sent
     probe = json.loads(server.bodies[0])
@@ -244,13 +244,27 @@ def test_a_plain_engine_honours_plans():
     assert plan_refusal(vllm_config()) is None
 
 
-def test_v2_runner_is_refused():
-    assert "V2 model runner" in plan_refusal(vllm_config(v2=True))
+def test_the_v2_runner_honours_plans_but_not_pcp_or_hisparse():
+    """The plugin rewrites positions in both runners (``runner_v2``); under V2 it refuses what its
+    rewrite does not cover: prefill context parallelism (the batch is partitioned before the
+    slot mapping) and HiSparse (not checked)."""
+    assert plan_refusal(vllm_config(v2=True)) is None
 
     def contradictory() -> bool:
         raise ValueError("HiSparse requires Model Runner V2; remove VLLM_USE_V2_MODEL_RUNNER=0.")
 
-    assert "V2 model runner" in plan_refusal(vllm_config(v2=contradictory))  # undecidable counts as V2
+    assert plan_refusal(vllm_config(v2=contradictory)) is None  # undecidable counts as V2
+    pcp = vllm_config(v2=True)
+    pcp.parallel_config = SimpleNamespace(prefill_context_parallel_size=2)
+    assert "prefill context parallelism" in plan_refusal(pcp)
+    pcp.parallel_config = SimpleNamespace(prefill_context_parallel_size=1)
+    assert plan_refusal(pcp) is None
+    hisparse = vllm_config(v2=contradictory)
+    hisparse.hisparse_config = SimpleNamespace()
+    assert "HiSparse" in plan_refusal(hisparse)
+    v1 = vllm_config(v2=False)
+    v1.hisparse_config = SimpleNamespace()
+    assert plan_refusal(v1) is None  # V1 cannot run HiSparse anyway (vLLM forces V2 for it)
 
 
 def test_speculative_decoding_is_refused():
@@ -339,7 +353,7 @@ async def test_render_refuses_before_the_stream(path):
         return rendered
 
     render = wrap(original)
-    config = vllm_config(v2=True)
+    config = vllm_config(mrope=True)
     errors: list[tuple[str, str]] = []
     self = SimpleNamespace(
         model_config=config.model_config, engine_client=SimpleNamespace(vllm_config=config),
@@ -348,7 +362,7 @@ async def test_render_refuses_before_the_stream(path):
     )
     request = SimpleNamespace(vllm_xargs=plan_to_xargs([0, 5, 9], 20), max_tokens=4, max_completion_tokens=None)
     assert await render(self, request) == "400"
-    assert "V2 model runner" in errors[0][0] and errors[0][1] == "vllm_xargs"
+    assert "M-RoPE" in errors[0][0] and errors[0][1] == "vllm_xargs"
     self.engine_client.vllm_config = vllm_config()
     assert await render(self, request) == rendered
     request.vllm_xargs = plan_to_xargs([0], 0)  # malformed: reported as such, whatever the engine

@@ -82,18 +82,15 @@ def test_version_gate(monkeypatch):
     check_vllm_version("0.31.1")
 
 
-@pytest.mark.parametrize("version, env", [("0.31.1", {}), ("0.32.0", {"VLLM_USE_V2_MODEL_RUNNER": "1"})])
-def test_unsupported_vllm_disables_the_plugin_without_aborting(monkeypatch, caplog, version, env):
-    """An untested vLLM or a forced V2 runner: one error line, nothing patched, vLLM starts."""
+def test_unsupported_vllm_disables_the_plugin_without_aborting(monkeypatch, caplog):
+    """An untested vLLM: one error line, nothing patched, vLLM starts."""
     vllm = pytest.importorskip("vllm")
     import specprefill_rag.vllm_plugin as plugin
 
-    monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.setattr(vllm, "__version__", "0.31.1")
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(plugin, "_disabled", None)
     monkeypatch.delenv("SPECPREFILL_VLLM_ALLOW_UNTESTED", raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
     applied = []
     monkeypatch.setattr(plugin, "apply_patches", lambda: applied.append(1))
     with caplog.at_level("ERROR", logger="specprefill_rag.vllm_plugin"):
@@ -102,7 +99,35 @@ def test_unsupported_vllm_disables_the_plugin_without_aborting(monkeypatch, capl
     assert not applied
     assert len(caplog.records) == 1 and "plugin disabled" in caplog.records[0].getMessage()
     reason = plugin.disabled_reason()
-    assert reason is not None and (version in reason or "V2 model runner" in reason)
+    assert reason is not None and "0.31.1" in reason
+
+
+@pytest.mark.parametrize(("env", "pinned", "logged"), [
+    (None, "0", "pins vLLM's V1 model runner"),  # unset: V1 pinned, with a line that says why
+    ("0", "0", None),
+    ("1", "1", "plans are rewritten in vLLM's V2 model runner"),  # the user's choice: V2 is patched too
+])
+def test_the_v1_runner_is_pinned_unless_the_environment_chooses(monkeypatch, caplog, env, pinned, logged):
+    vllm = pytest.importorskip("vllm")
+    import specprefill_rag.vllm_plugin as plugin
+
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin, "_disabled", None)
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    applied = []
+    monkeypatch.setattr(plugin, "apply_patches", lambda: applied.append(1))
+    with caplog.at_level("INFO", logger="specprefill_rag.vllm_plugin"):
+        plugin.register()
+    assert applied == [1] and plugin.disabled_reason() is None
+    import os
+
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == pinned
+    messages = [r.getMessage() for r in caplog.records]
+    assert (any(logged in m for m in messages) if logged else not messages), messages
 
 
 def test_server_binds_cpu_ranks_when_numa_nodes_are_fewer(monkeypatch):

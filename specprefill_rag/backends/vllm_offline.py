@@ -220,6 +220,5 @@ def _fix() -> str:
     return (
         "Build the engine with VLLMOfflineBackend.from_pretrained(...), which loads the plugin into every "
         f"worker, or pass worker_extension_cls='{WORKER_EXTENSION}' to vllm.LLM; with the package installed "
-        "in vLLM's environment, also keep 'specprefill' in VLLM_PLUGINS if you set it, and do not set "
-        "VLLM_USE_V2_MODEL_RUNNER=1."
+        "in vLLM's environment, also keep 'specprefill' in VLLM_PLUGINS if you set it."
     )

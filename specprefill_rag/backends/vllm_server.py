@@ -61,9 +61,8 @@ DEFAULT_MAX_RETRIES = 2  # re-sends of a request whose connection failed or that
 _PROBE_XARGS = plan_to_xargs([0], 0)
 _PLUGIN_FIX = (
     "Plans need the specprefill-rag vLLM plugin in every vLLM process: install specprefill-rag in "
-    "vLLM's own environment; if VLLM_PLUGINS is set, include 'specprefill' in it; do not force the V2 "
-    "model runner (VLLM_USE_V2_MODEL_RUNNER=1); simplest, start the server with "
-    "`specprefill-rag serve MODEL`. Full plans (no pruning) still work without the plugin."
+    "vLLM's own environment; if VLLM_PLUGINS is set, include 'specprefill' in it; simplest, start the "
+    "server with `specprefill-rag serve MODEL`. Full plans (no pruning) still work without the plugin."
 )
 
 

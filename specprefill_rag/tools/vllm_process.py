@@ -135,13 +135,14 @@ def cpu_binding(ranks: int, cpus: Sequence[int]) -> str | None:
 def server_env(
     base: Mapping[str, str] | None = None, *, cpu: bool | None = None, extra_args: Sequence[str] = ()
 ) -> dict[str, str]:
-    """Environment for the server: the V1 model runner (the one the plugin patches), CPU KV space.
+    """Environment for the server: the V1 model runner unless the caller's environment chooses
+    (the plugin patches both; V1 is the one run on GPUs), CPU KV space.
 
     On CPU, when the TP × PP ranks in ``extra_args`` outnumber the NUMA nodes and the caller set
     no binding, each rank is bound to its own share of this process's CPUs (``cpu_binding``).
     """
     env = dict(os.environ if base is None else base)
-    env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the caller may choose V2 (the plugin patches both)
     if on_cpu() if cpu is None else cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
         ranks = parallel_ranks(extra_args)

@@ -9,10 +9,11 @@ extension ``runner.SpecPrefillWorkerExtension``. Requests without a plan are unt
 - this module: ``register()``, the version check, and applying the patches as vLLM imports the
   modules they wrap (``apply_patches``);
 - ``admission``: validation and refusal of planned requests before they reach an engine;
-- ``runner``: the per-step position rewrite in vLLM's model runner, and the worker extension;
+- ``runner``: the per-step position rewrite in vLLM's (V1) model runner, and the worker extension;
+- ``runner_v2``: the same rewrite in vLLM's V2 model runner;
 - ``prefix_cache``: position-aware prefix-cache block hashes for planned requests.
 
-Only ``admission``, ``runner`` and ``prefix_cache`` touch vLLM internals. The wire format is
+Only ``admission``, ``runner``, ``runner_v2`` and ``prefix_cache`` touch vLLM internals. The wire format is
 ``specprefill_rag.wire``, which the plugin imports, never the other way round; the how-to is
 docs/vllm.md.
 """
@@ -83,9 +84,14 @@ def disabled_reason() -> str | None:
 def register() -> None:
     """vLLM entry point: check the version and runner, then patch vLLM (idempotent).
 
-    An untested vLLM version or a forced V2 model runner disables the plugin with one error log
-    line instead of aborting vLLM's start: vLLM keeps serving everything else, and SpecPrefill
-    plans are refused by the clients' plugin check (``disabled_reason()`` says why).
+    An untested vLLM version disables the plugin with one error log line instead of aborting
+    vLLM's start: vLLM keeps serving everything else, and SpecPrefill plans are refused by the
+    clients' plugin check (``disabled_reason()`` says why).
+
+    Both model runners are patched (``runner``, ``runner_v2``). Unless the environment chooses
+    one, the V1 runner is pinned (``VLLM_USE_V2_MODEL_RUNNER=0`` for this process and the
+    workers it starts), with a log line: the V2 rewrite is tested on CPU against V2's own
+    ``prepare_attn`` but no server has run it (V2 needs Triton; on GPUs vLLM would pick it).
     """
     global _registered, _disabled
     if _registered:
@@ -94,20 +100,19 @@ def register() -> None:
 
     try:
         check_vllm_version(vllm.__version__)
-        # The plugin rewrites positions in the V1 model runner; vLLM 0.32 picks the V2 runner by
-        # default on GPUs with Triton. Pin V1 for this process and the workers it starts.
-        v2 = os.environ.get(_V2_RUNNER_ENV, "").strip().lower()
-        if v2 in ("1", "true"):
-            raise UnsupportedVLLMError(
-                f"{_V2_RUNNER_ENV}={os.environ[_V2_RUNNER_ENV]} selects vLLM's V2 model runner, which the "
-                f"SpecPrefill plugin does not patch; unset it or set {_V2_RUNNER_ENV}=0"
-            )
     except UnsupportedVLLMError as error:
         _registered, _disabled = True, str(error)
         logger.error("specprefill-rag vLLM plugin disabled, vLLM runs unpatched and SpecPrefill plans "
                      "will be refused: %s", error)
         return
-    os.environ[_V2_RUNNER_ENV] = "0"
+    if os.environ.get(_V2_RUNNER_ENV, "").strip() == "":
+        os.environ[_V2_RUNNER_ENV] = "0"
+        logger.info("specprefill-rag pins vLLM's V1 model runner (%s=0): its position rewrite is tested end "
+                    "to end on a real server; the V2 runner's is patched too but tested only against V2's own "
+                    "functions, never served (set %s=1 to use it)", _V2_RUNNER_ENV, _V2_RUNNER_ENV)
+    elif os.environ[_V2_RUNNER_ENV].strip().lower() in ("1", "true"):
+        logger.warning("specprefill-rag: %s=1, plans are rewritten in vLLM's V2 model runner (tested on "
+                       "CPU against V2's own functions, not yet on a GPU)", _V2_RUNNER_ENV)
 
     apply_patches()
     _registered = True
@@ -142,12 +147,12 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
 
 def apply_patches() -> None:
-    """Patch the modules vLLM already imported (``runner``, ``admission``, ``prefix_cache``: their
-    ``PATCHES``, in that order); patch the others as they get imported."""
-    from . import admission, prefix_cache, runner
+    """Patch the modules vLLM already imported (``runner``, ``runner_v2``, ``admission``,
+    ``prefix_cache``: their ``PATCHES``, in that order); patch the others as they get imported."""
+    from . import admission, prefix_cache, runner, runner_v2
 
     pending = {}
-    for name, patch in {**runner.PATCHES, **admission.PATCHES, **prefix_cache.PATCHES}.items():
+    for name, patch in {**runner.PATCHES, **runner_v2.PATCHES, **admission.PATCHES, **prefix_cache.PATCHES}.items():
         module = sys.modules.get(name)
         if module is not None:
             patch(module)

@@ -5,8 +5,9 @@
   the plan's hash appended to its ``cache_salt``: the fail-safe that isolates each plan's cached
   blocks. ``prefix_cache`` takes the plan's salt off again in the engine's block hasher and hashes
   positions instead, so blocks before the plan's first gap are shared. A plan the engine cannot
-  honour (``plan_refusal``: V2 runner, speculative decoding, M-RoPE, models that use positions
-  beyond rotary embeddings) is refused there too, never silently run at contiguous positions.
+  honour (``plan_refusal``: speculative decoding, M-RoPE, models that use positions beyond rotary
+  embeddings, and under the V2 runner prefill context parallelism and HiSparse) is refused there
+  too, never silently run at contiguous positions.
 - ``OpenAIServingCompletion.render_completion_request`` and ``OpenAIServingChat.render_chat_request``:
   validate and refuse once the prompt is rendered, before a stream starts, so streaming requests
   also get a plain HTTP 400 instead of an error event.
@@ -86,6 +87,18 @@ def _uses_v2_runner(vllm_config: Any) -> bool:
         return True
 
 
+def _v2_refusal(vllm_config: Any) -> str | None:
+    """What the V2 runner's rewrite (``runner_v2``) does not cover."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if (getattr(parallel, "prefill_context_parallel_size", 1) or 1) > 1:
+        return ("SpecPrefill plans are not supported with prefill context parallelism in vLLM's V2 model runner: "
+                "it partitions the batch before the slot mapping the plugin's rewrite follows")
+    if getattr(vllm_config, "hisparse_config", None) is not None:
+        return ("SpecPrefill plans are not supported with HiSparse: its sparse attention has not been checked "
+                "against rewritten positions")
+    return None
+
+
 def _position_dependent(model_config: Any) -> str | None:
     """The architecture name when the model reads positions beyond rotary embeddings."""
     names = [getattr(model_config, "architecture", None), *(getattr(model_config, "architectures", None) or ())]
@@ -103,10 +116,8 @@ def plan_refusal(vllm_config: Any) -> str | None:
 
     Reads configuration only (no vLLM import), so it runs on stubs in the tests.
     """
-    if _uses_v2_runner(vllm_config):
-        return ("SpecPrefill plans are not supported with vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, "
-                "or a feature that requires it such as HiSparse or watermarking): the plugin rewrites positions "
-                "in the V1 runner only")
+    if _uses_v2_runner(vllm_config) and (refusal := _v2_refusal(vllm_config)) is not None:
+        return refusal
     if getattr(vllm_config, "speculative_config", None) is not None:
         return ("SpecPrefill plans are not supported with speculative decoding (--speculative-config: EAGLE, "
                 "MTP, draft model, n-gram): draft steps derive their positions and KV slots from the rewritten "

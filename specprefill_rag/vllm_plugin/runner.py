@@ -24,8 +24,8 @@ from ..errors import PlanError
 from ..wire import NEXT_POSITION_KEY, POSITIONS_KEY, parse_plan
 
 __all__ = [
-    "PATCHES", "RUNNER_MODULE", "WORKER_EXTENSION", "SpecPrefillWorkerExtension", "planned_offsets",
-    "remap_positions", "runner_patched",
+    "PATCHES", "RUNNER_MODULE", "WORKER_EXTENSION", "RequestPlan", "SpecPrefillWorkerExtension", "add_offsets",
+    "planned_offsets", "remap_positions", "request_plan", "runner_patched",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ def planned_offsets(
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity
-class _RequestPlan:
+class RequestPlan:
+    """A request's plan as the runners apply it (``request_plan``)."""
+
     kept: np.ndarray  # (k,) int64 original positions of the prompt slots, on the host
     next_position: int  # position of generated slot k
 
@@ -98,7 +100,7 @@ class _Layout:
     bounds_rows: np.ndarray  # (2p,) entries of query_start_loc to read: each row's start, then its end
 
 
-def _layout(req_ids: list[str], rows: list[int], plans: list[_RequestPlan]) -> _Layout:
+def _layout(req_ids: list[str], rows: list[int], plans: list[RequestPlan]) -> _Layout:
     kept = [plan.kept for plan in plans]
     planned = np.array(rows, dtype=np.int64)
     return _Layout(list(req_ids), planned, kept, np.fromiter(map(len, kept), dtype=np.int64, count=len(kept)),
@@ -136,7 +138,7 @@ class _RunnerPlans:
     """
 
     def __init__(self) -> None:
-        self.plans: dict[str, _RequestPlan | None] = {}
+        self.plans: dict[str, RequestPlan | None] = {}
         self.layout = _layout([], [], [])
         self.decode: _DecodeStep | None = None
         self.staging: torch.Tensor | None = None  # pinned host buffer (CUDA only)
@@ -159,7 +161,7 @@ class _RunnerPlans:
         computed = batch.num_computed_tokens_cpu[layout.rows]
         decode = self.decode
         if decode is not None and (bounds == decode.bounds).all() and (computed >= layout.lengths).all():
-            _add(runner.positions, decode.index, decode.offsets)
+            add_offsets(runner.positions, decode.index, decode.offsets)
             return
         p = layout.rows.size
         starts = bounds[:p].astype(np.int64)
@@ -168,7 +170,7 @@ class _RunnerPlans:
         index, offsets = planned_offsets(starts, counts, computed, layout.kept, layout.lengths,
                                          layout.next_positions)
         index, offsets = self._to_device(runner.positions.device, index, offsets)
-        _add(runner.positions, index, offsets)
+        add_offsets(runner.positions, index, offsets)
         pure_decode = (counts == 1).all() and (computed >= layout.lengths).all()
         self.decode = _DecodeStep(bounds, index, offsets) if pure_decode else None
 
@@ -198,7 +200,7 @@ class _RunnerPlans:
         return both[:n], both[n:]
 
 
-def _add(positions: torch.Tensor, index: Any, offsets: Any) -> None:
+def add_offsets(positions: torch.Tensor, index: Any, offsets: Any) -> None:
     """positions[index] += offsets (indices unique): numpy on CPU, one kernel on a device."""
     if isinstance(index, np.ndarray):
         positions.numpy()[index] += offsets
@@ -206,19 +208,23 @@ def _add(positions: torch.Tensor, index: Any, offsets: Any) -> None:
         positions.index_add_(0, index, offsets)
 
 
-def _parse_request_plan(runner: Any, req_id: str) -> _RequestPlan | None:
-    """The plan of a request in the runner's batch, checked against the runner's own state.
+def _parse_request_plan(runner: Any, req_id: str) -> RequestPlan | None:
+    """The plan of a request in the runner's batch, checked against the runner's own state."""
+    state = runner.requests.get(req_id)
+    return request_plan(req_id, getattr(getattr(state, "sampling_params", None), "extra_args", None),
+                        _prompt_len(state))
+
+
+def request_plan(req_id: str, extra: Any, prompt_len: int) -> RequestPlan | None:
+    """A request's plan (its ``sampling_params.extra_args``) checked against its prompt length.
 
     A well-formed plan is checked with array operations (a list of ints, sorted, unique, >= 0,
     one per prompt token, below ``next_position``); anything else goes through ``parse_plan``.
     process_inputs already refused malformed plans, so this only guards the engine: an error is
-    logged once and the request keeps contiguous positions.
+    logged once and the request keeps contiguous positions. None: nothing to rewrite.
     """
-    state = runner.requests.get(req_id)
-    extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
     if not extra or POSITIONS_KEY not in extra:
         return None
-    prompt_len = _prompt_len(state)
     kept, next_position = _int_array(extra[POSITIONS_KEY]), extra.get(NEXT_POSITION_KEY)
     if (kept is None or type(next_position) is not int or kept.size != prompt_len or kept[0] < 0
             or next_position <= kept[-1] or not (kept[1:] > kept[:-1]).all()):
@@ -233,7 +239,7 @@ def _parse_request_plan(runner: Any, req_id: str) -> _RequestPlan | None:
         kept, next_position = np.array(parsed.positions, dtype=np.int64), parsed.next_position
     if next_position == kept.size and kept[-1] == kept.size - 1:
         return None  # contiguous (sorted, unique, from 0): what vLLM does anyway
-    return _RequestPlan(kept, next_position)
+    return RequestPlan(kept, next_position)
 
 
 def _int_array(values: Any) -> np.ndarray | None:
@@ -269,10 +275,11 @@ def _wrap_prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def runner_patched(worker: Any) -> bool:
-    """Whether a vLLM worker's model runner rewrites positions (its class has the wrapped
-    ``_prepare_inputs``). Runs inside the worker, through ``collective_rpc``."""
-    method = getattr(type(getattr(worker, "model_runner", None)), "_prepare_inputs", None)
-    return bool(getattr(method, MARK, False))
+    """Whether a vLLM worker's model runner rewrites positions: its class has the wrapped
+    ``_prepare_inputs`` (V1) or ``prepare_attn`` (V2, ``runner_v2``). Runs inside the worker,
+    through ``collective_rpc``."""
+    kind = type(getattr(worker, "model_runner", None))
+    return any(getattr(getattr(kind, name, None), MARK, False) for name in ("_prepare_inputs", "prepare_attn"))
 
 
 class SpecPrefillWorkerExtension:
