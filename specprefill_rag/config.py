@@ -19,7 +19,7 @@ LayerChoice = Literal["all", "upper_half", "lower_half", "middle_half"]
 PositionMode = Literal["original", "contiguous"]
 SelectionUnit = Literal["sentence", "chunk"]
 TokenizerMapping = Literal["auto", "same", "offsets"]
-OverflowPolicy = Literal["full", "raise"]
+OverflowPolicy = Literal["windows", "full", "raise"]
 LookaheadTokens = Literal["siblings", "greedy"]
 
 __all__ = [
@@ -135,8 +135,11 @@ class DraftConfig:
     max_batch: int = 1
     batch_window_s: float = 0.002  # seconds
     # A prompt that fits the main model but not the draft's window (look-ahead included):
-    # "full" prefills it whole and logs a warning; "raise" refuses it with InputError.
-    on_overflow: OverflowPolicy = "full"
+    # "windows" reads it in windows that each hold the protected tokens (instructions, question)
+    # and a run of the context (``DraftModel.windows``), falling back to "full" when the protected
+    # part alone fills the window; "full" prefills it whole and logs a warning; "raise" refuses it
+    # with InputError.
+    on_overflow: OverflowPolicy = "windows"
     # The engine keeps the scores of its last memo_entries prompts (at most memo_bytes of score
     # tensors together), keyed by what the draft reads and the scoring fields of this config:
     # an identical request (a retry, "regenerate") skips the draft. 0: no memo.

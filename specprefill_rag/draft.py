@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -39,6 +40,8 @@ from .lookahead import DecoderParts, LoopShape, reading_set, tree_mask, upper_gr
 from .prefixkv import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
 from .stepgraphs import MIN_GRAPH_WIDTH, StepGraphs
 from .types import TokenScores
+
+MIN_WINDOW_CONTEXT = 64  # context tokens a window must hold beside the protected ones (``DraftModel.windows``)
 
 __all__ = ["CAPTURE_ATTENTION", "DraftCapture", "DraftModel"]
 
@@ -271,6 +274,29 @@ class DraftModel:
         """Whether a prompt of ``n_tokens`` plus ``extra_positions`` look-ahead positions after it
         (``DraftConfig.extra_positions``) fits the window."""
         return n_tokens + extra_positions <= self.max_context
+
+    def windows(self, n_tokens: int, context: torch.Tensor | None, extra_positions: int = 0
+                ) -> list[torch.Tensor] | None:
+        """How a prompt too long for the window is read (``score_batch``): None when it fits;
+        else windows, (m,) sorted prompt indices each, that hold every protected token (template,
+        instructions, question: ``context`` (n,) bool marks the prunable ones) and one run of
+        consecutive prunable tokens, the runs of equal size and together all of them. Each
+        window fits with its look-ahead. ``InputError`` when the protected tokens alone leave
+        fewer than ``MIN_WINDOW_CONTEXT`` positions."""
+        if self.fits(n_tokens, extra_positions):
+            return None
+        if context is None or not bool(context.any()):
+            raise InputError(f"the prompt of {n_tokens} draft tokens exceeds the draft model's window of "
+                             f"{self.max_context} and has no prunable context to read in windows")
+        context = context.bool().cpu()
+        protected, prunable = (~context).nonzero().flatten(), context.nonzero().flatten()
+        room = self.max_context - extra_positions - int(protected.numel())
+        if room < MIN_WINDOW_CONTEXT:
+            raise InputError(f"the prompt's {protected.numel()} protected tokens and {extra_positions} look-ahead "
+                             f"positions leave {max(room, 0)} of the draft model's window of {self.max_context} "
+                             f"for the context (at least {MIN_WINDOW_CONTEXT} needed to read it in windows)")
+        count = -(-int(prunable.numel()) // room)
+        return [torch.cat([protected, run]).sort().values for run in prunable.tensor_split(count)]
 
     @property
     def device(self) -> torch.device:
@@ -746,6 +772,10 @@ class DraftModel:
         if len(questions) != batch or len(contexts) != batch:
             raise InputError("pass one question and one context mask (or None) per prompt")
         lookaheads = [cfg.lookahead_for(0 if q is None else int(q.numel())) for q in questions]
+        windows = [self.windows(int(ids.numel()), c, cfg.extra_positions(n))
+                   for ids, c, n in zip(token_ids, contexts, lookaheads, strict=True)]
+        if any(w is not None for w in windows):
+            return self._score_windowed(token_ids, questions, contexts, windows, cfg)
         layers = cfg.layer_indices(self.n_layers)
         if cfg.prefix_cache_entries:  # 0: this call neither reads nor changes the store
             self.prefixes.resize(cfg.prefix_cache_entries, cfg.prefix_cache_bytes)
@@ -756,30 +786,60 @@ class DraftModel:
             heads=_heads(contexts) if cfg.prefix_cache_entries else None, graphs=cfg.cuda_graphs,
             stop_at_eos=cfg.lookahead_stop_at_eos,
         )
-        results = []
-        for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True):
-            # A prompt that needs fewer look-ahead rows than the batch, or whose answer ended sooner.
-            lookahead = min(lookahead, 1 + len(cap.lookahead_token_ids))
-            rows = cap.n_question + lookahead
-            mask = context.to(self.device) if context is not None and cfg.normalize else None
-            positions = cap.positions[:rows].to(self.device)
-            per_layer = torch.stack(
-                [
-                    scoring.layer_rows(
-                        cap.queries[i][:, :rows], cap.keys[i], cap.scaling[i], cfg.pool_kernel,
-                        positions=positions, context=mask, heads=cfg.heads,
-                    )
-                    for i in range(len(cap.keys))
-                ]
-            )  # (layers, n_question + lookahead, n_prompt)
-            weights = scoring.query_weights(cap.n_question, lookahead, cfg.lookahead_weight)
-            results.append(
-                TokenScores(
-                    scores=scoring.importance(per_layer, weights).cpu(),
-                    lookahead_token_ids=cap.lookahead_token_ids[: lookahead - 1],
-                    seconds=0.0,
-                    cached_tokens=cap.cached_tokens,
-                )
-            )
+        results = [self._scores(cap, lookahead, context, cfg)
+                   for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True)]
         seconds = time.perf_counter() - start
         return [dataclasses.replace(r, seconds=seconds) for r in results]
+
+    def _scores(self, cap: DraftCapture, lookahead: int, context: torch.Tensor | None, cfg: DraftConfig
+                ) -> TokenScores:
+        """One prompt's scores from its capture (``lookahead``: the rows it needs)."""
+        # A prompt that needs fewer look-ahead rows than the batch, or whose answer ended sooner.
+        lookahead = min(lookahead, 1 + len(cap.lookahead_token_ids))
+        rows = cap.n_question + lookahead
+        mask = context.to(self.device) if context is not None and cfg.normalize else None
+        positions = cap.positions[:rows].to(self.device)
+        per_layer = torch.stack(
+            [
+                scoring.layer_rows(
+                    cap.queries[i][:, :rows], cap.keys[i], cap.scaling[i], cfg.pool_kernel,
+                    positions=positions, context=mask, heads=cfg.heads,
+                )
+                for i in range(len(cap.keys))
+            ]
+        )  # (layers, n_question + lookahead, n_prompt)
+        weights = scoring.query_weights(cap.n_question, lookahead, cfg.lookahead_weight)
+        return TokenScores(scores=scoring.importance(per_layer, weights).cpu(),
+                           lookahead_token_ids=cap.lookahead_token_ids[: lookahead - 1], seconds=0.0,
+                           cached_tokens=cap.cached_tokens)
+
+    def _score_windowed(self, token_ids: Sequence[torch.Tensor], questions: list[torch.Tensor | None],
+                        contexts: list[torch.Tensor | None], windows: list[list[torch.Tensor] | None],
+                        cfg: DraftConfig) -> list[TokenScores]:
+        """``score_batch`` when some prompts exceed the window: those that fit are scored
+        together, each other one window at a time (``windows``); a prunable token gets its
+        window's score, a protected one (in every window) its highest."""
+        start = time.perf_counter()
+        fit = [b for b, w in enumerate(windows) if w is None]
+        results: dict[int, TokenScores] = {}
+        if fit:
+            scored = self.score_batch([token_ids[b] for b in fit], questions=[questions[b] for b in fit],
+                                      contexts=[contexts[b] for b in fit], config=cfg)
+            results.update(zip(fit, scored, strict=True))
+        for b, parts in enumerate(windows):
+            if parts is None:
+                continue
+            question, context = questions[b], contexts[b]
+            assert context is not None  # ``windows`` needs it
+            scores = torch.full((int(token_ids[b].numel()),), -math.inf)
+            read: list[TokenScores] = []
+            for index in parts:
+                local = None if question is None else torch.searchsorted(index, question[torch.isin(question, index)])
+                (part,) = self.score_batch([token_ids[b][index]], questions=[local], contexts=[context.cpu()[index]],
+                                           config=cfg)
+                scores[index] = torch.maximum(scores[index], part.scores)
+                read.append(part)
+            results[b] = TokenScores(scores=scores, lookahead_token_ids=read[0].lookahead_token_ids, seconds=0.0,
+                                     cached_tokens=sum(part.cached_tokens for part in read), windows=len(parts))
+        seconds = time.perf_counter() - start
+        return [dataclasses.replace(results[b], seconds=seconds) for b in range(len(token_ids))]

@@ -346,15 +346,28 @@ class SpecPrefillEngine:
         )
 
     def _readable(self, prompt: AssembledPrompt) -> _DraftInput | None:
-        """What the draft reads for ``prompt``; None when it cannot read it and the prompt is
-        prefilled whole (``DraftConfig.on_overflow="full"``, logged), ``InputError`` under ``"raise"``."""
+        """What the draft reads for ``prompt``. A prompt longer than the draft's window is read
+        in windows (``DraftConfig.on_overflow="windows"``, ``DraftModel.windows``); None when the
+        draft cannot read it and the prompt is prefilled whole (``"full"``, or windows that cannot
+        hold the context; logged), ``InputError`` under ``"raise"``."""
         item = self._draft_input(prompt)
-        reason = self._overflow(item, self.config.draft)
+        config = self.config.draft
+        reason = self._overflow(item, config)
         if reason is None:
             return item
-        if self.config.draft.on_overflow == "raise":
+        if config.on_overflow == "raise":
             raise InputError(f"{reason}: shorten the context or use a draft with a longer window")
-        logger.warning("%s: prefilling the whole prompt (DraftConfig.on_overflow='full')", reason)
+        if config.on_overflow == "windows":
+            lookahead = config.lookahead_for(int(item.read.positions_of(SegmentKind.QUESTION).numel()))
+            try:
+                windows = self._require_draft().windows(item.read.n_tokens, ~item.read.protected,
+                                                        config.extra_positions(lookahead))
+            except InputError as error:
+                reason = f"{reason}, and it cannot be read in windows: {error}"
+            else:
+                logger.info("%s: the draft reads it in %d windows", reason, len(windows or ()))
+                return item
+        logger.warning("%s: prefilling the whole prompt (DraftConfig.on_overflow)", reason)
         return None
 
     def _draft_scores(self, item: _DraftInput) -> TokenScores:

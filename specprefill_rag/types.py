@@ -176,6 +176,7 @@ class TokenScores:
     seconds: float  # wall time of draft prefill + look-ahead + scoring (0.0 from the memo)
     from_memo: bool = False  # the engine's memo had them (an identical request): the draft did not run
     cached_tokens: int = 0  # the prompt's first tokens the draft read from its prefix store, not again
+    windows: int = 1  # passes the draft read the prompt in (more than 1: longer than its window)
 
 
 @dataclass(frozen=True)

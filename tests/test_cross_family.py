@@ -147,7 +147,8 @@ def test_draft_window_applies_to_the_drafts_own_tokens(tokenizers, caplog):
     p = engine.assemble(QUESTION, PASSAGES)
     n_draft = prompt.assemble(draft_tok, p.segments).n_tokens
     assert not engine.draft_fits(p)
-    # Default: the prompt is prefilled whole, with a warning naming the draft's own count.
+    # Default (windows): its protected tokens leave too little of 128 for the context, so it is
+    # prefilled whole, with a warning naming the draft's own count.
     with caplog.at_level("WARNING", logger="specprefill_rag.engine"):
         result = engine.generate(QUESTION, PASSAGES)
     assert not result.plan.speculated and result.prefilled_tokens == p.n_tokens

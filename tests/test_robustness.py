@@ -345,7 +345,9 @@ def test_prompt_over_the_draft_window_falls_back_or_raises(tokenizer, caplog):
     engine.draft.model.config.max_position_embeddings = 64
     with caplog.at_level("WARNING", logger="specprefill_rag.engine"):
         result = engine.generate(QUESTION, PASSAGES)
+    # Too small even for windows (the protected tokens alone fill it): prefilled whole, logged.
     assert not result.plan.speculated and "exceeds the draft model's window of 64" in caplog.text
+    assert "cannot be read in windows" in caplog.text
     strict = SpecPrefillConfig(
         draft=dataclasses_replace(engine.config.draft, on_overflow="raise"), selection=engine.config.selection
     )
