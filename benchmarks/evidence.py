@@ -394,14 +394,33 @@ def retriever_prior(prompt: AssembledPrompt, ex: quality.Example) -> torch.Tenso
     return prior
 
 
+def gold_mask(prompt: AssembledPrompt, ex: quality.Example) -> torch.Tensor:
+    """(n,) bool: the tokens of ``ex``'s gold evidence."""
+    evidence = span_masks(prompt, ex, ex.evidence)
+    return torch.stack(evidence).any(0) if evidence else torch.zeros(prompt.n_tokens, dtype=torch.bool)
+
+
+def kept_metrics(prompt: AssembledPrompt, ex: quality.Example, scores: torch.Tensor, sel: SelectionConfig,
+                 prior: torch.Tensor | None = None, gold: torch.Tensor | None = None) -> list[float]:
+    """[recall, complete, context_kept] (``METRICS``) of the library's selection from ``scores``."""
+    gold = gold_mask(prompt, ex) if gold is None else gold
+    kept_idx = selection_lib.select(
+        scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start, prior, prompt.cut_level,
+    )
+    kept = torch.zeros(prompt.n_tokens, dtype=torch.bool)
+    kept[kept_idx] = True
+    recall = float((kept & gold).sum()) / max(int(gold.sum()), 1)
+    keys = span_masks(prompt, ex, ex.key)
+    complete = all(float((kept & m).sum()) >= ex.key_share * float(m.sum()) for m in keys if m.any())
+    context_kept = float((kept & ~prompt.protected).sum()) / max(prompt.n_context, 1)
+    return [round(recall, 4), int(complete), round(context_kept, 4)]
+
+
 def evaluate(
     prompt: AssembledPrompt, ex: quality.Example, rows: dict[str, Any], variants: Iterable[Variant],
     keep_rates: Sequence[float], seed: int,
 ) -> dict[str, Any]:
-    evidence = span_masks(prompt, ex, ex.evidence)
-    keys = span_masks(prompt, ex, ex.key)
-    gold = torch.stack(evidence).any(0) if evidence else torch.zeros(prompt.n_tokens, dtype=torch.bool)
-    n_context = prompt.n_context
+    gold = gold_mask(prompt, ex)
     results: dict[str, Any] = {}
     cache: dict[tuple[DraftConfig, str], torch.Tensor] = {}
     prior = retriever_prior(prompt, ex) if any(v.prior for v in variants) else None
@@ -416,16 +435,7 @@ def evaluate(
             scores = cache[v.draft, v.scores]
         for keep in keep_rates:
             sel = dataclasses.replace(v.selection, keep_rate=keep)
-            kept_idx = selection_lib.select(
-                scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start,
-                prior if v.prior else None, prompt.cut_level,
-            )
-            kept = torch.zeros(prompt.n_tokens, dtype=torch.bool)
-            kept[kept_idx] = True
-            recall = float((kept & gold).sum()) / max(int(gold.sum()), 1)
-            complete = all(float((kept & m).sum()) >= ex.key_share * float(m.sum()) for m in keys if m.any())
-            context_kept = float((kept & ~prompt.protected).sum()) / max(n_context, 1)
-            results[f"{v.name}@{keep:g}"] = [round(recall, 4), int(complete), round(context_kept, 4)]
+            results[f"{v.name}@{keep:g}"] = kept_metrics(prompt, ex, scores, sel, prior if v.prior else None, gold)
     return results
 
 

@@ -173,13 +173,13 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks from a source checkout: ttft | quality | evidence | guesses | lookahead_cost | gateway_load "
-        "| prefix_cache | plugin_step | report (`bench SUITE --help`: options)",
+        help="benchmarks from a source checkout: ttft | quality | evidence | guesses | lookahead_cost | windows "
+        "| gateway_load | prefix_cache | plugin_step | report (`bench SUITE --help`: options)",
         add_help=False,
     )
     bench.add_argument(
-        "suite", choices=["ttft", "quality", "evidence", "guesses", "lookahead_cost", "gateway_load", "prefix_cache",
-                  "plugin_step", "report"]
+        "suite", choices=["ttft", "quality", "evidence", "guesses", "lookahead_cost", "windows", "gateway_load",
+                  "prefix_cache", "plugin_step", "report"]
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to benchmarks/<suite>.py")
 
