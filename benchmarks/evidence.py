@@ -595,21 +595,37 @@ def reevaluate(
     return 0
 
 
+def add_task_args(p: argparse.ArgumentParser, *, tasks: Sequence[str], n: int, n_needle: int) -> None:
+    """The options ``examples`` reads (the long tasks' too), for every bench that draws from it."""
+    p.add_argument("--tasks", nargs="+", default=list(tasks))
+    p.add_argument("--n", type=int, default=n, help="examples per task (HotpotQA, SQuAD)")
+    p.add_argument("--n-needle", type=int, default=n_needle, help="needle examples, spread over lengths and depths")
+    p.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--squad-tokens", type=int, default=1024, help="SQuAD context length target (tokens)")
+    long_context.add_arguments(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+
+
+def open_results(args: argparse.Namespace, name: str) -> tuple[Path, list[dict[str, Any]]]:
+    """A resumable bench's results file (``--out``, else ``name`` in the results folder) and its
+    rows so far, with the process set up as every bench runs: offline, ``--threads``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = Path(args.out) if args.out else RESULTS_DIR / name
+    return path, load_rows(path)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="specprefill-rag bench evidence", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--main", default=DEFAULT_MAIN, help="tokenizer and prompt layout come from the main model")
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--tasks", nargs="+", default=["hotpotqa", "squad", "needle", "near_miss"])
-    p.add_argument("--n", type=int, default=200, help="examples per task (HotpotQA, SQuAD)")
-    p.add_argument("--n-needle", type=int, default=100, help="needle examples, spread over lengths and depths")
-    p.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048])
-    p.add_argument("--squad-tokens", type=int, default=1024, help="SQuAD context length target (tokens)")
-    long_context.add_arguments(p)
+    add_task_args(p, tasks=["hotpotqa", "squad", "needle", "near_miss"], n=200, n_needle=100)
     p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--variants", nargs="*", default=None, help="names from VARIANTS (default: all)")
     p.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=BLOCKS,
                    help="look-ahead blocks to capture for new examples (default: all; fewer is faster, and "

@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from benchmarks import evidence, long_context
-from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, bootstrap_ci
+from benchmarks import evidence
+from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, bootstrap_ci
 from specprefill_rag import DraftConfig, DraftModel
 from specprefill_rag.loading import load_tokenizer
 from specprefill_rag.types import SegmentKind
@@ -80,14 +76,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--main", default=DEFAULT_MAIN, help="tokenizer and prompt layout come from the main model")
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--tasks", nargs="+", default=["hotpotqa", "squad", "near_miss"])
-    p.add_argument("--n", type=int, default=40, help="examples per task (HotpotQA, SQuAD)")
-    p.add_argument("--n-needle", type=int, default=20)
-    p.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048])
-    p.add_argument("--squad-tokens", type=int, default=1024)
-    long_context.add_arguments(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    evidence.add_task_args(p, tasks=["hotpotqa", "squad", "near_miss"], n=40, n_needle=20)
     p.add_argument("--check", action="store_true", help="also run one step per token and compare the tokens")
     p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/guesses.jsonl)")
@@ -96,15 +85,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    path = Path(args.out) if args.out else RESULTS_DIR / "guesses.jsonl"
-    rows = evidence.load_rows(path)
+    path, rows = evidence.open_results(args, "guesses.jsonl")
     if args.summary:
         print_summary(summarize(rows, args.seed))
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.main)
     draft = DraftModel.from_pretrained(args.draft)
     config = DraftConfig()

@@ -19,20 +19,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 if __package__ in (None, ""):  # `python benchmarks/lookahead_cost.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import evidence, guesses, long_context
-from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, bootstrap_ci, cold, lookahead_label
+from benchmarks import evidence, guesses
+from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, bootstrap_ci, cold, lookahead_label
 from benchmarks.ttft import plain_forward_s
 from specprefill_rag import DraftConfig, DraftModel
 from specprefill_rag.loading import load_model, load_tokenizer
@@ -107,14 +104,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--main", default=DEFAULT_MAIN, help="tokenizer and prompt layout come from the main model")
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--tasks", nargs="+", default=["hotpotqa", "squad", "near_miss"])
-    p.add_argument("--n", type=int, default=10, help="examples per task (HotpotQA, SQuAD)")
-    p.add_argument("--n-needle", type=int, default=10)
-    p.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048])
-    p.add_argument("--squad-tokens", type=int, default=1024)
-    long_context.add_arguments(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    evidence.add_task_args(p, tasks=["hotpotqa", "squad", "near_miss"], n=10, n_needle=10)
     p.add_argument("--main-forward", action="store_true", help="also time the main model's plain forward (r)")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; numbers mean nothing)")
     p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
@@ -137,15 +127,10 @@ def _models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    path = Path(args.out) if args.out else RESULTS_DIR / "lookahead_cost.jsonl"
-    rows = evidence.load_rows(path)
+    path, rows = evidence.open_results(args, "lookahead_cost.jsonl")
     if args.summary:
         print_summary(summarize(rows, args.seed))
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     tokenizer, draft, main_model = _models(args)
 
     def count_tokens(text: str) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -28,8 +27,8 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/windows.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import evidence, long_context
-from benchmarks.common import RESULTS_DIR, bootstrap_ci, cold
+from benchmarks import evidence
+from benchmarks.common import bootstrap_ci, cold
 from specprefill_rag import DraftConfig, DraftModel, SelectionConfig
 from specprefill_rag.loading import SMALL_MODEL, load_tokenizer
 from specprefill_rag.types import SegmentKind
@@ -100,15 +99,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", default=SMALL_MODEL, help="draft; it also lays out the prompt (%(default)s)")
     p.add_argument("--window", type=int, default=4096, help="the draft's window for the windowed reading")
-    p.add_argument("--tasks", nargs="+", default=["hotpotqa_long"])
-    p.add_argument("--n", type=int, default=30, help="examples per short task")
-    p.add_argument("--n-needle", type=int, default=10)
-    p.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048])
-    p.add_argument("--squad-tokens", type=int, default=1024)
-    long_context.add_arguments(p)
+    evidence.add_task_args(p, tasks=["hotpotqa_long"], n=30, n_needle=10)
     p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/windows.jsonl)")
     return p.parse_args(argv)
@@ -116,15 +108,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    path = Path(args.out) if args.out else RESULTS_DIR / "windows.jsonl"
-    rows = evidence.load_rows(path)
+    path, rows = evidence.open_results(args, "windows.jsonl")
     if args.summary:
         print_summary(summarize(rows, args.seed))
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     tokenizer, draft = load_tokenizer(args.draft), DraftModel.from_pretrained(args.draft)
 
     def count_tokens(text: str) -> int:
