@@ -24,7 +24,6 @@ slot mapping), and models that read positions themselves.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -32,11 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .runner import MARK, RequestPlan, add_offsets, planned_offsets, request_plan
+from .runner import MARK, RequestPlan, _layout, add_offsets, planned_offsets, request_plan
 
 __all__ = ["PATCHES", "RUNNER_V2_MODULE", "V2Plans"]
-
-logger = logging.getLogger(__name__)
 
 RUNNER_V2_MODULE = "vllm.v1.worker.gpu.model_runner"
 _ATTR = "_specprefill_v2_plans"
@@ -65,18 +62,15 @@ class V2Plans:
         if not self.plans:
             return
         req_ids = input_batch.req_ids
-        rows = np.fromiter((row for row, req_id in enumerate(req_ids) if req_id in self.plans), dtype=np.int64)
-        if not rows.size:
+        rows = [row for row, req_id in enumerate(req_ids) if req_id in self.plans]
+        if not rows:
             return
-        plans = [self.plans[req_ids[row]] for row in rows.tolist()]
-        bounds = np.asarray(input_batch.query_start_loc_np, dtype=np.int64)
-        starts, counts = bounds[rows], bounds[rows + 1] - bounds[rows]
-        computed = np.asarray(input_batch.num_computed_tokens_np, dtype=np.int64)[rows]
-        kept = [plan.kept for plan in plans]
-        index, offsets = planned_offsets(
-            starts, counts, computed, kept, np.fromiter(map(len, kept), dtype=np.int64, count=len(kept)),
-            np.fromiter((plan.next_position for plan in plans), dtype=np.int64, count=len(plans)),
-        )
+        layout = _layout(req_ids, rows, [self.plans[req_ids[row]] for row in rows])
+        bounds = np.asarray(input_batch.query_start_loc_np, dtype=np.int64)[layout.bounds_rows]
+        starts, counts = bounds[: len(rows)], bounds[len(rows) :] - bounds[: len(rows)]
+        computed = np.asarray(input_batch.num_computed_tokens_np, dtype=np.int64)[layout.rows]
+        index, offsets = planned_offsets(starts, counts, computed, layout.kept, layout.lengths,
+                                         layout.next_positions)
         positions = input_batch.positions
         if positions.device.type == "cpu":
             add_offsets(positions, index, offsets)
