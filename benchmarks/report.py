@@ -5,7 +5,8 @@
 Reads every result file there: ttft.json and its variants (ttft_vllm_server.json,
 ttft_draft-NAME.json, ...), gpu_ttft.json, evidence.jsonl (draft-only evidence recall),
 quality.json (or quality_quick.json) and quality runs with another draft (quality_draft-NAME.json,
-compared with the default draft's), gateway_load.json; the ``*_tiny.json`` files of ``--tiny`` smoke runs are
+compared with the default draft's), gateway_load.json, and for the evidence-vs-length table the
+evidence files in ``LENGTH_SOURCES`` and windows.jsonl; the ``*_tiny.json`` files of ``--tiny`` smoke runs are
 skipped. Writes docs/benchmarks.md and docs/images/bench_*.png. The page is generated: edit
 this file, not it.
 """
@@ -394,15 +395,15 @@ def _bounds(value: float, ci: Sequence[float] | None) -> tuple[float, float]:
     return min(ci[0], value), max(ci[1], value)
 
 
-def _legend_below(fig: Any, axes: Sequence[Any]) -> None:
+def _legend_below(fig: Any, axes: Sequence[Any], ncol: int = 6, bottom: float = 0.1) -> None:
     """One legend under the panels, with every label of any panel once (methods differ per task)."""
     handles: dict[str, Any] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, handle)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     if handles:
-        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 6), fontsize=7,
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), ncol), fontsize=7,
                    frameon=False)
 
 
@@ -571,6 +572,147 @@ def plot_evidence(summary: list[dict[str, Any]], path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+# -- quality vs prompt length ----------------------------------------------------------------
+
+# Evidence files whose "library default" was computed with today's defaults (a file named
+# ``…_draft-NAME.jsonl`` holds that draft's rows), and windows.jsonl's one-pass/windowed pairs.
+LENGTH_SOURCES = (
+    "evidence_lookahead-stop-at-eos.jsonl",
+    "evidence_lookahead-stop-at-eos_draft-smollm2-135m-instruct.jsonl",
+    "evidence_long.jsonl",
+)
+LENGTH_KEEPS = (0.1, 0.3)
+LENGTH_AXIS = (512, 40_000)  # tokens: one x range for every panel, up to the 32k tasks
+
+
+def _family(task: str) -> str:
+    """``hotpotqa_4k`` → ``hotpotqa``: the long tasks are the short ones padded to a length."""
+    head, _, tail = task.rpartition("_")
+    return head if head and (tail == "long" or (tail[:-1].isdigit() and tail.endswith("k"))) else task
+
+
+def length_rows(results: Path) -> list[dict[str, Any]]:
+    """One record per (example, draft, reading) of the library default: family, task, draft,
+    reading, prompt tokens, and per keep rate [recall, complete, context kept]."""
+    from benchmarks import evidence
+    from specprefill_rag.loading import DEFAULT_DRAFT, SMALL_MODEL
+
+    out: list[dict[str, Any]] = []
+    for name in LENGTH_SOURCES:
+        stem = Path(name).stem
+        draft = stem.split("_draft-", 1)[1] if "_draft-" in stem else DEFAULT_DRAFT
+        for r in evidence.load_rows(results / name):
+            metrics = {k: r["results"].get(f"{EVIDENCE_DEFAULT}@{k:g}") for k in LENGTH_KEEPS}
+            if all(m is not None for m in metrics.values()):
+                out.append({"family": _family(r["task"]), "task": r["task"], "draft": draft, "reading": "one pass",
+                            "n_prompt": r["n_prompt"], "metrics": metrics})
+    for r in evidence.load_rows(results / "windows.jsonl"):  # SmolLM2 (bench windows' default draft)
+        for arm in ("one pass", "windows"):
+            got = r.get(arm, {})
+            metrics = {k: got.get("metrics", {}).get(f"{k:g}") for k in LENGTH_KEEPS}
+            if all(m is not None for m in metrics.values()):
+                reading = "one pass" if arm == "one pass" else f"{got['windows']} windows"
+                out.append({"family": _family(r["task"]), "task": r["task"], "draft": SMALL_MODEL,
+                            "reading": reading, "n_prompt": r["n_prompt"], "metrics": metrics})
+    return out
+
+
+def length_summary(records: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """Per (family, task, draft, reading): n, prompt tokens (mean, min, max), and per keep rate the
+    mean recall and "complete" with bootstrap 95% CIs; sorted by family, draft and length."""
+    from benchmarks.common import bootstrap_ci
+
+    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
+    for rec in records:
+        groups.setdefault((rec["family"], rec["task"], rec["draft"], rec["reading"]), []).append(rec)
+    out = []
+    for (family, task, draft, reading), recs in groups.items():
+        sizes = [rec["n_prompt"] for rec in recs]
+        entry: dict[str, Any] = {"family": family, "task": task, "draft": draft, "reading": reading, "n": len(recs),
+                                 "tokens": sum(sizes) / len(sizes), "min": min(sizes), "max": max(sizes)}
+        for k in LENGTH_KEEPS:
+            for i, metric in enumerate(("recall", "complete")):
+                mean, lo, hi = bootstrap_ci([float(rec["metrics"][k][i]) for rec in recs], seed=seed)
+                entry[f"{metric}@{k:g}"] = (mean, lo, hi)
+        out.append(entry)
+    return sorted(out, key=lambda e: (e["family"], e["draft"], e["reading"] != "one pass", e["reading"], e["tokens"]))
+
+
+def length_section(summary: list[dict[str, Any]]) -> list[str]:
+    """The quality-vs-length table of the library default, per task family, draft and reading."""
+    if not summary:
+        return []
+    out = [
+        "## Evidence recall vs prompt length (library default)",
+        "",
+        "The library default's draft-only evidence recall at each prompt length measured so far, per task and "
+        "draft (the short tasks' own lengths; the long tasks pad them with other examples' passages, "
+        "`benchmarks/long_context.py`). Sources: "
+        + ", ".join(f"`benchmarks/results/{name}`" for name in (*LENGTH_SOURCES, "windows.jsonl"))
+        + " (the last: the SmolLM2 draft read in one pass and, for the same prompts, in windows of 3k "
+        "tokens). Brackets: bootstrap 95% CIs; complete as in the evidence table below.",
+        "",
+        "| task | draft | reading | n | prompt tokens (min–max) | recall @10% | complete @10% | recall @30% "
+        "| complete @30% |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in summary:
+        cells = []
+        for k in LENGTH_KEEPS:
+            for metric in ("recall", "complete"):
+                mean, lo, hi = e[f"{metric}@{k:g}"]
+                cells.append(_ci(mean, (lo, hi)))
+        out.append(f"| {e['task']} | {e['draft']} | {e['reading']} | {e['n']} | {e['tokens']:,.0f} "
+                   f"({e['min']:,}–{e['max']:,}) | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
+def plot_length(summary: list[dict[str, Any]], path: Path) -> bool:
+    """Recall (95% CI) against mean prompt length: a panel per task family, a colour per (draft,
+    reading), solid at keep 10% and dashed at 30%."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = sorted({e["family"] for e in summary})
+    if not families:
+        return False
+    readers = sorted({(e["draft"], e["reading"]) for e in summary})
+    fig, axes = plt.subplots(1, len(families), figsize=(3.6 * len(families), 4.4), squeeze=False)
+    for ax, family in zip(axes[0], families, strict=True):
+        for i, reader in enumerate(readers):
+            points = [e for e in summary if e["family"] == family and (e["draft"], e["reading"]) == reader]
+            for k, style in zip(LENGTH_KEEPS, ("o-", "s--"), strict=True):
+                if not points:
+                    continue
+                mean, lo, hi = zip(*(e[f"recall@{k:g}"] for e in points), strict=True)
+                ax.errorbar([e["tokens"] for e in points], mean,
+                            yerr=[[m - low for m, low in zip(mean, lo, strict=True)],
+                                  [high - m for m, high in zip(mean, hi, strict=True)]],
+                            fmt=style, color=f"C{i % 10}", capsize=2, lw=1.1, elinewidth=0.8,
+                            label=f"{reader[0]}" + ("" if reader[1] == "one pass" else f", {reader[1]}")
+                            + f", keep {k:.0%}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlim(LENGTH_AXIS)
+        ax.set_xlabel("prompt tokens (mean of the set)")
+        ax.set_ylabel("evidence recall (95% CI)")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(family, fontsize=9)
+    _legend_below(fig, axes[0], ncol=2, bottom=0.2)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _length_part(results: Path, images: Path) -> list[str]:
+    summary = length_summary(length_rows(results))
+    lines = length_section(summary)
+    if lines and plot_length(summary, images / "bench_length.png"):
+        lines += [f"![Evidence recall vs prompt length]({Path('images') / 'bench_length.png'})", ""]
+    return lines
 
 
 # -- headline --------------------------------------------------------------------------------
@@ -916,6 +1058,7 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
     if notes.exists():
         lines += ["## Notes on these runs", "", notes.read_text().strip(), ""]
     lines += _ttft_part(ttfts, load(results, "gpu_ttft"), images)
+    lines += _length_part(results, images)
     lines += _evidence_part(results, images)
     lines += _quality_part(quality, images)
     if other_quality:

@@ -483,6 +483,50 @@ def test_report_evidence_section_pins_baselines_and_ranks_the_rest(tmp_path: Pat
     assert "Not measured yet: run `specprefill-rag bench evidence`." in text
 
 
+def test_report_length_section_groups_the_default_by_task_length_draft_and_reading(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from benchmarks import report
+
+    results = tmp_path / "results"
+    results.mkdir()
+
+    def row(task: str, n_prompt: int, recall: float) -> dict:
+        return {"task": task, "id": f"{task}-{n_prompt}", "n_prompt": n_prompt, "n_context": n_prompt - 100,
+                "results": {"library default@0.1": [recall, int(recall == 1.0), 0.1],
+                            "library default@0.3": [1.0, 1, 0.3], "random sentences@0.1": [0.0, 0, 0.1]}}
+
+    qwen, small = report.LENGTH_SOURCES[0], report.LENGTH_SOURCES[1]
+    (results / qwen).write_text("".join(json.dumps(row("hotpotqa", n, r)) + "\n"
+                                        for n, r in ((1000, 0.5), (2000, 1.0))))
+    (results / small).write_text(json.dumps(row("hotpotqa", 1500, 0.25)) + "\n")
+    (results / report.LENGTH_SOURCES[2]).write_text(
+        json.dumps(row("hotpotqa_4k", 4300, 0.75)) + "\n" + json.dumps(row("near_miss_8k", 8200, 1.0)) + "\n"
+        + json.dumps({"task": "multikey_8k", "id": "m", "n_prompt": 8000, "results": {}}) + "\n")  # no default
+    (results / "windows.jsonl").write_text(json.dumps(
+        {"task": "hotpotqa_6k", "id": "w", "n_prompt": 6500,
+         "one pass": {"windows": 1, "metrics": {"0.1": [0.0, 0, 0.1], "0.3": [0.5, 0, 0.3]}},
+         "windows": {"windows": 3, "metrics": {"0.1": [1.0, 1, 0.1], "0.3": [1.0, 1, 0.3]}}}) + "\n")
+    summary = report.length_summary(report.length_rows(results))
+    got = [(e["family"], e["task"], e["draft"], e["reading"], e["n"], round(e["recall@0.1"][0], 3)) for e in summary]
+    assert got == [
+        ("hotpotqa", "hotpotqa", "qwen2.5-coder-0.5b-instruct", "one pass", 2, 0.75),
+        ("hotpotqa", "hotpotqa_4k", "qwen2.5-coder-0.5b-instruct", "one pass", 1, 0.75),
+        ("hotpotqa", "hotpotqa", "smollm2-135m-instruct", "one pass", 1, 0.25),
+        ("hotpotqa", "hotpotqa_6k", "smollm2-135m-instruct", "one pass", 1, 0.0),
+        ("hotpotqa", "hotpotqa_6k", "smollm2-135m-instruct", "3 windows", 1, 1.0),
+        ("near_miss", "near_miss_8k", "qwen2.5-coder-0.5b-instruct", "one pass", 1, 1.0),
+    ]
+    first = summary[0]
+    assert (first["tokens"], first["min"], first["max"]) == (1500, 1000, 2000)
+    assert first["complete@0.1"][0] == 0.5 and first["recall@0.3"] == (1.0, 1.0, 1.0)
+    lines = report.length_section(summary)
+    assert "| hotpotqa_4k | qwen2.5-coder-0.5b-instruct | one pass | 1 | 4,300 (4,300–4,300) | 0.75 [0.75, 0.75] |" \
+        in "\n".join(lines)
+    text = report.render(results, tmp_path / "b.md", tmp_path / "images").read_text()
+    assert "## Evidence recall vs prompt length (library default)" in text
+    assert (tmp_path / "images" / "bench_length.png").stat().st_size > 0
+
+
 def test_gateway_load_summary_and_report_section() -> None:
     from benchmarks import gateway_load, report
 
