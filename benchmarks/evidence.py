@@ -19,6 +19,11 @@ where it stopped); ``summary`` prints means with bootstrap 95% confidence interv
 examples (seeded) as ``bench quality``. Variants are named in ``VARIANTS``; ``--variants``
 re-evaluates from the cache without running the draft again.
 
+A prompt longer than the draft's window (or ``--draft-window``) has no single pass to capture:
+it is read in windows as the engine reads it (``DraftConfig.on_overflow="windows"``), and only
+the library default's scoring and the draft-free baselines are measured on it (its row records
+``windows``).
+
     specprefill-rag bench evidence --n 200                   # ~10 s per example on 2 CPU cores
     specprefill-rag bench evidence --summary                 # the table from the results file
 """
@@ -44,11 +49,12 @@ if __package__ in (None, ""):  # `python benchmarks/evidence.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import long_context, quality
-from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci
+from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci, cold
 from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat, scoring
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
 from specprefill_rag.config import LayerChoice
+from specprefill_rag.errors import InputError
 from specprefill_rag.loading import load_tokenizer
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
@@ -417,12 +423,16 @@ def kept_metrics(prompt: AssembledPrompt, ex: quality.Example, scores: torch.Ten
 
 
 def evaluate(
-    prompt: AssembledPrompt, ex: quality.Example, rows: dict[str, Any], variants: Iterable[Variant],
-    keep_rates: Sequence[float], seed: int,
+    prompt: AssembledPrompt, ex: quality.Example, rows: dict[str, Any] | None, variants: Iterable[Variant],
+    keep_rates: Sequence[float], seed: int, default: torch.Tensor | None = None,
 ) -> dict[str, Any]:
+    """Each variant's metrics per keep rate, its scores read off the captured ``rows``; ``default``:
+    the library default's scores when they were computed instead (``default_scores``)."""
     gold = gold_mask(prompt, ex)
     results: dict[str, Any] = {}
     cache: dict[tuple[DraftConfig, str], torch.Tensor] = {}
+    if default is not None:
+        cache[DraftConfig(), "draft"] = default
     prior = retriever_prior(prompt, ex) if any(v.prior for v in variants) else None
     for v in variants:
         if v.scores == "random":
@@ -431,6 +441,7 @@ def evaluate(
             scores = gold.float() + 1e-3 * torch.rand(prompt.n_tokens, generator=torch.Generator().manual_seed(seed))
         else:
             if (v.draft, v.scores) not in cache:
+                assert rows is not None, f"{v.name} reads captured rows"
                 cache[v.draft, v.scores] = variant_scores(rows, v.draft, "lens" if v.scores == "lens" else None)
             scores = cache[v.draft, v.scores]
         for keep in keep_rates:
@@ -439,7 +450,47 @@ def evaluate(
     return results
 
 
+def default_scores(
+    draft: DraftModel, prompt: AssembledPrompt, window: int | None = None,
+) -> tuple[torch.Tensor, int, float]:
+    """(scores, windows read, seconds) of the library's default scoring of ``prompt`` through
+    ``DraftModel.score``, as the engine reads it: in windows when it is longer than the draft's
+    window (``window``: that window in tokens for the call; None: the draft's own)."""
+    config = draft.model.config
+    own = config.max_position_embeddings
+    if window is not None:
+        config.max_position_embeddings = window
+    try:
+        start = time.perf_counter()
+        scored = draft.score(prompt.token_ids, question=prompt.positions_of(SegmentKind.QUESTION),
+                             context=~prompt.protected, config=cold(DraftConfig()))
+        return scored.scores, scored.windows, time.perf_counter() - start
+    finally:
+        config.max_position_embeddings = own
+
+
+def windowed_variants(variants: Iterable[Variant]) -> list[Variant]:
+    """The variants an example read in windows can be measured with: those scored by the library
+    default (``default_scores``) and the draft-free baselines. The others read captured
+    attention rows of one pass over the whole prompt, which a draft shorter than it cannot give."""
+    default = DraftConfig()
+    return [v for v in variants if v.scores in ("random", "oracle") or (v.scores == "draft" and v.draft == default)]
+
+
 # -- the run -----------------------------------------------------------------------------------
+
+
+def windowed_record(draft: DraftModel, prompt: AssembledPrompt, ex: quality.Example, variants: Iterable[Variant],
+                    keep_rates: Sequence[float], seed: int) -> dict[str, Any] | None:
+    """The results row of a prompt longer than the draft's window, read in windows as the engine
+    reads it (``windowed_variants`` only); None when windows cannot hold its context."""
+    try:
+        scores, windows, seconds = default_scores(draft, prompt)
+    except InputError:
+        return None
+    return {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
+            "draft_s": seconds, "windows": windows,
+            "results": evaluate(prompt, ex, None, windowed_variants(variants), keep_rates, seed, default=scores)}
 
 
 def examples(args: argparse.Namespace, count_tokens: Any) -> list[quality.Example]:
@@ -640,6 +691,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=None, help="--summary: best N variants per keep rate")
     p.add_argument("--paired", default=None, metavar="VARIANT",
                    help="--summary: each variant's paired difference to this one, on the examples holding both")
+    p.add_argument("--draft-window", type=int, default=None, metavar="TOKENS",
+                   help="the draft's window for this run (default: its own); longer prompts are read in windows "
+                   "of it, scored by the library default only")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; scores mean nothing)")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/evidence.jsonl)")
     return p.parse_args(argv)
@@ -669,6 +723,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.main)
         draft = None if args.reevaluate else DraftModel.from_pretrained(args.draft)
 
+    if draft is not None and args.draft_window:
+        draft.model.config.max_position_embeddings = args.draft_window
+
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
@@ -684,8 +741,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         prompt = assemble(tokenizer, ex)
         if draft is not None and not draft.fits(prompt.n_tokens, MAX_LOOKAHEAD):
-            print(f"[{i + 1}/{len(todo)}] {ex.task} {ex.id[:16]}: {prompt.n_tokens} tokens exceed the draft's "
-                  f"window of {draft.max_context}: skipped", flush=True)
+            record = windowed_record(draft, prompt, ex, variants, args.keep_rates, args.seed * 1000 + i)
+            if record is None:
+                print(f"[{i + 1}/{len(todo)}] {ex.task} {ex.id[:16]}: {prompt.n_tokens} tokens, and the draft's "
+                      f"window of {draft.max_context} cannot hold it in windows: skipped", flush=True)
+                continue
+            with path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(f"[{i + 1}/{len(todo)}] {ex.task} {ex.id[:16]} n={prompt.n_tokens} read in {record['windows']} "
+                  f"windows, draft {record['draft_s']:.1f} s, elapsed {time.perf_counter() - started:.0f} s",
+                  flush=True)
             continue
         cached = cache_path(ex, draft_name)
         if cached.exists():

@@ -578,8 +578,9 @@ def run_example(
     done = done or {}
     passages = [Passage(text, id=pid) for pid, text in ex.passages]
     case = _Case(engine, ex, index, args, lingua, engine.assemble(ex.question, passages), passages)
-    if not engine.draft_fits(case.prompt):  # SpecPrefill would prefill it whole: nothing to compare
-        print(f"{ex.task} {ex.id[:16]}: {case.prompt.n_tokens} tokens exceed the draft's window: skipped", flush=True)
+    if not engine.draft_reads(case.prompt):  # SpecPrefill would prefill it whole: nothing to compare
+        print(f"{ex.task} {ex.id[:16]}: {case.prompt.n_tokens} tokens, and the draft cannot read them in windows: "
+              "skipped", flush=True)
         bar.update(1 + len(args.keep_rates) * len(args.methods))
         return []
     base = {"task": ex.task, "id": ex.id, "n_prompt": case.prompt.n_tokens, "n_context": case.prompt.n_context,

@@ -22,34 +22,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 if __package__ in (None, ""):  # `python benchmarks/windows.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import evidence
-from benchmarks.common import bootstrap_ci, cold
+from benchmarks.common import bootstrap_ci
 from specprefill_rag import DraftConfig, DraftModel, SelectionConfig
 from specprefill_rag.loading import SMALL_MODEL, load_tokenizer
-from specprefill_rag.types import SegmentKind
 
 MODES = ("one pass", "windows")
-
-
-def scores_in(draft: Any, prompt: Any, window: int | None) -> tuple[torch.Tensor, int, float]:
-    """(scores, windows read, seconds) of the default scoring, with the draft's window set to
-    ``window`` tokens for the call (None: its own)."""
-    config = draft.model.config
-    own = config.max_position_embeddings
-    if window is not None:
-        config.max_position_embeddings = window
-    try:
-        start = time.perf_counter()
-        scored = draft.score(prompt.token_ids, question=prompt.positions_of(SegmentKind.QUESTION),
-                             context=~prompt.protected, config=cold(DraftConfig()))
-        return scored.scores, scored.windows, time.perf_counter() - start
-    finally:
-        config.max_position_embeddings = own
 
 
 def measure(draft: Any, prompt: Any, ex: Any, window: int, keep_rates: Sequence[float]) -> dict[str, Any]:
@@ -57,7 +38,7 @@ def measure(draft: Any, prompt: Any, ex: Any, window: int, keep_rates: Sequence[
     gold = evidence.gold_mask(prompt, ex)
     out: dict[str, Any] = {}
     for mode, limit in zip(MODES, (None, window), strict=True):
-        scores, windows, seconds = scores_in(draft, prompt, limit)
+        scores, windows, seconds = evidence.default_scores(draft, prompt, limit)
         metrics = {f"{keep:g}": evidence.kept_metrics(prompt, ex, scores, SelectionConfig(min_prompt_tokens=0,
                                                                                           keep_rate=keep), gold=gold)
                    for keep in keep_rates}

@@ -275,6 +275,13 @@ class SpecPrefillEngine:
             return False
         return self._overflow(self._draft_input(prompt), draft or self.config.draft) is None
 
+    def draft_reads(self, prompt: AssembledPrompt) -> bool:
+        """Whether the draft scores ``prompt``, so that SpecPrefill plans it: it fits in one pass,
+        or ``DraftConfig.on_overflow="windows"`` reads it in windows. False when it would be
+        prefilled whole (``"full"``, or windows that cannot hold its context); under ``"raise"`` a
+        prompt that does not fit raises ``InputError``."""
+        return self.draft is not None and self._readable(prompt) is not None
+
     def plan(
         self,
         prompt: AssembledPrompt,

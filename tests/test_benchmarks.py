@@ -456,6 +456,25 @@ def test_evidence_bench_tiny_smoke_resumes(tmp_path: Path) -> None:
     assert all(0.0 < e["context_kept"] < 0.5 for e in summary)
 
 
+@needs_data
+def test_evidence_bench_reads_a_prompt_longer_than_the_drafts_window_in_windows(tmp_path: Path) -> None:
+    """Over the draft's window: the library default scored in windows (as the engine reads it) and the
+    draft-free baselines; variants that need one pass's captured rows are left out, not guessed."""
+    from benchmarks import evidence
+
+    out = tmp_path / "evidence.jsonl"
+    reference = "reference (look-ahead 8, all layers, max, chunks 32)"
+    argv = ["--tiny", "--tasks", "needle", "--n-needle", "1", "--needle-lengths", "512", "--draft-window", "320",
+            "--variants", "library default", "oracle sentences", reference, "--out", str(out)]
+    assert evidence.main(argv) == 0
+    (row,) = evidence.load_rows(out)
+    assert row["n_prompt"] > 320 and row["windows"] >= 2
+    assert set(row["results"]) == {f"{v}@{k:g}" for v in ("library default", "oracle sentences") for k in (0.1, 0.3)}
+    assert row["results"]["oracle sentences@0.3"][0] == 1.0
+    assert 0.0 < row["results"]["library default@0.3"][2] < 0.5
+    assert evidence.windowed_variants([evidence.VARIANTS[reference]]) == []
+
+
 def test_report_evidence_section_pins_baselines_and_ranks_the_rest(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from benchmarks import report
@@ -635,12 +654,12 @@ def test_lookahead_cost_times_the_default_beside_its_stop_toggled(tokenizer) -> 
         assert args.n_long == 30 and args.long_lengths == [4096, 8192] and args.tasks
 
 
-def test_windows_bench_reads_in_windows_and_restores_the_drafts_window(tokenizer) -> None:
+def test_default_scores_read_in_windows_and_restore_the_drafts_window(tokenizer) -> None:
     from types import SimpleNamespace
 
     from helpers import make_model
 
-    from benchmarks import windows
+    from benchmarks import evidence, windows
     from specprefill_rag import DraftModel
     from specprefill_rag.types import SegmentKind
 
@@ -652,8 +671,8 @@ def test_windows_bench_reads_in_windows_and_restores_the_drafts_window(tokenizer
     prompt = SimpleNamespace(token_ids=ids, protected=protected, positions_of=lambda kind: torch.arange(385, 395)
                              if kind is SegmentKind.QUESTION else torch.arange(0))
     own = model.config.max_position_embeddings
-    whole, one, _ = windows.scores_in(draft, prompt, None)
-    parts, count, _ = windows.scores_in(draft, prompt, 200)
+    whole, one, _ = evidence.default_scores(draft, prompt, None)
+    parts, count, _ = evidence.default_scores(draft, prompt, 200)
     assert one == 1 and count == 3 and model.config.max_position_embeddings == own  # 370 context, 200 - 7 - 30
     assert whole.shape == parts.shape == (400,) and not torch.equal(whole, parts)
     row = {"task": "t", "one pass": {"metrics": {"0.1": [0.5, 1, 0.1]}}, "windows": {"windows": 3, "metrics":

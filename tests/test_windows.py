@@ -112,6 +112,7 @@ def test_the_engine_plans_a_prompt_longer_than_the_drafts_window(tokenizer, capl
     extra = engine.config.draft.extra_positions(engine.config.draft.lookahead)
     engine.draft.model.config.max_position_embeddings = n_protected + extra + 2 * MIN_WINDOW_CONTEXT
     assert not engine.draft_fits(prompt) and engine.config.draft.on_overflow == "windows"
+    assert engine.draft_reads(prompt)
     with caplog.at_level(logging.INFO, logger="specprefill_rag.engine"):
         result = engine.generate(QUESTION, PASSAGES)
     assert result.plan.speculated and result.prefilled_tokens < prompt.n_tokens
@@ -119,9 +120,10 @@ def test_the_engine_plans_a_prompt_longer_than_the_drafts_window(tokenizer, capl
     assert engine.score(prompt).windows >= 2
     full = SpecPrefillEngine(engine.backend, engine.draft, dataclasses.replace(
         engine.config, draft=dataclasses.replace(engine.config.draft, on_overflow="full")))
-    assert not full.generate(QUESTION, PASSAGES).plan.speculated
+    assert not full.generate(QUESTION, PASSAGES).plan.speculated and not full.draft_reads(prompt)
     engine.draft.model.config.max_position_embeddings = n_protected + extra + MIN_WINDOW_CONTEXT - 1
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="specprefill_rag.engine"):
         assert not engine.generate(QUESTION, PASSAGES).plan.speculated
+    assert not engine.draft_reads(prompt)
     assert "cannot be read in windows" in caplog.text and "prefilling the whole prompt" in caplog.text
