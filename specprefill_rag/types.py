@@ -258,6 +258,7 @@ class GenerationResult:
     prompt: AssembledPrompt | None = None  # the assembled prompt the plan was made from
     draft_memo_hit: bool = False  # the draft's scores came from the engine's memo: the draft did not run
     draft_cached_tokens: int = 0  # the prompt's first draft tokens read from the draft's prefix store
+    draft_windows: int = 0  # passes the draft's scores came from (>1: read in windows); 0: no draft scores
 
     @property
     def keep_ratio(self) -> float:
@@ -278,6 +279,7 @@ class GenerationResult:
             "speculated": self.plan.speculated,
             "draft_memo_hit": self.draft_memo_hit,
             "draft_cached_tokens": self.draft_cached_tokens,
+            "draft_windows": self.draft_windows,
             "prompt_tokens": self.prompt_tokens,
             "prefilled_tokens": self.prefilled_tokens,
             "generated_tokens": self.generated_tokens,

@@ -116,14 +116,17 @@ def test_the_engine_plans_a_prompt_longer_than_the_drafts_window(tokenizer, capl
     with caplog.at_level(logging.INFO, logger="specprefill_rag.engine"):
         result = engine.generate(QUESTION, PASSAGES)
     assert result.plan.speculated and result.prefilled_tokens < prompt.n_tokens
+    assert result.draft_windows >= 2 and result.to_dict()["draft_windows"] == result.draft_windows
     assert "the draft reads it in" in caplog.text and "windows" in caplog.text
     assert engine.score(prompt).windows >= 2
     full = SpecPrefillEngine(engine.backend, engine.draft, dataclasses.replace(
         engine.config, draft=dataclasses.replace(engine.config.draft, on_overflow="full")))
-    assert not full.generate(QUESTION, PASSAGES).plan.speculated and not full.draft_reads(prompt)
+    whole = full.generate(QUESTION, PASSAGES)
+    assert not whole.plan.speculated and whole.draft_windows == 0 and not full.draft_reads(prompt)
     engine.draft.model.config.max_position_embeddings = n_protected + extra + MIN_WINDOW_CONTEXT - 1
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="specprefill_rag.engine"):
         assert not engine.generate(QUESTION, PASSAGES).plan.speculated
     assert not engine.draft_reads(prompt)
     assert "cannot be read in windows" in caplog.text and "prefilling the whole prompt" in caplog.text
+    assert make_engine(tokenizer).generate(QUESTION, PASSAGES).draft_windows == 1  # its own window: one pass
