@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Screenshot the web app answering a question.")
     parser.add_argument("output", nargs="?", default=str(ROOT / "docs" / "images" / "chatbot_web.png"))
     parser.add_argument("--question", default="On what date was Tindra Point Research Station officially opened?")
-    parser.add_argument("--app-args", default="--top-k 4 --keep-rate 0.3 --max-new-tokens 48",
+    parser.add_argument("--app-args", default="--models qwen --top-k 4 --keep-rate 0.3 --max-new-tokens 48",
                         help="arguments for the app (default: %(default)s)")
     args = parser.parse_args(argv)
     with running_app(args.app_args.split(), log=_log_path("screenshot")) as url:
