@@ -17,11 +17,15 @@ For each: TTFT, the main model's prefill time, and the prompt tokens vLLM served
 (the delta of its own ``vllm:prefix_cache_hits`` counter; requests run one at a time). The run
 order of sys_full / sys_spec alternates per example. Then ``--chats`` RAG chats of
 ``--chat-turns`` turns (a new question and its passages each turn, earlier turns as chat
-messages): per turn, full prefill and SpecPrefill (both warm) and SpecPrefill cold, whose answer
-the warm one must equal (``prefix_cache_chat.jsonl``). Resumable: one JSON line per example.
+messages): per turn, full prefill, SpecPrefill with the history whole (the default,
+``SelectionConfig.protect_history``) and SpecPrefill with it prunable, all warm, and SpecPrefill
+cold, whose answer the warm one must equal (``prefix_cache_chat.jsonl``). ``--chat-answers long``
+asks for answers of three to five sentences, so the history grows by paragraphs
+(``prefix_cache_chat-long.jsonl``). Resumable: one JSON line per example.
 
     specprefill-rag bench prefix_cache --n 8                # → benchmarks/results/prefix_cache.jsonl
     specprefill-rag bench prefix_cache --summary
+    specprefill-rag bench prefix_cache --n 0 --chats 4 --chat-answers long   # chats with long answers
 """
 
 from __future__ import annotations
@@ -53,17 +57,26 @@ INSTRUCTIONS = (
     "Questions may need two facts from two different passages: find the bridge entity first. "
     "Here are worked examples of the expected answers."
 )
+LONG_INSTRUCTIONS = (
+    "You are the research assistant of a reference library. Answer the user's question from the "
+    "context passages only, in three to five sentences: first the answer, then which passages support "
+    "it and how the facts connect. When the passages do not contain the answer, say so and say what "
+    "they do contain. Later questions may refer to your earlier answers. "
+    "Here are worked examples of the facts such answers rest on."
+)
 SCENARIOS = ("sys_full", "sys_spec", "retry", "nosys_full", "nosys_spec")
+CHAT_MODES = ("full", "spec", "spec_pruned")  # warm, per turn; then "spec_cold" checks the warm answer
 
 
 def count(tokenizer: Any, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def system_prompt(tokenizer: Any, target: int, pool: Sequence[quality.Example]) -> str:
+def system_prompt(tokenizer: Any, target: int, pool: Sequence[quality.Example], instructions: str = INSTRUCTIONS
+                  ) -> str:
     """Instructions plus worked examples (other HotpotQA questions with their supporting sentences)
     up to about ``target`` tokens: the same for every request of the run."""
-    parts = [INSTRUCTIONS]
+    parts = [instructions]
     for k, ex in enumerate(pool):
         facts = " ".join(ex.passages[i][1][a:b] for i, a, b in ex.evidence)
         parts.append(f"Example {k + 1}.\nContext: {facts}\nQuestion: {ex.question}\nAnswer: {ex.answers[0]}")
@@ -101,17 +114,24 @@ def cache_hits(url: str) -> float:
         return hits_in(response.read().decode())
 
 
-def measure_segments(engine: Any, url: str, segments: list[Any], salt: str | None, mode: str, keep: float
-                     ) -> dict[str, Any]:
-    """One request, alone: TTFT, the main model's prefill time, what vLLM served from its cache."""
+def measure_segments(engine: Any, url: str, segments: list[Any], salt: str | None, mode: str, keep: float,
+                     max_new_tokens: int | None = None) -> dict[str, Any]:
+    """One request, alone: TTFT, the main model's prefill time, what vLLM served from its cache.
+    ``mode``: "full", "spec", or "spec_pruned" (SpecPrefill with the chat's earlier turns prunable,
+    ``SelectionConfig.protect_history=False``); ``max_new_tokens``: the answer's limit for this
+    request (default: the engine's)."""
     engine.backend.cache_salt = salt
     before = cache_hits(url)
     options: dict[str, Any] = {"mode": "full"} if mode == "full" else {"keep_rate": keep}
+    if mode == "spec_pruned":
+        options["selection"] = dataclasses.replace(engine.config.selection, keep_rate=keep, protect_history=False)
+    if max_new_tokens is not None:
+        options["generation"] = engine.config.generation.with_overrides(max_new_tokens=max_new_tokens)
     res = engine.generate(segments, **options)
     return {"ttft_s": res.timings.ttft_s, "prefill_s": res.timings.prefill_s, "draft_s": res.timings.draft_s,
             "prompt_tokens": res.prompt_tokens, "sent_tokens": res.prefilled_tokens,
             "cached_tokens": int(cache_hits(url) - before), "memo_hit": res.draft_memo_hit,
-            "draft_cached_tokens": res.draft_cached_tokens, "text": res.text}
+            "draft_cached_tokens": res.draft_cached_tokens, "text": res.text, "answer_tokens": res.generated_tokens}
 
 
 def run_example(engines: dict[str, Any], url: str, ex: quality.Example, passages: list[str], system: str,
@@ -134,18 +154,21 @@ def run_example(engines: dict[str, Any], url: str, ex: quality.Example, passages
 
 
 def run_chat(engine: Any, url: str, conversation: str, turns: Sequence[tuple[str, list[str]]], system: str,
-             index: int, keep: float) -> dict[str, Any]:
-    """A RAG chat, new passages each turn: full prefill and SpecPrefill of every turn's prompt (both
-    with the prefix cache; order alternating), and SpecPrefill of it cold (a salt of its own) to
-    check the warm answer. History: the full-prefill answers, as the chat's earlier turns."""
+             index: int, keep: float, answer_tokens: int | None = None) -> dict[str, Any]:
+    """A RAG chat, new passages each turn: full prefill, SpecPrefill with the history whole (the
+    default) and SpecPrefill with it prunable, of every turn's prompt (all with the prefix cache;
+    order rotating), and SpecPrefill of it cold (a salt of its own) to check the warm answer.
+    History: the full-prefill answers (``answer_tokens`` long at most), as the chat's earlier turns."""
     from specprefill_rag.chat import chat_segments
 
     history: list[tuple[str, str]] = [("system", system)]
     out = []
     for t, (question, passages) in enumerate(turns):
         segments = list(chat_segments([*history, ("user", question)], passages))
-        order = ["full", "spec"] if (index + t) % 2 == 0 else ["spec", "full"]
-        got = {mode: measure_segments(engine, url, segments, None, mode, keep) for mode in order}
+        shift = (index + t) % len(CHAT_MODES)
+        order = [*CHAT_MODES[shift:], *CHAT_MODES[:shift]]
+        got = {mode: measure_segments(engine, url, segments, None, mode, keep,
+                                      answer_tokens if mode == "full" else None) for mode in order}
         got["spec_cold"] = measure_segments(engine, url, segments, f"cold-{conversation}-{t}-{time.time_ns()}",
                                             "spec", keep)
         out.append({"turn": t + 1, **got, "same_as_cold": got["spec"]["text"] == got["spec_cold"]["text"]})
@@ -166,6 +189,14 @@ def summarize_chat(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, 
                                        seed=seed),
             "full_cached": bootstrap_ci([c["full"]["cached_tokens"] for c in cells], seed=seed),
             "spec_cached": bootstrap_ci([c["spec"]["cached_tokens"] for c in cells], seed=seed),
+            # Rows from before the pruned-history arm lack it: counted over the turns that have it.
+            "pruned_speedup": paired_ratio_ci([c["full"]["ttft_s"] for c in cells if "spec_pruned" in c],
+                                              [c["spec_pruned"]["ttft_s"] for c in cells if "spec_pruned" in c],
+                                              seed=seed),
+            "pruned_cached": bootstrap_ci([c["spec_pruned"]["cached_tokens"] for c in cells if "spec_pruned" in c],
+                                          seed=seed),
+            "pruned_n": sum("spec_pruned" in c for c in cells),
+            "answer_tokens": bootstrap_ci([c["full"].get("answer_tokens", 0) for c in cells], seed=seed),
             "prompt_tokens": bootstrap_ci([c["full"]["prompt_tokens"] for c in cells], seed=seed),
             "spec_faster": sum(c["spec"]["ttft_s"] <= c["full"]["ttft_s"] for c in cells),
             "same_as_cold": sum(bool(c["same_as_cold"]) for c in cells),
@@ -176,14 +207,17 @@ def summarize_chat(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, 
 def chat_lines(summary: list[dict[str, Any]]) -> list[str]:
     if not summary:
         return []
-    lines = ["| turn | n | prompt tokens | cached: full / SpecPrefill | TTFT full | TTFT SpecPrefill | speedup | "
-             "SpecPrefill faster | answer = cold |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| turn | n | prompt tokens | answer tokens | cached: full / SpecPrefill | TTFT full | TTFT SpecPrefill "
+             "| speedup | SpecPrefill faster | answer = cold | history pruned: n, cached, speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
-        v = s["speedup"]
-        lines.append(f"| {s['turn']} | {s['n']} | {s['prompt_tokens'][0]:.0f} | {s['full_cached'][0]:.0f} / "
-                     f"{s['spec_cached'][0]:.0f} | {s['full_ttft_s'][0]:.1f} s | {s['spec_ttft_s'][0]:.1f} s | "
-                     f"{v[0]:.2f}× [{v[1]:.2f}, {v[2]:.2f}] | {s['spec_faster']}/{s['n']} | "
-                     f"{s['same_as_cold']}/{s['n']} |")
+        v, p = s["speedup"], s["pruned_speedup"]
+        pruned = (f"{s['pruned_n']}, {s['pruned_cached'][0]:.0f}, {p[0]:.2f}× [{p[1]:.2f}, {p[2]:.2f}]"
+                  if s["pruned_n"] and p[0] is not None else "not measured")
+        lines.append(f"| {s['turn']} | {s['n']} | {s['prompt_tokens'][0]:.0f} | {s['answer_tokens'][0]:.0f} | "
+                     f"{s['full_cached'][0]:.0f} / {s['spec_cached'][0]:.0f} | {s['full_ttft_s'][0]:.1f} s | "
+                     f"{s['spec_ttft_s'][0]:.1f} s | {v[0]:.2f}× [{v[1]:.2f}, {v[2]:.2f}] | "
+                     f"{s['spec_faster']}/{s['n']} | {s['same_as_cold']}/{s['n']} | {pruned} |")
     return lines
 
 
@@ -263,6 +297,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--chats", type=int, default=2, help="4-turn RAG chats after the questions (0: none)")
     p.add_argument("--chat-turns", type=int, default=4)
+    p.add_argument("--chat-answers", choices=("short", "long"), default="short",
+                   help="long: the chats' system prompt asks for answers of three to five sentences, and the "
+                   "full-prefill answer that becomes the history may run to --chat-answer-tokens")
+    p.add_argument("--chat-answer-tokens", type=int, default=160, help="with --chat-answers long")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the draft")
     p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/prefix_cache.jsonl)")
@@ -279,7 +317,8 @@ def run_chats(args: argparse.Namespace, engine: Any, url: str, path: Path, chat_
         if conversation in done:
             continue
         turns = [(ex.question, passages_of(ex, pad, tokenizer, args.passage_tokens, args.seed + 100 + c)) for ex in exs]
-        row = run_chat(engine, url, conversation, turns, system, c, args.keep)
+        row = run_chat(engine, url, conversation, turns, system, c, args.keep,
+                       args.chat_answer_tokens if args.chat_answers == "long" else None)
         with path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"[chat {c + 1}/{args.chats}] " + "  ".join(
@@ -296,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(args.out) if args.out else RESULTS_DIR / "prefix_cache.jsonl"
-    chat_path = path.with_name(path.stem + "_chat.jsonl")
+    chat_path = path.with_name(path.stem + ("_chat.jsonl" if args.chat_answers == "short" else "_chat-long.jsonl"))
     if args.summary:
         print_summary(summarize(load_rows(path)))
         print("\n".join(chat_lines(summarize_chat(load_rows(chat_path)))))
@@ -334,7 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{i + 1}/{len(todo)}] " + "  ".join(
                 f"{name} {row[name]['ttft_s']:.1f}s cached {row[name]['cached_tokens']}" for name in SCENARIOS),
                 flush=True)
-        run_chats(args, engines["off"], url, chat_path, chat_pool, pool[40:], tokenizer, system)
+        chat_system = system if args.chat_answers == "short" else system_prompt(
+            tokenizer, args.system_tokens, pool[:40], LONG_INSTRUCTIONS)
+        run_chats(args, engines["off"], url, chat_path, chat_pool, pool[40:], tokenizer, chat_system)
     finally:
         if server is not None:
             server.stop()

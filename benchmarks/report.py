@@ -897,19 +897,25 @@ def prefix_cache_section(results: Path) -> list[str]:
 def _chat_part(results: Path) -> list[str]:
     from benchmarks import evidence, prefix_cache
 
-    rows = evidence.load_rows(results / "prefix_cache_chat.jsonl")
-    if not rows:
-        return []
-    return [
-        f"A RAG chat of {len(rows[0]['turns'])} turns (`prefix_cache_chat.jsonl`): the same system prompt, a new "
-        "HotpotQA question and its padded paragraphs each turn, earlier turns as chat messages (the full-prefill "
-        "answers), kept whole (`protect_history`). Each turn's prompt is sent with full prefill and with SpecPrefill "
-        "(both with the prefix cache, order alternating), and with SpecPrefill cold (a salt of its own): "
-        "\"answer = cold\" counts warm SpecPrefill answers equal to it (greedy).",
-        "",
-        *prefix_cache.chat_lines(prefix_cache.summarize_chat(rows)),
-        "",
-    ]
+    out = []
+    for name, answers in (("prefix_cache_chat.jsonl", "short answers"),
+                          ("prefix_cache_chat-long.jsonl", "long answers (`--chat-answers long`: three to five "
+                                                           "sentences asked, so the history grows by paragraphs)")):
+        rows = evidence.load_rows(results / name)
+        if not rows:
+            continue
+        out += [
+            f"A RAG chat of {len(rows[0]['turns'])} turns with {answers} (`{name}`, {len(rows)} conversations): the "
+            "same system prompt, a new HotpotQA question and its padded paragraphs each turn, earlier turns as chat "
+            "messages (the full-prefill answers). Each turn's prompt is sent with full prefill, with SpecPrefill "
+            "keeping the history whole (`protect_history`, the default) and with SpecPrefill pruning it too (all "
+            "with the prefix cache, order rotating), and with SpecPrefill cold (a salt of its own): \"answer = "
+            "cold\" counts warm SpecPrefill answers equal to it (greedy).",
+            "",
+            *prefix_cache.chat_lines(prefix_cache.summarize_chat(rows)),
+            "",
+        ]
+    return out
 
 
 HEADER = [
