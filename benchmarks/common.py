@@ -181,7 +181,8 @@ def lookahead_label(config: Any, device: str = "cpu") -> str:
 
 def compared_lookahead() -> tuple[str, Any]:
     """(label, draft config) of the look-ahead the TTFT runs also measure whole, side by side with
-    the library's default: the greedy look-ahead of 8 over full forwards beside any default that
+    the library's default: the greedy look-ahead of 8 over full forwards, never stopped (the
+    earlier default), beside any default that
     exits early; siblings with early exit beside greedy over full forwards."""
     import dataclasses
 
@@ -189,7 +190,8 @@ def compared_lookahead() -> tuple[str, Any]:
 
     default = DraftConfig()
     if default.early_exit:
-        compared = dataclasses.replace(default, lookahead=8, lookahead_tokens="greedy", early_exit=False)
+        compared = dataclasses.replace(default, lookahead=8, lookahead_tokens="greedy", early_exit=False,
+                                       lookahead_stop_at_eos=False)
     else:
         compared = dataclasses.replace(default, lookahead_tokens="siblings", early_exit=True)
     return lookahead_label(compared), compared

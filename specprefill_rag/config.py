@@ -126,9 +126,10 @@ class DraftConfig:
     # Greedy look-ahead only: stop where the draft's answer ends. Its queries are those of the
     # tokens before its first end-of-turn token (``DraftModel.end_ids``: the tokenizer's EOS and
     # the generation config's); the tokens it would write after its answer ("\n", "I apologize
-    # ...") are not fed. Fewer sequential forwards whenever the answer is short. False: always
-    # L - 1 tokens (the reference).
-    lookahead_stop_at_eos: bool = False
+    # ...") are not fed. Fewer sequential forwards whenever the answer is short: 4.4 instead of 7
+    # with the Qwen 0.5B draft on RAG prompts, evidence unchanged (paired, HotpotQA n=200).
+    # False: always L - 1 tokens (the reference).
+    lookahead_stop_at_eos: bool = True
     # Concurrent requests' scoring runs as one padded draft batch of up to max_batch prompts,
     # formed within batch_window_s of the first one's arrival. 1: each request scores alone.
     # Worth it on a GPU (one pass for many prompts); on a CPU the draft is compute-bound.

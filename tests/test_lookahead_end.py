@@ -90,7 +90,8 @@ def test_scores_equal_a_lookahead_exactly_as_long(tokenizer):
     stop: the same query rows, and the look-ahead group's weight spread over them."""
     draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
     (ids,), (question,) = _prompts(tokenizer, (80,))
-    cfg = DraftConfig(layers=(1, 2), upper_keep=0.2, memo_entries=0, prefix_cache_entries=0)
+    cfg = DraftConfig(layers=(1, 2), upper_keep=0.2, memo_entries=0, prefix_cache_entries=0,
+                      lookahead_stop_at_eos=False)
     tokens = list(draft.score(ids, question=question, config=cfg).lookahead_token_ids)
     for end_at in (0, 2, 5):
         draft.end_ids = frozenset({tokens[end_at]})
