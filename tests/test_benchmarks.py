@@ -514,11 +514,16 @@ def test_report_length_section_groups_the_default_by_task_length_draft_and_readi
                 "results": {"library default@0.1": [recall, int(recall == 1.0), 0.1],
                             "library default@0.3": [1.0, 1, 0.3], "random sentences@0.1": [0.0, 0, 0.1]}}
 
-    qwen, small = report.LENGTH_SOURCES[0], report.LENGTH_SOURCES[1]
-    (results / qwen).write_text("".join(json.dumps(row("hotpotqa", n, r)) + "\n"
+    (qwen, variant), (small, _) = report.LENGTH_SOURCES[0], report.LENGTH_SOURCES[1]
+
+    def renamed(r: dict) -> dict:  # the Qwen file's variant for today's default
+        return {**r, "results": {k.replace("library default", variant): v for k, v in r["results"].items()}}
+
+    (results / qwen).write_text("".join(json.dumps(renamed(row("hotpotqa", n, r))) + "\n"
                                         for n, r in ((1000, 0.5), (2000, 1.0))))
-    (results / small).write_text(json.dumps(row("hotpotqa", 1500, 0.25)) + "\n")
-    (results / report.LENGTH_SOURCES[2]).write_text(
+    (results / small).write_text(json.dumps(row("hotpotqa", 1500, 0.25)) + "\n"
+                                 + json.dumps({**row("hotpotqa_16k", 16500, 0.5), "windows": 3}) + "\n")
+    (results / report.LENGTH_SOURCES[2][0]).write_text(
         json.dumps(row("hotpotqa_4k", 4300, 0.75)) + "\n" + json.dumps(row("near_miss_8k", 8200, 1.0)) + "\n"
         + json.dumps({"task": "multikey_8k", "id": "m", "n_prompt": 8000, "results": {}}) + "\n")  # no default
     (results / "windows.jsonl").write_text(json.dumps(
@@ -533,6 +538,7 @@ def test_report_length_section_groups_the_default_by_task_length_draft_and_readi
         ("hotpotqa", "hotpotqa", "smollm2-135m-instruct", "one pass", 1, 0.25),
         ("hotpotqa", "hotpotqa_6k", "smollm2-135m-instruct", "one pass", 1, 0.0),
         ("hotpotqa", "hotpotqa_6k", "smollm2-135m-instruct", "3 windows", 1, 1.0),
+        ("hotpotqa", "hotpotqa_16k", "smollm2-135m-instruct", "3 windows", 1, 0.5),
         ("near_miss", "near_miss_8k", "qwen2.5-coder-0.5b-instruct", "one pass", 1, 1.0),
     ]
     first = summary[0]
