@@ -18,12 +18,16 @@ import dataclasses
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+
+if __package__ in (None, ""):  # `python benchmarks/cross_family.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cold, command_line, machine_info, write_results  # noqa: E402
 from specprefill_rag import (  # noqa: E402

@@ -35,6 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # `python benchmarks/gateway_load.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, ROOT, command_line, machine_info, write_results
 
 SYSTEM = "Answer the question using the context. Be concise."

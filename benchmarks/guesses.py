@@ -23,7 +23,11 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # `python benchmarks/guesses.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import evidence
 from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, bootstrap_ci

@@ -43,6 +43,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # `python benchmarks/prefix_cache.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from benchmarks import quality
 from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci, paired_ratio_ci
 from benchmarks.evidence import load_rows

@@ -861,3 +861,17 @@ def test_the_multikey_needle_asks_one_of_near_identical_keys(tokenizer) -> None:
         assert quality.score_prediction(ex.task, wrong, ex.answers, ex.meta) == {"acc": 0.0, "distractor": 1.0}
     assert quality.metric_of("multikey_8k") == "acc" and quality.metric_of("squad_16k") == "f1"
     assert quality.task_kind("near_miss") == "near_miss" and quality.task_kind("needle_32k") == "needle"
+
+
+def test_every_bench_script_runs_as_a_file() -> None:
+    """``python benchmarks/NAME.py`` must import ``benchmarks`` too: every script with a
+    ``__main__`` block puts the repository on ``sys.path`` before its first ``benchmarks`` import."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    for path in sorted(folder.glob("*.py")):
+        text = path.read_text()
+        if 'if __name__ == "__main__":' not in text:
+            continue
+        shim = text.find('if __package__ in (None, ""):')
+        first = min((i for i in (text.find("\nfrom benchmarks"), text.find("\nimport benchmarks")) if i >= 0),
+                    default=len(text))
+        assert 0 <= shim < first, path.name
