@@ -212,12 +212,13 @@ def test_gpu_script_dry_run_on_cpu(tmp_path: Path) -> None:
     assert row["n_tokens"] == 128 and row["cells"][0]["speedup"] > 0
     # The other look-ahead side by side: greedy over full forwards beside the early-exit default.
     assert row["compared_label"] == "greedy 8, full forward" and row["cells_compared"][0]["keep_rate"] == 0.1
-    # the default is not a variant of itself
-    assert "greedy 8, early exit, upper layers read 30%" not in row["lookahead_scoring"]
-    assert set(row["lookahead_scoring"]) >= {"greedy 8, full forward", "greedy 8, early exit, upper layers read 15%",
-                                             "siblings, full forward", "siblings, early exit, upper layers read 15%"}
-    assert data["settings"]["lookahead_label"] == "greedy 8, early exit, upper layers read 30%"
-    assert "greedy 8, early exit, upper layers read 30%, to the draft's end" in row["lookahead_scoring"]
+    # the default is not a variant of itself; the others keep its stop at the draft's end
+    default = "greedy 8, early exit, upper layers read 30%, to the draft's end"
+    assert data["settings"]["lookahead_label"] == default and default not in row["lookahead_scoring"]
+    assert set(row["lookahead_scoring"]) >= {
+        "greedy 8, full forward, to the draft's end", "greedy 8, early exit, upper layers read 15%, to the draft's end",
+        "siblings, full forward", "siblings, early exit, upper layers read 15%"}
+    assert "greedy 8, early exit, upper layers read 30%" in row["lookahead_scoring"]  # the same, never stopped
     # The V2 runner's rewrite is checked on a GPU with vLLM; here it says why it was not.
     assert data["vllm_v2_runner"]["status"] == "skipped" and data["vllm_v2_runner"]["why"]
 
