@@ -592,36 +592,29 @@ LENGTH_KEEPS = (0.1, 0.3)
 LENGTH_AXIS = (512, 40_000)  # tokens: one x range for every panel, up to the 32k tasks
 
 
-def _family(task: str) -> str:
-    """``hotpotqa_4k`` → ``hotpotqa``: the long tasks are the short ones padded to a length."""
-    head, _, tail = task.rpartition("_")
-    return head if head and (tail == "long" or (tail[:-1].isdigit() and tail.endswith("k"))) else task
-
-
 def length_rows(results: Path) -> list[dict[str, Any]]:
     """One record per (example, draft, reading) of the library default: family, task, draft,
     reading, prompt tokens, and per keep rate [recall, complete, context kept]."""
-    from benchmarks import evidence
+    from benchmarks import evidence, quality
     from specprefill_rag.loading import DEFAULT_DRAFT, SMALL_MODEL
 
     out: list[dict[str, Any]] = []
+
+    def add(r: dict[str, Any], draft: str, windows: int, metrics: dict[float, Any]) -> None:
+        if all(m is not None for m in metrics.values()):  # rows without the variant are left out
+            out.append({"family": quality.task_kind(r["task"]), "task": r["task"], "draft": draft,
+                        "reading": f"{windows} windows" if windows > 1 else "one pass", "n_prompt": r["n_prompt"],
+                        "metrics": metrics})
+
     for name, variant in LENGTH_SOURCES:
         stem = Path(name).stem
         draft = stem.split("_draft-", 1)[1] if "_draft-" in stem else DEFAULT_DRAFT
         for r in evidence.load_rows(results / name):
-            metrics = {k: r["results"].get(f"{variant}@{k:g}") for k in LENGTH_KEEPS}
-            if all(m is not None for m in metrics.values()):
-                reading = f"{r['windows']} windows" if r.get("windows", 1) > 1 else "one pass"
-                out.append({"family": _family(r["task"]), "task": r["task"], "draft": draft, "reading": reading,
-                            "n_prompt": r["n_prompt"], "metrics": metrics})
+            add(r, draft, r.get("windows", 1), {k: r["results"].get(f"{variant}@{k:g}") for k in LENGTH_KEEPS})
     for r in evidence.load_rows(results / "windows.jsonl"):  # SmolLM2 (bench windows' default draft)
         for arm in ("one pass", "windows"):
             got = r.get(arm, {})
-            metrics = {k: got.get("metrics", {}).get(f"{k:g}") for k in LENGTH_KEEPS}
-            if all(m is not None for m in metrics.values()):
-                reading = "one pass" if arm == "one pass" else f"{got['windows']} windows"
-                out.append({"family": _family(r["task"]), "task": r["task"], "draft": SMALL_MODEL,
-                            "reading": reading, "n_prompt": r["n_prompt"], "metrics": metrics})
+            add(r, SMALL_MODEL, got.get("windows", 1), {k: got.get("metrics", {}).get(f"{k:g}") for k in LENGTH_KEEPS})
     return out
 
 
