@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -199,7 +200,9 @@ def summarize_chat(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, 
             "pruned_cached": bootstrap_ci([c["spec_pruned"]["cached_tokens"] for c in cells if "spec_pruned" in c],
                                           seed=seed),
             "pruned_n": sum("spec_pruned" in c for c in cells),
-            "answer_tokens": bootstrap_ci([c["full"].get("answer_tokens", 0) for c in cells], seed=seed),
+            # The first chat run did not record answer lengths: NaN ("not recorded"), not 0.
+            "answer_tokens": bootstrap_ci([c["full"]["answer_tokens"] for c in cells if "answer_tokens" in c["full"]],
+                                          seed=seed),
             "prompt_tokens": bootstrap_ci([c["full"]["prompt_tokens"] for c in cells], seed=seed),
             "spec_faster": sum(c["spec"]["ttft_s"] <= c["full"]["ttft_s"] for c in cells),
             "same_as_cold": sum(bool(c["same_as_cold"]) for c in cells),
@@ -217,7 +220,8 @@ def chat_lines(summary: list[dict[str, Any]]) -> list[str]:
         v, p = s["speedup"], s["pruned_speedup"]
         pruned = (f"{s['pruned_n']}, {s['pruned_cached'][0]:.0f}, {p[0]:.2f}× [{p[1]:.2f}, {p[2]:.2f}]"
                   if s["pruned_n"] and p[0] is not None else "not measured")
-        lines.append(f"| {s['turn']} | {s['n']} | {s['prompt_tokens'][0]:.0f} | {s['answer_tokens'][0]:.0f} | "
+        answer = "not recorded" if math.isnan(s["answer_tokens"][0]) else f"{s['answer_tokens'][0]:.0f}"
+        lines.append(f"| {s['turn']} | {s['n']} | {s['prompt_tokens'][0]:.0f} | {answer} | "
                      f"{s['full_cached'][0]:.0f} / {s['spec_cached'][0]:.0f} | {s['full_ttft_s'][0]:.1f} s | "
                      f"{s['spec_ttft_s'][0]:.1f} s | {v[0]:.2f}× [{v[1]:.2f}, {v[2]:.2f}] | "
                      f"{s['spec_faster']}/{s['n']} | {s['same_as_cold']}/{s['n']} | {pruned} |")
@@ -273,6 +277,11 @@ def print_summary(s: dict[str, Any]) -> None:
     print("\n".join(summary_lines(s)))
 
 
+def draft_dtype(engine: Any) -> str:
+    """The draft's dtype as rows record it ("float32", "bfloat16")."""
+    return str(engine.draft.model.dtype).removeprefix("torch.")
+
+
 def build_engines(args: argparse.Namespace, url: str) -> dict[str, Any]:
     from specprefill_rag import GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
     from specprefill_rag.backends import create_backend
@@ -281,7 +290,7 @@ def build_engines(args: argparse.Namespace, url: str) -> dict[str, Any]:
     config = SpecPrefillConfig(selection=SelectionConfig(min_prompt_tokens=0),
                                generation=GenerationConfig(max_new_tokens=args.max_new_tokens))
     main = create_backend("vllm_server", args.main, base_url=url, read_timeout=READY_TIMEOUT_S)
-    draft = DraftModel.from_pretrained(args.draft, config.draft)
+    draft = DraftModel.from_pretrained(args.draft, config.draft, dtype=args.draft_dtype)
     off = dataclasses.replace(config, draft=dataclasses.replace(config.draft, memo_entries=0))
     return {"memo": SpecPrefillEngine(main, draft, config), "off": SpecPrefillEngine(main, draft, off)}
 
@@ -291,6 +300,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--main", default=DEFAULT_MAIN)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--draft-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the draft's dtype (auto: loading.resolve_draft_dtype); each row records it")
     p.add_argument("--vllm-url", default=None, help="a running vLLM server with the plugin and prefix caching on")
     p.add_argument("--n", type=int, default=8, help="HotpotQA questions")
     p.add_argument("--seed", type=int, default=11)
@@ -322,6 +333,7 @@ def run_chats(args: argparse.Namespace, engine: Any, url: str, path: Path, chat_
         turns = [(ex.question, passages_of(ex, pad, tokenizer, args.passage_tokens, args.seed + 100 + c)) for ex in exs]
         row = run_chat(engine, url, conversation, turns, system, c, args.keep,
                        args.chat_answer_tokens if args.chat_answers == "long" else None)
+        row["draft_dtype"] = draft_dtype(engine)
         with path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"[chat {c + 1}/{args.chats}] " + "  ".join(
@@ -370,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             passages = passages_of(ex, pool[40:], tokenizer, args.passage_tokens, args.seed + i)
             row = run_example(engines, url, ex, passages, system, i, args.keep)
-            row["system_tokens"] = system_tokens
+            row["system_tokens"], row["draft_dtype"] = system_tokens, draft_dtype(engines["off"])
             with path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"[{i + 1}/{len(todo)}] " + "  ".join(

@@ -903,7 +903,9 @@ def _chat_part(results: Path) -> list[str]:
     out = []
     for name, answers in (("prefix_cache_chat.jsonl", "short answers"),
                           ("prefix_cache_chat-long.jsonl", "long answers (`--chat-answers long`: three to five "
-                                                           "sentences asked, so the history grows by paragraphs)")):
+                                                           "sentences asked, up to 160 tokens; the answer tokens "
+                                                           "column shows what the full-prefill answers, which become "
+                                                           "the history, ran to)")):
         rows = evidence.load_rows(results / name)
         if not rows:
             continue

@@ -750,6 +750,11 @@ def test_prefix_cache_bench_builds_its_prompts_and_reads_vllms_counter(tokenizer
     assert per_turn[0]["pruned_n"] == 1 and per_turn[0]["pruned_speedup"][0] == pytest.approx(2.0)
     assert prefix_cache.chat_lines(per_turn)[2] == ("| 1 | 2 | 3000 | 100 | 1000 / 1000 | 10.0 s | 4.5 s | "
                                                     "2.22× [2.00, 2.50] | 2/2 | 1/2 | 1, 900, 2.00× [2.00, 2.00] |")
+    for chat in chats:  # the first chat run recorded no answer lengths: not a length of 0
+        for turn in chat["turns"]:
+            del turn["full"]["answer_tokens"]
+    lines = prefix_cache.chat_lines(prefix_cache.summarize_chat(chats))
+    assert "| 1 | 2 | 3000 | not recorded | 1000 / 1000 |" in lines[2]
 
 
 def test_prefix_cache_chat_sends_each_turn_three_ways_and_keeps_full_answers_as_history(monkeypatch) -> None:
