@@ -55,7 +55,7 @@ from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
 from specprefill_rag.config import LayerChoice
 from specprefill_rag.errors import InputError
-from specprefill_rag.loading import load_tokenizer
+from specprefill_rag.loading import DTYPES, load_tokenizer, resolve_dtype
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
 CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence-v2"  # v2: greedy, sibling and lens rows
@@ -178,6 +178,14 @@ def span_masks(
 
 
 # -- capture cache -----------------------------------------------------------------------------
+
+
+def capture_name(args: argparse.Namespace, dtype: torch.dtype) -> str:
+    """The draft's name in the capture cache: a dtype other than fp32 is cached apart (fp32
+    captures predate ``--draft-dtype`` and keep the bare name)."""
+    if args.tiny:
+        return "tiny"
+    return args.draft if dtype == torch.float32 else f"{args.draft}|{str(dtype).removeprefix('torch.')}"
 
 
 def cache_path(ex: quality.Example, draft_name: str) -> Path:
@@ -562,6 +570,22 @@ def paired(rows: list[dict[str, Any]], base: str, seed: int = 0) -> list[dict[st
     return out
 
 
+def joined(rows: list[dict[str, Any]], others: list[dict[str, Any]], file: str, variant: str
+           ) -> tuple[list[dict[str, Any]], str]:
+    """``rows`` of the examples ``others`` also holds, each with ``variant``'s results from there
+    under the name ``"<file's name>: <variant>"`` (returned): what ``paired`` compares against."""
+    name = f"{Path(file).name}: {variant}"
+    theirs = {(r["task"], r["id"]): r["results"] for r in others}
+    out = []
+    for row in rows:
+        found = theirs.get((row["task"], row["id"]), {})
+        extra = {f"{name}@{key.rsplit('@', 1)[1]}": value for key, value in found.items()
+                 if key.rsplit("@", 1)[0] == variant}
+        if extra:
+            out.append({**row, "results": {**row["results"], **extra}})
+    return out, name
+
+
 def print_paired(entries: list[dict[str, Any]], base: str) -> None:
     print(f"paired against {base!r}: difference in recall, in complete")
     for e in sorted(entries, key=lambda e: (e["task"], e["keep_rate"], e["variant"])):
@@ -625,7 +649,7 @@ def reevaluate(
     index = {(ex.task, ex.id): (i, ex) for i, ex in enumerate(todo)}
     draft: Any = None
     rows = load_rows(path)
-    draft_name = "tiny" if args.tiny else args.draft
+    draft_name = capture_name(args, resolve_dtype(args.draft_dtype))
     updated = 0
     for row in rows:
         found = index.get((row["task"], row["id"]))
@@ -675,6 +699,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--main", default=DEFAULT_MAIN, help="tokenizer and prompt layout come from the main model")
     p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--draft-dtype", default="auto", choices=("auto", *DTYPES),
+                   help="the draft's dtype (loading.resolve_dtype); rows and cached captures record it")
     add_task_args(p, tasks=["hotpotqa", "squad", "needle", "near_miss"], n=200, n_needle=100)
     p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
     p.add_argument("--variants", nargs="*", default=None, help="names from VARIANTS (default: all)")
@@ -691,6 +717,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=None, help="--summary: best N variants per keep rate")
     p.add_argument("--paired", default=None, metavar="VARIANT",
                    help="--summary: each variant's paired difference to this one, on the examples holding both")
+    p.add_argument("--against", nargs=2, default=None, metavar=("FILE", "VARIANT"),
+                   help="--summary --paired: pair with VARIANT of another results FILE (e.g. another draft or "
+                   "dtype), by example; it enters as 'FILE: VARIANT'")
     p.add_argument("--draft-window", type=int, default=None, metavar="TOKENS",
                    help="the draft's window for this run (default: its own); longer prompts are read in windows "
                    "of it, scored by the library default only")
@@ -706,6 +735,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = Path(args.out) if args.out else RESULTS_DIR / ("evidence_tiny.jsonl" if args.tiny else "evidence.jsonl")
     if args.summary:
         rows = load_rows(path)
+        if args.against:
+            rows, args.paired = joined(rows, load_rows(Path(args.against[0])), *args.against)
         if args.paired:
             print_paired(paired(rows, args.paired, args.seed), args.paired)
             return 0
@@ -721,7 +752,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer, draft = engine.tokenizer, engine.draft
     else:  # the draft scores; the main model's tokenizer lays out the prompt (same family)
         tokenizer = load_tokenizer(args.main)
-        draft = None if args.reevaluate else DraftModel.from_pretrained(args.draft)
+        draft = None if args.reevaluate else DraftModel.from_pretrained(args.draft, dtype=args.draft_dtype)
 
     if draft is not None and args.draft_window:
         draft.model.config.max_position_embeddings = args.draft_window
@@ -734,7 +765,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return reevaluate(tokenizer, todo, path, variants, args)
     done = {(r["task"], r["id"]) for r in load_rows(path)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    draft_name = "tiny" if args.tiny else args.draft
+    dtype = next(draft.model.parameters()).dtype if draft is not None else resolve_dtype(args.draft_dtype)
+    draft_name = capture_name(args, dtype)
     started = time.perf_counter()
     for i, ex in enumerate(todo):
         if (ex.task, ex.id) in done:
@@ -769,7 +801,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = evaluate(prompt, ex, captured, variants, args.keep_rates, args.seed * 1000 + i)
         record = {
             "task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
-            "draft_s": draft_s, "results": results,
+            "draft_s": draft_s, "draft_dtype": str(dtype).removeprefix("torch."), "results": results,
         }
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")

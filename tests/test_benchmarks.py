@@ -457,6 +457,35 @@ def test_evidence_bench_tiny_smoke_resumes(tmp_path: Path) -> None:
     assert all(0.0 < e["context_kept"] < 0.5 for e in summary)
 
 
+def test_evidence_pairs_against_another_results_file_by_example(tmp_path: Path, capsys) -> None:
+    """``--against FILE VARIANT``: FILE's variant joins this file's rows of the same (task, id), and the
+    paired differences are taken against it; examples only one file holds are left out."""
+    from benchmarks import evidence
+
+    def row(task: str, id_: str, results: dict[str, list[float]]) -> dict:
+        return {"task": task, "id": id_, "results": results}
+
+    mine = [row("hotpotqa", "a", {"library default@0.1": [0.5, 0, 0.1]}),
+            row("hotpotqa", "b", {"library default@0.1": [1.0, 1, 0.1]}),
+            row("hotpotqa", "c", {"library default@0.1": [0.0, 0, 0.1]})]  # not in the other file
+    theirs = [row("hotpotqa", "a", {"old@0.1": [0.0, 0, 0.1], "other@0.1": [1.0, 1, 0.1]}),
+              row("hotpotqa", "b", {"old@0.1": [1.0, 1, 0.1]}),
+              row("squad", "a", {"old@0.1": [1.0, 1, 0.1]})]  # another task's "a"
+    rows, name = evidence.joined(mine, theirs, "dir/fp32.jsonl", "old")
+    assert name == "fp32.jsonl: old" and [r["id"] for r in rows] == ["a", "b"]
+    assert rows[0]["results"] == {"library default@0.1": [0.5, 0, 0.1], "fp32.jsonl: old@0.1": [0.0, 0, 0.1]}
+    [entry] = evidence.paired(rows, name)
+    assert entry["n"] == 2 and entry["recall_diff"] == pytest.approx(0.25)
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mine))
+    (tmp_path / "theirs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in theirs))
+    assert evidence.main(["--summary", "--out", str(tmp_path / "mine.jsonl"),
+                          "--against", str(tmp_path / "theirs.jsonl"), "old"]) == 0
+    assert "n=2" in capsys.readouterr().out
+    args = argparse.Namespace(tiny=False, draft="qwen")
+    assert evidence.capture_name(args, torch.float32) == "qwen"  # the captures cached before --draft-dtype
+    assert evidence.capture_name(args, torch.bfloat16) == "qwen|bfloat16"
+
+
 @needs_data
 def test_evidence_bench_reads_a_prompt_longer_than_the_drafts_window_in_windows(tmp_path: Path) -> None:
     """Over the draft's window: the library default scored in windows (as the engine reads it) and the
