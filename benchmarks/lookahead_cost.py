@@ -8,9 +8,13 @@ plain draft forward (KV cache on, last logits only: what a server runs), and the
 default scoring beside the same look-ahead with its stop toggled, in alternating order. It
 records each one's seconds, its look-ahead forwards (counted at the first decoder layer) and
 tokens. ``--main-forward`` also times the main model's plain forward (for r = scoring / main
-prefill). Every prompt is read whole (no memo, no prefix store). Resumable.
+prefill). ``--dtypes float32 bfloat16`` times the default scoring with the draft in each dtype
+instead (the plain forward is the first dtype's). Every prompt is read whole (no memo, no prefix
+store). Resumable.
 
     specprefill-rag bench lookahead_cost --n 10 --threads 2    # ~1 min per example on 2 CPU cores
+    specprefill-rag bench lookahead_cost --dtypes float32 bfloat16 --main-forward \
+        --out benchmarks/results/lookahead_cost_dtypes.jsonl    # the draft's dtype on this CPU
     specprefill-rag bench lookahead_cost --summary
 """
 
@@ -50,14 +54,24 @@ def timed(draft: Any, prompt: Any, config: DraftConfig) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - start, "forwards": forwards, "tokens": tokens}
 
 
-def measure(draft: Any, prompt: Any, index: int, main: Any = None) -> dict[str, Any]:
-    """One example: the plain forwards and each config's scoring, in an order that alternates
-    with ``index``."""
-    named = list(configs(draft.device.type).items())
+def runs(drafts: dict[str, Any]) -> list[tuple[str, Any, DraftConfig]]:
+    """(label, draft, config) to time: the two ``configs`` on one draft, or, with a draft per
+    dtype, the library's default on each ("<label>, <dtype>")."""
+    if len(drafts) == 1:
+        [draft] = drafts.values()
+        return [(label, draft, config) for label, config in configs(draft.device.type).items()]
+    return [(f"{lookahead_label(cold(DraftConfig()), d.device.type)}, {dtype}", d, cold(DraftConfig()))
+            for dtype, d in drafts.items()]
+
+
+def measure(drafts: dict[str, Any], prompt: Any, index: int, main: Any = None) -> dict[str, Any]:
+    """One example: the first draft's plain forward and each run's scoring (``runs``), in an
+    order that alternates with ``index``."""
+    named = runs(drafts)
     if index % 2:
         named.reverse()
-    out: dict[str, Any] = {"plain_s": plain_forward_s(draft.model, prompt.token_ids)}
-    out["configs"] = {label: timed(draft, prompt, config) for label, config in named}
+    out: dict[str, Any] = {"plain_s": plain_forward_s(next(iter(drafts.values())).model, prompt.token_ids)}
+    out["configs"] = {label: timed(draft, prompt, config) for label, draft, config in named}
     if main is not None:
         out["main_plain_s"] = plain_forward_s(main, prompt.token_ids)
     return out
@@ -106,23 +120,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", default=DEFAULT_DRAFT)
     evidence.add_task_args(p, tasks=["hotpotqa", "squad", "near_miss"], n=10, n_needle=10)
     p.add_argument("--main-forward", action="store_true", help="also time the main model's plain forward (r)")
+    p.add_argument("--dtypes", nargs="+", default=None, choices=("float32", "bfloat16"),
+                   help="time the default scoring with the draft in each of these dtypes (default: the draft's "
+                   "auto dtype, with the look-ahead's stop toggled)")
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; numbers mean nothing)")
     p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
     p.add_argument("--out", default=None, help="results file (default benchmarks/results/lookahead_cost.jsonl)")
     return p.parse_args(argv)
 
 
-def _models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(tokenizer, draft, main model or None)."""
+def _models(args: argparse.Namespace) -> tuple[Any, dict[str, Any], Any]:
+    """(tokenizer, {dtype: draft}, main model or None)."""
     if args.tiny:
         from benchmarks import quality
 
         engine = quality.build_engine(
             argparse.Namespace(tiny=True, main=args.main, draft=args.draft, lookahead=None, max_new_tokens=8)
         )
-        return engine.tokenizer, engine.draft, engine.draft.model if args.main_forward else None
+        return engine.tokenizer, {"tiny": engine.draft}, engine.draft.model if args.main_forward else None
     main = load_model(args.main)[0] if args.main_forward else None
-    return load_tokenizer(args.main), DraftModel.from_pretrained(args.draft), main
+    drafts = {dtype: DraftModel.from_pretrained(args.draft, dtype=dtype) for dtype in args.dtypes or ["auto"]}
+    return load_tokenizer(args.main), drafts, main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.summary:
         print_summary(summarize(rows, args.seed))
         return 0
-    tokenizer, draft, main_model = _models(args)
+    tokenizer, drafts, main_model = _models(args)
+    draft = next(iter(drafts.values()))
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -145,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompt = evidence.assemble(tokenizer, ex)
         if not draft.fits(prompt.n_tokens, DraftConfig().extra_positions(DraftConfig().lookahead)):
             continue
-        record = {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, **measure(draft, prompt, i, main_model)}
+        record = {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, **measure(drafts, prompt, i, main_model)}
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         print(f"[{i + 1}] {ex.task} n={prompt.n_tokens} "

@@ -8,6 +8,7 @@ models (no model files) and one example or one length each.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import time
@@ -671,10 +672,10 @@ def test_lookahead_cost_times_the_default_beside_its_stop_toggled(tokenizer) -> 
                              if kind is SegmentKind.QUESTION else torch.arange(0))
     labels = list(lookahead_cost.configs())
     assert len(labels) == 2 and sum(label.endswith("to the draft's end") for label in labels) == 1
-    first = lookahead_cost.measure(draft, prompt, 0)
+    first = lookahead_cost.measure({"auto": draft}, prompt, 0)
     tokens = first["configs"][labels[0]]["tokens"]
     draft.end_ids = frozenset({tokens[3]})
-    record = lookahead_cost.measure(draft, prompt, 1)
+    record = lookahead_cost.measure({"auto": draft}, prompt, 1)
     assert list(record["configs"]) == labels[::-1]  # alternating order
     for label, run in record["configs"].items():
         stops = label.endswith("to the draft's end")
@@ -685,6 +686,12 @@ def test_lookahead_cost_times_the_default_beside_its_stop_toggled(tokenizer) -> 
     assert {s["task"] for s in summary} == {"a", "all"} and len(summary) == 4
     assert summary[0]["vs_first"][0] == 1.0 and summary[0]["n"] == 1
     assert summary[0]["r"][0] == pytest.approx(summary[0]["overhead"][0] / 2)
+    # --dtypes: the default scoring on a draft per dtype, each labelled by its dtype.
+    drafts = {"float32": draft, "bfloat16": DraftModel(copy.deepcopy(draft.model).to(torch.bfloat16), tokenizer)}
+    draft.end_ids = frozenset()
+    both = lookahead_cost.measure(drafts, prompt, 0)["configs"]
+    assert [label.rsplit(", ", 1)[1] for label in both] == ["float32", "bfloat16"]
+    assert all(label.startswith(labels[0]) for label in both) and all(r["forwards"] == 7 for r in both.values())
     for bench in (lookahead_cost, guesses):  # the task options ``evidence.examples`` reads, long tasks too
         args = bench.parse_args([])
         assert args.n_long == 30 and args.long_lengths == [4096, 8192] and args.tasks
