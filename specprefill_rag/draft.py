@@ -255,10 +255,11 @@ class DraftModel:
         dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
     ) -> DraftModel:
         """Load a draft by packaged short name, HF directory or GGUF path (see ``loading``);
-        ``"auto"``: CUDA + bfloat16 when torch sees a GPU, else CPU + float32."""
-        from .loading import load_model
+        ``"auto"``: CUDA + bfloat16 when torch sees a GPU, else the CPU, in bfloat16 where it
+        multiplies bf16 natively and float32 otherwise (``loading.resolve_draft_dtype``)."""
+        from .loading import load_model, resolve_draft_dtype
 
-        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
+        model, tokenizer = load_model(name_or_path, dtype=resolve_draft_dtype(dtype, device), device=device)
         return cls(model, tokenizer, config)
 
     @property

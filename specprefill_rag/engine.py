@@ -158,7 +158,8 @@ class SpecPrefillEngine:
 
         ``dtype`` and ``device`` are the draft's, and the main model's on a backend that loads a
         torch model in this process (``register_backend(..., torch_model=True)``: transformers);
-        ``"auto"`` (the default) is CUDA + bfloat16 when torch sees a GPU, else CPU + float32. A
+        ``"auto"`` (the default) is CUDA + bfloat16 when torch sees a GPU, else CPU + float32, the
+        draft in bfloat16 on a CPU with native bf16 (``loading.resolve_draft_dtype``). A
         vLLM main model places itself (``--gpu-memory-utilization`` leaves the draft its share).
         A ``draft`` equal to ``main`` on a ``SelfDrafting`` backend shares the main model's weights.
         """

@@ -119,3 +119,14 @@ def test_draft_prefix_cache_reaches_the_gateways_draft_config(built: list[dict[s
     with pytest.raises(_Built):
         cli.main(["gateway", "--draft-prefix-cache", "0"])
     assert built[-1]["config"].draft.prefix_cache_entries == 0 and built[-1]["config"].draft.memo_entries == 32
+
+
+
+def test_the_loaded_line_names_each_torch_models_device_and_dtype() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    model = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"))  # what a transformers model has
+    assert cli._placed(model) == " (cpu, bfloat16)"
+    assert cli._placed(None) == ""  # a vLLM main model: nothing to name

@@ -19,6 +19,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from specprefill_rag import loading  # noqa: E402
+from specprefill_rag.draft import DraftModel  # noqa: E402
 from specprefill_rag.errors import ConfigError, ModelNotFoundError  # noqa: E402
 from specprefill_rag.loading import (  # noqa: E402
     PACKAGED_MODELS,
@@ -128,10 +129,12 @@ def test_public_api() -> None:
         "SMALL_MODEL",
         "PackagedModel",
         "cache_dir",
+        "cpu_runs_bf16",
         "eos_ids",
         "load_model",
         "load_tokenizer",
         "resolve_device",
+        "resolve_draft_dtype",
         "resolve_dtype",
         "resolve_model_dir",
     }
@@ -259,6 +262,41 @@ def test_auto_is_cuda_in_bf16_with_a_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
     assert loading.resolve_dtype("auto", "cpu") is torch.float32  # the CPU stays exact when chosen
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # e.g. a V100
     assert loading.resolve_dtype("auto", "cuda") is torch.float16
+
+
+def test_the_drafts_auto_dtype_is_bf16_on_a_cpu_that_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: True)
+    assert loading.resolve_draft_dtype("auto") is torch.bfloat16
+    assert loading.resolve_draft_dtype("auto", "cpu") is torch.bfloat16
+    assert loading.resolve_draft_dtype("float32", "cpu") is torch.float32  # asked for: given
+    assert loading.resolve_dtype("auto", "cpu") is torch.float32  # a main model stays in fp32
+    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: False)
+    assert loading.resolve_draft_dtype("auto", "cpu") is torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert loading.resolve_draft_dtype("auto") is torch.float16  # a GPU: resolve_dtype's rule
+
+
+def test_cpu_runs_bf16_reads_torchs_cpu_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    for avx512_bf16, amx, expected in ((True, False, True), (False, True, True), (False, False, False)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        assert loading.cpu_runs_bf16() is expected
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert loading.cpu_runs_bf16() is False  # a torch without the probes: fp32
+
+
+def test_a_drafts_auto_dtype_reaches_the_loaded_model(tiny_gguf: Path, cache: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: True)
+    assert DraftModel.from_pretrained(str(tiny_gguf)).model.dtype == torch.bfloat16
+    assert DraftModel.from_pretrained(str(tiny_gguf), dtype="float32").model.dtype == torch.float32
+    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: False)
+    assert DraftModel.from_pretrained(str(tiny_gguf)).model.dtype == torch.float32
 
 
 def test_load_model_reads_auto_and_names(tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,8 @@ def _device_args(parser: Any, *, whose: str) -> None:
     )
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-        help=f"dtype of {whose}: auto (bfloat16 on a GPU, float32 on the CPU) (%(default)s)",
+        help=f"dtype of {whose}: auto (bfloat16 on a GPU, float32 on the CPU; a draft in bfloat16 on a CPU "
+        "with native bf16) (%(default)s)",
     )
 
 
@@ -208,8 +209,20 @@ def _build_engine(args: argparse.Namespace) -> Any:
     engine = SpecPrefillEngine.from_pretrained(
         args.main, args.draft, config=config, device=args.device, dtype=args.dtype
     )
-    print(f"Loaded draft {args.draft} and main {args.main} in {time.perf_counter() - started:.1f} s", flush=True)
+    seconds = time.perf_counter() - started
+    draft_model, main_model = getattr(engine.draft, "model", None), getattr(engine.backend, "model", None)
+    print(f"Loaded draft {args.draft}{_placed(draft_model)} and main {args.main}{_placed(main_model)} "
+          f"in {seconds:.1f} s", flush=True)
     return engine
+
+
+def _placed(model: Any) -> str:
+    """" (cpu, bfloat16)" for a torch model, "" for what is not one (a vLLM main model)."""
+    import torch
+
+    if not isinstance(getattr(model, "dtype", None), torch.dtype):
+        return ""
+    return f" ({model.device.type}, {str(model.dtype).removeprefix('torch.')})"
 
 
 def _retrieve(args: argparse.Namespace, question: str) -> list[Any]:
