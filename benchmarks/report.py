@@ -905,7 +905,10 @@ def _chat_part(results: Path) -> list[str]:
                           ("prefix_cache_chat-long.jsonl", "long answers (`--chat-answers long`: three to five "
                                                            "sentences asked, up to 160 tokens; the answer tokens "
                                                            "column shows what the full-prefill answers, which become "
-                                                           "the history, ran to)")):
+                                                           "the history, ran to)"),
+                          ("prefix_cache_bf16-draft_chat-long.jsonl", "long answers and the draft in bfloat16 (the "
+                                                                      "`auto` dtype on a CPU with native bf16, as "
+                                                                      "here; the main model in vLLM in float32)")):
         rows = evidence.load_rows(results / name)
         if not rows:
             continue
