@@ -55,7 +55,7 @@ from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
 from specprefill_rag.config import LayerChoice
 from specprefill_rag.errors import InputError
-from specprefill_rag.loading import DTYPES, load_tokenizer, resolve_dtype
+from specprefill_rag.loading import DTYPES, load_tokenizer, resolve_draft_dtype
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
 CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence-v2"  # v2: greedy, sibling and lens rows
@@ -185,7 +185,20 @@ def capture_name(args: argparse.Namespace, dtype: torch.dtype) -> str:
     captures predate ``--draft-dtype`` and keep the bare name)."""
     if args.tiny:
         return "tiny"
-    return args.draft if dtype == torch.float32 else f"{args.draft}|{str(dtype).removeprefix('torch.')}"
+    return args.draft if dtype == torch.float32 else f"{args.draft}|{dtype_name(dtype)}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def same_dtype(rows: Sequence[dict[str, Any]], dtype: torch.dtype, path: Path) -> None:
+    """Refuse to resume a results file measured with the draft in another dtype (rows written
+    before rows recorded it were fp32): one file, one dtype."""
+    found = {r.get("draft_dtype", "float32") for r in rows}
+    if found and found != {dtype_name(dtype)}:
+        raise SystemExit(f"{path} was measured with the draft in {', '.join(sorted(found))}, this run would add "
+                         f"{dtype_name(dtype)}: pass --draft-dtype {sorted(found)[0]} or another --out")
 
 
 def cache_path(ex: quality.Example, draft_name: str) -> Path:
@@ -497,7 +510,7 @@ def windowed_record(draft: DraftModel, prompt: AssembledPrompt, ex: quality.Exam
     except InputError:
         return None
     return {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
-            "draft_s": seconds, "windows": windows,
+            "draft_s": seconds, "windows": windows, "draft_dtype": dtype_name(next(draft.model.parameters()).dtype),
             "results": evaluate(prompt, ex, None, windowed_variants(variants), keep_rates, seed, default=scores)}
 
 
@@ -649,7 +662,7 @@ def reevaluate(
     index = {(ex.task, ex.id): (i, ex) for i, ex in enumerate(todo)}
     draft: Any = None
     rows = load_rows(path)
-    draft_name = capture_name(args, resolve_dtype(args.draft_dtype))
+    draft_name = capture_name(args, resolve_draft_dtype(args.draft_dtype))
     updated = 0
     for row in rows:
         found = index.get((row["task"], row["id"]))
@@ -700,7 +713,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--main", default=DEFAULT_MAIN, help="tokenizer and prompt layout come from the main model")
     p.add_argument("--draft", default=DEFAULT_DRAFT)
     p.add_argument("--draft-dtype", default="auto", choices=("auto", *DTYPES),
-                   help="the draft's dtype (loading.resolve_dtype); rows and cached captures record it")
+                   help="the draft's dtype (auto: loading.resolve_draft_dtype); rows and cached captures record it, "
+                   "and a results file holds one dtype")
     add_task_args(p, tasks=["hotpotqa", "squad", "needle", "near_miss"], n=200, n_needle=100)
     p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
     p.add_argument("--variants", nargs="*", default=None, help="names from VARIANTS (default: all)")
@@ -763,9 +777,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     todo = examples(args, count_tokens)
     if args.reevaluate:
         return reevaluate(tokenizer, todo, path, variants, args)
-    done = {(r["task"], r["id"]) for r in load_rows(path)}
+    rows = load_rows(path)
+    done = {(r["task"], r["id"]) for r in rows}
     path.parent.mkdir(parents=True, exist_ok=True)
-    dtype = next(draft.model.parameters()).dtype if draft is not None else resolve_dtype(args.draft_dtype)
+    dtype = next(draft.model.parameters()).dtype if draft is not None else resolve_draft_dtype(args.draft_dtype)
+    if not args.tiny:
+        same_dtype(rows, dtype, path)
     draft_name = capture_name(args, dtype)
     started = time.perf_counter()
     for i, ex in enumerate(todo):
@@ -801,7 +818,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = evaluate(prompt, ex, captured, variants, args.keep_rates, args.seed * 1000 + i)
         record = {
             "task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
-            "draft_s": draft_s, "draft_dtype": str(dtype).removeprefix("torch."), "results": results,
+            "draft_s": draft_s, "draft_dtype": dtype_name(dtype), "results": results,
         }
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")

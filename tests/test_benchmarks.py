@@ -485,6 +485,11 @@ def test_evidence_pairs_against_another_results_file_by_example(tmp_path: Path, 
     args = argparse.Namespace(tiny=False, draft="qwen")
     assert evidence.capture_name(args, torch.float32) == "qwen"  # the captures cached before --draft-dtype
     assert evidence.capture_name(args, torch.bfloat16) == "qwen|bfloat16"
+    # One file, one dtype: rows from before rows recorded it were fp32.
+    evidence.same_dtype(mine, torch.float32, tmp_path / "mine.jsonl")
+    evidence.same_dtype([], torch.bfloat16, tmp_path / "new.jsonl")
+    with pytest.raises(SystemExit, match="measured with the draft in float32.*--draft-dtype float32"):
+        evidence.same_dtype(mine, torch.bfloat16, tmp_path / "mine.jsonl")
 
 
 @needs_data
