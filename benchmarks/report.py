@@ -581,13 +581,13 @@ def plot_evidence(summary: list[dict[str, Any]], path: Path) -> bool:
 # "library default" of a file is the default of its run: the SmolLM2 files' runs did not stop
 # the look-ahead at the draft's end, which changes nothing for SmolLM2 (it never ended within
 # the 7 tokens, 0 of 86 prompts); evidence_long.jsonl's did not either (an earlier default).
-TODAYS_DEFAULT = "default scoring, look-ahead 8, upper layers read 30%, to the draft's end | sentences"
-LENGTH_SOURCES = (
-    ("evidence_lookahead-stop-at-eos.jsonl", TODAYS_DEFAULT),
-    ("evidence_draft-smollm2-135m-instruct.jsonl", "library default"),
-    ("evidence_long.jsonl", "library default"),
-    ("evidence_long_draft-smollm2-135m-instruct.jsonl", "library default"),
+LENGTH_SOURCES = (  # (results file, the variant that scores as today's default, draft)
+    ("evidence_draft-bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
+    ("evidence_draft-smollm2-135m-instruct-bf16.jsonl", "library default", "smollm2-135m-instruct"),
+    ("evidence_long_bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
+    ("evidence_long_draft-smollm2-135m-instruct.jsonl", "library default", "smollm2-135m-instruct"),
 )
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
 LENGTH_KEEPS = (0.1, 0.3)
 LENGTH_AXIS = (512, 40_000)  # tokens: one x range for every panel, up to the 32k tasks
 
@@ -596,19 +596,19 @@ def length_rows(results: Path) -> list[dict[str, Any]]:
     """One record per (example, draft, reading) of the library default: family, task, draft,
     reading, prompt tokens, and per keep rate [recall, complete, context kept]."""
     from benchmarks import evidence, quality
-    from specprefill_rag.loading import DEFAULT_DRAFT, SMALL_MODEL
+    from specprefill_rag.loading import SMALL_MODEL
 
     out: list[dict[str, Any]] = []
 
     def add(r: dict[str, Any], draft: str, windows: int, metrics: dict[float, Any]) -> None:
         if all(m is not None for m in metrics.values()):  # rows without the variant are left out
-            out.append({"family": quality.task_kind(r["task"]), "task": r["task"], "draft": draft,
+            dtype = r.get("draft_dtype", "float32")  # rows from before the field: fp32
+            out.append({"family": quality.task_kind(r["task"]), "task": r["task"],
+                        "draft": f"{draft}, {DTYPE_NAMES.get(dtype, dtype)}",
                         "reading": f"{windows} windows" if windows > 1 else "one pass", "n_prompt": r["n_prompt"],
                         "metrics": metrics})
 
-    for name, variant in LENGTH_SOURCES:
-        stem = Path(name).stem
-        draft = stem.split("_draft-", 1)[1] if "_draft-" in stem else DEFAULT_DRAFT
+    for name, variant, draft in LENGTH_SOURCES:
         for r in evidence.load_rows(results / name):
             add(r, draft, r.get("windows", 1), {k: r["results"].get(f"{variant}@{k:g}") for k in LENGTH_KEEPS})
     for r in evidence.load_rows(results / "windows.jsonl"):  # SmolLM2 (bench windows' default draft)
@@ -649,11 +649,13 @@ def length_section(summary: list[dict[str, Any]]) -> list[str]:
         "The library default's draft-only evidence recall at each prompt length measured so far, per task and "
         "draft (the short tasks' own lengths; the long tasks pad them with other examples' passages, "
         "`benchmarks/long_context.py`). Sources (in `benchmarks/results/`): "
-        + ", ".join(f"`{name}` (variant \"{variant}\")" for name, variant in LENGTH_SOURCES)
+        + ", ".join(f"`{name}`" for name, _, _ in LENGTH_SOURCES)
         + ", and `windows.jsonl` (the SmolLM2 draft read in one pass and, for the same prompts, in windows of 3k "
-        "tokens). The files' \"library default\" is the default of their run: it did not yet stop the look-ahead "
-        "at the draft's end (no change for SmolLM2, which never ended within the 7 tokens; for the Qwen draft "
-        "−0.004 [−0.025, +0.017] at keep 10%, HotpotQA n=200, paired). A prompt longer than the draft's window "
+        "tokens). Every row scores with today's default look-ahead (stopped at the draft's end; SmolLM2 never ended "
+        "within the 7 tokens). The draft column names the draft's dtype: bf16 is today's `auto` on a GPU and on a "
+        "CPU with native bf16 (this one); the SmolLM2 rows past 8k and `windows.jsonl` ran in fp32, which kept the "
+        "same evidence as bf16 where both were paired (HotpotQA n=200 per draft). A prompt longer than the draft's "
+        "window "
         "is read in windows, as the engine reads it (reading: \"N windows\"). Brackets: bootstrap 95% CIs; "
         "complete as in the evidence table below.",
         "",

@@ -550,10 +550,11 @@ def test_report_length_section_groups_the_default_by_task_length_draft_and_readi
                 "results": {"library default@0.1": [recall, int(recall == 1.0), 0.1],
                             "library default@0.3": [1.0, 1, 0.3], "random sentences@0.1": [0.0, 0, 0.1]}}
 
-    (qwen, variant), (small, _) = report.LENGTH_SOURCES[0], report.LENGTH_SOURCES[1]
+    (qwen, variant, _), (small, _, _) = report.LENGTH_SOURCES[0], report.LENGTH_SOURCES[1]
 
-    def renamed(r: dict) -> dict:  # the Qwen file's variant for today's default
-        return {**r, "results": {k.replace("library default", variant): v for k, v in r["results"].items()}}
+    def renamed(r: dict) -> dict:  # the Qwen file's variant for today's default, its rows in bf16
+        return {**r, "draft_dtype": "bfloat16",
+                "results": {k.replace("library default", variant): v for k, v in r["results"].items()}}
 
     (results / qwen).write_text("".join(json.dumps(renamed(row("hotpotqa", n, r))) + "\n"
                                         for n, r in ((1000, 0.5), (2000, 1.0))))
@@ -568,21 +569,21 @@ def test_report_length_section_groups_the_default_by_task_length_draft_and_readi
          "windows": {"windows": 3, "metrics": {"0.1": [1.0, 1, 0.1], "0.3": [1.0, 1, 0.3]}}}) + "\n")
     summary = report.length_summary(report.length_rows(results))
     got = [(e["family"], e["task"], e["draft"], e["reading"], e["n"], round(e["recall@0.1"][0], 3)) for e in summary]
-    assert got == [
-        ("hotpotqa", "hotpotqa", "qwen2.5-coder-0.5b-instruct", "one pass", 2, 0.75),
-        ("hotpotqa", "hotpotqa_4k", "qwen2.5-coder-0.5b-instruct", "one pass", 1, 0.75),
-        ("hotpotqa", "hotpotqa", "smollm2-135m-instruct", "one pass", 1, 0.25),
-        ("hotpotqa", "hotpotqa_6k", "smollm2-135m-instruct", "one pass", 1, 0.0),
-        ("hotpotqa", "hotpotqa_6k", "smollm2-135m-instruct", "3 windows", 1, 1.0),
-        ("hotpotqa", "hotpotqa_16k", "smollm2-135m-instruct", "3 windows", 1, 0.5),
-        ("near_miss", "near_miss_8k", "qwen2.5-coder-0.5b-instruct", "one pass", 1, 1.0),
+    assert got == [  # rows that do not name their dtype ran before the field: fp32
+        ("hotpotqa", "hotpotqa", "qwen2.5-coder-0.5b-instruct, bf16", "one pass", 2, 0.75),
+        ("hotpotqa", "hotpotqa_4k", "qwen2.5-coder-0.5b-instruct, fp32", "one pass", 1, 0.75),
+        ("hotpotqa", "hotpotqa", "smollm2-135m-instruct, fp32", "one pass", 1, 0.25),
+        ("hotpotqa", "hotpotqa_6k", "smollm2-135m-instruct, fp32", "one pass", 1, 0.0),
+        ("hotpotqa", "hotpotqa_6k", "smollm2-135m-instruct, fp32", "3 windows", 1, 1.0),
+        ("hotpotqa", "hotpotqa_16k", "smollm2-135m-instruct, fp32", "3 windows", 1, 0.5),
+        ("near_miss", "near_miss_8k", "qwen2.5-coder-0.5b-instruct, fp32", "one pass", 1, 1.0),
     ]
     first = summary[0]
     assert (first["tokens"], first["min"], first["max"]) == (1500, 1000, 2000)
     assert first["complete@0.1"][0] == 0.5 and first["recall@0.3"] == (1.0, 1.0, 1.0)
     lines = report.length_section(summary)
-    assert "| hotpotqa_4k | qwen2.5-coder-0.5b-instruct | one pass | 1 | 4,300 (4,300–4,300) | 0.75 [0.75, 0.75] |" \
-        in "\n".join(lines)
+    assert ("| hotpotqa_4k | qwen2.5-coder-0.5b-instruct, fp32 | one pass | 1 | 4,300 (4,300–4,300) | "
+            "0.75 [0.75, 0.75] |") in "\n".join(lines)
     text = report.render(results, tmp_path / "b.md", tmp_path / "images").read_text()
     assert "## Evidence recall vs prompt length (library default)" in text
     assert (tmp_path / "images" / "bench_length.png").stat().st_size > 0
