@@ -57,6 +57,11 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as results rows record it: "float32", "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def bootstrap_ci(
     values: Sequence[float], *, level: float = 0.95, resamples: int = 2000, seed: int = 0
 ) -> tuple[float, float, float]:

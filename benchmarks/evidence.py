@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # `python benchmarks/evidence.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import long_context, quality
-from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci, cold
+from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci, cold, dtype_name
 from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat, scoring
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
@@ -186,10 +186,6 @@ def capture_name(args: argparse.Namespace, dtype: torch.dtype) -> str:
     if args.tiny:
         return "tiny"
     return args.draft if dtype == torch.float32 else f"{args.draft}|{dtype_name(dtype)}"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def same_dtype(rows: Sequence[dict[str, Any]], dtype: torch.dtype, path: Path) -> None:

@@ -48,9 +48,18 @@ if __package__ in (None, ""):  # `python benchmarks/prefix_cache.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import quality
-from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci, paired_ratio_ci
+from benchmarks.common import (
+    DEFAULT_DRAFT,
+    DEFAULT_MAIN,
+    RESULTS_DIR,
+    ROOT,
+    bootstrap_ci,
+    dtype_name,
+    paired_ratio_ci,
+)
 from benchmarks.evidence import load_rows
 from benchmarks.gateway_load import free_port
+from specprefill_rag.loading import DTYPES
 
 READY_TIMEOUT_S = 900.0
 INSTRUCTIONS = (
@@ -277,11 +286,6 @@ def print_summary(s: dict[str, Any]) -> None:
     print("\n".join(summary_lines(s)))
 
 
-def draft_dtype(engine: Any) -> str:
-    """The draft's dtype as rows record it ("float32", "bfloat16")."""
-    return str(engine.draft.model.dtype).removeprefix("torch.")
-
-
 def build_engines(args: argparse.Namespace, url: str) -> dict[str, Any]:
     from specprefill_rag import GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
     from specprefill_rag.backends import create_backend
@@ -300,7 +304,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--main", default=DEFAULT_MAIN)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--draft-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+    p.add_argument("--draft-dtype", default="auto", choices=("auto", *DTYPES),
                    help="the draft's dtype (auto: loading.resolve_draft_dtype); each row records it")
     p.add_argument("--vllm-url", default=None, help="a running vLLM server with the plugin and prefix caching on")
     p.add_argument("--n", type=int, default=8, help="HotpotQA questions")
@@ -333,7 +337,7 @@ def run_chats(args: argparse.Namespace, engine: Any, url: str, path: Path, chat_
         turns = [(ex.question, passages_of(ex, pad, tokenizer, args.passage_tokens, args.seed + 100 + c)) for ex in exs]
         row = run_chat(engine, url, conversation, turns, system, c, args.keep,
                        args.chat_answer_tokens if args.chat_answers == "long" else None)
-        row["draft_dtype"] = draft_dtype(engine)
+        row["draft_dtype"] = dtype_name(engine.draft.model.dtype)
         with path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"[chat {c + 1}/{args.chats}] " + "  ".join(
@@ -382,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             passages = passages_of(ex, pool[40:], tokenizer, args.passage_tokens, args.seed + i)
             row = run_example(engines, url, ex, passages, system, i, args.keep)
-            row["system_tokens"], row["draft_dtype"] = system_tokens, draft_dtype(engines["off"])
+            row["system_tokens"], row["draft_dtype"] = system_tokens, dtype_name(engines["off"].draft.model.dtype)
             with path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"[{i + 1}/{len(todo)}] " + "  ".join(
