@@ -58,6 +58,7 @@ from benchmarks.common import (
     cold,
     command_line,
     data_file,
+    dtype_name,
     essay_text,
     machine_info,
     paired_ratio_ci,
@@ -65,6 +66,7 @@ from benchmarks.common import (
     tiny_engine,
     write_results,
 )
+from specprefill_rag.loading import DTYPES
 
 METHODS = ("specprefill", "reference", "contiguous", "random", "llmlingua")
 INSTRUCTIONS = (
@@ -472,7 +474,28 @@ def build_engine(args: argparse.Namespace) -> Any:
     )
     if args.tiny:
         return tiny_engine(config)
-    return SpecPrefillEngine.from_pretrained(args.main, args.draft, config=config)
+    return SpecPrefillEngine.from_pretrained(args.main, args.draft, config=config, dtype=args.dtype)
+
+
+def model_dtypes(engine: Any) -> dict[str, str]:
+    """The dtypes the main model and the draft ran in, as the result file records them."""
+    models = {"main": getattr(engine.backend, "model", None), "draft": getattr(engine.draft, "model", None)}
+    return {role: dtype_name(next(m.parameters()).dtype) for role, m in models.items() if m is not None}
+
+
+def same_dtypes(before: dict[str, Any], dtypes: dict[str, str], path: Path) -> None:
+    """Refuse to resume a result file measured in other dtypes (files written before they were
+    recorded ran both models in float32): one file, one pair of dtypes."""
+    if not before.get("rows"):
+        return
+    found = before.get("dtypes", {"main": "float32", "draft": "float32"})
+    if found != dtypes:
+        raise SystemExit(f"{path} was measured with {_pair(found)}, this run has {_pair(dtypes)}: "
+                         f"pass --dtype {found.get('main', 'float32')} (explicit for both) or another --out")
+
+
+def _pair(dtypes: dict[str, str]) -> str:
+    return ", ".join(f"the {role} in {dtype}" for role, dtype in sorted(dtypes.items()))
 
 
 def answer(engine: Any, prompt: Any, plan: Any) -> tuple[str, int]:
@@ -694,6 +717,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--main", default=DEFAULT_MAIN)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="the main model's and the draft's dtype (auto: the library's: on a CPU the main model in "
+                        "float32 and the draft in bfloat16 where the CPU runs it natively; bfloat16 on a GPU)")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -827,9 +853,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "draft_config": dataclasses.asdict(engine.config.draft),  # what scored, defaults included
+        "dtypes": model_dtypes(engine),
         "counts": dict(counts),
     }
     earlier, before = load_earlier(path, args.fresh)
+    if not args.tiny:
+        same_dtypes(before, payload["dtypes"], path)
     results = ResultFile(name, path, merged_plan(payload, before), earlier, args.seed, started)
     per_example = 1 + len(args.keep_rates) * len(args.methods)
     with tqdm(total=len(examples) * per_example, desc="quality", unit="answer") as bar:

@@ -780,12 +780,14 @@ def headline(
 
 
 def run_label(data: dict[str, Any], default_draft: str) -> str:
-    """What sets a quality run apart from the default run: its draft, else its look-ahead."""
+    """What sets a quality run apart from the default run: its draft, else its look-ahead, and
+    the models' dtypes where the file records one that is not float32."""
     draft = data["models"]["draft"]
     lookahead = data.get("settings", {}).get("lookahead")
-    if draft == default_draft and lookahead:
-        return f"look-ahead {lookahead}"
-    return f"draft {draft}" + (f", look-ahead {lookahead}" if lookahead else "")
+    dtypes = [f"{role} {DTYPE_NAMES.get(d, d)}" for role, d in sorted(data.get("dtypes", {}).items()) if d != "float32"]
+    if draft == default_draft and (lookahead or dtypes):
+        return ", ".join([*([f"look-ahead {lookahead}"] if lookahead else []), *dtypes])
+    return ", ".join([f"draft {draft}", *([f"look-ahead {lookahead}"] if lookahead else []), *dtypes])
 
 
 def cross_draft_section(quality: dict[str, Any] | None, others: list[tuple[str, dict[str, Any]]]) -> list[str]:

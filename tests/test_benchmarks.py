@@ -198,6 +198,7 @@ def test_quality_bench_tiny_smoke(tmp_path: Path) -> None:
     )
     data = json.loads(out.read_text())
     assert data["complete"] and data["counts"] == {"needle": 1}
+    assert data["dtypes"] == {"main": "float32", "draft": "float32"}  # the tiny models' dtypes, recorded
     assert {r["method"] for r in data["rows"]} == {"full", *methods}
     spec = next(r for r in data["rows"] if r["method"] == "specprefill")
     assert spec["prefilled"] < spec["n_prompt"]
@@ -631,6 +632,25 @@ def test_quality_runs_are_labelled_by_what_differs() -> None:
     assert report.run_label({"models": {"draft": "qwen"}, "settings": {"lookahead": 4}}, "qwen") == "look-ahead 4"
     assert report.run_label({"models": {"draft": "small"}, "settings": {"lookahead": 4}}, "qwen") == \
         "draft small, look-ahead 4"
+    bf16 = {"main": "float32", "draft": "bfloat16"}
+    assert report.run_label({"models": {"draft": "qwen"}, "settings": {}, "dtypes": bf16}, "qwen") == "draft bf16"
+    assert report.run_label({"models": {"draft": "small"}, "settings": {}, "dtypes": bf16}, "qwen") == \
+        "draft small, draft bf16"
+
+
+def test_quality_keeps_one_pair_of_dtypes_per_file(tmp_path: Path) -> None:
+    """The result file records the dtypes the models ran in; resuming a file measured in others is
+    refused, and files from before the record count as float32 for both."""
+    from benchmarks.common import tiny_engine
+
+    assert quality.model_dtypes(tiny_engine()) == {"main": "float32", "draft": "float32"}
+    fp32, bf16 = {"main": "float32", "draft": "float32"}, {"main": "float32", "draft": "bfloat16"}
+    quality.same_dtypes({}, bf16, tmp_path / "new.json")  # nothing to resume
+    quality.same_dtypes({"rows": [{}]}, fp32, tmp_path / "old.json")  # before dtypes were recorded
+    quality.same_dtypes({"rows": [{}], "dtypes": bf16}, bf16, tmp_path / "bf16.json")
+    with pytest.raises(SystemExit, match=r"the draft in float32, the main in float32, this run has the draft in "
+                                         r"bfloat16.*--dtype float32"):
+        quality.same_dtypes({"rows": [{}]}, bf16, tmp_path / "old.json")
 
 
 def test_guesses_bench_counts_the_lookahead_forwards(tokenizer) -> None:
