@@ -651,12 +651,13 @@ def assemble(tokenizer: Any, ex: quality.Example) -> AssembledPrompt:
 
 
 def reevaluate(
-    tokenizer: Any, todo: Sequence[quality.Example], path: Path, variants: Sequence[Variant], args: argparse.Namespace
+    tokenizer: Any, todo: Sequence[quality.Example], path: Path, variants: Sequence[Variant], args: argparse.Namespace,
+    draft: Any = None,
 ) -> int:
     """Rewrite the results file with ``variants`` recomputed from the capture cache; results of
-    variants no longer in ``VARIANTS`` (renamed or dropped) are removed."""
+    variants no longer in ``VARIANTS`` (renamed or dropped) are removed. A capture lacking one of
+    ``--blocks`` gets it added (a draft pass); the others are read as they are."""
     index = {(ex.task, ex.id): (i, ex) for i, ex in enumerate(todo)}
-    draft: Any = None
     rows = load_rows(path)
     draft_name = capture_name(args, resolve_draft_dtype(args.draft_dtype))
     updated = 0
@@ -668,9 +669,9 @@ def reevaluate(
         row["results"] = {key: v for key, v in row["results"].items() if key.rsplit("@", 1)[0] in VARIANTS}
         prompt = assemble(tokenizer, ex)
         cached = torch.load(cache_path(ex, draft_name))
-        if not set(BLOCKS) <= set(cached.get("blocks", [])):  # an older capture: add the blocks it lacks
-            draft = draft or DraftModel.from_pretrained(args.draft)
-            cached = complete_rows(draft, prompt, cached)
+        if not set(args.blocks) <= set(cached.get("blocks", [])):  # an older capture: add the blocks it lacks
+            draft = draft or DraftModel.from_pretrained(args.draft, dtype=args.draft_dtype)
+            cached = complete_rows(draft, prompt, cached, args.blocks)
             torch.save(cached, cache_path(ex, draft_name))
         row["results"].update(evaluate(prompt, ex, cached, variants, args.keep_rates, args.seed * 1000 + i))
         updated += 1
@@ -772,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     todo = examples(args, count_tokens)
     if args.reevaluate:
-        return reevaluate(tokenizer, todo, path, variants, args)
+        return reevaluate(tokenizer, todo, path, variants, args, draft)
     rows = load_rows(path)
     done = {(r["task"], r["id"]) for r in rows}
     path.parent.mkdir(parents=True, exist_ok=True)

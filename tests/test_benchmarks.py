@@ -494,6 +494,32 @@ def test_evidence_pairs_against_another_results_file_by_example(tmp_path: Path, 
 
 
 @needs_data
+def test_evidence_reevaluate_reads_the_blocks_asked_and_adds_none(tmp_path: Path, monkeypatch) -> None:
+    """--reevaluate recomputes a new variant from the cached rows; a capture holding the --blocks
+    asked is read as it is, with no draft loaded to add the others (a 4k-token prompt's pass)."""
+    from benchmarks import evidence
+    from benchmarks.common import tiny_engine
+
+    monkeypatch.setattr(evidence, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(evidence.DraftModel, "from_pretrained", lambda *a, **k: pytest.fail("loaded a draft"))
+    engine = tiny_engine()
+    out = tmp_path / "evidence.jsonl"
+    args = evidence.parse_args(["--tiny", "--tasks", "needle", "--n-needle", "1", "--needle-lengths", "256",
+                                "--blocks", "greedy", "--out", str(out)])
+    (ex,) = evidence.examples(args, lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
+    prompt = evidence.assemble(engine.tokenizer, ex)
+    captured = evidence.capture_rows(engine.draft, prompt, ["greedy"])  # the tiny draft's 2 layers read "greedy"
+    evidence.cache_path(ex, "tiny").parent.mkdir(parents=True)
+    torch.save(captured, evidence.cache_path(ex, "tiny"))
+    out.write_text(json.dumps({"task": ex.task, "id": ex.id, "results": {"library default@0.1": [0.5, 0, 0.1]}}) + "\n")
+    passage = "default scoring | sentences, passage 0.5"
+    assert evidence.reevaluate(engine.tokenizer, [ex], out, [evidence.VARIANTS[passage]], args) == 0
+    (row,) = evidence.load_rows(out)
+    assert set(row["results"]) == {"library default@0.1", f"{passage}@0.1", f"{passage}@0.3"}
+    assert torch.load(evidence.cache_path(ex, "tiny"))["blocks"] == ["greedy"]
+
+
+@needs_data
 def test_evidence_bench_reads_a_prompt_longer_than_the_drafts_window_in_windows(tmp_path: Path) -> None:
     """Over the draft's window: the library default scored in windows (as the engine reads it) and the
     draft-free baselines; variants that need one pass's captured rows are left out, not guessed."""
