@@ -586,6 +586,7 @@ LENGTH_SOURCES = (  # (results file, the variant that scores as today's default,
     ("evidence_draft-smollm2-135m-instruct-bf16.jsonl", "library default", "smollm2-135m-instruct"),
     ("evidence_long_bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
     ("evidence_long_draft-smollm2-135m-instruct.jsonl", "library default", "smollm2-135m-instruct"),
+    ("evidence_long_draft-smollm2-135m-instruct-bf16.jsonl", "library default", "smollm2-135m-instruct"),
 )
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
 LENGTH_KEEPS = (0.1, 0.3)
