@@ -490,8 +490,10 @@ def same_dtypes(before: dict[str, Any], dtypes: dict[str, str], path: Path) -> N
         return
     found = before.get("dtypes", {"main": "float32", "draft": "float32"})
     if found != dtypes:
-        raise SystemExit(f"{path} was measured with {_pair(found)}, this run has {_pair(dtypes)}: "
-                         f"pass --dtype {found.get('main', 'float32')} (explicit for both) or another --out")
+        one = set(found.values())
+        fix = f"pass --dtype {one.pop()}" if len(one) == 1 else "run where --dtype auto gives that pair"
+        raise SystemExit(f"{path} was measured with {_pair(found)}, this run has {_pair(dtypes)}: {fix} "
+                         "or pass another --out")
 
 
 def _pair(dtypes: dict[str, str]) -> str:

@@ -677,6 +677,8 @@ def test_quality_keeps_one_pair_of_dtypes_per_file(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"the draft in float32, the main in float32, this run has the draft in "
                                          r"bfloat16.*--dtype float32"):
         quality.same_dtypes({"rows": [{}]}, bf16, tmp_path / "old.json")
+    with pytest.raises(SystemExit, match="run where --dtype auto gives that pair"):  # no one --dtype gives it
+        quality.same_dtypes({"rows": [{}], "dtypes": bf16}, fp32, tmp_path / "bf16.json")
 
 
 def test_guesses_bench_counts_the_lookahead_forwards(tokenizer) -> None:
