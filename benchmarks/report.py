@@ -785,10 +785,9 @@ def run_label(data: dict[str, Any], default_draft: str) -> str:
     the models' dtypes where the file records one that is not float32."""
     draft = data["models"]["draft"]
     lookahead = data.get("settings", {}).get("lookahead")
-    dtypes = [f"{role} {DTYPE_NAMES.get(d, d)}" for role, d in sorted(data.get("dtypes", {}).items()) if d != "float32"]
-    if draft == default_draft and (lookahead or dtypes):
-        return ", ".join([*([f"look-ahead {lookahead}"] if lookahead else []), *dtypes])
-    return ", ".join([f"draft {draft}", *([f"look-ahead {lookahead}"] if lookahead else []), *dtypes])
+    parts = [f"look-ahead {lookahead}"] if lookahead else []
+    parts += [f"{role} {DTYPE_NAMES.get(d, d)}" for role, d in sorted(data.get("dtypes", {}).items()) if d != "float32"]
+    return ", ".join(parts if draft == default_draft and parts else [f"draft {draft}", *parts])
 
 
 def cross_draft_section(quality: dict[str, Any] | None, others: list[tuple[str, dict[str, Any]]]) -> list[str]:
