@@ -28,10 +28,12 @@ __all__ = [
     "RESULTS_DIR",
     "bootstrap_ci",
     "paired_ratio_ci",
+    "share_ci",
     "command_line",
     "essay_text",
     "machine_info",
     "median",
+    "model_dtype_name",
     "result_name",
     "summarise_length",
     "ttft_cell",
@@ -62,6 +64,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def model_dtype_name(model: torch.nn.Module) -> str:
+    """The dtype a model's weights are in, as results rows record it."""
+    return dtype_name(next(model.parameters()).dtype)
+
+
 def bootstrap_ci(
     values: Sequence[float], *, level: float = 0.95, resamples: int = 2000, seed: int = 0
 ) -> tuple[float, float, float]:
@@ -82,6 +89,23 @@ def bootstrap_ci(
     tail = (1.0 - level) / 2
     lo, hi = torch.quantile(means, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
     return mean, float(lo), float(hi)
+
+
+def share_ci(values: Sequence[float], *, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high) of per-example shares in [0, 1] (recall, EM, F1, accuracy).
+
+    The percentile bootstrap, except where every example scored 1 (or every one 0): there the
+    bootstrap interval has zero width and would claim a certainty n examples cannot give, so the
+    exact binomial (Clopper–Pearson) interval of n successes in n trials is returned instead:
+    [(α/2)^(1/n), 1] (0.87 for 27 of 27, 0.69 for 10 of 10), mirrored for all zeros.
+    """
+    mean, lo, hi = bootstrap_ci(values, level=level, seed=seed)
+    n = len(values)
+    if n > 1 and all(v == 1.0 for v in values):
+        return mean, ((1.0 - level) / 2) ** (1.0 / n), 1.0
+    if n > 1 and all(v == 0.0 for v in values):
+        return mean, 0.0, 1.0 - ((1.0 - level) / 2) ** (1.0 / n)
+    return mean, lo, hi
 
 
 def paired_ratio_ci(

@@ -49,7 +49,17 @@ if __package__ in (None, ""):  # `python benchmarks/evidence.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import long_context, quality
-from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, RESULTS_DIR, ROOT, bootstrap_ci, cold, dtype_name
+from benchmarks.common import (
+    DEFAULT_DRAFT,
+    DEFAULT_MAIN,
+    RESULTS_DIR,
+    ROOT,
+    bootstrap_ci,
+    cold,
+    dtype_name,
+    model_dtype_name,
+    share_ci,
+)
 from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat, scoring
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
@@ -506,7 +516,7 @@ def windowed_record(draft: DraftModel, prompt: AssembledPrompt, ex: quality.Exam
     except InputError:
         return None
     return {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
-            "draft_s": seconds, "windows": windows, "draft_dtype": dtype_name(next(draft.model.parameters()).dtype),
+            "draft_s": seconds, "windows": windows, "draft_dtype": model_dtype_name(draft.model),
             "results": evaluate(prompt, ex, None, windowed_variants(variants), keep_rates, seed, default=scores)}
 
 
@@ -551,7 +561,7 @@ def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]
             entry: dict[str, Any] = {"task": task, "variant": variant, "keep_rate": float(keep), "n": len(have)}
             for column, metric in enumerate(METRICS):
                 values = [float(h[column]) for h in have]
-                mean, lo, hi = bootstrap_ci(values, seed=seed)
+                mean, lo, hi = share_ci(values, seed=seed)
                 entry[metric] = mean
                 entry[f"{metric}_ci"] = [lo, hi]
             out.append(entry)

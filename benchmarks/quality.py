@@ -58,11 +58,12 @@ from benchmarks.common import (
     cold,
     command_line,
     data_file,
-    dtype_name,
     essay_text,
     machine_info,
+    model_dtype_name,
     paired_ratio_ci,
     result_name,
+    share_ci,
     tiny_engine,
     write_results,
 )
@@ -480,7 +481,7 @@ def build_engine(args: argparse.Namespace) -> Any:
 def model_dtypes(engine: Any) -> dict[str, str]:
     """The dtypes the main model and the draft ran in, as the result file records them."""
     models = {"main": getattr(engine.backend, "model", None), "draft": getattr(engine.draft, "model", None)}
-    return {role: dtype_name(next(m.parameters()).dtype) for role, m in models.items() if m is not None}
+    return {role: model_dtype_name(m) for role, m in models.items() if m is not None}
 
 
 def same_dtypes(before: dict[str, Any], dtypes: dict[str, str], path: Path) -> None:
@@ -663,7 +664,7 @@ def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]
             ) / len(rs)
         for m in ("em", "f1", "acc", "distractor"):
             if m in rs[0]:
-                mean, lo, hi = bootstrap_ci([r[m] for r in rs], seed=seed)
+                mean, lo, hi = share_ci([r[m] for r in rs], seed=seed)
                 entry[m] = mean
                 entry[f"{m}_ci"] = [lo, hi]
         out.append(entry)

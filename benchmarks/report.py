@@ -361,7 +361,8 @@ def _quality_table(summary: list[dict[str, Any]]) -> list[str]:
         "",
         "Retention = the method's score (F1 for HotpotQA and SQuAD, accuracy for needle and near-miss) / the "
         "full prompt's on the same examples and Δ = the paired difference to LongLLMLingua at the same keep rate; "
-        "brackets are bootstrap 95% confidence intervals over the examples (paired for retention and Δ). "
+        "brackets are bootstrap 95% confidence intervals over the examples (paired for retention and Δ); where "
+        "every example scored 1 (or 0), the exact binomial interval of n in n instead. "
         "Context kept = share of the context tokens prefilled (what the keep rate sets); prefilled = share of "
         "the whole prompt; distractor answers = near-miss answers that contain a distractor passage's value.",
         "",
@@ -491,7 +492,8 @@ def evidence_section(rows: list[dict[str, Any]], summary: list[dict[str, Any]] |
         "kept (HotpotQA: both supporting sentences at least 50% kept, \"both hops\"; SQuAD: the whole answer "
         "span; needle: the whole number; near-miss: the whole evidence sentence). Keep rate and context kept = "
         "share of the context tokens (protected instructions, question and tail come on top). Brackets: bootstrap "
-        "95% confidence intervals over the examples. No main model runs here: this is the cheap proxy for answer "
+        "95% confidence intervals over the examples; where every example scored 1 (or 0), the exact binomial "
+        "interval of n in n (0.87 for 27 of 27) instead. No main model runs here: this is the cheap proxy for answer "
         "quality, on many more examples than the quality benchmark.",
         "",
         "Variant names: *reference* = the reference implementation's scoring (look-ahead 8, all layers, max over "
@@ -621,8 +623,8 @@ def length_rows(results: Path) -> list[dict[str, Any]]:
 
 def length_summary(records: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
     """Per (family, task, draft, reading): n, prompt tokens (mean, min, max), and per keep rate the
-    mean recall and "complete" with bootstrap 95% CIs; sorted by family, draft and length."""
-    from benchmarks.common import bootstrap_ci
+    mean recall and "complete" with 95% CIs (``common.share_ci``); sorted by family, draft and length."""
+    from benchmarks.common import share_ci
 
     groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
     for rec in records:
@@ -634,7 +636,7 @@ def length_summary(records: list[dict[str, Any]], seed: int = 0) -> list[dict[st
                                  "tokens": sum(sizes) / len(sizes), "min": min(sizes), "max": max(sizes)}
         for k in LENGTH_KEEPS:
             for i, metric in enumerate(("recall", "complete")):
-                mean, lo, hi = bootstrap_ci([float(rec["metrics"][k][i]) for rec in recs], seed=seed)
+                mean, lo, hi = share_ci([float(rec["metrics"][k][i]) for rec in recs], seed=seed)
                 entry[f"{metric}@{k:g}"] = (mean, lo, hi)
         out.append(entry)
     return sorted(out, key=lambda e: (e["family"], e["draft"], e["reading"] != "one pass", e["reading"], e["tokens"]))
@@ -656,9 +658,8 @@ def length_section(summary: list[dict[str, Any]]) -> list[str]:
         "within the 7 tokens). The draft column names the draft's dtype: bf16 is today's `auto` on a GPU and on a "
         "CPU with native bf16 (this one); the SmolLM2 rows past 8k and `windows.jsonl` ran in fp32, which kept the "
         "same evidence as bf16 where both were paired (HotpotQA n=200 per draft). A prompt longer than the draft's "
-        "window "
-        "is read in windows, as the engine reads it (reading: \"N windows\"). Brackets: bootstrap 95% CIs; "
-        "complete as in the evidence table below.",
+        "window is read in windows, as the engine reads it (reading: \"N windows\"). Brackets: bootstrap 95% CIs "
+        "(exact binomial where all n scored 1); complete as in the evidence table below.",
         "",
         "| task | draft | reading | n | prompt tokens (min–max) | recall @10% | complete @10% | recall @30% "
         "| complete @30% |",

@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # `python benchmarks/windows.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import evidence
-from benchmarks.common import bootstrap_ci
+from benchmarks.common import bootstrap_ci, share_ci
 from specprefill_rag import DraftConfig, DraftModel, SelectionConfig
 from specprefill_rag.loading import SMALL_MODEL, load_tokenizer
 
@@ -55,7 +55,7 @@ def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]
             entry: dict[str, Any] = {"task": task, "keep_rate": float(keep), "n": len(mine),
                                      "windows": sum(r["windows"]["windows"] for r in mine) / len(mine)}
             for column, metric in enumerate(evidence.METRICS[:2]):
-                entry[metric] = bootstrap_ci([r["one pass"]["metrics"][keep][column] for r in mine], seed=seed)
+                entry[metric] = share_ci([r["one pass"]["metrics"][keep][column] for r in mine], seed=seed)
                 entry[f"{metric}_diff"] = bootstrap_ci(
                     [r["windows"]["metrics"][keep][column] - r["one pass"]["metrics"][keep][column] for r in mine],
                     seed=seed)

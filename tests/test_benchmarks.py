@@ -295,7 +295,8 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
     assert "SpecPrefill accuracy 0.50 [0.00, 1.00], retention vs full **1.00**" in text
     # Evidence recall comes before answer quality, the library default in bold, best recall first.
     assert text.index("## Evidence recall (draft only)") < text.index("## Answer quality")
-    assert "| 30% | **library default** | 3 | **1.00** [1.00, 1.00] | 1.00 [1.00, 1.00] | 30.0% |" in text
+    # Every example kept its evidence: the exact binomial bound (3 of 3), not a zero-width bootstrap.
+    assert "| 30% | **library default** | 3 | **1.00** [0.29, 1.00] | 1.00 [0.29, 1.00] | 30.0% |" in text
     evidence_table = text[text.index("### needle"):]
     assert evidence_table.index("library default") < evidence_table.index("w=0 all max \\| chunks 32")
     assert evidence_table.index("w=0 all max") < evidence_table.index("random chunks")
@@ -345,6 +346,19 @@ def test_bootstrap_ci_brackets_the_mean_and_narrows_with_n() -> None:
     ratio, lo, hi = paired_ratio_ci([1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0])
     assert ratio == pytest.approx(0.75) and lo <= 0.75 <= hi <= 1.0
     assert paired_ratio_ci([1.0], [0.0])[0] is None
+
+
+def test_share_ci_gives_the_exact_bound_where_every_example_scored_the_same() -> None:
+    from benchmarks.common import bootstrap_ci, share_ci
+
+    assert bootstrap_ci([1.0] * 27)[1:] == (1.0, 1.0)  # the degenerate interval share_ci replaces
+    mean, lo, hi = share_ci([1.0] * 27)
+    assert mean == 1.0 and hi == 1.0 and lo == pytest.approx(0.8723, abs=1e-4)  # Clopper-Pearson, 27 of 27
+    assert share_ci([1.0] * 10)[1] == pytest.approx(0.6915, abs=1e-4)
+    assert share_ci([0.0] * 10) == pytest.approx((0.0, 0.0, 1 - 0.6915), abs=1e-4)
+    mixed = [1.0] * 26 + [0.0]
+    assert share_ci(mixed) == bootstrap_ci(mixed)  # otherwise the bootstrap, unchanged
+    assert share_ci([1.0]) == (1.0, 1.0, 1.0)
 
 
 def test_near_miss_set_is_well_formed_and_graded_by_containment() -> None:
@@ -555,7 +569,7 @@ def test_report_evidence_section_pins_baselines_and_ranks_the_rest(tmp_path: Pat
     table = [line for line in lines if line.startswith("| 10% |")]
     assert len(table) == 5 + report.EVIDENCE_TOP  # the two worst other variants are left out
     assert "variant 0 " not in "\n".join(lines) and "variant 1 " not in "\n".join(lines)
-    assert table[0].startswith("| 10% | variant 11 | 2 | 0.55 [0.55, 0.55] | 0.00 [0.00, 0.00] | 10.0% |")
+    assert table[0].startswith("| 10% | variant 11 | 2 | 0.55 [0.55, 0.55] | 0.00 [0.00, 0.84] | 10.0% |")
     assert any("**library default**" in line for line in table)
     assert all(any(name in line for line in table) for name in names[:5])
     # Without a results file the page says how to measure it.
@@ -607,7 +621,8 @@ def test_report_length_section_groups_the_default_by_task_length_draft_and_readi
     ]
     first = summary[0]
     assert (first["tokens"], first["min"], first["max"]) == (1500, 1000, 2000)
-    assert first["complete@0.1"][0] == 0.5 and first["recall@0.3"] == (1.0, 1.0, 1.0)
+    assert first["complete@0.1"][0] == 0.5
+    assert first["recall@0.3"] == pytest.approx((1.0, 0.025**0.5, 1.0))  # 2 of 2: the exact binomial bound
     lines = report.length_section(summary)
     assert ("| hotpotqa_4k | qwen2.5-coder-0.5b-instruct, fp32 | one pass | 1 | 4,300 (4,300–4,300) | "
             "0.75 [0.75, 0.75] |") in "\n".join(lines)
