@@ -4,9 +4,10 @@
 
 Reads every result file there: ttft.json and its variants (ttft_vllm_server.json,
 ttft_draft-NAME.json, ...), gpu_ttft.json, evidence.jsonl (draft-only evidence recall),
-quality.json (or quality_quick.json) and quality runs with another draft (quality_draft-NAME.json,
-compared with the default draft's), gateway_load.json, and for the evidence-vs-length table the
-evidence files in ``LENGTH_SOURCES`` and windows.jsonl; the ``*_tiny.json`` files of ``--tiny`` smoke runs are
+quality.json (or quality_quick.json), quality runs with another draft (quality_draft-NAME.json,
+compared with the default draft's), the long tasks end to end (quality_long*.json),
+gateway_load.json, and for the evidence-vs-length table the evidence files in
+``LENGTH_SOURCES`` and windows.jsonl; the ``*_tiny.json`` files of ``--tiny`` smoke runs are
 skipped. Writes docs/benchmarks.md and docs/images/bench_*.png. The page is generated: edit
 this file, not it.
 """
@@ -304,8 +305,8 @@ def plot_ttft(datasets: list[tuple[str, dict[str, Any]]], path: Path) -> bool:
 # -- quality ---------------------------------------------------------------------------------
 
 
-def quality_section(data: dict[str, Any]) -> list[str]:
-    out = ["## Answer quality", ""] + meta_lines(data)
+def quality_section(data: dict[str, Any], title: str = "## Answer quality") -> list[str]:
+    out = [title, ""] + meta_lines(data)
     s = data["settings"]
     out.append(
         f"- examples: {data.get('done') or data.get('counts')} (planned {data.get('counts')}), seed {s['seed']}, "
@@ -773,10 +774,14 @@ def headline(
         for e in other["summary"]:
             if e["method"] == "specprefill" and e["keep_rate"] in (0.1, 0.3):
                 m = e["metric"]
+                lingua = ""
+                if e.get("vs_llmlingua") is not None:
+                    delta = _ci(e["vs_llmlingua"], e.get("vs_llmlingua_ci"), sign=True)
+                    lingua = f" (SpecPrefill − LongLLMLingua, paired: {delta})"
                 out.append(
                     f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}, {label}: "
                     f"SpecPrefill {METRIC_NAMES.get(m, m)} {_ci(e.get(m), e.get(f'{m}_ci'))}, retention vs full "
-                    f"{_ci(e.get('retention_vs_full'), e.get('retention_ci'), bold=True)}"
+                    f"{_ci(e.get('retention_vs_full'), e.get('retention_ci'), bold=True)}{lingua}"
                 )
     return out + [""]
 
@@ -842,6 +847,23 @@ def cross_draft_section(quality: dict[str, Any] | None, others: list[tuple[str, 
             "full-prompt column is re-measured in this run with the same main model.",
             "",
         ]
+    return out
+
+
+def long_quality_section(runs: list[tuple[str, dict[str, Any]]], default_draft: str) -> list[str]:
+    """End-to-end answers on the long tasks (``quality_long*.json``): every method's score,
+    retention vs the full prompt and Δ vs LongLLMLingua."""
+    out = [
+        "## Answer quality at length",
+        "",
+        "The long tasks end to end (`bench quality --tasks hotpotqa_long ... --long-lengths ...`): the same main "
+        "model answers the full prompt, SpecPrefill's selection and LongLLMLingua's compression of the same "
+        "budget. Full-prompt answers are cached in the file, so a rerun measures only what it lacks.",
+        "",
+    ]
+    for stem, data in runs:
+        title = f"### {pair(data)}, {run_label(data, default_draft)} (`benchmarks/results/{stem}.json`)"
+        out += quality_section(data, title)
     return out
 
 
@@ -1066,13 +1088,23 @@ def _quality_part(quality: dict[str, Any] | None, images: Path) -> list[str]:
 
 def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) -> Path:
     """Write ``doc`` (and its plots into ``images``) from the result files in ``results``."""
+    from benchmarks.quality import summarize
+
     ttfts = load_all(results, "ttft")
     qualities = load_all(results, "quality")
     primary = next((name for name in ("quality", "quality_quick") if any(n == name for n, _ in qualities)), None)
     quality = next((d for n, d in qualities if n == primary), None)
-    other_quality = [(n, d) for n, d in qualities if not n.startswith("quality_quick") and n != primary]
+    # Summaries recomputed from the rows: a run still going saved them with the code it started with.
+    long_quality = [
+        (n, {**d, "summary": summarize(d.get("rows", []), d.get("settings", {}).get("seed", 0))})
+        for n, d in qualities
+        if n.startswith("quality_long")
+    ]
+    other_quality = [
+        (n, d) for n, d in qualities if not n.startswith(("quality_quick", "quality_long")) and n != primary
+    ]
     images.mkdir(parents=True, exist_ok=True)
-    lines = HEADER + headline(ttfts, quality, other_quality)
+    lines = HEADER + headline(ttfts, quality, other_quality + long_quality)
     notes = results / "notes.md"
     if notes.exists():
         lines += ["## Notes on these runs", "", notes.read_text().strip(), ""]
@@ -1082,6 +1114,8 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
     lines += _quality_part(quality, images)
     if other_quality:
         lines += cross_draft_section(quality, other_quality)
+    if long_quality:
+        lines += long_quality_section(long_quality, (quality or {}).get("models", {}).get("draft", ""))
     gateway_load = load(results, "gateway_load")
     if gateway_load:
         lines += gateway_section(gateway_load)

@@ -276,6 +276,23 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
             }
         )
     )
+    # The long tasks end to end get their own section, its summary recomputed from the rows (a
+    # run still going saved "summary" with the code it started with: here a stale empty one).
+    lingua = [row("a", "llmlingua", 0.3, 0.0), row("b", "llmlingua", 0.3, 0.0)]
+    long_rows = [{**r, "task": "needle_8k"} for r in rows + lingua]
+    (results / "quality_long_bf16.json").write_text(
+        json.dumps(
+            {
+                "models": {"main": "m", "draft": "d"},
+                "machine": {},
+                "dtypes": {"main": "bfloat16", "draft": "bfloat16"},
+                "settings": {"seed": 0, "keep_rates": [0.3], "max_new_tokens": 8},
+                "counts": {"needle_8k": 2},
+                "summary": [],
+                "rows": long_rows,
+            }
+        )
+    )
     # Draft-only evidence recall: {"<variant>@<keep>": [recall, complete, context_kept]} per example.
     evidence_rows = [
         {"task": "needle", "id": f"e{i}", "n_prompt": 120, "n_context": 100, "draft_s": 1.0,
@@ -301,6 +318,14 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
     assert evidence_table.index("library default") < evidence_table.index("w=0 all max \\| chunks 32")
     assert evidence_table.index("w=0 all max") < evidence_table.index("random chunks")
     assert "specprefill-rag bench evidence --n 200" in text
+    long_part = text[text.index("## Answer quality at length"):]
+    assert "### d → m, draft bf16, main bf16 (`benchmarks/results/quality_long_bf16.json`)" in long_part
+    assert "| needle_8k | SpecPrefill | 30% | 2 | accuracy | 0.50 [0.00, 1.00] |" in long_part
+    assert "| needle_8k | LongLLMLingua (same draft LM) | 30% | 2 | accuracy | 0.00 [0.00, 0.84] |" in long_part
+    assert ("needle_8k (n=2), keep 30%, draft bf16, main bf16: SpecPrefill accuracy 0.50 [0.00, 1.00], retention "
+            "vs full **1.00**") in text.split("## Answer quality")[0]  # and in the headline
+    assert "## Other drafts" in text and "quality_long_bf16" not in text[text.index("## Other drafts"):
+                                                                         text.index("## Answer quality at length")]
     for image in ("bench_ttft_speedup.png", "bench_quality.png", "bench_evidence.png"):
         assert (tmp_path / "images" / image).stat().st_size > 0
         assert f"images/{image}" in text
