@@ -779,12 +779,15 @@ def load_earlier(path: Path, fresh: bool) -> tuple[Earlier, dict[str, Any]]:
 
 def merged_plan(payload: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """``payload`` with what the earlier runs in the same file asked for: every task's planned
-    count (the largest asked for) and every distinct command, in order, this one last."""
+    count (the largest asked for), every distinct command, in order, this one last, and
+    LongLLMLingua's scorer where an earlier run measured it and this one does not."""
     commands = [c for c in before.get("commands", [before.get("command")]) if c and c != payload["command"]]
     counts = dict(before.get("counts", {}))
     for task, n in payload["counts"].items():
         counts[task] = max(n, counts.get(task, 0))
-    return {**payload, "counts": counts, "commands": [*commands, payload["command"]]}
+    models = dict(payload["models"])
+    models["llmlingua_scorer"] = models.get("llmlingua_scorer") or before.get("models", {}).get("llmlingua_scorer")
+    return {**payload, "models": models, "counts": counts, "commands": [*commands, payload["command"]]}
 
 
 @dataclass

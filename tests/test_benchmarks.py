@@ -692,6 +692,15 @@ def test_quality_resume_keeps_rows_it_does_not_redo(tmp_path: Path) -> None:
     assert "- commands (resumed into one results file" in "\n".join(report.meta_lines(data))
 
 
+def test_quality_merged_plan_keeps_what_earlier_runs_measured() -> None:
+    before = {"command": "a", "counts": {"hotpotqa_4k": 60}, "models": {"draft": "d", "llmlingua_scorer": "draft"}}
+    payload = {"command": "b", "counts": {"needle_8k": 30}, "models": {"draft": "d", "llmlingua_scorer": None}}
+    merged = quality.merged_plan(payload, before)
+    assert merged["commands"] == ["a", "b"] and merged["counts"] == {"hotpotqa_4k": 60, "needle_8k": 30}
+    assert merged["models"] == {"draft": "d", "llmlingua_scorer": "draft"}  # its rows are still in the file
+    assert quality.merged_plan(payload, {})["models"]["llmlingua_scorer"] is None
+
+
 def test_quality_runs_are_labelled_by_what_differs() -> None:
     """Another draft is named by its draft; the default draft with another look-ahead by that."""
     assert report.run_label({"models": {"draft": "small"}, "settings": {}}, "qwen") == "draft small"
