@@ -99,13 +99,12 @@ def share_ci(values: Sequence[float], *, level: float = 0.95, seed: int = 0) -> 
     exact binomial (Clopper–Pearson) interval of n successes in n trials is returned instead:
     [(α/2)^(1/n), 1] (0.87 for 27 of 27, 0.69 for 10 of 10), mirrored for all zeros.
     """
-    mean, lo, hi = bootstrap_ci(values, level=level, seed=seed)
     n = len(values)
     if n > 1 and all(v == 1.0 for v in values):
-        return mean, ((1.0 - level) / 2) ** (1.0 / n), 1.0
+        return 1.0, ((1.0 - level) / 2) ** (1.0 / n), 1.0
     if n > 1 and all(v == 0.0 for v in values):
-        return mean, 0.0, 1.0 - ((1.0 - level) / 2) ** (1.0 / n)
-    return mean, lo, hi
+        return 0.0, 0.0, 1.0 - ((1.0 - level) / 2) ** (1.0 / n)
+    return bootstrap_ci(values, level=level, seed=seed)  # no resampling where its answer is replaced
 
 
 def paired_ratio_ci(

@@ -54,7 +54,7 @@ from benchmarks.common import (
     RESULTS_DIR,
     ROOT,
     bootstrap_ci,
-    dtype_name,
+    model_dtype_name,
     paired_ratio_ci,
 )
 from benchmarks.evidence import load_rows
@@ -337,7 +337,7 @@ def run_chats(args: argparse.Namespace, engine: Any, url: str, path: Path, chat_
         turns = [(ex.question, passages_of(ex, pad, tokenizer, args.passage_tokens, args.seed + 100 + c)) for ex in exs]
         row = run_chat(engine, url, conversation, turns, system, c, args.keep,
                        args.chat_answer_tokens if args.chat_answers == "long" else None)
-        row["draft_dtype"] = dtype_name(engine.draft.model.dtype)
+        row["draft_dtype"] = model_dtype_name(engine.draft.model)
         with path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"[chat {c + 1}/{args.chats}] " + "  ".join(
@@ -386,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             passages = passages_of(ex, pool[40:], tokenizer, args.passage_tokens, args.seed + i)
             row = run_example(engines, url, ex, passages, system, i, args.keep)
-            row["system_tokens"], row["draft_dtype"] = system_tokens, dtype_name(engines["off"].draft.model.dtype)
+            row["system_tokens"], row["draft_dtype"] = system_tokens, model_dtype_name(engines["off"].draft.model)
             with path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"[{i + 1}/{len(todo)}] " + "  ".join(

@@ -757,9 +757,8 @@ def headline(
                     if peer:
                         n = "" if peer["n"] == e["n"] else f" (n={peer['n']})"
                         peers.append(f"{label}{n}: {_ci(peer.get('retention_vs_full'), peer.get('retention_ci'))}")
-                if by.get((e["task"], "llmlingua", e["keep_rate"])) and e.get("vs_llmlingua") is not None:
-                    peers.append(f"SpecPrefill − LongLLMLingua, paired: "
-                                 f"{_ci(e['vs_llmlingua'], e.get('vs_llmlingua_ci'), sign=True)}")
+                if by.get((e["task"], "llmlingua", e["keep_rate"])) and _vs_lingua(e):
+                    peers.append(_vs_lingua(e))
                 line = (
                     f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}: SpecPrefill {METRIC_NAMES.get(m, m)} "
                     f"{_ci(e.get(m), e.get(f'{m}_ci'))}, retention vs full "
@@ -774,16 +773,20 @@ def headline(
         for e in other["summary"]:
             if e["method"] == "specprefill" and e["keep_rate"] in (0.1, 0.3):
                 m = e["metric"]
-                lingua = ""
-                if e.get("vs_llmlingua") is not None:
-                    delta = _ci(e["vs_llmlingua"], e.get("vs_llmlingua_ci"), sign=True)
-                    lingua = f" (SpecPrefill − LongLLMLingua, paired: {delta})"
+                lingua = f" ({_vs_lingua(e)})" if _vs_lingua(e) else ""
                 out.append(
                     f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}, {label}: "
                     f"SpecPrefill {METRIC_NAMES.get(m, m)} {_ci(e.get(m), e.get(f'{m}_ci'))}, retention vs full "
                     f"{_ci(e.get('retention_vs_full'), e.get('retention_ci'), bold=True)}{lingua}"
                 )
     return out + [""]
+
+
+def _vs_lingua(e: dict[str, Any]) -> str:
+    """A summary entry's paired difference to LongLLMLingua, as the headline words it ('' if none)."""
+    if e.get("vs_llmlingua") is None:
+        return ""
+    return f"SpecPrefill − LongLLMLingua, paired: {_ci(e['vs_llmlingua'], e.get('vs_llmlingua_ci'), sign=True)}"
 
 
 def run_label(data: dict[str, Any], default_draft: str) -> str:
