@@ -108,10 +108,23 @@ def share_ci(values: Sequence[float], *, level: float = 0.95, seed: int = 0) -> 
 
 
 def paired_ratio_ci(
-    values: Sequence[float], reference: Sequence[float], *, level: float = 0.95, resamples: int = 2000, seed: int = 0
+    values: Sequence[float],
+    reference: Sequence[float],
+    *,
+    level: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+    shares: bool = False,
 ) -> tuple[float | None, float, float]:
     """(ratio, low, high): mean(values) / mean(reference) over the same examples, with a paired
-    percentile-bootstrap interval (examples resampled together). None when the reference is 0."""
+    percentile-bootstrap interval (examples resampled together). None when the reference is 0.
+
+    ``shares``: the values are per-example shares in [0, 1] (F1, accuracy). Where every value
+    equals its reference, or every value is 0, every resample gives the same ratio and the
+    bootstrap interval has zero width; as in ``share_ci``, the exact binomial bound takes its
+    place: at most p = 1 - (α/2)^(1/n) of the examples may differ (0 of n seen), each by at most 1,
+    so the ratio moves by at most p / mean(reference) (the needle's 30 of 30: 1.00 [0.88, 1.12]).
+    """
     if not values or len(values) != len(reference):
         return None, float("nan"), float("nan")
     a = torch.tensor(list(values), dtype=torch.float64)
@@ -119,6 +132,9 @@ def paired_ratio_ci(
     if float(b.sum()) == 0.0:
         return None, float("nan"), float("nan")
     ratio = float(a.sum() / b.sum())
+    if shares and a.numel() > 1 and (bool(torch.equal(a, b)) or not bool(a.any())):
+        reach = (1.0 - ((1.0 - level) / 2) ** (1.0 / a.numel())) / float(b.mean())
+        return ratio, max(ratio - reach, 0.0), ratio + reach
     g = torch.Generator().manual_seed(seed)
     picks = torch.randint(0, a.numel(), (resamples, a.numel()), generator=g)
     num, den = a[picks].sum(dim=1), b[picks].sum(dim=1)

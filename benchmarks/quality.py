@@ -677,7 +677,8 @@ def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]
         e["retention_vs_full"], e["retention_ci"] = None, None
         if (e["task"], "full", None) in by_key:
             ids = [i for i in mine if i in full]
-            ratio, lo, hi = paired_ratio_ci([mine[i] for i in ids], [full[i] for i in ids], seed=seed)
+            ratio, lo, hi = paired_ratio_ci([mine[i] for i in ids], [full[i] for i in ids], seed=seed,
+                                             shares=True)
             e["retention_vs_full"] = ratio
             e["retention_ci"] = [lo, hi] if ratio is not None else None
         e["vs_llmlingua"], e["vs_llmlingua_ci"] = None, None

@@ -386,6 +386,18 @@ def test_share_ci_gives_the_exact_bound_where_every_example_scored_the_same() ->
     assert share_ci([1.0]) == (1.0, 1.0, 1.0)
 
 
+def test_paired_ratio_ci_of_shares_is_not_degenerate_where_every_pair_agrees() -> None:
+    from benchmarks.common import paired_ratio_ci
+
+    assert paired_ratio_ci([1.0] * 30, [1.0] * 30)[1:] == (1.0, 1.0)  # what shares=True replaces
+    ratio, lo, hi = paired_ratio_ci([1.0] * 30, [1.0] * 30, shares=True)
+    assert ratio == 1.0 and lo == pytest.approx(0.8843, abs=1e-4) and hi == pytest.approx(1.1157, abs=1e-4)
+    ratio, lo, hi = paired_ratio_ci([0.0] * 4, [1.0, 0.0, 1.0, 0.0], shares=True)  # none kept: 0 of 4
+    assert ratio == 0.0 and lo == 0.0 and hi == pytest.approx((1 - 0.025 ** 0.25) / 0.5, abs=1e-4)
+    differ = [1.0, 0.0, 1.0, 1.0]
+    assert paired_ratio_ci(differ, [1.0] * 4, shares=True) == paired_ratio_ci(differ, [1.0] * 4)
+
+
 def test_near_miss_set_is_well_formed_and_graded_by_containment() -> None:
     cases = quality.load_near_miss()
     assert len(cases) >= 20
