@@ -308,9 +308,11 @@ def plot_ttft(datasets: list[tuple[str, dict[str, Any]]], path: Path) -> bool:
 def quality_section(data: dict[str, Any], title: str = "## Answer quality") -> list[str]:
     out = [title, ""] + meta_lines(data)
     s = data["settings"]
+    # The rows' keep rates: a file resumed by several commands holds more than the last one asked.
+    keeps = sorted({r["keep_rate"] for r in data.get("rows", []) if r.get("keep_rate") is not None})
     out.append(
         f"- examples: {data.get('done') or data.get('counts')} (planned {data.get('counts')}), seed {s['seed']}, "
-        f"keep rates {s['keep_rates']}, greedy, at most {s['max_new_tokens']} new tokens"
+        f"keep rates {keeps or s['keep_rates']}, greedy, at most {s['max_new_tokens']} new tokens"
     )
     if data.get("quick"):
         out.append("- **`--quick` run: a handful of examples; differences of one example are noise**")

@@ -286,7 +286,8 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
                 "models": {"main": "m", "draft": "d"},
                 "machine": {},
                 "dtypes": {"main": "bfloat16", "draft": "bfloat16"},
-                "settings": {"seed": 0, "keep_rates": [0.3], "max_new_tokens": 8},
+                # The last command of a resumed file asked for 0.1; its rows hold 0.3.
+                "settings": {"seed": 0, "keep_rates": [0.1], "max_new_tokens": 8},
                 "counts": {"needle_8k": 2},
                 "summary": [],
                 "rows": long_rows,
@@ -321,6 +322,7 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
     long_part = text[text.index("## Answer quality at length"):]
     assert "### d → m, draft bf16, main bf16 (`benchmarks/results/quality_long_bf16.json`)" in long_part
     assert "| needle_8k | SpecPrefill | 30% | 2 | accuracy | 0.50 [0.00, 1.00] |" in long_part
+    assert "seed 0, keep rates [0.3], greedy" in long_part  # the rows' rates, not the last command's
     assert "| needle_8k | LongLLMLingua (same draft LM) | 30% | 2 | accuracy | 0.00 [0.00, 0.84] |" in long_part
     assert ("needle_8k (n=2), keep 30%, draft bf16, main bf16: SpecPrefill accuracy 0.50 [0.00, 1.00], retention "
             "vs full **1.00**") in text.split("## Answer quality")[0]  # and in the headline
