@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -142,6 +143,32 @@ def paired_ratio_ci(
     tail = (1.0 - level) / 2
     lo, hi = torch.quantile(ratios, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
     return ratio, float(lo), float(hi)
+
+
+def prompt_digest(prompt: Any) -> str:
+    """A short digest of an assembled prompt's token ids: what a results row records so that a
+    resumed run can tell it is reusing the same example (``same_example``)."""
+    return hashlib.sha1(prompt.token_ids.to(torch.int64).numpy().tobytes()).hexdigest()[:12]
+
+
+def same_example(rows: Sequence[dict[str, Any]], prompt: Any, where: str | Path) -> None:
+    """Refuse to reuse an earlier run's rows of an example whose prompt has changed since they
+    were written: a row's ``prompt_sha`` (rows before it: its ``n_prompt``) must match ``prompt``.
+
+    An id names a task, length and depth, not its text: the needle and multi-key haystacks are
+    drawn from one seeded stream over every (length, depth) asked, in order, so the same id from
+    another list of lengths or depths is another haystack.
+    """
+    for row in rows:
+        if row.get("prompt_sha", prompt_digest(prompt)) != prompt_digest(prompt) or row.get(
+            "n_prompt", prompt.n_tokens
+        ) != prompt.n_tokens:
+            raise SystemExit(
+                f"{where} holds {row['task']} {row['id']} for another prompt ({row.get('n_prompt')} tokens, this run "
+                f"builds {prompt.n_tokens}): the examples changed since it was written (needle and multi-key "
+                "haystacks depend on the whole list of lengths and depths, in order); resume it with the command "
+                "that wrote it, or pass another --out"
+            )
 
 
 def command_line(argv: Sequence[str] | None, module: str) -> str:

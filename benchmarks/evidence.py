@@ -15,7 +15,9 @@ Per example, variant and keep rate:
 - ``context_kept``: share of the context tokens kept (the budget actually used).
 
 Results are appended to a JSON-lines file one example at a time (an interrupted run resumes
-where it stopped); ``summary`` prints means with bootstrap 95% confidence intervals. The same
+where it stopped, with the same command: each row records its prompt's digest, and a resume that
+would build another prompt under an id the file holds, e.g. with another ``--n-long`` or other
+lengths, is refused before any work); ``summary`` prints means with bootstrap 95% confidence intervals. The same
 examples (seeded) as ``bench quality``. Variants are named in ``VARIANTS``; ``--variants``
 re-evaluates from the cache without running the draft again.
 
@@ -58,6 +60,8 @@ from benchmarks.common import (
     cold,
     dtype_name,
     model_dtype_name,
+    prompt_digest,
+    same_example,
     share_ci,
 )
 from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat, scoring
@@ -516,7 +520,8 @@ def windowed_record(draft: DraftModel, prompt: AssembledPrompt, ex: quality.Exam
     except InputError:
         return None
     return {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
-            "draft_s": seconds, "windows": windows, "draft_dtype": model_dtype_name(draft.model),
+            "prompt_sha": prompt_digest(prompt), "draft_s": seconds, "windows": windows,
+            "draft_dtype": model_dtype_name(draft.model),
             "results": evaluate(prompt, ex, None, windowed_variants(variants), keep_rates, seed, default=scores)}
 
 
@@ -678,6 +683,7 @@ def reevaluate(
         i, ex = found
         row["results"] = {key: v for key, v in row["results"].items() if key.rsplit("@", 1)[0] in VARIANTS}
         prompt = assemble(tokenizer, ex)
+        same_example([row], prompt, path)
         cached = torch.load(cache_path(ex, draft_name))
         if not set(args.blocks) <= set(cached.get("blocks", [])):  # an older capture: add the blocks it lacks
             draft = draft or DraftModel.from_pretrained(args.draft, dtype=args.draft_dtype)
@@ -785,13 +791,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.reevaluate:
         return reevaluate(tokenizer, todo, path, variants, args, draft)
     rows = load_rows(path)
-    done = {(r["task"], r["id"]) for r in rows}
+    done = {(r["task"], r["id"]): r for r in rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     dtype = next(draft.model.parameters()).dtype if draft is not None else resolve_draft_dtype(args.draft_dtype)
     if not args.tiny:
         same_dtype(rows, dtype, path)
     draft_name = capture_name(args, dtype)
     started = time.perf_counter()
+    for ex in todo:  # before any work: a resume that would mix two examples under one id is refused
+        if (ex.task, ex.id) in done:
+            same_example([done[(ex.task, ex.id)]], assemble(tokenizer, ex), path)
     for i, ex in enumerate(todo):
         if (ex.task, ex.id) in done:
             continue
@@ -825,7 +834,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = evaluate(prompt, ex, captured, variants, args.keep_rates, args.seed * 1000 + i)
         record = {
             "task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
-            "draft_s": draft_s, "draft_dtype": dtype_name(dtype), "results": results,
+            "prompt_sha": prompt_digest(prompt), "draft_s": draft_s, "draft_dtype": dtype_name(dtype),
+            "results": results,
         }
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")

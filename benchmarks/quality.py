@@ -62,7 +62,9 @@ from benchmarks.common import (
     machine_info,
     model_dtype_name,
     paired_ratio_ci,
+    prompt_digest,
     result_name,
+    same_example,
     share_ci,
     tiny_engine,
     write_results,
@@ -234,7 +236,10 @@ def needle_examples(
 
     The haystack is a seeded slice of the essays of about ``length`` tokens, split into
     sentences; the needle sentence goes in at fraction ``depth``; sentences are grouped into
-    passages of about ``passage_words`` words (the needle never straddles two passages).
+    passages of about ``passage_words`` words (the needle never straddles two passages). One
+    seeded stream draws every haystack in the order of ``lengths`` × ``depths``, so an id
+    ("needle-8192-0.05") names the same prompt only under the same lists: a resumed results file
+    checks its rows' prompts (``common.same_example``).
     """
     words = essay_text().split(" ")
     rng = random.Random(seed)
@@ -497,6 +502,18 @@ def same_dtypes(before: dict[str, Any], dtypes: dict[str, str], path: Path) -> N
                          "or pass another --out")
 
 
+def same_prompts(engine: Any, examples: Sequence[Example], earlier: Earlier, path: Path) -> None:
+    """Before any work: refuse to resume ``path`` where an example it holds now assembles to
+    another prompt (``common.same_example``), so a cached full-prompt answer is never scored
+    against another example's pruned ones."""
+    from specprefill_rag import Passage
+
+    for ex in examples:
+        if (ex.task, ex.id) in earlier:
+            prompt = engine.assemble(ex.question, [Passage(text, id=pid) for pid, text in ex.passages])
+            same_example(list(earlier[(ex.task, ex.id)].values()), prompt, path)
+
+
 def _pair(dtypes: dict[str, str]) -> str:
     return ", ".join(f"the {role} in {dtype}" for role, dtype in sorted(dtypes.items()))
 
@@ -597,7 +614,8 @@ def run_example(
     done: dict[tuple[str, float | None], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every (method, keep rate) row of one example; rows in ``done`` (from an earlier run,
-    keyed by (method, keep rate)) are reused, so the full-prompt answer is computed once."""
+    keyed by (method, keep rate), checked by ``same_prompts``) are reused, so the full-prompt
+    answer is computed once."""
     from specprefill_rag import Passage
     from specprefill_rag import selection as selection_lib
 
@@ -610,6 +628,7 @@ def run_example(
         bar.update(1 + len(args.keep_rates) * len(args.methods))
         return []
     base = {"task": ex.task, "id": ex.id, "n_prompt": case.prompt.n_tokens, "n_context": case.prompt.n_context,
+            "prompt_sha": prompt_digest(case.prompt),
             **{f"meta_{k}": v for k, v in ex.meta.items() if k != "distractor_answers"}}
     rows: list[dict[str, Any]] = []
 
@@ -866,6 +885,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     earlier, before = load_earlier(path, args.fresh)
     if not args.tiny:
         same_dtypes(before, payload["dtypes"], path)
+    same_prompts(engine, examples, earlier, path)
     results = ResultFile(name, path, merged_plan(payload, before), earlier, args.seed, started)
     per_example = 1 + len(args.keep_rates) * len(args.methods)
     with tqdm(total=len(examples) * per_example, desc="quality", unit="answer") as bar:

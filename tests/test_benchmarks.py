@@ -706,6 +706,36 @@ def test_quality_resume_keeps_rows_it_does_not_redo(tmp_path: Path) -> None:
     assert "- commands (resumed into one results file" in "\n".join(report.meta_lines(data))
 
 
+def test_quality_resume_refuses_rows_of_another_haystack(tmp_path: Path) -> None:
+    """A needle's id names its length and depth, not its haystack, which is drawn from one stream
+    over every depth asked: the same id from another list is another prompt, and its cached
+    full-prompt answer must not be reused for it."""
+    out = tmp_path / "quality.json"
+    common = ["--tiny", "--tasks", "needle", "--needle-lengths", "256", "--keep-rates", "0.3",
+              "--methods", "specprefill", "--out", str(out)]
+    assert quality.main([*common, "--needle-depths", "0.25", "0.75"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert all(len(r["prompt_sha"]) == 12 for r in rows)
+    with pytest.raises(SystemExit, match=r"holds needle needle-256-0.75 for another prompt .*the examples changed"):
+        quality.main([*common, "--needle-depths", "0.75"])  # 0.75 first: the stream draws another haystack
+    assert json.loads(out.read_text())["rows"] == rows  # nothing lost
+
+
+@needs_data
+def test_evidence_resume_refuses_rows_of_another_haystack(tmp_path: Path) -> None:
+    from benchmarks import evidence
+
+    out = tmp_path / "evidence.jsonl"
+    argv = ["--tiny", "--tasks", "needle", "--variants", "library default", "--out", str(out)]
+    assert evidence.main([*argv, "--n-needle", "2", "--needle-lengths", "512"]) == 0
+    rows = evidence.load_rows(out)
+    assert [r["id"] for r in rows] == ["needle-512-0.25", "needle-512-0.75"]
+    # The same ids, drawn after the 256-token needles now: other haystacks.
+    with pytest.raises(SystemExit, match="holds needle needle-512-0.25 for another prompt"):
+        evidence.main([*argv, "--n-needle", "4", "--needle-lengths", "256", "512"])
+    assert evidence.load_rows(out) == rows
+
+
 def test_quality_merged_plan_keeps_what_earlier_runs_measured() -> None:
     before = {"command": "a", "counts": {"hotpotqa_4k": 60}, "models": {"draft": "d", "llmlingua_scorer": "draft"}}
     payload = {"command": "b", "counts": {"needle_8k": 30}, "models": {"draft": "d", "llmlingua_scorer": None}}
