@@ -159,10 +159,13 @@ def same_example(rows: Sequence[dict[str, Any]], prompt: Any, where: str | Path)
     drawn from one seeded stream over every (length, depth) asked, in order, so the same id from
     another list of lengths or depths is another haystack.
     """
+    digest = prompt_digest(prompt)
     for row in rows:
-        if row.get("prompt_sha", prompt_digest(prompt)) != prompt_digest(prompt) or row.get(
-            "n_prompt", prompt.n_tokens
-        ) != prompt.n_tokens:
+        if "prompt_sha" in row:
+            same = row["prompt_sha"] == digest
+        else:
+            same = row.get("n_prompt", prompt.n_tokens) == prompt.n_tokens
+        if not same:
             raise SystemExit(
                 f"{where} holds {row['task']} {row['id']} for another prompt ({row.get('n_prompt')} tokens, this run "
                 f"builds {prompt.n_tokens}): the examples changed since it was written (needle and multi-key "

@@ -17,8 +17,8 @@ Per example, variant and keep rate:
 Results are appended to a JSON-lines file one example at a time (an interrupted run resumes
 where it stopped, with the same command: each row records its prompt's digest, and a resume that
 would build another prompt under an id the file holds, e.g. with another ``--n-long`` or other
-lengths, is refused before any work); ``summary`` prints means with bootstrap 95% confidence intervals. The same
-examples (seeded) as ``bench quality``. Variants are named in ``VARIANTS``; ``--variants``
+lengths, is refused before any work); ``summary`` prints means with bootstrap 95% confidence
+intervals. The same examples (seeded) as ``bench quality``. Variants are named in ``VARIANTS``; ``--variants``
 re-evaluates from the cache without running the draft again.
 
 A prompt longer than the draft's window (or ``--draft-window``) has no single pass to capture:
