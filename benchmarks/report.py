@@ -592,6 +592,7 @@ LENGTH_SOURCES = (  # (results file, the variant that scores as today's default,
     ("evidence_draft-bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
     ("evidence_draft-smollm2-135m-instruct-bf16.jsonl", "library default", "smollm2-135m-instruct"),
     ("evidence_long_bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
+    ("evidence_multikey_bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
     ("evidence_long_draft-smollm2-135m-instruct.jsonl", "library default", "smollm2-135m-instruct"),
     ("evidence_long_draft-smollm2-135m-instruct-bf16.jsonl", "library default", "smollm2-135m-instruct"),
 )
