@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import scoring
+from . import attention, scoring
 from .config import DraftConfig, LookaheadTokens
 from .errors import InputError
 from .loading import eos_ids
@@ -162,6 +162,8 @@ def _capture_attention(
     recorder = _RECORDER.get()
     if recorder is not None:
         recorder.record(module, query, key, kwargs.get("scaling"))
+    if attention_mask is not None and attention.applies(query, key, attention_mask, kwargs):  # look-ahead, GPU
+        return attention.short_query_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
