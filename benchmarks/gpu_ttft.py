@@ -237,6 +237,44 @@ def concurrency_row(draft: Any, n: int, vocab: int, batch: int, reps: int) -> di
     return row
 
 
+def attention_rows(draft: Any, args: argparse.Namespace, vocab: int, lengths: Sequence[int]) -> list[dict[str, Any]]:
+    """The default scoring with the look-ahead's attention through SDPA (before 2026-12-04) and
+    through ``attention.short_query_attention`` (the default since), side by side per length, the
+    graphs captured anew for each path; with whether both picked the same look-ahead tokens and
+    their largest score difference (bf16: within rounding, not zero)."""
+    from specprefill_rag import attention
+
+    saved, graphs = attention.SHORT_QUERY_TOKENS, draft.graphs
+    one = argparse.Namespace(**{**vars(args), "concurrency": 0, "lengths": list(lengths)})
+    seconds: dict[str, dict[int, float]] = {}
+    scores: dict[str, dict[int, Any]] = {}
+    try:
+        for path, tokens in (("sdpa", 0), ("short", saved)):
+            attention.SHORT_QUERY_TOKENS, draft.graphs = tokens, None
+            capture_graphs(draft, one)
+            for n in lengths:
+                ids, protected, _ = synthetic_prompt(n, vocab, seed=n)
+                scores.setdefault(path, {})[n] = draft.score(
+                    ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected, config=cold(draft.config))
+                times = [scoring_s(draft, ids, protected, draft.config) for _ in range(args.reps)]
+                seconds.setdefault(path, {})[n] = statistics.median(times)
+    finally:
+        attention.SHORT_QUERY_TOKENS, draft.graphs = saved, graphs
+    rows = []
+    for n in lengths:
+        a, b = scores["sdpa"][n], scores["short"][n]
+        row = {"n_tokens": n, "sdpa_s": seconds["sdpa"][n], "short_s": seconds["short"][n],
+               "ratio": seconds["short"][n] / seconds["sdpa"][n],
+               "same_lookahead_tokens": a.lookahead_token_ids == b.lookahead_token_ids,
+               "max_score_diff": float((a.scores - b.scores).abs().max()), "max_score": float(a.scores.abs().max())}
+        rows.append(row)
+        print(f"{n} tokens: default scoring with the look-ahead's attention through SDPA {row['sdpa_s'] * 1e3:.0f} ms,"
+              f" short path {row['short_s'] * 1e3:.0f} ms ({row['ratio']:.2f}x); same look-ahead tokens:"
+              f" {row['same_lookahead_tokens']}, largest score difference {row['max_score_diff']:.2e}"
+              f" (largest score {row['max_score']:.2e})", flush=True)
+    return rows
+
+
 def memory_row(draft: Any, ids: torch.Tensor) -> dict[str, Any]:
     """Peak GPU memory added by a plain draft forward vs by scoring (same process, peaks reset)."""
     device = draft.device
@@ -446,6 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_results(name, payload, args.out)
     if rows and args.concurrency > 1:
         payload["concurrency"] = concurrency_row(draft, concurrency_length(args), vocab, args.concurrency, args.reps)
+        write_results(name, payload, args.out)
+    if rows:  # on a CPU (--tiny) both paths are SDPA: a dry run of the comparison
+        payload["attention"] = attention_rows(draft, args, vocab, [row["n_tokens"] for row in rows])
         write_results(name, payload, args.out)
     if cuda and rows:
         mem = memory_row(draft, synthetic_prompt(rows[-1]["n_tokens"], vocab, seed=1)[0])

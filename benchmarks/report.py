@@ -155,12 +155,29 @@ def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]
             f"{_s(conc['one_s'], unit)} (target ≤ 3×).",
             "",
         ]
+    out += _attention_lines(data.get("attention"), unit)
     mem = data.get("memory")
     if mem and "error" not in mem:
         out += [_memory_line(mem, targets, data.get("memory_command")), ""]
     elif mem:
         out += [f"**Memory:** not measured ({mem['error']})", ""]
     return out
+
+
+def _attention_lines(rows: list[dict[str, Any]] | None, unit: str) -> list[str]:
+    """The default scoring with the look-ahead's attention through SDPA and through the short
+    path (``specprefill_rag.attention``), side by side (``gpu_ttft.attention_rows``)."""
+    if not rows:
+        return []
+    out = ["The look-ahead's attention (`specprefill_rag/attention.py`): the default scoring with its few-token "
+           "forwards through SDPA and through the short path, graphs captured for each, same run:", "",
+           "| tokens | SDPA | short path | ratio | same look-ahead tokens | largest score difference |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['n_tokens']} | {_s(r['sdpa_s'], unit)} | {_s(r['short_s'], unit)} | **{r['ratio']:.2f}×** |"
+                   f" {'yes' if r['same_lookahead_tokens'] else 'no'} | {r['max_score_diff']:.1e}"
+                   f" (largest score {r['max_score']:.1e}) |")
+    return out + [""]
 
 
 def _ttft_table(run: dict[str, Any], targets: dict[str, float], unit: str) -> list[str]:
@@ -987,6 +1004,7 @@ HEADER = [
     "specprefill-rag bench ttft --draft smollm2-135m-instruct     # → ttft_draft-smollm2-135m-instruct.json",
     "specprefill-rag bench quality --draft smollm2-135m-instruct  # → quality_draft-smollm2-135m-instruct.json",
     "python benchmarks/gpu_ttft.py   # one GPU, Llama-3.2-1B → Llama-3.1-8B shapes, random bf16 weights",
+    "python benchmarks/gpu_attention.py  # one GPU: one layer's look-ahead attention, SDPA vs the short path",
     "specprefill-rag bench gateway_load  # 16 concurrent streaming clients → benchmarks/results/gateway_load.json",
     "specprefill-rag bench prefix_cache  # vLLM's prefix cache: shared system prompt, retry → prefix_cache.jsonl",
     "specprefill-rag bench report    # regenerates this page and docs/images/bench_*.png",
@@ -1045,7 +1063,8 @@ INSTALL = [
 ]
 
 
-def _ttft_part(ttfts: list[tuple[str, dict[str, Any]]], gpu: dict[str, Any] | None, images: Path) -> list[str]:
+def _ttft_part(ttfts: list[tuple[str, dict[str, Any]]], gpu: dict[str, Any] | None, images: Path,
+               gpu_attention: dict[str, Any] | None = None) -> list[str]:
     lines: list[str] = []
     for stem, ttft in ttfts:
         lines += ttft_section(ttft, f"Time to first token: {pair(ttft)} (CPU, `benchmarks/results/{stem}.json`)")
@@ -1062,8 +1081,31 @@ def _ttft_part(ttfts: list[tuple[str, dict[str, Any]]], gpu: dict[str, Any] | No
             "",
         ]
     if gpu:
-        return lines + ttft_section(gpu, "Time to first token at real model sizes (GPU, random weights)", unit="ms")
+        lines += ttft_section(gpu, "Time to first token at real model sizes (GPU, random weights)", unit="ms")
+        return lines + gpu_attention_section(gpu_attention)
     return lines + GPU_NOT_RUN
+
+
+def gpu_attention_section(data: dict[str, Any] | None) -> list[str]:
+    """One layer's attention of a 7-token look-ahead forward, per variant and cache length
+    (``benchmarks/gpu_attention.py``)."""
+    if not data or not data.get("rows"):
+        return []
+    rows = data["rows"]
+    variants = list(dict.fromkeys(name for r in rows for name in r["us"]))
+    shapes = data.get("shapes", {})
+    m = data.get("machine", {})
+    out = ["### The look-ahead's attention, one layer (GPU)", "", f"- command: `{data.get('command')}`",
+           f"- machine: {m.get('gpu')}; torch {m.get('torch')}; run finished (UTC): {data.get('created_utc')}",
+           f"- {shapes.get('queries')} queries, {shapes.get('heads')} query / {shapes.get('kv_heads')} key-value heads "
+           f"of {shapes.get('head_dim')}, {shapes.get('dtype')}; µs per call replayed from a CUDA graph",
+           *([f"- {data['note']}"] if data.get("note") else []), "",
+           "| variant | " + " | ".join(f"{r['n_keys']} keys" for r in rows) + " |",
+           "|---|" + "---|" * len(rows)]
+    for name in variants:
+        cells = [f"{r['us'][name]:.0f}" if name in r["us"] else "–" for r in rows]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 def _evidence_part(results: Path, images: Path) -> list[str]:
@@ -1117,7 +1159,7 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
     notes = results / "notes.md"
     if notes.exists():
         lines += ["## Notes on these runs", "", notes.read_text().strip(), ""]
-    lines += _ttft_part(ttfts, load(results, "gpu_ttft"), images)
+    lines += _ttft_part(ttfts, load(results, "gpu_ttft"), images, load(results, "gpu_attention"))
     lines += _length_part(results, images)
     lines += _evidence_part(results, images)
     lines += _quality_part(quality, images)

@@ -223,6 +223,23 @@ def test_gpu_script_dry_run_on_cpu(tmp_path: Path) -> None:
     assert "greedy 8, early exit, upper layers read 30%" in row["lookahead_scoring"]  # the same, never stopped
     # The V2 runner's rewrite is checked on a GPU with vLLM; here it says why it was not.
     assert data["vllm_v2_runner"]["status"] == "skipped" and data["vllm_v2_runner"]["why"]
+    # The look-ahead's attention through SDPA and the short path: both SDPA on a CPU, so equal.
+    (attn,) = data["attention"]
+    assert attn["n_tokens"] == 128 and attn["same_lookahead_tokens"] and attn["max_score_diff"] == 0.0
+
+
+def test_gpu_attention_dry_run_on_cpu(tmp_path: Path) -> None:
+    """Every variant timed at every length; the short path's output is SDPA's within bf16 rounding."""
+    from benchmarks import gpu_attention
+
+    out = tmp_path / "attention.json"
+    assert gpu_attention.main(["--tiny", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["n_keys"] for r in rows] == [256, 1024]
+    for r in rows:
+        assert {"sdpa", "short, one values product", "short, values in blocks of 512"} <= set(r["us"])
+        assert all(us > 0 for us in r["us"].values())
+        assert max(r["max_diff_vs_float32"].values()) < 0.1  # outputs of magnitude ~3, bf16
 
 
 def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
