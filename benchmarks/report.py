@@ -612,6 +612,9 @@ LENGTH_SOURCES = (  # (results file, the variant that scores as today's default,
     ("evidence_multikey_bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
     ("evidence_long_draft-smollm2-135m-instruct.jsonl", "library default", "smollm2-135m-instruct"),
     ("evidence_long_draft-smollm2-135m-instruct-bf16.jsonl", "library default", "smollm2-135m-instruct"),
+    # SQuAD-long at n=60 per length: its padding differs from evidence_long_bf16's (it depends on
+    # --n-long), and its rows replace that file's rows of the same questions.
+    ("evidence_squad_long_bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
 )
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
 LENGTH_KEEPS = (0.1, 0.3)
@@ -620,28 +623,33 @@ LENGTH_AXIS = (512, 40_000)  # tokens: one x range for every panel, up to the 32
 
 def length_rows(results: Path) -> list[dict[str, Any]]:
     """One record per (example, draft, reading) of the library default: family, task, draft,
-    reading, prompt tokens, and per keep rate [recall, complete, context kept]."""
+    reading, prompt tokens, the file it came from, and per keep rate [recall, complete, context
+    kept]. Where two files hold the same example (task and id) for the same draft and reading,
+    the later file in ``LENGTH_SOURCES`` replaces the earlier one's row."""
     from benchmarks import evidence, quality
     from specprefill_rag.loading import SMALL_MODEL
 
-    out: list[dict[str, Any]] = []
+    out: dict[tuple[str, str, str, str], dict[str, Any]] = {}
 
-    def add(r: dict[str, Any], draft: str, windows: int, metrics: dict[float, Any]) -> None:
+    def add(r: dict[str, Any], draft: str, windows: int, metrics: dict[float, Any], source: str) -> None:
         if all(m is not None for m in metrics.values()):  # rows without the variant are left out
             dtype = r.get("draft_dtype", "float32")  # rows from before the field: fp32
-            out.append({"family": quality.task_kind(r["task"]), "task": r["task"],
-                        "draft": f"{draft}, {DTYPE_NAMES.get(dtype, dtype)}",
-                        "reading": f"{windows} windows" if windows > 1 else "one pass", "n_prompt": r["n_prompt"],
-                        "metrics": metrics})
+            rec = {"family": quality.task_kind(r["task"]), "task": r["task"],
+                   "draft": f"{draft}, {DTYPE_NAMES.get(dtype, dtype)}",
+                   "reading": f"{windows} windows" if windows > 1 else "one pass", "n_prompt": r["n_prompt"],
+                   "file": source, "metrics": metrics}
+            out[(rec["task"], str(r["id"]), rec["draft"], rec["reading"])] = rec
 
     for name, variant, draft in LENGTH_SOURCES:
         for r in evidence.load_rows(results / name):
-            add(r, draft, r.get("windows", 1), {k: r["results"].get(f"{variant}@{k:g}") for k in LENGTH_KEEPS})
+            metrics = {k: r["results"].get(f"{variant}@{k:g}") for k in LENGTH_KEEPS}
+            add(r, draft, r.get("windows", 1), metrics, name)
     for r in evidence.load_rows(results / "windows.jsonl"):  # SmolLM2 (bench windows' default draft)
         for arm in ("one pass", "windows"):
             got = r.get(arm, {})
-            add(r, SMALL_MODEL, got.get("windows", 1), {k: got.get("metrics", {}).get(f"{k:g}") for k in LENGTH_KEEPS})
-    return out
+            metrics = {k: got.get("metrics", {}).get(f"{k:g}") for k in LENGTH_KEEPS}
+            add(r, SMALL_MODEL, got.get("windows", 1), metrics, "windows.jsonl")
+    return list(out.values())
 
 
 def length_summary(records: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
@@ -656,7 +664,8 @@ def length_summary(records: list[dict[str, Any]], seed: int = 0) -> list[dict[st
     for (family, task, draft, reading), recs in groups.items():
         sizes = [rec["n_prompt"] for rec in recs]
         entry: dict[str, Any] = {"family": family, "task": task, "draft": draft, "reading": reading, "n": len(recs),
-                                 "tokens": sum(sizes) / len(sizes), "min": min(sizes), "max": max(sizes)}
+                                 "tokens": sum(sizes) / len(sizes), "min": min(sizes), "max": max(sizes),
+                                 "files": sorted({rec["file"] for rec in recs})}
         for k in LENGTH_KEEPS:
             for i, metric in enumerate(("recall", "complete")):
                 mean, lo, hi = share_ci([float(rec["metrics"][k][i]) for rec in recs], seed=seed)
@@ -682,11 +691,12 @@ def length_section(summary: list[dict[str, Any]]) -> list[str]:
         "CPU with native bf16 (this one); the SmolLM2 rows past 8k and `windows.jsonl` ran in fp32, which kept the "
         "same evidence as bf16 where both were paired (HotpotQA n=200 per draft). A prompt longer than the draft's "
         "window is read in windows, as the engine reads it (reading: \"N windows\"). Brackets: bootstrap 95% CIs "
-        "(exact binomial where all n scored 1); complete as in the evidence table below.",
+        "(exact binomial where all n scored 1); complete as in the evidence table below. From: the files a row's "
+        "examples come from (a later source replaces an earlier one's row of the same example).",
         "",
         "| task | draft | reading | n | prompt tokens (min–max) | recall @10% | complete @10% | recall @30% "
-        "| complete @30% |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| complete @30% | from |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in summary:
         cells = []
@@ -694,8 +704,9 @@ def length_section(summary: list[dict[str, Any]]) -> list[str]:
             for metric in ("recall", "complete"):
                 mean, lo, hi = e[f"{metric}@{k:g}"]
                 cells.append(_ci(mean, (lo, hi)))
+        files = ", ".join(f"`{name.removesuffix('.jsonl')}`" for name in e.get("files", ()))
         out.append(f"| {e['task']} | {e['draft']} | {e['reading']} | {e['n']} | {e['tokens']:,.0f} "
-                   f"({e['min']:,}–{e['max']:,}) | " + " | ".join(cells) + " |")
+                   f"({e['min']:,}–{e['max']:,}) | " + " | ".join(cells) + f" | {files} |")
     return out + [""]
 
 

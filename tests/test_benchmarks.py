@@ -660,6 +660,9 @@ def test_report_length_section_groups_the_default_by_task_length_draft_and_readi
     (results / report.LENGTH_SOURCES[2][0]).write_text(
         json.dumps(row("hotpotqa_4k", 4300, 0.75)) + "\n" + json.dumps(row("near_miss_8k", 8200, 1.0)) + "\n"
         + json.dumps({"task": "multikey_8k", "id": "m", "n_prompt": 8000, "results": {}}) + "\n")  # no default
+    # A later source: its row of the same example replaces the earlier one; another example joins it.
+    (results / report.LENGTH_SOURCES[-1][0]).write_text(
+        json.dumps(row("hotpotqa_4k", 4300, 0.25)) + "\n" + json.dumps(row("near_miss_8k", 8100, 0.0)) + "\n")
     (results / "windows.jsonl").write_text(json.dumps(
         {"task": "hotpotqa_6k", "id": "w", "n_prompt": 6500,
          "one pass": {"windows": 1, "metrics": {"0.1": [0.0, 0, 0.1], "0.3": [0.5, 0, 0.3]}},
@@ -668,20 +671,23 @@ def test_report_length_section_groups_the_default_by_task_length_draft_and_readi
     got = [(e["family"], e["task"], e["draft"], e["reading"], e["n"], round(e["recall@0.1"][0], 3)) for e in summary]
     assert got == [  # rows that do not name their dtype ran before the field: fp32
         ("hotpotqa", "hotpotqa", "qwen2.5-coder-0.5b-instruct, bf16", "one pass", 2, 0.75),
-        ("hotpotqa", "hotpotqa_4k", "qwen2.5-coder-0.5b-instruct, fp32", "one pass", 1, 0.75),
+        ("hotpotqa", "hotpotqa_4k", "qwen2.5-coder-0.5b-instruct, fp32", "one pass", 1, 0.25),
         ("hotpotqa", "hotpotqa", "smollm2-135m-instruct, fp32", "one pass", 1, 0.25),
         ("hotpotqa", "hotpotqa_6k", "smollm2-135m-instruct, fp32", "one pass", 1, 0.0),
         ("hotpotqa", "hotpotqa_6k", "smollm2-135m-instruct, fp32", "3 windows", 1, 1.0),
         ("hotpotqa", "hotpotqa_16k", "smollm2-135m-instruct, fp32", "3 windows", 1, 0.5),
-        ("near_miss", "near_miss_8k", "qwen2.5-coder-0.5b-instruct, fp32", "one pass", 1, 1.0),
+        ("near_miss", "near_miss_8k", "qwen2.5-coder-0.5b-instruct, fp32", "one pass", 2, 0.5),
     ]
+    later, merged = report.LENGTH_SOURCES[-1][0], sorted([report.LENGTH_SOURCES[2][0], report.LENGTH_SOURCES[-1][0]])
+    assert [e["files"] for e in summary if e["task"] in ("hotpotqa_4k", "near_miss_8k")] == [[later], merged]
     first = summary[0]
     assert (first["tokens"], first["min"], first["max"]) == (1500, 1000, 2000)
     assert first["complete@0.1"][0] == 0.5
     assert first["recall@0.3"] == pytest.approx((1.0, 0.025**0.5, 1.0))  # 2 of 2: the exact binomial bound
     lines = report.length_section(summary)
     assert ("| hotpotqa_4k | qwen2.5-coder-0.5b-instruct, fp32 | one pass | 1 | 4,300 (4,300–4,300) | "
-            "0.75 [0.75, 0.75] |") in "\n".join(lines)
+            "0.25 [0.25, 0.25] |") in "\n".join(lines)
+    assert f"| `{later.removesuffix('.jsonl')}` |" in "\n".join(lines)
     text = report.render(results, tmp_path / "b.md", tmp_path / "images").read_text()
     assert "## Evidence recall vs prompt length (library default)" in text
     assert (tmp_path / "images" / "bench_length.png").stat().st_size > 0
