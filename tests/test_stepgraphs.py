@@ -268,3 +268,25 @@ def test_graph_fields_are_checked(kwargs, message):
         DraftConfig(**kwargs)
     assert DraftConfig().scoring() == DraftConfig(cuda_graphs=False, graph_max_tokens=64).scoring()
     assert MIN_GRAPH_WIDTH == 512
+
+
+def test_the_gpu_bench_captures_the_graphs_of_every_variant_it_labels_graphed(tokenizer, fake_cuda):
+    """``benchmarks/gpu_ttft.py`` times look-ahead variants labelled "CUDA graphs"; one with another
+    loop shape than the default's (one token per forward) must have its graphs captured too, or
+    it runs eagerly under that label."""
+    import argparse
+    import dataclasses
+
+    from benchmarks import gpu_ttft
+    from benchmarks.common import lookahead_variants
+
+    draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer,
+                       DraftConfig(layers=tuple(LAYERS), lookahead=7))
+    row = gpu_ttft.capture_graphs(draft, argparse.Namespace(lengths=[600], concurrency=0))
+    assert row["shapes"] == 2 and row["variant_shapes"] >= 2  # widths 512 and 1024, each loop shape
+    steps = next(cfg for label, cfg in lookahead_variants("cuda").items()
+                 if "CUDA graphs" in label and cfg.lookahead_guesses == 0)
+    prompts, questions = _prompts(tokenizer, (300,))
+    before = FakeGraph.replays
+    draft.score(prompts[0], question=questions[0], config=dataclasses.replace(steps, memo_entries=0))
+    assert FakeGraph.replays >= before + 7  # one replay per forward, not an eager loop
