@@ -282,8 +282,9 @@ def test_the_gpu_bench_captures_the_graphs_of_every_variant_it_labels_graphed(to
 
     draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer,
                        DraftConfig(layers=tuple(LAYERS), lookahead=7))
-    row = gpu_ttft.capture_graphs(draft, argparse.Namespace(lengths=[600], concurrency=0))
-    assert row["shapes"] == 2 and row["variant_shapes"] >= 2  # widths 512 and 1024, each loop shape
+    args = argparse.Namespace(lengths=[600], concurrency=0)
+    assert gpu_ttft.capture_graphs(draft, args)["shapes"] == 2  # widths 512 and 1024
+    assert gpu_ttft.capture_variant_graphs(draft, args) >= 2  # each other loop shape, at both widths
     steps = next(cfg for label, cfg in lookahead_variants("cuda").items()
                  if "CUDA graphs" in label and cfg.lookahead_guesses == 0)
     prompts, questions = _prompts(tokenizer, (300,))
