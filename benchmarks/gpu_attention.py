@@ -42,6 +42,16 @@ class _Module(torch.nn.Module):
         self.num_key_value_groups, self.is_causal, self.layer_idx = heads // kv_heads, True, 0
 
 
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+         scaling: float | None) -> torch.Tensor:
+    """(batch, q, heads, head_dim): transformers' SDPA path (``repeat_kv`` + the fused kernel), what
+    the draft's look-ahead used before ``attention.short_query_attention``; the reference of its tests."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = _Module(query.shape[1], key.shape[1])
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling)[0]
+
+
 def time_us(fn: Callable[[], Any], cuda: bool, iters: int = 50) -> float:
     """Microseconds per call: replayed from a CUDA graph on a GPU, plain calls on a CPU."""
     if not cuda:
@@ -83,8 +93,6 @@ def bf16_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
 
 @torch.inference_mode()
 def length_row(n: int, heads: int, kv_heads: int, dim: int, device: str) -> dict[str, Any]:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     from specprefill_rag.attention import short_query_attention
 
     cuda, cols, scale = device == "cuda", n + EXTRA, dim**-0.5
@@ -96,9 +104,8 @@ def length_row(n: int, heads: int, kv_heads: int, dim: int, device: str) -> dict
     mask[..., : n - 100] = True  # the prompt (its padded tail unread) ...
     mask[0, 0, :, n : n + GUESSED] = torch.ones(GUESSED, GUESSED, dtype=torch.bool, device=device).tril()  # ... itself
     probs = torch.rand(1, kv_heads, heads // kv_heads * GUESSED, cols, device=device).softmax(-1).to(torch.bfloat16)
-    module = _Module(heads, kv_heads)
     variants: dict[str, Callable[[], Any]] = {
-        "sdpa": lambda: sdpa_attention_forward(module, q, key, value, mask, dropout=0.0, scaling=scale),
+        "sdpa": lambda: sdpa(q, key, value, mask, scale),
         "short, one values product": lambda: short_query_attention(q, key, value, mask, scale, block=1 << 30),
         **{f"short, values in blocks of {b}": functools.partial(short_query_attention, q, key, value, mask, scale, b)
            for b in (256, 512, 2048)},
@@ -108,9 +115,9 @@ def length_row(n: int, heads: int, kv_heads: int, dim: int, device: str) -> dict
         "piece: probs x values, one product": lambda: torch.matmul(probs, value),
     }
     row: dict[str, Any] = {"n_keys": n, "us": {name: time_us(fn, cuda) for name, fn in variants.items()}}
-    want = sdpa_attention_forward(module, q.float(), key.float(), value.float(), mask, dropout=0.0, scaling=scale)[0]
-    outputs = {"sdpa": variants["sdpa"]()[0], **{name: variants[name]() for name in (
-        "short, one values product", "short, values in blocks of 512")}}
+    want = sdpa(q.float(), key.float(), value.float(), mask, scale)
+    compared = ("sdpa", "short, one values product", "short, values in blocks of 512")
+    outputs = {name: variants[name]() for name in compared}
     row["max_diff_vs_float32"] = {name: float((out.float() - want).abs().max()) for name, out in outputs.items()}
     print(f"{n} keys: " + ", ".join(f"{name} {us:.0f} µs" for name, us in row["us"].items()), flush=True)
     return row

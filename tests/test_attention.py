@@ -2,8 +2,9 @@
 
 It must compute what transformers' SDPA path computes (grouped heads, bool or additive masks,
 a mask shared by the batch), and a draft whose look-ahead forwards take it must score and pick
-tokens exactly as with SDPA. The path serves CUDA tensors only; here it is forced on the CPU
-by standing ``fits`` in for ``applies``. Its speed is measured on a GPU (``benchmarks/gpu_ttft.py``).
+tokens exactly as with SDPA (``benchmarks.gpu_attention.sdpa``). The path serves CUDA tensors
+only; here it is forced on the CPU by standing ``fits`` in for ``applies``. Its speed is measured
+on a GPU (``benchmarks/gpu_ttft.py``).
 """
 
 from __future__ import annotations
@@ -11,20 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_model
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from benchmarks.gpu_attention import sdpa
 from specprefill_rag import attention
 from specprefill_rag.config import DraftConfig
 from specprefill_rag.draft import DraftModel
-
-
-class _Module:
-    """What SDPA's wrapper reads off an attention module."""
-
-    def __init__(self, heads: int, kv_heads: int) -> None:
-        self.num_key_value_groups = heads // kv_heads
-        self.is_causal = True
-        self.layer_idx = 0
 
 
 def _inputs(batch=2, heads=8, kv_heads=2, q=7, k=300, dim=16, dtype=torch.float32, seed=0):
@@ -39,17 +31,13 @@ def _inputs(batch=2, heads=8, kv_heads=2, q=7, k=300, dim=16, dtype=torch.float3
     return query, key, value, mask
 
 
-def _sdpa(heads, kv_heads, query, key, value, mask, scaling):
-    return sdpa_attention_forward(_Module(heads, kv_heads), query, key, value, mask, dropout=0.0, scaling=scaling)[0]
-
-
 @pytest.mark.parametrize(("heads", "kv_heads", "q"), [(8, 2, 7), (8, 2, 1), (4, 4, 3), (6, 1, 16)])
 @pytest.mark.parametrize(("k", "block"), [(300, 512), (300, 64), (256, 64)], ids=["one-block", "blocks+rest", "blocks"])
 def test_equals_sdpa_with_a_bool_mask(heads, kv_heads, q, k, block):
     """A cache shorter than a block, blocks and a remainder, blocks only."""
     query, key, value, mask = _inputs(heads=heads, kv_heads=kv_heads, q=q, k=k)
     got = attention.short_query_attention(query, key, value, mask, 0.25, block=block)
-    torch.testing.assert_close(got, _sdpa(heads, kv_heads, query, key, value, mask, 0.25), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, sdpa(query, key, value, mask, 0.25), atol=1e-4, rtol=1e-4)
     assert got.shape == (2, q, heads, 16) and got.is_contiguous()
 
 
@@ -58,13 +46,13 @@ def test_equals_sdpa_with_an_additive_mask_shared_by_the_batch():
     bias = torch.where(mask[:1], 0.0, torch.finfo(torch.float32).min)  # (1, 1, q, k)
     bias[..., :50] += torch.linspace(-2, 2, 50)  # a real bias, not only 0 / -inf
     got = attention.short_query_attention(query, key, value, bias, None, block=64)  # scaling None: 1/sqrt(dim)
-    torch.testing.assert_close(got, _sdpa(8, 2, query, key, value, bias, None), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, sdpa(query, key, value, bias, None), atol=1e-4, rtol=1e-4)
 
 
 def test_bfloat16_stays_within_its_rounding_of_float32():
     query, key, value, mask = _inputs(dtype=torch.bfloat16)
     got = attention.short_query_attention(query, key, value, mask, 0.25, block=64)
-    want = _sdpa(8, 2, query.float(), key.float(), value.float(), mask, 0.25)
+    want = sdpa(query.float(), key.float(), value.float(), mask, 0.25)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
 
