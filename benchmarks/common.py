@@ -35,6 +35,7 @@ __all__ = [
     "machine_info",
     "median",
     "model_dtype_name",
+    "model_dtypes",
     "result_name",
     "summarise_length",
     "ttft_cell",
@@ -68,6 +69,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 def model_dtype_name(model: torch.nn.Module) -> str:
     """The dtype a model's weights are in, as results rows record it."""
     return dtype_name(next(model.parameters()).dtype)
+
+
+def model_dtypes(engine: Any) -> dict[str, str]:
+    """The dtypes the main model and the draft ran in, as result files record them (a served
+    main model has no weights here: only the draft's)."""
+    models = {"main": getattr(engine.backend, "model", None), "draft": getattr(engine.draft, "model", None)}
+    return {role: model_dtype_name(m) for role, m in models.items() if m is not None}
 
 
 def bootstrap_ci(

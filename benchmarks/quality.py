@@ -60,7 +60,7 @@ from benchmarks.common import (
     data_file,
     essay_text,
     machine_info,
-    model_dtype_name,
+    model_dtypes,
     paired_ratio_ci,
     prompt_digest,
     result_name,
@@ -481,12 +481,6 @@ def build_engine(args: argparse.Namespace) -> Any:
     if args.tiny:
         return tiny_engine(config)
     return SpecPrefillEngine.from_pretrained(args.main, args.draft, config=config, dtype=args.dtype)
-
-
-def model_dtypes(engine: Any) -> dict[str, str]:
-    """The dtypes the main model and the draft ran in, as the result file records them."""
-    models = {"main": getattr(engine.backend, "model", None), "draft": getattr(engine.draft, "model", None)}
-    return {role: model_dtype_name(m) for role, m in models.items() if m is not None}
 
 
 def same_dtypes(before: dict[str, Any], dtypes: dict[str, str], path: Path) -> None:

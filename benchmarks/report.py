@@ -130,12 +130,20 @@ def default_lookahead(settings: dict[str, Any]) -> str:
     return f"greedy {settings.get('lookahead')}, full forward"
 
 
+def _run_dtypes(data: dict[str, Any]) -> str:
+    """The models' dtypes as a TTFT run recorded them per backend ("main fp32, draft bf16"), or
+    the one dtype of files from before that record (their settings' ``dtype``)."""
+    found = [", ".join(f"{role} {DTYPE_NAMES.get(d, d)}" for role, d in sorted(run["dtypes"].items()))
+             for run in data.get("runs", []) if run.get("dtypes")]
+    return "; ".join(dict.fromkeys(found)) or str(data.get("settings", {}).get("dtype"))
+
+
 def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]:
     out = [f"## {title}", ""] + meta_lines(data)
     s = data.get("settings", {})
     out.append(
         f"- settings: lengths {s.get('lengths')}, keep rates {s.get('keep_rates')}, {s.get('reps')} "
-        f"repetition(s) per cell (medians), look-ahead {s.get('lookahead')}, {s.get('dtype')} on {s.get('device')}"
+        f"repetition(s) per cell (medians), look-ahead {s.get('lookahead')}, {_run_dtypes(data)} on {s.get('device')}"
     )
     out.append(f"- the default's look-ahead in this run: {default_lookahead(s)}")
     if data.get("reduced"):

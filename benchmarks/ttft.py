@@ -54,6 +54,7 @@ from benchmarks.common import (
     lookahead_label,
     lookahead_variants,
     machine_info,
+    model_dtypes,
     result_name,
     summarise_length,
     tiny_engine,
@@ -423,7 +424,8 @@ def run_backend(backend: str, args: argparse.Namespace, save: Any = None) -> dic
         reason = f"{type(error).__name__}: {error}"
         print(f"[{backend}] skipped: {reason}", flush=True)
         return {"backend": backend, "status": "skipped", "reason": reason}
-    print(f"[{backend}] models ready in {time.perf_counter() - started:.1f} s; warming up ...", flush=True)
+    dtypes = model_dtypes(engine)
+    print(f"[{backend}] models ready in {time.perf_counter() - started:.1f} s ({dtypes}); warming up ...", flush=True)
     warm = ["Warm-up context about essays and startups. " * 30]
     engine.generate("Warm-up?", warm, mode="full", generation=generation_config())
     engine.generate("Warm-up?", warm, keep_rate=0.5, generation=generation_config())
@@ -434,10 +436,10 @@ def run_backend(backend: str, args: argparse.Namespace, save: Any = None) -> dic
             lengths.append(run_length(engine, target, args, bar))
             print_length(lengths[-1])
             if save is not None:  # partial results survive an interrupted run
-                save({"backend": backend, "status": "partial", "lengths": lengths})
+                save({"backend": backend, "status": "partial", "dtypes": dtypes, "lengths": lengths})
     del engine
     gc.collect()
-    return {"backend": backend, "status": "ok", "lengths": lengths}
+    return {"backend": backend, "status": "ok", "dtypes": dtypes, "lengths": lengths}
 
 
 def print_length(row: dict[str, Any]) -> None:
@@ -568,7 +570,6 @@ def new_payload(args: argparse.Namespace, command: str) -> dict[str, Any]:
             "lookahead_label": lookahead_label(draft),
             "compared_keep_rates": args.compared_keep_rates,
             "device": args.device,
-            "dtype": "float32",
             "memory_length": args.memory_length or max(args.lengths),
         },
         "targets": TARGETS,

@@ -142,6 +142,11 @@ def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
     assert cell["keep_ratio"] > 0.3 and cell["ideal"] == pytest.approx(1 / (row["r"] + cell["keep_ratio"]))
     assert cell["efficiency"] == pytest.approx(cell["speedup"] / cell["ideal"])
     assert server["status"] == "skipped" and server["reason"]  # no --server-url: said so, not crashed
+    # Each run records the dtypes its models ran in, and the report's settings line names them.
+    assert ok["dtypes"] == {"main": "float32", "draft": "float32"}
+    assert "draft fp32, main fp32 on cpu" in "\n".join(report.ttft_section(data, "TTFT"))
+    old = {**data, "runs": [{k: v for k, v in ok.items() if k != "dtypes"}], "settings": {"dtype": "float32"}}
+    assert ", float32 on None" in "\n".join(report.ttft_section(old, "TTFT"))  # files from before the record
     # --memory-only re-measures memory into the same file and leaves the runs alone.
     assert ttft.main(["--tiny", "--lengths", "192", "--memory-only", "--out", str(out)]) == 0
     again = json.loads(out.read_text())
@@ -783,9 +788,9 @@ def test_quality_runs_are_labelled_by_what_differs() -> None:
 def test_quality_keeps_one_pair_of_dtypes_per_file(tmp_path: Path) -> None:
     """The result file records the dtypes the models ran in; resuming a file measured in others is
     refused, and files from before the record count as float32 for both."""
-    from benchmarks.common import tiny_engine
+    from benchmarks.common import model_dtypes, tiny_engine
 
-    assert quality.model_dtypes(tiny_engine()) == {"main": "float32", "draft": "float32"}
+    assert model_dtypes(tiny_engine()) == {"main": "float32", "draft": "float32"}
     fp32, bf16 = {"main": "float32", "draft": "float32"}, {"main": "float32", "draft": "bfloat16"}
     quality.same_dtypes({}, bf16, tmp_path / "new.json")  # nothing to resume
     quality.same_dtypes({"rows": [{}]}, fp32, tmp_path / "old.json")  # before dtypes were recorded
