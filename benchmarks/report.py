@@ -1100,9 +1100,31 @@ def _ttft_part(ttfts: list[tuple[str, dict[str, Any]]], gpu: dict[str, Any] | No
             "",
         ]
     if gpu:
-        lines += ttft_section(gpu, "Time to first token at real model sizes (GPU, random weights)", unit="ms")
+        lines += ttft_section(label_eager_variants(gpu), "Time to first token at real model sizes (GPU, random "
+                              "weights)", unit="ms")
         return lines + gpu_attention_section(gpu_attention)
     return lines + GPU_NOT_RUN
+
+
+EAGER_NOTE = " (ran eagerly: this run captured no graphs of its shape)"
+
+
+def label_eager_variants(gpu: dict[str, Any]) -> dict[str, Any]:
+    """``gpu`` with its look-ahead variants relabelled where they ran eagerly under a "CUDA
+    graphs" label: runs from before ``gpu_ttft.capture_variant_graphs`` (their ``graphs`` has no
+    ``variant_shapes``) captured only the default's loop shape, guessed tokens per forward, so a
+    graphed variant of one token per forward found no graph and ran eagerly."""
+    if "variant_shapes" in (gpu.get("graphs") or {"variant_shapes": None}):
+        return gpu
+
+    def label(name: str) -> str:
+        return name + EAGER_NOTE if "CUDA graphs" in name and "guesses per forward" not in name else name
+
+    runs = [{**run, "lengths": [{**row, "lookahead_scoring": {label(k): v for k, v in row.get("lookahead_scoring",
+                                                                                              {}).items()}}
+                                for row in run.get("lengths", [])]}
+            for run in gpu.get("runs", [])]
+    return {**gpu, "runs": runs}
 
 
 def gpu_attention_section(data: dict[str, Any] | None) -> list[str]:

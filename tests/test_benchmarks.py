@@ -613,6 +613,20 @@ def test_evidence_bench_reads_a_prompt_longer_than_the_drafts_window_in_windows(
     assert evidence.windowed_variants([evidence.VARIANTS[reference]]) == []
 
 
+def test_report_marks_graphed_variants_that_ran_eagerly() -> None:
+    """A GPU file from before every graphed variant's shapes were captured names its one-token
+    graphed variant as run eagerly; the guessed one (the default's shape) and newer files keep
+    their labels."""
+    one, guessed = "greedy 8, CUDA graphs", "greedy 8, 6 guesses per forward, CUDA graphs"
+    row = {"lookahead_scoring": {one: {"overhead": 2.0, "r": 0.2}, guessed: {"overhead": 1.5, "r": 0.1}, "eager": {}}}
+    old = {"graphs": {"shapes": 12}, "runs": [{"backend": "transformers", "lengths": [row]}]}
+    (relabelled,) = report.label_eager_variants(old)["runs"][0]["lengths"]
+    assert list(relabelled["lookahead_scoring"]) == [one + report.EAGER_NOTE, guessed, "eager"]
+    assert relabelled["lookahead_scoring"][one + report.EAGER_NOTE] == {"overhead": 2.0, "r": 0.2}
+    new = {**old, "graphs": {"shapes": 12, "variant_shapes": 12}}
+    assert report.label_eager_variants(new) is new and report.label_eager_variants({"runs": []}) == {"runs": []}
+
+
 def test_report_evidence_section_pins_baselines_and_ranks_the_rest(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from benchmarks import report
