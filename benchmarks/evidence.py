@@ -72,7 +72,9 @@ from specprefill_rag.errors import InputError
 from specprefill_rag.loading import DTYPES, load_tokenizer, resolve_draft_dtype
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
-CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence-v2"  # v2: greedy, sibling and lens rows
+# v3: keyed by the prompt's token ids too (v2 keyed by the question alone, so a padding built
+# with another --n-long or other lengths read the rows of another prompt); v2 can be deleted.
+CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence-v3"
 PINNED = ("library default", "reference", "random chunks", "random sentences", "oracle sentences")
 METRICS = ("recall", "complete", "context_kept")  # the columns of each result entry
 MAX_LOOKAHEAD = 8  # captured once; shorter look-aheads are prefixes of the same greedy run
@@ -211,9 +213,12 @@ def same_dtype(rows: Sequence[dict[str, Any]], dtype: torch.dtype, path: Path) -
                          f"{dtype_name(dtype)}: pass --draft-dtype {sorted(found)[0]} or another --out")
 
 
-def cache_path(ex: quality.Example, draft_name: str) -> Path:
-    digest = hashlib.sha1(f"{draft_name}|{ex.task}|{ex.id}|{ex.question}".encode()).hexdigest()[:16]
-    return CACHE_DIR / f"{ex.task}-{digest}.pt"
+def cache_path(ex: quality.Example, draft_name: str, prompt: Any) -> Path:
+    """Where the draft's captured rows of ``prompt`` (the example assembled) are cached: keyed by
+    the draft, the example and the prompt's token ids, since an id names a question, not its
+    padding (SQuAD-long's depends on --n-long, a haystack on the lengths and depths asked)."""
+    key = f"{draft_name}|{ex.task}|{ex.id}|{ex.question}|{prompt_digest(prompt)}"
+    return CACHE_DIR / f"{ex.task}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.pt"
 
 
 @torch.inference_mode()
@@ -678,17 +683,20 @@ def reevaluate(
     updated = 0
     for row in rows:
         found = index.get((row["task"], row["id"]))
-        if found is None or not cache_path(found[1], draft_name).exists():
+        if found is None:
             continue
         i, ex = found
-        row["results"] = {key: v for key, v in row["results"].items() if key.rsplit("@", 1)[0] in VARIANTS}
         prompt = assemble(tokenizer, ex)
+        where = cache_path(ex, draft_name, prompt)
+        if not where.exists():
+            continue
         same_example([row], prompt, path)
-        cached = torch.load(cache_path(ex, draft_name))
+        row["results"] = {key: v for key, v in row["results"].items() if key.rsplit("@", 1)[0] in VARIANTS}
+        cached = torch.load(where)
         if not set(args.blocks) <= set(cached.get("blocks", [])):  # an older capture: add the blocks it lacks
             draft = draft or DraftModel.from_pretrained(args.draft, dtype=args.draft_dtype)
             cached = complete_rows(draft, prompt, cached, args.blocks)
-            torch.save(cached, cache_path(ex, draft_name))
+            torch.save(cached, where)
         row["results"].update(evaluate(prompt, ex, cached, variants, args.keep_rates, args.seed * 1000 + i))
         updated += 1
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -817,7 +825,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"windows, draft {record['draft_s']:.1f} s, elapsed {time.perf_counter() - started:.0f} s",
                   flush=True)
             continue
-        cached = cache_path(ex, draft_name)
+        cached = cache_path(ex, draft_name, prompt)
         if cached.exists():
             captured = torch.load(cached)
             draft_s = None

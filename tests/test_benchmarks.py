@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.util
 import json
 import time
@@ -584,14 +585,25 @@ def test_evidence_reevaluate_reads_the_blocks_asked_and_adds_none(tmp_path: Path
     (ex,) = evidence.examples(args, lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
     prompt = evidence.assemble(engine.tokenizer, ex)
     captured = evidence.capture_rows(engine.draft, prompt, ["greedy"])  # the tiny draft's 2 layers read "greedy"
-    evidence.cache_path(ex, "tiny").parent.mkdir(parents=True)
-    torch.save(captured, evidence.cache_path(ex, "tiny"))
+    evidence.cache_path(ex, "tiny", prompt).parent.mkdir(parents=True)
+    torch.save(captured, evidence.cache_path(ex, "tiny", prompt))
     out.write_text(json.dumps({"task": ex.task, "id": ex.id, "results": {"library default@0.1": [0.5, 0, 0.1]}}) + "\n")
     passage = "default scoring | sentences, passage 0.5"
     assert evidence.reevaluate(engine.tokenizer, [ex], out, [evidence.VARIANTS[passage]], args) == 0
     (row,) = evidence.load_rows(out)
     assert set(row["results"]) == {"library default@0.1", f"{passage}@0.1", f"{passage}@0.3"}
-    assert torch.load(evidence.cache_path(ex, "tiny"))["blocks"] == ["greedy"]
+    assert torch.load(evidence.cache_path(ex, "tiny", prompt))["blocks"] == ["greedy"]
+    # The same id over another padding is another prompt: the capture above is not its rows (they
+    # were read for it once, and failed on the token count or, worse, matched it).
+    padded = dataclasses.replace(ex, passages=(*ex.passages, ("extra", "Another paragraph of padding text.")))
+    other = evidence.assemble(engine.tokenizer, padded)
+    assert other.n_tokens != prompt.n_tokens
+    assert evidence.cache_path(padded, "tiny", other) != evidence.cache_path(ex, "tiny", prompt)
+    assert evidence.cache_path(ex, "tiny", evidence.assemble(engine.tokenizer, ex)) == evidence.cache_path(
+        ex, "tiny", prompt)  # stable across runs
+    before = out.read_text()
+    assert evidence.reevaluate(engine.tokenizer, [padded], out, [evidence.VARIANTS[passage]], args) == 0
+    assert out.read_text() == before  # no capture of that prompt: its row is left as it was
 
 
 @needs_data
