@@ -135,7 +135,8 @@ def _run_dtypes(data: dict[str, Any]) -> str:
     the one dtype of files from before that record (their settings' ``dtype``)."""
     found = [", ".join(f"{role} {DTYPE_NAMES.get(d, d)}" for role, d in sorted(run["dtypes"].items()))
              for run in data.get("runs", []) if run.get("dtypes")]
-    return "; ".join(dict.fromkeys(found)) or str(data.get("settings", {}).get("dtype"))
+    one = str(data.get("settings", {}).get("dtype"))
+    return "; ".join(dict.fromkeys(found)) or DTYPE_NAMES.get(one, one)
 
 
 def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]:
@@ -777,7 +778,8 @@ def headline(
     out = ["## Headline", ""]
     for stem, ttft in ttfts:
         settings = ttft.get("settings", {})
-        source = f" (`{stem}`, look-ahead {settings['lookahead']})" if settings.get("lookahead") else f" (`{stem}`)"
+        lookahead = f", look-ahead {settings['lookahead']}" if settings.get("lookahead") else ""
+        source = f" (`{stem}`{lookahead}, {_run_dtypes(ttft)})"
         for run in ttft.get("runs", []):
             if run.get("status") == "skipped":
                 continue

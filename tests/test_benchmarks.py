@@ -147,7 +147,10 @@ def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
     assert ok["dtypes"] == {"main": "float32", "draft": "float32"}
     assert "draft fp32, main fp32 on cpu" in "\n".join(report.ttft_section(data, "TTFT"))
     old = {**data, "runs": [{k: v for k, v in ok.items() if k != "dtypes"}], "settings": {"dtype": "float32"}}
-    assert ", float32 on None" in "\n".join(report.ttft_section(old, "TTFT"))  # files from before the record
+    assert ", fp32 on None" in "\n".join(report.ttft_section(old, "TTFT"))  # files from before the record
+    long = [{**ok, "lengths": [{**row, "n_tokens": 2048}]}]  # the headline lists 2k tokens and more
+    lines = report.headline([("ttft", {**data, "runs": long})], None)
+    assert "(`ttft`, look-ahead 8, draft fp32, main fp32)" in "\n".join(lines)
     # --memory-only re-measures memory into the same file and leaves the runs alone.
     assert ttft.main(["--tiny", "--lengths", "192", "--memory-only", "--out", str(out)]) == 0
     again = json.loads(out.read_text())
