@@ -624,6 +624,8 @@ LENGTH_SOURCES = (  # (results file, the variant that scores as today's default,
     # SQuAD-long at n=60 per length: its padding differs from evidence_long_bf16's (it depends on
     # --n-long), and its rows replace that file's rows of the same questions.
     ("evidence_squad_long_bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
+    # SQuAD-long 4k at n=72 (the same 60 questions first, other padding): replaces the above at 4k.
+    ("evidence_squad_long72_bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
     # The needle at 32k: past the draft's 32k window, read in windows.
     ("evidence_needle32k_bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
 )
