@@ -131,7 +131,7 @@ def default_lookahead(settings: dict[str, Any]) -> str:
 
 
 def _run_dtypes(data: dict[str, Any]) -> str:
-    """The models' dtypes as a TTFT run recorded them per backend ("main fp32, draft bf16"), or
+    """The models' dtypes as a TTFT run recorded them per backend ("draft bf16, main fp32"), or
     the one dtype of files from before that record (their settings' ``dtype``)."""
     found = [", ".join(f"{role} {DTYPE_NAMES.get(d, d)}" for role, d in sorted(run["dtypes"].items()))
              for run in data.get("runs", []) if run.get("dtypes")]
@@ -1126,10 +1126,10 @@ def label_eager_variants(gpu: dict[str, Any]) -> dict[str, Any]:
     def label(name: str) -> str:
         return name + EAGER_NOTE if "CUDA graphs" in name and "guesses per forward" not in name else name
 
-    runs = [{**run, "lengths": [{**row, "lookahead_scoring": {label(k): v for k, v in row.get("lookahead_scoring",
-                                                                                              {}).items()}}
-                                for row in run.get("lengths", [])]}
-            for run in gpu.get("runs", [])]
+    def relabel(row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "lookahead_scoring": {label(k): v for k, v in row.get("lookahead_scoring", {}).items()}}
+
+    runs = [{**run, "lengths": [relabel(row) for row in run.get("lengths", [])]} for run in gpu.get("runs", [])]
     return {**gpu, "runs": runs}
 
 
