@@ -130,11 +130,16 @@ def default_lookahead(settings: dict[str, Any]) -> str:
     return f"greedy {settings.get('lookahead')}, full forward"
 
 
+def dtype_parts(dtypes: dict[str, str], skip: str | None = None) -> list[str]:
+    """A result file's ``{role: dtype}`` as short labels by role ("draft bf16", "main fp32"),
+    leaving out roles in ``skip``'s dtype."""
+    return [f"{role} {DTYPE_NAMES.get(d, d)}" for role, d in sorted(dtypes.items()) if d != skip]
+
+
 def _run_dtypes(data: dict[str, Any]) -> str:
     """The models' dtypes as a TTFT run recorded them per backend ("draft bf16, main fp32"), or
     the one dtype of files from before that record (their settings' ``dtype``)."""
-    found = [", ".join(f"{role} {DTYPE_NAMES.get(d, d)}" for role, d in sorted(run["dtypes"].items()))
-             for run in data.get("runs", []) if run.get("dtypes")]
+    found = [", ".join(dtype_parts(run["dtypes"])) for run in data.get("runs", []) if run.get("dtypes")]
     one = str(data.get("settings", {}).get("dtype"))
     return "; ".join(dict.fromkeys(found)) or DTYPE_NAMES.get(one, one)
 
@@ -842,7 +847,7 @@ def run_label(data: dict[str, Any], default_draft: str) -> str:
     draft = data["models"]["draft"]
     lookahead = data.get("settings", {}).get("lookahead")
     parts = [f"look-ahead {lookahead}"] if lookahead else []
-    parts += [f"{role} {DTYPE_NAMES.get(d, d)}" for role, d in sorted(data.get("dtypes", {}).items()) if d != "float32"]
+    parts += dtype_parts(data.get("dtypes", {}), skip="float32")
     return ", ".join(parts if draft == default_draft and parts else [f"draft {draft}", *parts])
 
 
