@@ -763,6 +763,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny random models (smoke run; scores mean nothing)")
     p.add_argument("--fresh", action="store_true", help="ignore the rows of an earlier run in the result file")
     p.add_argument(
+        "--full-from",
+        default=None,
+        metavar="JSON",
+        help="reuse the full-prompt answers of another result file measured with the same main model, main dtype "
+        "and --max-new-tokens (e.g. another draft's run): only the pruned rows are measured",
+    )
+    p.add_argument(
         "--out",
         default=None,
         help="result JSON (default benchmarks/results/quality.json, quality_quick.json; another draft or "
@@ -789,6 +796,27 @@ def load_earlier(path: Path, fresh: bool) -> tuple[Earlier, dict[str, Any]]:
         earlier[(r["task"], r["id"])][(r["method"], r["keep_rate"])] = r
     print(f"resuming: {sum(map(len, earlier.values()))} rows of {len(earlier)} examples in {path}", flush=True)
     return earlier, before
+
+
+def full_answers_from(source: Path, payload: dict[str, Any], args: argparse.Namespace) -> Earlier:
+    """The full-prompt rows of ``source``, another result file: the full prompt's answer involves
+    neither the draft nor the selection, so a run with another draft (or another selection) needs
+    only its pruned rows. ``source`` must have the same main model, main dtype and answer length;
+    its prompts are checked per example like a resumed file's (``same_prompts``). Each reused row
+    says where it came from (``full_from``)."""
+    other = json.loads(source.read_text())
+    mine = (payload["models"]["main"], payload["dtypes"].get("main"), args.max_new_tokens)
+    theirs = (other.get("models", {}).get("main"), other.get("dtypes", {"main": "float32"}).get("main"),
+              other.get("settings", {}).get("max_new_tokens"))
+    if mine != theirs:
+        raise SystemExit(f"--full-from {source}: its full-prompt answers were measured with main model, main dtype and "
+                         f"--max-new-tokens {theirs}, this run has {mine}")
+    found: Earlier = collections.defaultdict(dict)
+    for r in other.get("rows", []):
+        if r["method"] == "full":
+            found[(r["task"], r["id"])][("full", None)] = {**r, "full_from": source.name}
+    print(f"--full-from: full-prompt answers of {len(found)} examples in {source}", flush=True)
+    return found
 
 
 def merged_plan(payload: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -880,11 +908,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.tiny:
         same_dtypes(before, payload["dtypes"], path)
     same_prompts(engine, examples, earlier, path)
+    reused: Earlier = {}
+    if args.full_from:  # handed to each example as it runs: one not reached yet writes no full row
+        reused = full_answers_from(Path(args.full_from), payload, args)
+        same_prompts(engine, examples, reused, Path(args.full_from))
     results = ResultFile(name, path, merged_plan(payload, before), earlier, args.seed, started)
     per_example = 1 + len(args.keep_rates) * len(args.methods)
     with tqdm(total=len(examples) * per_example, desc="quality", unit="answer") as bar:
         for i, ex in enumerate(examples):
-            results.rows += run_example(engine, ex, i, args, lingua, bar, results.earlier.get((ex.task, ex.id)))
+            done = {**reused.get((ex.task, ex.id), {}), **results.earlier.get((ex.task, ex.id), {})}
+            results.rows += run_example(engine, ex, i, args, lingua, bar, done)
             results.save(complete=False)
     path = results.save(complete=True)
     print_summary(summarize(results.all_rows(), args.seed))

@@ -778,6 +778,33 @@ def test_quality_resume_refuses_rows_of_another_haystack(tmp_path: Path) -> None
     assert json.loads(out.read_text())["rows"] == rows  # nothing lost
 
 
+def test_quality_full_from_reuses_full_answers_of_another_file(tmp_path: Path) -> None:
+    """``--full-from`` takes the full-prompt answers of another file (same main model, main dtype
+    and answer length; same prompts): they are not recomputed, and an example it lacks is."""
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    common = ["--tiny", "--tasks", "needle", "--needle-lengths", "256", "--keep-rates", "0.3",
+              "--methods", "specprefill"]
+    assert quality.main([*common, "--needle-depths", "0.25", "--out", str(first)]) == 0
+    data = json.loads(first.read_text())
+    full = next(r for r in data["rows"] if r["method"] == "full")
+    full["prediction"] = "from the first file"  # a recomputed answer would not say this
+    first.write_text(json.dumps(data))
+    assert quality.main([*common, "--needle-depths", "0.25", "0.75", "--full-from", str(first),
+                         "--out", str(second)]) == 0
+    got = {r["id"]: r for r in json.loads(second.read_text())["rows"] if r["method"] == "full"}
+    assert got["needle-256-0.25"]["prediction"] == "from the first file"
+    assert got["needle-256-0.25"]["full_from"] == "first.json"
+    assert "full_from" not in got["needle-256-0.75"]  # not in the first file: measured here
+    with pytest.raises(SystemExit, match=r"--full-from .*first.json: its full-prompt answers were measured with "
+                                         r"main model, main dtype and --max-new-tokens \('tiny-random-llama', "
+                                         r"'float32', 12\), this run has .*4\)"):
+        quality.main([*common, "--needle-depths", "0.25", "--max-new-tokens", "4", "--full-from", str(first),
+                      "--out", str(tmp_path / "third.json")])
+    with pytest.raises(SystemExit, match="first.json holds needle needle-256-0.25 for another prompt"):
+        quality.main([*common, "--needle-depths", "0.75", "0.25", "--full-from", str(first),
+                      "--out", str(tmp_path / "fourth.json")])
+
+
 @needs_data
 def test_evidence_resume_refuses_rows_of_another_haystack(tmp_path: Path) -> None:
     from benchmarks import evidence
