@@ -633,6 +633,9 @@ LENGTH_SOURCES = (  # (results file, the variant that scores as today's default,
     ("evidence_squad_long72_bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
     # The needle at 32k: past the draft's 32k window, read in windows.
     ("evidence_needle32k_bf16.jsonl", "library default", "qwen2.5-coder-0.5b-instruct"),
+    # SmolLM2 on SQuAD-long and the multi-key needle, the Qwen files' commands with its own tokens.
+    ("evidence_squad_long_draft-smollm2-135m-instruct-bf16.jsonl", "library default", "smollm2-135m-instruct"),
+    ("evidence_multikey_draft-smollm2-135m-instruct-bf16.jsonl", "library default", "smollm2-135m-instruct"),
 )
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
 LENGTH_KEEPS = (0.1, 0.3)

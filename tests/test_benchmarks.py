@@ -694,8 +694,10 @@ def test_report_length_section_groups_the_default_by_task_length_draft_and_readi
     (results / report.LENGTH_SOURCES[2][0]).write_text(
         json.dumps(row("hotpotqa_4k", 4300, 0.75)) + "\n" + json.dumps(row("near_miss_8k", 8200, 1.0)) + "\n"
         + json.dumps({"task": "multikey_8k", "id": "m", "n_prompt": 8000, "results": {}}) + "\n")  # no default
-    # A later source: its row of the same example replaces the earlier one; another example joins it.
-    (results / report.LENGTH_SOURCES[-1][0]).write_text(
+    # A later source of the same draft: its row of the same example replaces the earlier one;
+    # another example joins it.
+    last = next(name for name, _, draft in reversed(report.LENGTH_SOURCES) if draft == report.LENGTH_SOURCES[2][2])
+    (results / last).write_text(
         json.dumps(row("hotpotqa_4k", 4300, 0.25)) + "\n" + json.dumps(row("near_miss_8k", 8100, 0.0)) + "\n")
     (results / "windows.jsonl").write_text(json.dumps(
         {"task": "hotpotqa_6k", "id": "w", "n_prompt": 6500,
@@ -712,7 +714,7 @@ def test_report_length_section_groups_the_default_by_task_length_draft_and_readi
         ("hotpotqa", "hotpotqa_16k", "smollm2-135m-instruct, fp32", "3 windows", 1, 0.5),
         ("near_miss", "near_miss_8k", "qwen2.5-coder-0.5b-instruct, fp32", "one pass", 2, 0.5),
     ]
-    later, merged = report.LENGTH_SOURCES[-1][0], sorted([report.LENGTH_SOURCES[2][0], report.LENGTH_SOURCES[-1][0]])
+    later, merged = last, sorted([report.LENGTH_SOURCES[2][0], last])
     assert [e["files"] for e in summary if e["task"] in ("hotpotqa_4k", "near_miss_8k")] == [[later], merged]
     first = summary[0]
     assert (first["tokens"], first["min"], first["max"]) == (1500, 1000, 2000)
