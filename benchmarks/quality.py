@@ -483,12 +483,18 @@ def build_engine(args: argparse.Namespace) -> Any:
     return SpecPrefillEngine.from_pretrained(args.main, args.draft, config=config, dtype=args.dtype)
 
 
+def recorded_dtypes(data: dict[str, Any]) -> dict[str, str]:
+    """The dtypes a result file's models ran in; files written before they were recorded ran
+    both models in float32."""
+    return data.get("dtypes", {"main": "float32", "draft": "float32"})
+
+
 def same_dtypes(before: dict[str, Any], dtypes: dict[str, str], path: Path) -> None:
-    """Refuse to resume a result file measured in other dtypes (files written before they were
-    recorded ran both models in float32): one file, one pair of dtypes."""
+    """Refuse to resume a result file measured in other dtypes (``recorded_dtypes``): one file,
+    one pair of dtypes."""
     if not before.get("rows"):
         return
-    found = before.get("dtypes", {"main": "float32", "draft": "float32"})
+    found = recorded_dtypes(before)
     if found != dtypes:
         one = set(found.values())
         fix = f"pass --dtype {one.pop()}" if len(one) == 1 else "run where --dtype auto gives that pair"
@@ -806,7 +812,7 @@ def full_answers_from(source: Path, payload: dict[str, Any], args: argparse.Name
     says where it came from (``full_from``)."""
     other = json.loads(source.read_text())
     mine = (payload["models"]["main"], payload["dtypes"].get("main"), args.max_new_tokens)
-    theirs = (other.get("models", {}).get("main"), other.get("dtypes", {"main": "float32"}).get("main"),
+    theirs = (other.get("models", {}).get("main"), recorded_dtypes(other)["main"],
               other.get("settings", {}).get("max_new_tokens"))
     if mine != theirs:
         raise SystemExit(f"--full-from {source}: its full-prompt answers were measured with main model, main dtype and "
