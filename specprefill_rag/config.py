@@ -369,9 +369,17 @@ class GenerationConfig:
     # Seconds for the whole request (draft, prefill and every token); past it the request stops
     # with BackendTimeoutError. The engine hands a backend the time that is left. None: no deadline.
     timeout: float | None = None
+    # The request's cache namespace, vLLM's ``cache_salt``: cached work is shared only between
+    # requests of the same salt. A vLLM backend forwards it; the engine keys its own caches (the
+    # draft's score memo, prompt memo, prefix store and batches) on it. None: the shared namespace.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         _check_types(self, ints=("max_new_tokens", "top_k", "seed"), numbers=("temperature", "top_p", "timeout"))
+        _check(
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+            f"cache_salt must be a non-empty string or None, got {self.cache_salt!r:.80}",
+        )
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(
             math.isfinite(self.temperature) and self.temperature >= 0.0,

@@ -362,6 +362,7 @@ class DraftModel:
         heads: Sequence[int] | None = None,
         graphs: bool = True,
         stop_at_eos: bool | None = None,
+        namespace: str = "",
     ) -> list[DraftCapture]:
         """``capture`` for several prompts in one right-padded forward per step.
 
@@ -371,6 +372,7 @@ class DraftModel:
         ``capture`` head per prompt; the prefix store serves the batch when all prompts begin
         with the same tokens (``_shared_head``). ``graphs``: replay the look-ahead's CUDA
         graphs where ``capture_graphs`` captured one for this shape (False: run it eagerly).
+        ``namespace``: the requests' cache salt; the prefix store is read and written under it.
         """
         lookahead = self.config.lookahead if lookahead is None else lookahead
         tokens = self.config.lookahead_tokens if tokens is None else tokens
@@ -389,8 +391,8 @@ class DraftModel:
         ids, mask = self._right_padded(token_ids, lengths)
         last = torch.tensor(lengths, device=self.device) - 1  # (batch,) each prompt's last token
         cached = self._shared_head(token_ids, lengths, recorder.questions, heads)
-        head = self._read_head(token_ids[0][:cached], self._exit_layer(lookahead, tokens, early_exit, top, ids)
-                               ) if cached else None
+        head = self._read_head(token_ids[0][:cached], self._exit_layer(lookahead, tokens, early_exit, top, ids),
+                               namespace) if cached else None
         with _recording(recorder):
             if lookahead == 1:
                 cache = self._cache(head, len(lengths)) if head is not None else None
@@ -645,11 +647,12 @@ class DraftModel:
             return last
         return top
 
-    def _read_head(self, head_ids: torch.Tensor, exit_layer: int) -> PrefixEntry:
-        """The store's entry for ``head_ids`` (p,): stored, or read on from the longest stored
-        head it begins with (a chat's previous turn), or from nothing, and then stored."""
+    def _read_head(self, head_ids: torch.Tensor, exit_layer: int, namespace: str) -> PrefixEntry:
+        """The store's entry for ``head_ids`` (p,) in ``namespace``: stored, or read on from the
+        longest head stored there that it begins with (a chat's previous turn), or from nothing,
+        and then stored."""
         head_ids = head_ids.to(torch.int64).cpu()
-        found = self.prefixes.longest(head_ids, exit_layer)
+        found = self.prefixes.longest(head_ids, exit_layer, namespace)
         if found is not None and found.n_tokens == head_ids.numel():
             return found
         done = 0 if found is None else found.n_tokens
@@ -660,7 +663,7 @@ class DraftModel:
         hidden = left[0] if found is None else torch.cat([found.hidden, left[0]], dim=1)
         layers = cache.layers[: exit_layer + 1]
         entry = PrefixEntry(head_ids, exit_layer, tuple(layer.keys for layer in layers),
-                            tuple(layer.values for layer in layers), hidden)
+                            tuple(layer.values for layer in layers), hidden, namespace)
         self.prefixes.add(entry)
         return entry
 
@@ -759,6 +762,7 @@ class DraftModel:
         questions: Sequence[torch.Tensor | None] | None = None,
         contexts: Sequence[torch.Tensor | None] | None = None,
         config: DraftConfig | None = None,
+        namespace: str = "",
     ) -> list[TokenScores]:
         """``score`` for several prompts of any lengths in one batched draft run (one padded
         prefill, one batched step per look-ahead token); each result equals the prompt's own
@@ -766,7 +770,8 @@ class DraftModel:
 
         Each prompt's protected start (its tokens before the first one ``contexts`` marks
         prunable) is its head (``capture``): an application's system prompt, a chat's earlier
-        turns are read once and then served from the prefix store (``DraftConfig.prefix_cache_entries``)."""
+        turns are read once and then served from the prefix store (``DraftConfig.prefix_cache_entries``),
+        under ``namespace`` (the requests' cache salt: prompts of other namespaces never share a head)."""
         cfg = config or self.config
         start = time.perf_counter()
         batch = len(token_ids)
@@ -778,7 +783,7 @@ class DraftModel:
         windows = [self.windows(int(ids.numel()), c, cfg.extra_positions(n))
                    for ids, c, n in zip(token_ids, contexts, lookaheads, strict=True)]
         if any(w is not None for w in windows):
-            return self._score_windowed(token_ids, questions, contexts, windows, cfg)
+            return self._score_windowed(token_ids, questions, contexts, windows, cfg, namespace)
         layers = cfg.layer_indices(self.n_layers)
         if cfg.prefix_cache_entries:  # 0: this call neither reads nor changes the store
             self.prefixes.resize(cfg.prefix_cache_entries, cfg.prefix_cache_bytes)
@@ -787,7 +792,7 @@ class DraftModel:
             tokens=cfg.lookahead_tokens, upper_keep=cfg.upper_keep,
             guesses=self._guesses(cfg.lookahead_guesses, max(lookaheads)),
             heads=_heads(contexts) if cfg.prefix_cache_entries else None, graphs=cfg.cuda_graphs,
-            stop_at_eos=cfg.lookahead_stop_at_eos,
+            stop_at_eos=cfg.lookahead_stop_at_eos, namespace=namespace,
         )
         results = [self._scores(cap, lookahead, context, cfg)
                    for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True)]
@@ -818,7 +823,7 @@ class DraftModel:
 
     def _score_windowed(self, token_ids: Sequence[torch.Tensor], questions: list[torch.Tensor | None],
                         contexts: list[torch.Tensor | None], windows: list[list[torch.Tensor] | None],
-                        cfg: DraftConfig) -> list[TokenScores]:
+                        cfg: DraftConfig, namespace: str = "") -> list[TokenScores]:
         """``score_batch`` when some prompts exceed the window: those that fit are scored
         together, each other one window at a time (``windows``); a prunable token gets its
         window's score, a protected one (in every window) its highest."""
@@ -827,7 +832,7 @@ class DraftModel:
         results: dict[int, TokenScores] = {}
         if fit:
             scored = self.score_batch([token_ids[b] for b in fit], questions=[questions[b] for b in fit],
-                                      contexts=[contexts[b] for b in fit], config=cfg)
+                                      contexts=[contexts[b] for b in fit], config=cfg, namespace=namespace)
             results.update(zip(fit, scored, strict=True))
         for b, parts in enumerate(windows):
             if parts is None:
@@ -839,7 +844,7 @@ class DraftModel:
             for index in parts:
                 local = None if question is None else torch.searchsorted(index, question[torch.isin(question, index)])
                 (part,) = self.score_batch([token_ids[b][index]], questions=[local], contexts=[context.cpu()[index]],
-                                           config=cfg)
+                                           config=cfg, namespace=namespace)
                 scores[index] = torch.maximum(scores[index], part.scores)
                 read.append(part)
             results[b] = TokenScores(scores=scores, lookahead_token_ids=read[0].lookahead_token_ids, seconds=0.0,

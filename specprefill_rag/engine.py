@@ -72,6 +72,7 @@ class _DraftInput:
 
     prompt: AssembledPrompt
     read: AssembledPrompt
+    salt: str | None = None  # the request's cache namespace (``GenerationConfig.cache_salt``)
 
 
 def _prefilled_whole(prompt: AssembledPrompt, scores: TokenScores | None) -> PlannedPrompt:
@@ -128,8 +129,9 @@ class SpecPrefillEngine:
         self.maps_tokens = False  # True: the draft has its own tokenizer (scores mapped by offsets)
         draft_config = self.config.draft
         # Concurrent requests (threads, async tasks) share draft passes (DraftConfig.max_batch).
+        # A batch's key is (draft config, cache salt): requests of other namespaces never share a batch.
         self._batcher: MicroBatcher[_DraftInput, TokenScores] = MicroBatcher(
-            lambda config, items: self._score_inputs(items, config),  # type: ignore[arg-type]
+            lambda key, items: self._score_inputs(items, key[0]),  # type: ignore[index]
             max_batch=draft_config.max_batch,
             window_s=draft_config.batch_window_s,
         )
@@ -198,10 +200,13 @@ class SpecPrefillEngine:
         *,
         instructions: str | None = None,
         selection: SelectionConfig | None = None,
+        cache_salt: str | None = None,
     ) -> AssembledPrompt:
         """Render and tokenize a prompt; a list of ``Segment`` is taken as is.
 
         ``selection`` (default: the engine's) decides what is protected (instructions, tail).
+        ``cache_salt``: the request's cache namespace; a prompt assembled before is reused only
+        under the same salt.
         """
         if isinstance(question, str):
             instructions = self.config.instructions if instructions is None else instructions
@@ -220,7 +225,7 @@ class SpecPrefillEngine:
         window = self.backend.max_context
         self._check_length(segments, window)
         prompt = self._assembled(self.prompts, self.tokenizer, segments, sel.protect_instructions,
-                                 sel.protect_tail_tokens, sel.protect_history)
+                                 sel.protect_tail_tokens, sel.protect_history, cache_salt)
         if prompt.n_tokens >= window:
             raise InputError(
                 f"the prompt has {prompt.n_tokens} tokens but the main model's window is {window}: "
@@ -230,10 +235,11 @@ class SpecPrefillEngine:
 
     @staticmethod
     def _assembled(memo: PromptMemo, tokenizer: Any, segments: Sequence[Segment], protect_instructions: bool,
-                   protect_tail_tokens: int, protect_history: bool) -> AssembledPrompt:
-        """``prompt.assemble`` of ``segments``, or the same prompt assembled before: a retry skips
-        the template and the tokenizer (``memo``: as many entries as the score memo)."""
-        options = (protect_instructions, protect_tail_tokens, protect_history)
+                   protect_tail_tokens: int, protect_history: bool, salt: str | None) -> AssembledPrompt:
+        """``prompt.assemble`` of ``segments``, or the same prompt assembled before under the same
+        cache ``salt``: a retry skips the template and the tokenizer (``memo``: as many entries as
+        the score memo)."""
+        options = (protect_instructions, protect_tail_tokens, protect_history, salt)
         key = PromptMemo.key(segments, options) if memo.entries else None
         if key is not None and (remembered := memo.get(key, segments)) is not None:
             return remembered
@@ -291,15 +297,17 @@ class SpecPrefillEngine:
         mode: Mode = "specprefill",
         selection: SelectionConfig | None = None,
         scores: TokenScores | None = None,
+        cache_salt: str | None = None,
     ) -> PlannedPrompt:
         """The prefill plan for ``prompt``, with the scores it was made from (``scores``, when
-        given, are reused: e.g. one draft run across keep rates) and the selection's time."""
+        given, are reused: e.g. one draft run across keep rates) and the selection's time.
+        ``cache_salt``: the request's cache namespace (``GenerationConfig.cache_salt``)."""
         sel = self._request_selection(mode, None, selection)
         if not self._speculates(prompt, mode, sel):
             return _prefilled_whole(prompt, scores)
         if scores is not None:
             return self._select(prompt, sel, scores)
-        return self._plan(prompt, sel, self._readable(prompt))
+        return self._plan(prompt, sel, self._readable(prompt, cache_salt))
 
     # -- planning: one pipeline, each stage written once --------------------------------------
     #   _request_selection  a request's options, checked: mode, keep rate, selection
@@ -332,15 +340,17 @@ class SpecPrefillEngine:
             raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
         return self.draft
 
-    def _draft_input(self, prompt: AssembledPrompt) -> _DraftInput:
+    def _draft_input(self, prompt: AssembledPrompt, salt: str | None = None) -> _DraftInput:
         """``prompt`` and what the draft reads of it: itself, or the same segments in the draft's
-        own tokenizer and chat template (``tokenizer_mapping``), rendered once per request."""
+        own tokenizer and chat template (``tokenizer_mapping``), rendered once per request; under
+        the request's cache ``salt``."""
         if not self.maps_tokens:
-            return _DraftInput(prompt, prompt)
+            return _DraftInput(prompt, prompt, salt)
         if not prompt.segment_spans:
             raise InputError("the prompt carries no segment spans: build it with engine.assemble")
         tokenizer = self._require_draft().tokenizer
-        return _DraftInput(prompt, self._assembled(self.draft_prompts, tokenizer, prompt.segments, True, 0, True))
+        read = self._assembled(self.draft_prompts, tokenizer, prompt.segments, True, 0, True, salt)
+        return _DraftInput(prompt, read, salt)
 
     def _overflow(self, item: _DraftInput, config: DraftConfig) -> str | None:
         """Why the draft cannot read ``item`` (its rendering plus the look-ahead), or None."""
@@ -354,12 +364,12 @@ class SpecPrefillEngine:
             f"model's window of {draft.max_context}"
         )
 
-    def _readable(self, prompt: AssembledPrompt) -> _DraftInput | None:
+    def _readable(self, prompt: AssembledPrompt, salt: str | None = None) -> _DraftInput | None:
         """What the draft reads for ``prompt``. A prompt longer than the draft's window is read
         in windows (``DraftConfig.on_overflow="windows"``, ``DraftModel.windows``); None when the
         draft cannot read it and the prompt is prefilled whole (``"full"``, or windows that cannot
         hold the context; logged), ``InputError`` under ``"raise"``."""
-        item = self._draft_input(prompt)
+        item = self._draft_input(prompt, salt)
         config = self.config.draft
         reason = self._overflow(item, config)
         if reason is None:
@@ -381,35 +391,45 @@ class SpecPrefillEngine:
 
     def _draft_scores(self, item: _DraftInput) -> TokenScores:
         """The draft's scores of ``item``: from the memo when an identical request was scored
-        (the same draft reading, the same scoring config), else scored and remembered."""
+        (the same draft reading, the same scoring config, the same cache salt), else scored and
+        remembered."""
         config = self.config.draft
         key = self._memo_key(item, config) if config.memo_entries else None
         if key is not None and (remembered := self.memo.get(key)) is not None:
             return remembered
-        scores = self._batcher.submit(config, item) if config.max_batch > 1 else self._score_inputs([item], config)[0]
+        if config.max_batch > 1:
+            scores = self._batcher.submit((config, item.salt), item)
+        else:
+            scores = self._score_inputs([item], config)[0]
         if key is not None:
             self.memo.put(key, scores)
         return scores
 
     def _memo_key(self, item: _DraftInput, config: DraftConfig) -> bytes:
         """What the draft's scores of ``item`` depend on: the draft's token ids, question and
-        prunable tokens, the main prompt's token ids when scores are mapped onto them, and the
-        scoring fields of ``config``."""
+        prunable tokens, the main prompt's token ids when scores are mapped onto them, the
+        scoring fields of ``config``, and the request's cache salt (namespaces share nothing)."""
         read = item.read
         main = item.prompt.token_ids if self.maps_tokens else None
-        return digest([read.token_ids, read.positions_of(SegmentKind.QUESTION), read.protected, main], config.scoring())
+        return digest([read.token_ids, read.positions_of(SegmentKind.QUESTION), read.protected, main],
+                      (config.scoring(), item.salt))
 
     def _score_inputs(self, items: Sequence[_DraftInput], config: DraftConfig) -> list[TokenScores]:
         """The draft's scores of each prompt, read in its own rendering (one batched run), mapped
-        onto the main tokens when the draft has its own tokenizer."""
+        onto the main tokens when the draft has its own tokenizer. The items share one cache salt
+        (a batch never mixes namespaces): the draft's prefix store is read and written under it."""
         draft = self._require_draft()
         start = time.perf_counter()
         read = [item.read for item in items]
+        salts = {item.salt for item in items}
+        if len(salts) > 1:
+            raise RuntimeError(f"a draft batch mixes {len(salts)} cache salts")
         scored = draft.score_batch(
             [d.token_ids for d in read],
             questions=[d.positions_of(SegmentKind.QUESTION) for d in read],
             contexts=[~d.protected for d in read],
             config=config,
+            namespace=salts.pop() or "",
         )
         if not self.maps_tokens:
             return scored
@@ -537,12 +557,15 @@ class SpecPrefillEngine:
         under ``on_overflow="raise"``) raises here, before any model runs: ``InputError`` /
         ``ConfigError`` (both ``ValueError``), or ``InputTypeError`` / ``ConfigTypeError``
         (``TypeError``) for values of the wrong type. The draft scores and the selection run at
-        the first ``next``.
+        the first ``next``. ``generation.cache_salt`` names the request's cache namespace: the
+        engine's caches and a vLLM upstream's prefix cache serve it only what was computed under
+        the same salt.
         """
         started = time.perf_counter()
         sel = self._request_selection(mode, keep_rate, selection)
-        prompt = self.assemble(question, passages, instructions=instructions, selection=sel)
-        item = self._readable(prompt) if self._speculates(prompt, mode, sel) else None
+        salt = (generation or self.config.generation).cache_salt
+        prompt = self.assemble(question, passages, instructions=instructions, selection=sel, cache_salt=salt)
+        item = self._readable(prompt, salt) if self._speculates(prompt, mode, sel) else None
 
         def run() -> Generator[str, None, GenerationResult]:
             assembled = time.perf_counter()

@@ -38,6 +38,7 @@ class PrefixEntry:
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
     hidden: torch.Tensor
+    namespace: str = ""  # the cache salt it was read under: found only by prompts of the same one
 
     @property
     def n_tokens(self) -> int:
@@ -49,20 +50,23 @@ class PrefixEntry:
         return sum(t.numel() * t.element_size() for t in tensors) + 8 * self.n_tokens
 
 
-class PrefixStore(Bounded[tuple[int, bytes], PrefixEntry]):
+class PrefixStore(Bounded[tuple[str, int, bytes], PrefixEntry]):
     """At most ``entries`` prompt heads and ``max_bytes`` of their tensors together (0 entries:
-    nothing is kept). ``longest`` finds the longest stored head of a prompt."""
+    nothing is kept). ``longest`` finds the longest stored head of a prompt in one namespace (a
+    request's cache salt): tenants never read each other's heads."""
 
     def __init__(self, entries: int, max_bytes: int) -> None:
         super().__init__(entries, max_bytes, lambda entry: entry.nbytes)
 
-    def longest(self, token_ids: torch.Tensor, exit_layer: int) -> PrefixEntry | None:
-        """The longest stored entry of ``exit_layer`` whose token ids begin ``token_ids`` (n,), or None."""
+    def longest(self, token_ids: torch.Tensor, exit_layer: int, namespace: str = "") -> PrefixEntry | None:
+        """The longest entry of ``exit_layer`` stored under ``namespace`` whose token ids begin
+        ``token_ids`` (n,), or None."""
         ids = token_ids.to(torch.int64).cpu()
-        best: tuple[tuple[int, bytes], PrefixEntry] | None = None
+        best: tuple[tuple[str, int, bytes], PrefixEntry] | None = None
         for key, entry in self._snapshot():
             p = entry.n_tokens
-            if entry.exit_layer != exit_layer or p > ids.numel() or (best is not None and p <= best[1].n_tokens):
+            if entry.namespace != namespace or entry.exit_layer != exit_layer or p > ids.numel() or (
+                    best is not None and p <= best[1].n_tokens):
                 continue
             if torch.equal(entry.token_ids, ids[:p]):
                 best = (key, entry)
@@ -72,4 +76,4 @@ class PrefixStore(Bounded[tuple[int, bytes], PrefixEntry]):
         return best[1]
 
     def add(self, entry: PrefixEntry) -> None:
-        self.put((entry.exit_layer, entry.token_ids.numpy().tobytes()), entry)
+        self.put((entry.namespace, entry.exit_layer, entry.token_ids.numpy().tobytes()), entry)

@@ -156,6 +156,8 @@ class VLLMOfflineBackend(ModelIdentity):
 
         max_tokens = max_new_tokens(plan, generation, self.max_context)
         prompt = TokensPrompt(prompt_token_ids=plan.token_ids.tolist())
+        if generation.cache_salt is not None:  # vLLM's prefix-cache namespace for this request
+            prompt["cache_salt"] = generation.cache_salt
         extra = checked_xargs(plan, max_tokens=max_tokens, window=self.max_context, model=self.model_name)
         params = SamplingParams(
             max_tokens=max_tokens,

@@ -243,6 +243,15 @@ class VLLMServerBackend(ModelIdentity):
 
     # -- generation ------------------------------------------------------------------------
 
+    def salt_of(self, generation: GenerationConfig) -> str | None:
+        """The ``cache_salt`` sent for a request: the request's own (``generation.cache_salt``)
+        within this backend's (``cache_salt``), so a request can narrow the backend's namespace but
+        never leave it; None when neither is set (vLLM's shared namespace)."""
+        own = generation.cache_salt
+        if self.cache_salt is None or own is None:
+            return own if own is not None else self.cache_salt
+        return json.dumps([self.cache_salt, own])  # unambiguous: no two pairs give one salt
+
     def check_plan(self, plan: PrefillPlan, max_tokens: int) -> None:
         """Client-side validation, the same rules the server applies (``PlanError``)."""
         checked_xargs(plan, max_tokens=max_tokens, window=self.max_context, model=self.model_name)
@@ -260,7 +269,7 @@ class VLLMServerBackend(ModelIdentity):
             return
         self.check_plan(plan, max_tokens)
         body = request_body(plan, generation, model=self.model_name, max_tokens=max_tokens,
-                            logprobs=logprobs, stream=True, cache_salt=self.cache_salt)
+                            logprobs=logprobs, stream=True, cache_salt=self.salt_of(generation))
         proof = None
         if "vllm_xargs" in body and self.verify_plugin:
             self.ensure_plugin()  # before the deadline starts: bounded by its own timeouts
