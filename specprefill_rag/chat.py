@@ -147,6 +147,15 @@ def chat_segments(
     return tuple(segments)
 
 
-def split_documents(text: str) -> list[Passage]:
-    """Documents joined by blank lines (LangChain's default separator, LlamaIndex's context_str)."""
-    return [Passage(part.strip()) for part in _BLANK_LINE.split(text) if part.strip()]
+def split_documents(text: str, limit: int | None = None) -> list[Passage]:
+    """Documents joined by blank lines (LangChain's default separator, LlamaIndex's context_str).
+
+    ``limit``: at most this many passages; more pieces are joined back, consecutive ones together
+    in groups of equal count, so no text is lost and a message of a million blank lines costs no
+    more objects than the limit (the gateway's bound on client text)."""
+    parts = [part.strip() for part in _BLANK_LINE.split(text)]
+    parts = [part for part in parts if part]
+    if limit is not None and len(parts) > limit:
+        size = -(-len(parts) // limit)
+        parts = ["\n\n".join(parts[i:i + size]) for i in range(0, len(parts), size)]
+    return [Passage(part) for part in parts]

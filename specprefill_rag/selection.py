@@ -17,7 +17,7 @@ import torch
 
 from .config import SelectionConfig
 from .errors import InputError, PlanError
-from .types import RETRIEVER_SCORE_KEY, AssembledPrompt, KeptSpan, PrefillPlan, Segment, is_number
+from .types import RETRIEVER_SCORE_KEY, AssembledPrompt, KeptSpan, PrefillPlan, Segment, is_finite_number
 
 __all__ = [
     "full_plan", "plan_from_indices", "retriever_scores", "select", "unit_bounds", "unit_ranks", "unit_sums",
@@ -135,7 +135,7 @@ def retriever_scores(segments: Sequence[Segment]) -> torch.Tensor | None:
     values = []
     for segment in segments:
         score = segment.metadata.get(RETRIEVER_SCORE_KEY)
-        values.append(float(score) if is_number(score) and math.isfinite(score) else math.nan)
+        values.append(float(score) if is_finite_number(score) else math.nan)
     if all(math.isnan(v) for v in values):
         return None
     return torch.tensor(values, dtype=torch.float32)

@@ -3,13 +3,14 @@
 Data flow: ``Segment`` list → ``AssembledPrompt`` → ``TokenScores`` → ``PrefillPlan`` (with its
 prompt and scores: ``PlannedPrompt``) → backend → ``GenerationResult``. Everything here is plain
 data; no model code. The checks every layer applies to values it is handed (``is_int``,
-``is_number``, ``lone_surrogate``) live here too.
+``is_number``, ``is_finite_number``, ``lone_surrogate``) live here too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ __all__ = [
     "SegmentKind",
     "Timings",
     "TokenScores",
+    "is_finite_number",
     "is_int",
     "is_number",
     "lone_surrogate",
@@ -62,6 +64,17 @@ def is_int(value: object) -> TypeGuard[int]:
 def is_number(value: object) -> TypeGuard[int | float]:
     """Whether ``value`` is an int or a float (a ``bool`` is not)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite_number(value: object) -> TypeGuard[int | float]:
+    """Whether ``value`` is a finite int or float: an int too large for a float (JSON allows any
+    number of digits) is not, nor NaN or infinity, nor a ``bool``."""
+    if not is_number(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _check_id(owner: str, pid: object) -> None:

@@ -559,7 +559,12 @@ def test_ready_only_while_the_upstream_answers(upstream_gateway, upstream_port):
     finally:
         server.shutdown()
         server.server_close()
-    status, body = get(upstream_gateway.port, "/ready")  # warmed, but the upstream went away
+    # Warmed, but the upstream went away: /ready says so once its last check (reused for
+    # GatewayOptions.ready_cache_s, 2 s) is out of date.
+    deadline = time.monotonic() + 2.0 + 10
+    while (status := get(upstream_gateway.port, "/ready")[0]) == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status, body = get(upstream_gateway.port, "/ready")
     assert status == 503 and json.loads(body)["checks"]["upstream"].startswith("failed: ")
 
 
@@ -620,6 +625,17 @@ def test_upstream_error_is_502_and_mid_stream_error_is_an_event(upstream_gateway
     answer = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])
     assert answer.choices[0].message.content == "The sky is blue. The grass is green."
     assert answer.model == "tiny-upstream" and fake_vllm.bodies[-1]["model"] == "tiny"
+
+
+def test_cache_salt_reaches_the_upstream_on_both_endpoints(upstream_gateway, fake_vllm):
+    client = upstream_gateway.client()
+    client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
+                                   extra_body={"cache_salt": "tenant-a"})
+    assert fake_vllm.bodies[-1]["cache_salt"] == "tenant-a"
+    client.completions.create(model="x", prompt="hi", extra_body={"cache_salt": "tenant-b"})
+    assert fake_vllm.bodies[-1]["cache_salt"] == "tenant-b"
+    client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])
+    assert "cache_salt" not in fake_vllm.bodies[-1]  # none given: vLLM's shared namespace
 
 
 def test_full_queue_is_429_and_a_hang_up_cancels_the_upstream_request(upstream_gateway, fake_vllm):

@@ -11,7 +11,7 @@ and imported only when an app is built; the prompt mapping (``messages``) needs 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +33,18 @@ class GatewayOptions:
     """How one gateway serves its engine (``create_app(engine, options)`` or the same as keywords).
 
     ``api_key``: required as ``Authorization: Bearer KEY`` on ``/v1/*`` (None or "": open).
-    ``max_queue``: requests in flight (running or waiting) before HTTP 429. ``max_concurrency``:
-    requests generating at once (None: max(4, the draft's ``max_batch``)). ``model_name``: the
-    id in ``/v1/models`` and in answers (None: the backend's); requests may name any model.
-    ``shapes``: the prompt layouts whose documents are recognised as passages.
+    ``api_keys``: more keys, each mapped to its tenant's name: a tenant's requests share cached
+    work (the draft's caches, vLLM's prefix cache) only with requests of the same tenant and the
+    same ``cache_salt``; requests with ``api_key`` (or an open gateway's) use the client's
+    ``cache_salt`` as vLLM does. Either or both may be given; with any, a key is required.
+    ``max_queue``: requests in flight (reading their body, waiting or running) before HTTP 429.
+    ``max_concurrency``: requests generating at once (None: max(4, the draft's ``max_batch``)).
+    ``model_name``: the id in ``/v1/models`` and in answers (None: the backend's); requests may
+    name any model. ``shapes``: the prompt layouts whose documents are recognised as passages.
     ``max_body_bytes``: a larger request body is refused with HTTP 413 before it is read whole.
+    ``max_body_bytes_in_flight``: the bodies being read or parsed at once, together (a body
+    without a Content-Length counts as ``max_body_bytes``); the next gets HTTP 429 (None: four
+    times ``max_body_bytes``). ``ready_cache_s``: how long ``/ready`` reuses its upstream check.
     """
 
     api_key: str | None = None
@@ -46,12 +53,29 @@ class GatewayOptions:
     model_name: str | None = None
     shapes: Sequence[PromptShape] = field(default=DEFAULT_SHAPES)
     max_body_bytes: int = 8 << 20  # bytes; 8 MiB holds about two million tokens of English text
+    api_keys: Mapping[str, str] = field(default_factory=dict)  # API key -> tenant name
+    max_body_bytes_in_flight: int | None = None  # bytes; None: 4 * max_body_bytes
+    ready_cache_s: float = 2.0  # seconds
 
     def __post_init__(self) -> None:
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int):
             raise ConfigError(f"max_body_bytes must be an int, got {self.max_body_bytes!r}")
         if self.max_body_bytes < 1:
             raise ConfigError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        in_flight = self.max_body_bytes_in_flight
+        if in_flight is None:
+            object.__setattr__(self, "max_body_bytes_in_flight", 4 * self.max_body_bytes)
+        elif isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < self.max_body_bytes:
+            raise ConfigError(f"max_body_bytes_in_flight must be an int >= max_body_bytes ({self.max_body_bytes}), "
+                              f"got {in_flight!r}")
+        pairs = self.api_keys.items() if isinstance(self.api_keys, Mapping) else None
+        if pairs is None or not all(isinstance(x, str) and x.strip() for pair in pairs for x in pair):
+            raise ConfigError("api_keys must map non-empty API keys to non-empty tenant names")
+        if self.api_key and self.api_key in self.api_keys:
+            raise ConfigError("api_key is also one of api_keys: give each key once")
+        object.__setattr__(self, "api_keys", dict(self.api_keys))
+        if not (isinstance(self.ready_cache_s, (int, float)) and 0 <= self.ready_cache_s < float("inf")):
+            raise ConfigError(f"ready_cache_s must be a number of seconds >= 0, got {self.ready_cache_s!r}")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.max_concurrency is not None and self.max_concurrency < 1:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import hmac
 import json
 import logging
@@ -49,7 +51,7 @@ from .metrics import GatewayMetrics
 from .protocol import GatewayRequest, parse_chat, parse_completion
 from .responses import RETRY_AFTER_S, APIError, StreamChunks, error_body, new_id, now, response, to_api_error
 
-__all__ = ["Gateway", "create_app", "run_app"]
+__all__ = ["Gateway", "create_app", "run_app", "tenant_salt"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,25 @@ def _too_large(size: int | None, limit: int) -> APIError:
     what = f"has {size} bytes, over" if size is not None else "has more bytes than"
     return APIError(413, f"the request body {what} this gateway's limit of {limit} bytes (--max-body-bytes)",
                     code="request_too_large")
+
+
+def _check_media_type(content_type: str | None) -> None:
+    """415 for a body declared as anything but JSON, as FastAPI (and so vLLM) refuses it: a web
+    page can post a form or text/plain to a gateway on 127.0.0.1 without asking, JSON it cannot.
+    A body with no Content-Type is read as JSON."""
+    if content_type is None:
+        return
+    media = content_type.partition(";")[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise APIError(415, f"the request body must be JSON (Content-Type: application/json), not {media[:80]!r}",
+                   code="unsupported_media_type")
+
+
+def tenant_salt(tenant: str, salt: str | None) -> str:
+    """The cache salt of a request of ``tenant`` that sent ``salt`` (None: none): a digest of
+    both, so no tenant, whatever salt it sends, reaches another tenant's namespace."""
+    return "tenant-" + hashlib.sha256(json.dumps([tenant, salt]).encode()).hexdigest()[:32]
 
 
 async def _disconnected(request: Request) -> None:
@@ -93,15 +114,28 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 class _Run:
-    """One admitted request: its queue slot, its generation slot and its engine stream."""
+    """One admitted request: its queue slot (taken before its body is read), its share of the
+    bodies in flight (until parsed), its generation slot and its engine stream."""
 
-    def __init__(self, gateway: Gateway, request: GatewayRequest, endpoint: str) -> None:
-        self.gateway, self.request, self.endpoint = gateway, request, endpoint
+    def __init__(self, gateway: Gateway, endpoint: str, body_bytes: int) -> None:
+        self.gateway, self.endpoint = gateway, endpoint
+        self.request: GatewayRequest | None = None  # once the body is parsed
+        self.body_bytes = body_bytes  # of ``max_body_bytes_in_flight``, held until parsed
         self.stream: AsyncTextStream | None = None
         self.running = False
         self.closed = False
         gateway.admitted += 1
+        gateway.body_bytes += body_bytes
         gateway.metrics.in_flight.inc()
+
+    def parsed(self, request: GatewayRequest) -> None:
+        """The body became ``request``: its bytes no longer count as in flight."""
+        self.request = request
+        self.release_body()
+
+    def release_body(self) -> None:
+        self.gateway.body_bytes -= self.body_bytes
+        self.body_bytes = 0
 
     @property
     def result(self) -> GenerationResult | None:
@@ -114,6 +148,7 @@ class _Run:
         self.gateway.running += 1
         self.gateway.metrics.running.inc()
         req = self.request
+        assert req is not None
         self.stream = await self.gateway.engine.astream(
             list(req.segments), mode=req.mode, keep_rate=req.keep_rate, generation=req.generation
         )
@@ -150,9 +185,11 @@ class _Run:
             gateway.slots.release()
             gateway.running -= 1
             gateway.metrics.running.dec()
+        self.release_body()
         gateway.admitted -= 1
         gateway.metrics.in_flight.dec()
-        gateway.metrics.finished(self.endpoint, self.request.mode, status, self.result if status == 200 else None)
+        mode = self.request.mode if self.request is not None else "none"
+        gateway.metrics.finished(self.endpoint, mode, status, self.result if status == 200 else None)
 
 
 class _EventStream(StreamingResponse):
@@ -191,38 +228,83 @@ class Gateway:
         self.max_concurrency = options.max_concurrency or max(4, engine.config.draft.max_batch)
         self.engine = engine
         self.api_key = options.api_key or None
+        self.tenants = dict(options.api_keys)  # API key -> tenant name
         self.max_queue = options.max_queue
         self.max_body_bytes = options.max_body_bytes
+        assert options.max_body_bytes_in_flight is not None  # GatewayOptions fills it in
+        self.max_body_bytes_in_flight = options.max_body_bytes_in_flight
+        self.ready_cache_s = options.ready_cache_s
         self.model_name = options.model_name or engine.backend.model_name
         self.shapes = tuple(options.shapes)
         self.default_mode: Mode = "specprefill" if engine.draft is not None else "full"
         self.metrics = GatewayMetrics()
         self.slots = asyncio.Semaphore(self.max_concurrency)
-        self.admitted = 0  # requests in flight: running or waiting for a slot
+        self.admitted = 0  # requests in flight: reading their body, waiting for a slot or running
+        self.body_bytes = 0  # of the admitted requests' bodies not parsed yet (declared, else the limit)
         self.running = 0
         self.created = now()
         self.draining = False  # set by a shutdown signal (``run_app``): not ready, new generations 503
         self.warmed = False  # the engine answered once (``ready``)
         self._warm_lock = asyncio.Lock()
+        self._upstream: tuple[float, str] | None = None  # (monotonic time, verdict) of the last upstream check
+        self._upstream_lock = asyncio.Lock()
 
     # -- request handling ------------------------------------------------------------------
 
-    def authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
+    def authorize(self, request: Request) -> str | None:
+        """The request's tenant (None: the shared namespace), or 401 without a valid key. Every
+        configured key is compared, in constant time each, whichever matches."""
+        if self.api_key is None and not self.tenants:
+            return None
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        given = token.strip().encode()
+        found: str | None = None
+        matched = False
+        if self.api_key is not None and hmac.compare_digest(given, self.api_key.encode()):
+            matched = True
+        for key, tenant in self.tenants.items():
+            if hmac.compare_digest(given, key.encode()):
+                matched, found = True, tenant
+        if scheme.lower() != "bearer" or not matched:
             raise APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
+        return found
 
-    async def _body(self, request: Request) -> bytes:
-        """The request body, refused with 413 as soon as it is known to exceed ``max_body_bytes``:
-        by its Content-Length, else once the bytes read pass the limit (reading stops there)."""
+    def _admit(self, request: Request, endpoint: str) -> _Run:
+        """Admission, before a byte of the body is read: the declared size (413), the media type
+        (415), draining (503), the queue (429) and the bodies in flight (429). A refusal is counted."""
         limit = self.max_body_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise _too_large(int(declared), limit)
+        try:
+            if declared.isdigit() and int(declared) > limit:
+                raise _too_large(int(declared), limit)
+            _check_media_type(request.headers.get("content-type"))
+            if self.draining:
+                raise APIError(503, "the gateway is shutting down: retry, the load balancer sends you to another one",
+                               type="service_unavailable", code="draining",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+            if self.admitted >= self.max_queue:
+                raise APIError(
+                    429, f"the gateway has {self.max_queue} requests in flight, its limit (--max-queue): retry later",
+                    type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
+            size = int(declared) if declared.isdigit() else limit
+            if self.body_bytes + size > self.max_body_bytes_in_flight:
+                raise APIError(
+                    429, f"the gateway is reading {self.body_bytes} bytes of request bodies, its limit being "
+                    f"{self.max_body_bytes_in_flight} (--max-body-bytes-in-flight): retry later",
+                    type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
+        except APIError as error:
+            self.metrics.finished(endpoint, "none", error.status)
+            raise
+        return _Run(self, endpoint, size)
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused with 413 once the bytes read pass ``max_body_bytes`` (reading
+        stops there; a declared size over it was refused at admission)."""
+        limit = self.max_body_bytes
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
@@ -234,9 +316,10 @@ class Gateway:
             raise ClientGone from None
         return b"".join(chunks)
 
-    async def _parse(self, request: Request, endpoint: str) -> GatewayRequest:
-        self.authorize(request)
-        raw = await self._body(request)
+    def _parse(self, raw: bytes, endpoint: str, tenant: str | None) -> GatewayRequest:
+        """The body as a request (in a worker thread: JSON, prompt shapes and segments take time
+        linear in the body, up to tens of milliseconds for megabytes); its cache salt put in the
+        tenant's namespace."""
         try:
             body = json.loads(raw)
         except ValueError:
@@ -247,35 +330,29 @@ class Gateway:
             raise APIError(400, "the request body must be a JSON object")
         parse = parse_chat if endpoint == "chat" else parse_completion
         try:
-            return parse(body, self.engine.config.generation, self.default_mode, self.shapes)
+            req = parse(body, self.engine.config.generation, self.default_mode, self.shapes)
         except (InputError, ConfigError) as error:
             raise APIError(400, str(error)) from None
+        if tenant is None:
+            return req
+        salt = tenant_salt(tenant, req.generation.cache_salt)
+        return dataclasses.replace(req, generation=dataclasses.replace(req.generation, cache_salt=salt))
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         """One ``/v1/chat/completions`` (``endpoint="chat"``) or ``/v1/completions`` request."""
         try:
-            req = await self._parse(request, endpoint)
-        except ClientGone:  # before the whole body came
-            self.metrics.finished(endpoint, "none", 499)
-            return Response(status_code=499)
-        except Exception as exc:
-            error = to_api_error(exc)  # an unexpected failure too: OpenAI-shaped and counted
+            tenant = self.authorize(request)
+        except APIError as error:
             self.metrics.finished(endpoint, "none", error.status)
-            raise error from exc
-        if self.draining:
-            self.metrics.finished(endpoint, req.mode, 503)
-            raise APIError(503, "the gateway is shutting down: retry, the load balancer sends you to another one",
-                           type="service_unavailable", code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
-        if self.admitted >= self.max_queue:
-            self.metrics.finished(endpoint, req.mode, 429)
-            raise APIError(
-                429, f"the gateway has {self.max_queue} requests in flight, its limit (--max-queue): retry later",
-                type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-        run = _Run(self, req, endpoint)
+            raise
+        run = self._admit(request, endpoint)
         first: str | None = None
         answer: JSONResponse | None = None
         try:
+            raw = await self._body(request)
+            run.parsed(await asyncio.to_thread(self._parse, raw, endpoint, tenant))
+            req = run.request
+            assert req is not None
             if req.stream:  # wait for the first text: until then a failure is still an HTTP status
                 first = await _unless_disconnected(request, run.start())
             else:
@@ -289,7 +366,7 @@ class Gateway:
             await run.close(499)
             return Response(status_code=499)
         except Exception as exc:
-            failure = to_api_error(exc)
+            failure = to_api_error(exc)  # an unexpected failure too: OpenAI-shaped and counted
             await run.close(failure.status)
             raise failure from exc
         except BaseException:  # cancelled (server shutdown)
@@ -305,6 +382,7 @@ class Gateway:
         """The stream's events; whatever fails after the first token (the engine, or encoding an
         event) ends it with an error event, counted with the error's status, then ``[DONE]``."""
         req = run.request
+        assert req is not None
         chunks = StreamChunks(req.kind, new_id(req.kind), now(), self.model_name, req.prompt_shape)
         status = 499  # unless the stream ends or fails: the client went away (cancelled, closed)
         try:
@@ -351,7 +429,9 @@ class Gateway:
         """Whether to send this gateway traffic, and each check's verdict (the module docstring).
 
         The warm-up runs once, on the first call that finds the engine cold (one at a time; a
-        failed one is tried again on the next call); the upstream check runs on every call.
+        failed one is tried again on the next call). The upstream check's verdict is reused for
+        ``ready_cache_s`` seconds and one check runs at a time, so probes, however many, cannot
+        multiply into requests to the upstream.
         """
         checks: dict[str, str] = {"draining": "yes" if self.draining else "no"}
         if not self.warmed:
@@ -364,15 +444,33 @@ class Gateway:
                         checks["warm_up"] = f"failed: {to_api_error(error).message}"
         if self.warmed:
             checks["warm_up"] = "done"
-            ping = getattr(self.engine.backend, "ping", None)  # backends with an upstream server
-            try:
-                if ping is not None:
-                    await asyncio.to_thread(ping)
-                checks["upstream"] = "ok" if ping is not None else "none"
-            except Exception as error:
-                checks["upstream"] = f"failed: {to_api_error(error).message}"
+            checks["upstream"] = await self._upstream_check()
         ok = not self.draining and checks["warm_up"] == "done" and checks.get("upstream") in ("ok", "none")
         return ok, {"ready": ok, "checks": checks}
+
+    async def _upstream_check(self) -> str:
+        """"ok", "none" (no upstream) or "failed: ..." for the upstream, at most ``ready_cache_s`` old."""
+        ping = getattr(self.engine.backend, "ping", None)  # backends with an upstream server
+        if ping is None:
+            return "none"
+
+        def fresh() -> str | None:
+            if self._upstream is None or time.monotonic() - self._upstream[0] >= self.ready_cache_s:
+                return None
+            return self._upstream[1]
+
+        if (verdict := fresh()) is not None:
+            return verdict
+        async with self._upstream_lock:  # probes arriving meanwhile wait for this check
+            if (verdict := fresh()) is not None:
+                return verdict
+            try:
+                await asyncio.to_thread(ping)
+                verdict = "ok"
+            except Exception as error:
+                verdict = f"failed: {to_api_error(error).message}"
+            self._upstream = (time.monotonic(), verdict)
+            return verdict
 
 
 def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None, **fields: Any) -> FastAPI:

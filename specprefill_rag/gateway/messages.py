@@ -32,6 +32,7 @@ from ..types import Passage, Segment
 
 __all__ = [
     "DEFAULT_SHAPES",
+    "MAX_PARTS",
     "PromptShape",
     "Recognised",
     "recognise",
@@ -39,6 +40,12 @@ __all__ = [
 ]
 
 Role = Literal["user", "system"]
+
+# At most this many messages, content parts, passages, and documents recognised in one message,
+# per request: each becomes objects, template text and selection units, so a megabyte of blank
+# lines or empty strings must not become a million of them. Recognised documents beyond it are
+# joined back into fewer passages (nothing is lost); the explicit forms get HTTP 400.
+MAX_PARTS = 4096
 
 
 @dataclass(frozen=True)
@@ -68,9 +75,14 @@ def _shape(name: str, role: Role, pattern: str) -> PromptShape:
     return PromptShape(name, role, re.compile(pattern, re.DOTALL))
 
 
-# The patterns run on whole user messages, so they must stay linear in the message's length:
-# each part up to a marker is an atomic group ``(?>...)``, matched once (a lazy ``.*?`` takes the
-# marker's first occurrence, a greedy ``.*`` its last) and never retried.
+# The patterns run on whole client messages, so they must stay linear in the message's length
+# whatever the text (tests/test_hostile_shapes.py times each on adversarial texts):
+# - each part up to a marker is an atomic group ``(?>...)``, matched once (a lazy ``.*?`` takes the
+#   marker's first occurrence, a greedy ``.*`` its last) and never retried;
+# - every run of whitespace, dashes or tabs is possessive (``*+``, ``++``, ``{5,}+``): never given
+#   back one character at a time to a later part that then rescans the rest;
+# - a part's text is never followed by ``\s*`` before a marker (a lazy ``.*?`` would rescan the
+#   whole run at each of its characters: quadratic); the groups are stripped instead.
 
 # LlamaIndex's DEFAULT_TEXT_QA_PROMPT_TMPL (and its chat and tree-summarize variants):
 #   "Context information is below.\n---------------------\n{context_str}\n---------------------\n"
@@ -78,23 +90,23 @@ def _shape(name: str, role: Role, pattern: str) -> PromptShape:
 # The sentence before "Query:" is the instruction; customised wordings there still match.
 LLAMAINDEX_QA = _shape(
     "llamaindex_qa", "user",
-    r"(?>(?P<instructions_head>.*?)Context information (?:from multiple sources )?is below\.[ \t]*\n-{5,}[ \t]*\n)"
-    r"(?>(?P<context>.*)\n-{5,}[ \t]*\n)(?>(?P<instructions>(?:.*\n)?)Query:[ \t]*)(?P<question>.*?)\s*\nAnswer:",
+    r"(?>(?P<instructions_head>.*?)Context information (?:from multiple sources )?is below\.[ \t]*+\n-{5,}+[ \t]*+\n)"
+    r"(?>(?P<context>.*)\n-{5,}+[ \t]*+\n)(?>(?P<instructions>(?:.*\n)?)Query:[ \t]*+)(?P<question>.*)\nAnswer:",
 )
 # LangChain hub "rlm/rag-prompt" (LangChain's RAG tutorial), any instruction sentences before it:
 #   "You are an assistant for question-answering tasks. ... keep the answer concise.\n"
 #   "Question: {question} \nContext: {context} \nAnswer:"
 LANGCHAIN_RAG_PROMPT = _shape(
     "langchain_rag_prompt", "user",
-    r"(?>(?P<instructions>.*?)(?<![^\n])Question:[ \t]*)(?>(?P<question>.*?)\s*\nContext:[ \t]*)"
-    r"(?P<context>.*?)\s*\nAnswer:",
+    r"(?>(?P<instructions>.*?)(?<![^\n])Question:[ \t]*+)(?>(?P<question>.*?)\nContext:[ \t]*+)"
+    r"(?P<context>.*)\nAnswer:",
 )
 # LangChain's stuff-documents QA prompt (chains/question_answering/stuff_prompt.py, PROMPT).
 LANGCHAIN_STUFF_QA = _shape(
     "langchain_stuff", "user",
     r"(?P<instructions>Use the following pieces of context to answer the question at the end\. If you don't know "
-    r"the answer, just say that you don't know, don't try to make up an answer\.)\s+"
-    r"(?>(?P<context>.*)\n[ \t]*\nQuestion:[ \t]*)(?P<question>.*?)\s*\nHelpful Answer:",
+    r"the answer, just say that you don't know, don't try to make up an answer\.)\s++"
+    r"(?>(?P<context>.*)\n[ \t]*+\nQuestion:[ \t]*+)(?P<question>.*)\nHelpful Answer:",
 )
 # The system prompt of LangChain's create_retrieval_chain / create_stuff_documents_chain tutorial;
 # the question is the human message ("{input}").
@@ -102,13 +114,13 @@ LANGCHAIN_RAG_SYSTEM = _shape(
     "langchain_rag_system", "system",
     r"(?P<instructions>You are an assistant for question-answering tasks\. Use the following pieces of retrieved "
     r"context to answer the question\. If you don't know the answer, (?:just )?say that you don't know\. Use three "
-    r"sentences maximum and keep the answer concise\.)\s+(?P<context>.+)",
+    r"sentences maximum and keep the answer concise\.)\s++(?P<context>.+)",
 )
 # LangChain's stuff-documents chat prompt (chains/question_answering/stuff_prompt.py, CHAT_PROMPT).
 LANGCHAIN_STUFF_CHAT = _shape(
     "langchain_stuff_chat", "system",
-    r"(?P<instructions>Use the following pieces of context to answer the user's question\.\s*If you don't know the "
-    r"answer, just say that you don't know, don't try to make up an answer\.)[ \t]*\n-{16}\n(?P<context>.+)",
+    r"(?P<instructions>Use the following pieces of context to answer the user's question\.\s*+If you don't know the "
+    r"answer, just say that you don't know, don't try to make up an answer\.)[ \t]*+\n-{16}\n(?P<context>.+)",
 )
 
 DEFAULT_SHAPES: tuple[PromptShape, ...] = (
@@ -176,13 +188,16 @@ def _tagged(text: str) -> Recognised | None:
     blocks = _blocks(text)
     if not blocks:
         return None
+    if len(blocks) > MAX_PARTS:
+        raise InputError(f"a message holds {len(blocks)} <document>/<context> blocks, more than the gateway's limit "
+                         f"of {MAX_PARTS}: send fewer, longer documents")
     passages: list[Passage] = []
     for block in blocks:
         if block.name == "document":
             found = _ID_ATTR.search(block.attrs)
             passages.append(Passage(block.inner.strip(), id=found.group(1) if found else None))
         else:
-            passages.extend(split_documents(block.inner))
+            passages.extend(split_documents(block.inner, MAX_PARTS))
     head, tail = text[:blocks[0].start], text[blocks[-1].end:]
     wrapper = _WRAPPER_OPEN.search(head)
     closing = _WRAPPER_CLOSE.match(tail)
@@ -207,7 +222,7 @@ def recognise(text: str, role: Role, shapes: Sequence[PromptShape] = DEFAULT_SHA
         match = shape.pattern.fullmatch(stripped)
         if match is None:
             continue
-        passages = tuple(split_documents(match.group("context")))
+        passages = tuple(split_documents(match.group("context"), MAX_PARTS))
         if not passages:
             continue
         parts = [v.strip() for k, v in match.groupdict().items() if k.startswith("instructions") and v and v.strip()]
@@ -249,7 +264,7 @@ def to_segments(
         text = turns[at][1]
         rest = text.replace(question, "\n", 1) if question.strip() and question in text else text
         turns[at] = ("user", question)
-        return chat_segments(turns, split_documents(rest)), "extension"
+        return chat_segments(turns, split_documents(rest, MAX_PARTS)), "extension"
     found: list[Passage] = []
     shape = "chat"
     recognised = recognise(turns[at][1], "user", shapes)

@@ -11,7 +11,6 @@ shapes are in ``responses.py``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,8 +19,8 @@ from typing import Any, get_args
 from ..config import GenerationConfig, describe_choices
 from ..engine import Mode
 from ..errors import ConfigError
-from ..types import Passage, Segment, is_int, is_number, lone_surrogate
-from .messages import DEFAULT_SHAPES, PromptShape, to_segments
+from ..types import RETRIEVER_SCORE_KEY, Passage, Segment, is_finite_number, is_int, lone_surrogate
+from .messages import DEFAULT_SHAPES, MAX_PARTS, PromptShape, to_segments
 from .responses import APIError, Kind
 
 __all__ = ["GatewayRequest", "parse_chat", "parse_completion"]
@@ -73,21 +72,11 @@ class GatewayRequest:
 # -- field checks ----------------------------------------------------------------------------
 
 
-def _finite_number(value: object) -> bool:
-    """A finite number (JSON allows any number of digits, and Python reads NaN and Infinity)."""
-    if not is_number(value):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer beyond any float (JSON allows any number of digits)
-        return False
-
-
 def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _finite_number(value) or value > high or value < low or (low_open and value == low):
+    if not is_finite_number(value) or value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise _bad(f"{name} must be a number in {bracket}{low:g}, {high:g}], got {_shown(value)}", param=name)
     return float(value)
@@ -100,6 +89,11 @@ def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
     if not is_int(value) or value < 1:
         raise _bad(f"{name} must be an integer >= 1, got {_shown(value)}", param=name)
     return int(value)
+
+
+def _at_most(items: list[Any], param: str, what: str) -> None:
+    if len(items) > MAX_PARTS:
+        raise _bad(f"{param} holds {len(items)} {what}, more than the gateway's limit of {MAX_PARTS}", param=param)
 
 
 def _refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
@@ -167,6 +161,11 @@ def _generation(body: Mapping[str, Any], defaults: GenerationConfig) -> Generati
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise _bad("stop must be a non-empty string or a list of non-empty strings", param="stop")
         changes["stop"] = ("stop", tuple(_text(s, "stop") for s in stops))
+    salt = body.get("cache_salt")  # vLLM's field, on both endpoints: a prefix-cache namespace
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise _bad(f"cache_salt must be a non-empty string if provided, got {_shown(salt)}", param="cache_salt")
+        changes["cache_salt"] = ("cache_salt", _text(salt, "cache_salt"))
     config = defaults
     for field, (param, value) in changes.items():  # one at a time: a refusal names its field
         try:
@@ -207,7 +206,7 @@ def _extension(body: Mapping[str, Any], default_mode: Mode
     if mode not in get_args(Mode):
         raise _bad(f"specprefill.mode must be {describe_choices(Mode)}, got {_shown(mode)}", param="specprefill.mode")
     keep_rate = ext.get("keep_rate")
-    if keep_rate is not None and (not _finite_number(keep_rate) or not 0 < keep_rate <= 1):
+    if keep_rate is not None and (not is_finite_number(keep_rate) or not 0 < keep_rate <= 1):
         raise _bad(f"specprefill.keep_rate must be a number in (0, 1], got {_shown(keep_rate)}",
                    param="specprefill.keep_rate")
     question = ext.get("question")
@@ -220,6 +219,7 @@ def _extension(body: Mapping[str, Any], default_mode: Mode
     if raw is not None:
         if not isinstance(raw, list):
             raise _bad("specprefill.passages must be a list", param="specprefill.passages")
+        _at_most(raw, "specprefill.passages", "passages")
         passages = [_passage(item, n) for n, item in enumerate(raw)]
     return mode, None if keep_rate is None else float(keep_rate), passages, question
 
@@ -235,6 +235,10 @@ def _passage(item: object, n: int) -> Passage:
             raise _bad(f"{param}.id must be a string", param=f"{param}.id")
         if not isinstance(metadata, dict):
             raise _bad(f"{param}.metadata must be an object", param=f"{param}.metadata")
+        score = metadata.get(RETRIEVER_SCORE_KEY)  # the retriever's score, which selection weighs
+        if score is not None and not is_finite_number(score):
+            name = f"{param}.metadata.{RETRIEVER_SCORE_KEY}"
+            raise _bad(f"{name} must be a finite number, got {_shown(score)}", param=name)
         pid = None if pid is None else _text(str(pid), f"{param}.id")
         return Passage(_text(item["text"], f"{param}.text"), id=pid, metadata=metadata)
     raise _bad(f"{param} must be a string or an object with a string 'text'", param=param)
@@ -249,6 +253,7 @@ def _content(message: Mapping[str, Any], n: int) -> str:
         return _text(content, param)
     if not isinstance(content, list):
         raise _bad(f"{param} must be a string or a list of text parts", param=param)
+    _at_most(content, param, "content parts")
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict):
@@ -266,6 +271,7 @@ def _turns(body: Mapping[str, Any]) -> list[tuple[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", param="messages")
+    _at_most(messages, "messages", "messages")
     turns = []
     for n, message in enumerate(messages):
         if not isinstance(message, dict):

@@ -6,6 +6,7 @@ The CLI is the one place that prints; the library logs.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -76,6 +77,9 @@ def _gateway_args(group: Any) -> None:
     add = group.add_argument
     add("--api-key", default=os.environ.get("SPECPREFILL_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECPREFILL_API_KEY; unset: open)")
+    add("--api-keys-file", default=os.environ.get("SPECPREFILL_API_KEYS_FILE"),
+        help="a JSON object of tenant name -> API key (or list of keys): each tenant's requests share cached "
+        "work only with the same tenant's (default: $SPECPREFILL_API_KEYS_FILE; unset: none)")
     add("--keep-rate", type=float, default=None, help="default share of the context prefilled (default: the engine's)")
     add("--max-new-tokens", type=int, default=None,
         help="answer length when a request sets no max_tokens (default: the engine's)")
@@ -98,6 +102,8 @@ def _gateway_args(group: Any) -> None:
     add("--max-body-bytes", type=int, default=8 << 20,
         help="request bodies larger than this are refused with HTTP 413 before they are read whole "
         "(%(default)s = 8 MiB)")
+    add("--max-body-bytes-in-flight", type=int, default=None,
+        help="request bodies being read or parsed at once, together, before HTTP 429 (default: 4 x --max-body-bytes)")
     add("--drain-timeout", type=float, default=30.0,
         help="seconds SIGTERM lets in-flight requests finish while new ones get 503 and /ready says 503 "
         "(%(default)s)")
@@ -330,6 +336,24 @@ def _gateway_config(args: argparse.Namespace, base: Any) -> Any:
     return config
 
 
+def _read_api_keys(path: str) -> dict[str, str]:
+    """API key -> tenant from a JSON file of tenant name -> key or list of keys; ``ValueError``
+    names what is wrong (a key given twice, a value that is not a key)."""
+    with open(path, encoding="utf-8") as file:
+        tenants = json.load(file)
+    if not isinstance(tenants, dict):
+        raise ValueError(f"{path} must hold a JSON object of tenant name -> API key (or list of keys)")
+    keys: dict[str, str] = {}
+    for tenant, given in tenants.items():
+        for key in [given] if isinstance(given, str) else given if isinstance(given, list) else [None]:
+            if not isinstance(key, str) or not key.strip() or not tenant.strip():
+                raise ValueError(f"tenant {tenant!r:.40}: each API key must be a non-empty string")
+            if key in keys:
+                raise ValueError(f"an API key is given twice (tenants {keys[key]!r:.40} and {tenant!r:.40})")
+            keys[key] = tenant
+    return keys
+
+
 def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int, model_name: str | None) -> int:
     from ..gateway import create_app, run_app
 
@@ -339,8 +363,14 @@ def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int,
     except ImportError as error:
         print(f"error: the gateway needs {error.name}: pip install 'specprefill-rag[gateway]'", file=sys.stderr)
         return 2
-    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_concurrency=args.max_concurrency,
-                     model_name=args.model_name or model_name, max_body_bytes=args.max_body_bytes)
+    try:
+        api_keys = _read_api_keys(args.api_keys_file) if args.api_keys_file else {}
+    except (OSError, ValueError) as error:
+        print(f"error: --api-keys-file: {error}", file=sys.stderr)
+        return 2
+    app = create_app(engine, api_key=args.api_key, api_keys=api_keys, max_queue=args.max_queue,
+                     max_concurrency=args.max_concurrency, model_name=args.model_name or model_name,
+                     max_body_bytes=args.max_body_bytes, max_body_bytes_in_flight=args.max_body_bytes_in_flight)
     try:
         run_app(app, host=host, port=port, log_level=args.log_level, drain_timeout=args.drain_timeout)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
