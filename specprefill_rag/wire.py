@@ -16,7 +16,9 @@ The answer carries the plugin's proof that it applied the plan: every JSON objec
 ``"specprefill_plan"`` field holding ``plan_proof`` of the prompt token ids the server rendered
 and the plan it admitted. Stock vLLM accepts ``vllm_xargs`` silently and answers at contiguous
 positions, so a client refuses a planned answer without the proof it expects: behind a router, a
-replica without the plugin can then never answer wrongly with HTTP 200.
+replica without the plugin can then never answer wrongly with HTTP 200. The plugin admits a plan
+(and so proves it) only once every vLLM worker of the replica has reported the position rewrite
+(``vllm_plugin.workers``); until then plans get HTTP 503.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@
   plugin's proof, or with another plan's, is discarded before its first token.
 - The proof the wrapped completion serving adds to planned answers (stub serving objects).
 - ``plan_refusal`` and the wrapped ``process_inputs`` / ``render_completion_request`` on stub
-  vLLM objects: V2 runner, speculative decoding, M-RoPE, position-dependent architectures.
+  vLLM objects: V2 runner, speculative decoding, M-RoPE, position-dependent architectures,
+  KV-transfer connectors not keyed by vLLM's block hashes (LMCache, disaggregated prefill, ...).
+- The wrapped ``to_beam_search_params``: beam search, which drops ``extra_args``, refuses a plan.
 - The wrapped ``_prepare_inputs`` on a stub runner: a reused request id gets its new plan, finished
   requests are forgotten, a plan that does not fit the request leaves positions contiguous.
 - The offline backend's check of vLLM's workers (``VLLMOfflineBackend.ensure_plugin``) on a stub
@@ -31,6 +33,7 @@ import test_robustness_server as fakes
 import torch
 from test_robustness_server import FakeServer, Handler, stream
 from test_vllm_client import PLAN, free_port, tokenizer
+from test_vllm_workers import Workers
 
 from specprefill_rag.backends.vllm_server import VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
@@ -291,6 +294,102 @@ def test_sparse_indexer_config_is_refused():
     assert plan_refusal(vllm_config(arch="DeepseekV3ForCausalLM")) is None
 
 
+def kv(connector: str | None, path: str | None = None, **extra: Any) -> SimpleNamespace:
+    """What ``plan_refusal`` reads of vLLM's ``KVTransferConfig``."""
+    return SimpleNamespace(kv_connector=connector, kv_connector_module_path=path, kv_connector_extra_config=extra,
+                           kv_role="kv_both")
+
+
+@pytest.mark.parametrize("transfer", [
+    None, kv(None), kv("OffloadingConnector"), kv("SimpleCPUOffloadConnector"), kv("MooncakeStoreConnector"),
+    kv("MultiConnector", connectors=[{"kv_connector": "OffloadingConnector"},
+                                     {"kv_connector": "MooncakeStoreConnector"}]),
+], ids=lambda t: "none" if t is None else str(t.kv_connector))
+def test_kv_connectors_keyed_by_block_hashes_honour_plans(transfer):
+    """vLLM's CPU offloading and Mooncake's store key KV by vLLM's (position-aware) block hashes."""
+    config = vllm_config()
+    config.kv_transfer_config = transfer
+    assert plan_refusal(config) is None
+
+
+@pytest.mark.parametrize("transfer, named", [
+    (kv("LMCacheConnectorV1"), "LMCacheConnectorV1"),
+    (kv("LMCacheMPConnector"), "LMCacheMPConnector"),  # also what --kv-offloading-backend lmcache configures
+    (kv("NixlConnector"), "NixlConnector"),
+    (kv("MooncakeConnector"), "MooncakeConnector"),
+    (kv("HF3FSKVConnector"), "HF3FSKVConnector"),
+    (kv("ExampleConnector"), "ExampleConnector"),
+    (kv("OffloadingConnector", path="my.connectors"), "OffloadingConnector from my.connectors"),
+    (kv("MultiConnector", connectors=[{"kv_connector": "OffloadingConnector"}, {"kv_connector": "LMCacheConnectorV1"}]),
+     "LMCacheConnectorV1 (in MultiConnector)"),
+    (kv("MultiConnector"), "None (in MultiConnector)"),
+])
+def test_kv_connectors_keyed_by_token_ids_refuse_plans(transfer, named):
+    """KV stored by token ids (or computed by another instance) would reach other requests and tenants."""
+    config = vllm_config()
+    config.kv_transfer_config = transfer
+    message = plan_refusal(config) or ""
+    assert message.startswith(f"SpecPrefill plans are not supported with the KV-transfer connector {named} (")
+    for part in ("--kv-transfer-config", "token ids", "any tenant", "OffloadingConnector, SimpleCPUOffloadConnector"):
+        assert part in message
+
+
+def test_kv_connector_refusal_reads_vllms_own_config():
+    """The attribute names are vLLM's: its KVTransferConfig, and the connector --kv-offloading-backend picks."""
+    kv_transfer = pytest.importorskip("vllm.config.kv_transfer")
+    config = vllm_config()
+    config.kv_transfer_config = kv_transfer.KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    assert "LMCacheConnectorV1" in (plan_refusal(config) or "")
+    config.kv_transfer_config = kv_transfer.KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+    assert plan_refusal(config) is None
+
+
+def test_process_inputs_refuses_a_plan_under_a_token_keyed_connector():
+    vllm_exceptions = pytest.importorskip("vllm.exceptions")
+    config = vllm_config()
+    config.kv_transfer_config = kv("LMCacheConnectorV1")
+    self, process_inputs = processor(config)
+    with pytest.raises(vllm_exceptions.VLLMValidationError, match="KV-transfer connector LMCacheConnectorV1"):
+        process_inputs(self, "r", [1, 2, 3], params(plan_to_xargs([0, 5, 9], 20)))
+    assert process_inputs(self, "r", [1, 2, 3], params(None)).cache_salt is None  # no plan: never refused
+
+
+def test_beam_search_refuses_a_plan_instead_of_dropping_it():
+    """``to_beam_search_params`` builds parameters without ``extra_args``: a plan there is refused."""
+    vllm_exceptions = pytest.importorskip("vllm.exceptions")
+    built: list[Any] = []
+
+    class CompletionRequest(SimpleNamespace):
+        def to_beam_search_params(self, max_tokens: int, default_sampling_params: dict | None = None) -> str:
+            built.append(max_tokens)
+            return "beam"
+
+    module = type(admission)("vllm.entrypoints.openai.completion.protocol")
+    module.CompletionRequest = CompletionRequest  # type: ignore[attr-defined]
+    admission.PATCHES[module.__name__](module)
+    admission.PATCHES[module.__name__](module)  # idempotent
+    with pytest.raises(vllm_exceptions.VLLMValidationError, match="not supported with beam search") as info:
+        CompletionRequest(vllm_xargs=plan_to_xargs([0, 5], 9)).to_beam_search_params(4)
+    assert info.value.parameter == "vllm_xargs" and built == []
+    with pytest.raises(vllm_exceptions.VLLMValidationError):  # half a plan is a plan too
+        CompletionRequest(vllm_xargs={POSITIONS_KEY: [0]}).to_beam_search_params(4)
+    assert CompletionRequest(vllm_xargs=None).to_beam_search_params(4) == "beam"
+    assert CompletionRequest(vllm_xargs={"other": 1}).to_beam_search_params(5, {}) == "beam"
+    assert built == [4, 5]
+
+
+def test_every_vllm_request_model_with_beam_search_and_xargs_is_covered():
+    """vLLM 0.32's request models that have both ``vllm_xargs`` and ``to_beam_search_params``."""
+    pytest.importorskip("vllm")
+    import importlib
+
+    for module_name, names in admission.REQUEST_MODELS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            cls = getattr(module, name)
+            assert "vllm_xargs" in cls.model_fields and hasattr(cls, "to_beam_search_params"), name
+
+
 def test_known_position_dependent_models_are_on_the_list():
     assert "DeepseekV32ForCausalLM" in POSITION_DEPENDENT_ARCHITECTURES
     assert {"Step5ForCausalLM", "Step5ForConditionalGeneration"} <= POSITION_DEPENDENT_ARCHITECTURES  # vLLM 0.33
@@ -356,9 +455,9 @@ async def test_render_refuses_before_the_stream(path):
     config = vllm_config(mrope=True)
     errors: list[tuple[str, str]] = []
     self = SimpleNamespace(
-        model_config=config.model_config, engine_client=SimpleNamespace(vllm_config=config),
+        model_config=config.model_config, engine_client=Workers(vllm_config=config),
         _extract_prompt_len=lambda engine_input: engine_input.n,
-        create_error_response=lambda message, param: errors.append((message, param)) or "400",
+        create_error_response=lambda message, param, **kwargs: errors.append((message, param)) or "400",
     )
     request = SimpleNamespace(vllm_xargs=plan_to_xargs([0, 5, 9], 20), max_tokens=4, max_completion_tokens=None)
     assert await render(self, request) == "400"

@@ -239,6 +239,61 @@ def test_bad_plan_in_a_chat_request_gets_http_400(server, stream):
                      error["message"]), error["message"]
 
 
+def post_chat(server, body: dict) -> tuple[int, str]:
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def test_beam_search_with_a_plan_is_refused(server):
+    """vLLM's beam search rebuilds the sampling parameters without vllm_xargs: a plan there would be
+    dropped (before the fix: HTTP 200 with the plan's proof, prefilled at contiguous positions)."""
+    model = str(server.model_dir)
+    body = {"model": model, "prompt": list(range(1000, 1040)), "max_tokens": 4, "temperature": 0.0, "n": 2,
+            "use_beam_search": True, "vllm_xargs": {P: OK, N: 500}}
+    status, text = post(server, body)
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["param"] == "vllm_xargs" and "specprefill_plan" not in text
+    assert error["message"].startswith("SpecPrefill plans are not supported with beam search (use_beam_search)")
+    status, text = post(server, {k: v for k, v in body.items() if k != "vllm_xargs"})
+    assert status == 200 and len(json.loads(text)["choices"]) == 2  # beam search without a plan is served
+
+    chat = {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_completion_tokens": 4,
+            "temperature": 0.0, "n": 2, "use_beam_search": True}
+    status, text = post_chat(server, {**chat, "vllm_xargs": {P: [0], N: 500}})
+    found = re.search(r"the prompt has (\d+) tokens", text)
+    assert status == 400 and found, text
+    n = int(found.group(1))  # a valid plan for the rendered chat prompt
+    status, text = post_chat(server, {**chat, "vllm_xargs": {P: [2 * i for i in range(n)], N: 2 * n + 10}})
+    assert status == 400, text
+    assert json.loads(text)["error"]["message"].startswith("SpecPrefill plans are not supported with beam search")
+
+
+def test_parallel_sampling_keeps_the_plan(server, hf_backend):
+    """``n`` > 1 fans the request out into children that copy its sampling parameters, extra_args
+    included: each choice is prefilled at the plan's positions (top_k=1: each is the greedy answer)."""
+    ids = prompt_ids(hf_backend.tokenizer, repeats=1)
+    plan = make_plan(ids, sparse(ids.numel(), seed=5))
+    ref_tokens, _ = reference(hf_backend, plan, 4)
+    reindexed = PrefillPlan(plan.token_ids, torch.arange(plan.n_kept), plan.n_kept, plan.n_kept, (), True)
+    assert ref_tokens and ref_tokens != reference(hf_backend, reindexed, 4)[0]  # positions change the answer
+    from specprefill_rag.backends.vllm_server import request_body
+    from specprefill_rag.wire import PROOF_FIELD
+
+    body = request_body(plan, GREEDY, model=str(server.model_dir), max_tokens=4, logprobs=False, stream=False)
+    body.update(n=2, temperature=1.0, top_k=1, seed=3)
+    status, text = post(server, body)
+    assert status == 200, text
+    data = json.loads(text)
+    assert data[PROOF_FIELD]
+    assert [c["token_ids"][:len(ref_tokens)] for c in data["choices"]] == [ref_tokens, ref_tokens]
+
+
 def test_engine_serves_after_bad_plans(server, backend, hf_backend):
     post(server, {"model": str(server.model_dir), "prompt": [1, 2, 3], "max_tokens": 2,
                   "vllm_xargs": {"specprefill_positions": [0, 0, 0], "specprefill_next_position": 3}})
@@ -302,3 +357,45 @@ def test_engine_with_draft_on_the_server(backend, hf_backend):
 TEXT_A = ("The lighthouse keeper logged the weather every hour. In March the fog rolled in from the north sea "
           "and stayed for eleven days. ") * 3
 TEXT_B = "The supply boat came on Tuesdays with flour, oil and letters from the mainland. " * 4
+
+
+def test_tenants_share_nothing_in_vllms_prefix_cache(server, hf_backend):
+    """Through the gateway: each API key's requests reach vLLM under its tenant's salt, so a
+    prompt one tenant sent is served from vLLM's prefix cache to that tenant and to no other, and
+    the draft's memo answers the same tenant only (tests/test_tenants.py covers every draft cache)."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from specprefill_rag.draft import DraftModel
+    from specprefill_rag.engine import SpecPrefillEngine
+    from specprefill_rag.gateway import create_app
+    from specprefill_rag.gateway.app import tenant_salt
+
+    config = SpecPrefillConfig(selection=SelectionConfig(keep_rate=0.4, min_prompt_tokens=0),
+                               generation=GenerationConfig(max_new_tokens=4))
+    backend = create_backend("vllm_server", MODEL, base_url=server.url, read_timeout=300)
+    sent: list[PrefillPlan] = []
+    stream_tokens = backend.stream_tokens
+    backend.stream_tokens = lambda plan, generation: (sent.append(plan), stream_tokens(plan, generation))[1]
+    engine = SpecPrefillEngine(backend, DraftModel(hf_backend.model, hf_backend.tokenizer), config)
+    run = uuid.uuid4().hex  # a prompt no other test sent
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "How long did the fog stay?"}],
+            "specprefill": {"passages": [f"Run {run}. {TEXT_A}", TEXT_B], "mode": "full"}}
+    bs = block_size(server)
+    with TestClient(create_app(engine, api_keys={"key-a": "alpha", "key-b": "beta"})) as client:
+        def ask(key: str) -> dict:
+            response = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        ask("key-a")
+        plan = sent[-1]
+        own = (plan.n_kept - 1) // bs * bs
+        assert complete(server, plan, tenant_salt("alpha", None))[0] == own  # alpha's blocks are cached
+        assert complete(server, plan, tenant_salt("beta", None))[0] == 0  # beta gets none of them
+        assert complete(server, plan, None)[0] == 0  # nor does a request without a salt
+        assert complete(server, plan, "alpha")[0] == 0  # nor one that names alpha as its salt
+        body["specprefill"]["mode"] = "specprefill"
+        assert not ask("key-a")["specprefill"]["draft_memo_hit"]
+        assert ask("key-a")["specprefill"]["draft_memo_hit"]
+        assert not ask("key-b")["specprefill"]["draft_memo_hit"]

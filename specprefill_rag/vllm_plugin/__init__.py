@@ -11,9 +11,10 @@ extension ``runner.SpecPrefillWorkerExtension``. Requests without a plan are unt
 - ``admission``: validation and refusal of planned requests before they reach an engine;
 - ``runner``: the per-step position rewrite in vLLM's (V1) model runner, and the worker extension;
 - ``runner_v2``: the same rewrite in vLLM's V2 model runner;
-- ``prefix_cache``: position-aware prefix-cache block hashes for planned requests.
+- ``prefix_cache``: position-aware prefix-cache block hashes for planned requests;
+- ``workers``: every worker reports the runner patch before the API server admits a plan.
 
-Only ``admission``, ``runner``, ``runner_v2`` and ``prefix_cache`` touch vLLM internals. The wire format is
+Only ``admission``, ``runner``, ``runner_v2``, ``prefix_cache`` and ``workers`` touch vLLM internals. The wire format is
 ``specprefill_rag.wire``, which the plugin imports, never the other way round; the how-to is
 docs/vllm.md.
 """
@@ -148,11 +149,13 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
 def apply_patches() -> None:
     """Patch the modules vLLM already imported (``runner``, ``runner_v2``, ``admission``,
-    ``prefix_cache``: their ``PATCHES``, in that order); patch the others as they get imported."""
-    from . import admission, prefix_cache, runner, runner_v2
+    ``prefix_cache``, ``workers``: their ``PATCHES``, in that order); patch the others as they get
+    imported."""
+    from . import admission, prefix_cache, runner, runner_v2, workers
 
     pending = {}
-    for name, patch in {**runner.PATCHES, **runner_v2.PATCHES, **admission.PATCHES, **prefix_cache.PATCHES}.items():
+    patches = {**runner.PATCHES, **runner_v2.PATCHES, **admission.PATCHES, **prefix_cache.PATCHES, **workers.PATCHES}
+    for name, patch in patches.items():
         module = sys.modules.get(name)
         if module is not None:
             patch(module)

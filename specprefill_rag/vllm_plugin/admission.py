@@ -6,11 +6,16 @@
   blocks. ``prefix_cache`` takes the plan's salt off again in the engine's block hasher and hashes
   positions instead, so blocks before the plan's first gap are shared. A plan the engine cannot
   honour (``plan_refusal``: speculative decoding, M-RoPE, models that use positions beyond rotary
-  embeddings, and under the V2 runner prefill context parallelism and HiSparse) is refused there
-  too, never silently run at contiguous positions.
+  embeddings, KV-transfer connectors not keyed by vLLM's block hashes, and under the V2 runner
+  prefill context parallelism and HiSparse) is refused there too, never silently run at
+  contiguous positions.
 - ``OpenAIServingCompletion.render_completion_request`` and ``OpenAIServingChat.render_chat_request``:
   validate and refuse once the prompt is rendered, before a stream starts, so streaming requests
-  also get a plain HTTP 400 instead of an error event.
+  also get a plain HTTP 400 instead of an error event; and, before admitting a plan, require that
+  every vLLM worker reported the position rewrite (``workers``: HTTP 503 otherwise).
+- ``to_beam_search_params`` of the request models that carry ``vllm_xargs`` (completions, chat,
+  transcription, translation): beam search rebuilds the sampling parameters without
+  ``extra_args``, so a plan there is refused (HTTP 400) instead of dropped.
 - ``OpenAIServingCompletion.completion_stream_generator`` and ``request_output_to_completion_response``:
   every JSON object of a planned ``/v1/completions`` answer carries the plan's proof
   (``wire.PROOF_FIELD``: ``wire.plan_proof`` of the rendered prompt ids and the admitted plan), which
@@ -21,16 +26,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncGenerator, Callable, Sequence
+from http import HTTPStatus
 from types import ModuleType
 from typing import Any
 
 from ..errors import PlanError
 from ..wire import INVALID_PLAN, NEXT_POSITION_KEY, POSITIONS_KEY, PROOF_FIELD, PositionPlan, parse_plan, plan_proof
 from .runner import MARK
+from .workers import has_plan, worker_refusal
 
 __all__ = [
-    "CHAT_SERVING_MODULE", "INPUT_PROCESSOR_MODULE", "PATCHES", "POSITION_DEPENDENT_ARCHITECTURES", "SERVING_MODULE",
-    "max_positions", "plan_refusal",
+    "BEAM_SEARCH_REFUSAL", "BLOCK_HASH_KV_CONNECTORS", "CHAT_SERVING_MODULE", "INPUT_PROCESSOR_MODULE", "PATCHES",
+    "POSITION_DEPENDENT_ARCHITECTURES", "REQUEST_MODELS", "SERVING_MODULE", "max_positions", "plan_refusal",
 ]
 
 INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"
@@ -111,12 +118,55 @@ def _position_dependent(model_config: Any) -> str | None:
     return None
 
 
+# KV-transfer connectors whose stores are keyed by vLLM's own block hashes (``request.block_hashes``,
+# which ``prefix_cache`` makes position-aware, or which carry the plan's salt where it could not):
+# vLLM's CPU offloading (``OffloadingConnector``: ``make_offload_key(block_hash, group)``;
+# ``SimpleCPUOffloadConnector``: its CPU block pool's block hashes) and Mooncake's store
+# (``MooncakeStoreConnector``: ``<prefix>@<block hash>``). Every other connector is refused:
+# LMCache (both modes), HF3FS, FlexKV and the example connectors key by token ids (plus at most the
+# salt), and the disaggregated-prefill connectors (NIXL, Mooncake, MoRIIO) load KV another instance
+# computed, which this instance's proof cannot vouch for. Read in vLLM 0.32's source.
+BLOCK_HASH_KV_CONNECTORS: frozenset[str] = frozenset({
+    "OffloadingConnector", "SimpleCPUOffloadConnector", "MooncakeStoreConnector",
+})
+
+
+def _kv_connectors(config: Any) -> list[tuple[Any, Any]]:
+    """(name, module path) of each connector a ``KVTransferConfig`` sets up (``MultiConnector``: its children)."""
+    name, path = getattr(config, "kv_connector", None), getattr(config, "kv_connector_module_path", None)
+    if name != "MultiConnector" or path:
+        return [(name, path)]
+    children = (getattr(config, "kv_connector_extra_config", None) or {}).get("connectors") or [{}]
+    return [(c.get("kv_connector"), c.get("kv_connector_module_path")) if isinstance(c, dict) else (c, None)
+            for c in children]
+
+
+def _kv_connector_refusal(vllm_config: Any) -> str | None:
+    """The refusal for a configured KV-transfer connector not keyed by vLLM's block hashes."""
+    config = getattr(vllm_config, "kv_transfer_config", None)
+    configured = getattr(config, "kv_connector", None)
+    if configured is None:
+        return None
+    for name, path in _kv_connectors(config):
+        if name in BLOCK_HASH_KV_CONNECTORS and not path:
+            continue
+        what = f"{name}{f' from {path}' if path else ''}{' (in MultiConnector)' if configured != name else ''}"
+        return (f"SpecPrefill plans are not supported with the KV-transfer connector {what} (--kv-transfer-config, "
+                "--kv-offloading-backend): it stores or loads KV by other keys than vLLM's position-aware block "
+                "hashes (token ids, as LMCache does, or KV another instance computed), so KV computed at a plan's "
+                "positions could be served to later requests, of any tenant, whose prompts start with the same token "
+                f"ids. Allowed, keyed by vLLM's block hashes: {', '.join(sorted(BLOCK_HASH_KV_CONNECTORS))}")
+    return None
+
+
 def plan_refusal(vllm_config: Any) -> str | None:
     """Why an engine with this ``VllmConfig`` cannot honour SpecPrefill plans; None when it can.
 
     Reads configuration only (no vLLM import), so it runs on stubs in the tests.
     """
     if _uses_v2_runner(vllm_config) and (refusal := _v2_refusal(vllm_config)) is not None:
+        return refusal
+    if (refusal := _kv_connector_refusal(vllm_config)) is not None:
         return refusal
     if getattr(vllm_config, "speculative_config", None) is not None:
         return ("SpecPrefill plans are not supported with speculative decoding (--speculative-config: EAGLE, "
@@ -229,10 +279,15 @@ def _wrap_render(
                 ) is not None
         except PlanError as error:
             return self.create_error_response(f"{INVALID_PLAN}: {error}", param="vllm_xargs")
-        vllm_config = getattr(getattr(self, "engine_client", None), "vllm_config", None)
+        engine_client = getattr(self, "engine_client", None)
+        vllm_config = getattr(engine_client, "vllm_config", None)
         refusal = plan_refusal(vllm_config) if planned and vllm_config is not None else None
         if refusal is not None:
             return self.create_error_response(refusal, param="vllm_xargs")
+        refusal = await worker_refusal(engine_client) if planned else None
+        if refusal is not None:
+            return self.create_error_response(refusal, err_type="ServiceUnavailableError",
+                                              status_code=HTTPStatus.SERVICE_UNAVAILABLE, param="vllm_xargs")
         return result
 
     setattr(render, MARK, True)
@@ -306,9 +361,47 @@ def _patch_chat_serving(module: ModuleType) -> None:
         cls.render_chat_request = _wrap_render(cls.render_chat_request, _chat_inputs, _chat_max_tokens)
 
 
+# -- paths that drop extra_args --------------------------------------------------------------
+
+BEAM_SEARCH_REFUSAL = (
+    "SpecPrefill plans are not supported with beam search (use_beam_search): vLLM's beam search runs every step "
+    "as a new request whose sampling parameters carry no vllm_xargs, so the plan would be dropped and the prompt "
+    "prefilled at contiguous positions. Send the plan without use_beam_search"
+)
+# Request models with ``vllm_xargs`` whose ``to_beam_search_params`` builds ``BeamSearchParams``
+# (no ``extra_args``): module → class names. vLLM 0.32: completions, chat (the Anthropic
+# messages endpoint builds a chat request without beam search), transcription and translation.
+REQUEST_MODELS: dict[str, tuple[str, ...]] = {
+    "vllm.entrypoints.openai.completion.protocol": ("CompletionRequest",),
+    "vllm.entrypoints.openai.chat_completion.protocol": ("ChatCompletionRequest",),
+    "vllm.entrypoints.speech_to_text.transcription.protocol": ("TranscriptionRequest",),
+    "vllm.entrypoints.speech_to_text.translation.protocol": ("TranslationRequest",),
+}
+
+
+def _wrap_to_beam_search_params(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def to_beam_search_params(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if has_plan(getattr(self, "vllm_xargs", None)):
+            raise _validation_error(BEAM_SEARCH_REFUSAL)
+        return original(self, *args, **kwargs)
+
+    setattr(to_beam_search_params, MARK, True)
+    return to_beam_search_params
+
+
+def _patch_request_models(module: ModuleType) -> None:
+    for name in REQUEST_MODELS.get(module.__name__, ()):
+        cls = getattr(module, name, None)
+        original = getattr(cls, "to_beam_search_params", None)  # absent: no beam search, nothing dropped
+        if cls is not None and original is not None and not getattr(original, MARK, False):
+            cls.to_beam_search_params = _wrap_to_beam_search_params(original)
+
+
 # vLLM module → the patch applied to it once vLLM imports it (``vllm_plugin.apply_patches``).
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     INPUT_PROCESSOR_MODULE: _patch_input_processor,
     SERVING_MODULE: _patch_serving,
     CHAT_SERVING_MODULE: _patch_chat_serving,
+    **{module: _patch_request_models for module in REQUEST_MODELS},
 }
