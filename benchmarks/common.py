@@ -17,16 +17,18 @@ import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
+from specprefill_rag.durable import write_atomic
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
 __all__ = [
     "DEFAULT_DRAFT",
     "DEFAULT_MAIN",
     "RESULTS_DIR",
+    "append_jsonl",
     "bootstrap_ci",
     "paired_ratio_ci",
     "share_ci",
@@ -36,6 +38,7 @@ __all__ = [
     "median",
     "model_dtype_name",
     "model_dtypes",
+    "read_jsonl",
     "result_name",
     "summarise_length",
     "ttft_cell",
@@ -398,12 +401,83 @@ def _slug(model: str) -> str:
 
 
 def write_results(name: str, payload: dict[str, Any], out: str | Path | None = None) -> Path:
-    """Write ``payload`` as JSON to ``out`` or ``benchmarks/results/<name>.json``."""
+    """Write ``payload`` as JSON to ``out`` or ``benchmarks/results/<name>.json``, crash-safely
+    (``write_atomic``): a resumable run rewrites its file after every example, and an interrupt
+    mid-write must leave the previous version whole."""
     path = Path(out) if out else RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"created_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S"), **payload}
-    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    write_atomic(path, json.dumps(payload, indent=1, default=str) + "\n")
     return path
+
+
+# -- JSON-lines result files, appended one example at a time --------------------------------
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append ``record`` to ``path`` as one JSON line and fsync it. A torn last line (a crash
+    mid-append, which ``read_jsonl`` skips) is cut off first, so the new line stands on its own;
+    an unterminated last line that parses is kept and terminated."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab+") as handle:  # appends go to the end whatever the position
+        end = handle.seek(0, os.SEEK_END)
+        start = _last_line_start(handle, end)
+        if start < end:
+            handle.seek(start)
+            tail = handle.read()
+            if _parses(tail):
+                handle.write(b"\n")
+            else:
+                print(f"warning: {path}: cutting a torn last line ({end - start} bytes) before appending",
+                      file=sys.stderr, flush=True)
+                handle.truncate(start)
+        handle.write((json.dumps(record) + "\n").encode())
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (none if it does not exist). An unterminated last line
+    that does not parse is a crash mid-append: skipped with a warning (``append_jsonl`` cuts it
+    off). Any other line that does not parse is an error naming it."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as error:
+            if number == len(lines):  # after the last newline: torn
+                print(f"warning: {path}: skipping a torn last line ({len(line)} bytes; an interrupted append)",
+                      file=sys.stderr, flush=True)
+                continue
+            raise ValueError(f"{path}, line {number}: not a JSON record ({error})") from error
+    return rows
+
+
+def _last_line_start(handle: BinaryIO, end: int) -> int:
+    """The offset just past the last newline of a binary file of ``end`` bytes (0 if none)."""
+    position = end
+    while position > 0:
+        step = min(position, 1 << 16)
+        handle.seek(position - step)
+        found = handle.read(step).rfind(b"\n")
+        if found >= 0:
+            return position - step + found + 1
+        position -= step
+    return 0
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 def data_file(name: str) -> Any:

@@ -37,6 +37,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import random
 import sys
 import time
@@ -56,11 +57,13 @@ from benchmarks.common import (
     DEFAULT_MAIN,
     RESULTS_DIR,
     ROOT,
+    append_jsonl,
     bootstrap_ci,
     cold,
     dtype_name,
     model_dtype_name,
     prompt_digest,
+    read_jsonl,
     same_example,
     share_ci,
 )
@@ -68,6 +71,7 @@ from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, c
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
 from specprefill_rag.config import LayerChoice
+from specprefill_rag.durable import atomic_open, write_atomic
 from specprefill_rag.errors import InputError
 from specprefill_rag.loading import DTYPES, load_tokenizer, resolve_draft_dtype
 from specprefill_rag.types import AssembledPrompt, SegmentKind
@@ -219,6 +223,24 @@ def cache_path(ex: quality.Example, draft_name: str, prompt: Any) -> Path:
     padding (SQuAD-long's depends on --n-long, a haystack on the lengths and depths asked)."""
     key = f"{draft_name}|{ex.task}|{ex.id}|{ex.question}|{prompt_digest(prompt)}"
     return CACHE_DIR / f"{ex.task}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.pt"
+
+
+def save_capture(captured: Any, where: Path) -> None:
+    """Cache a capture crash-safely: an interrupted save leaves the previous file, or none."""
+    with atomic_open(where) as handle:
+        torch.save(captured, handle)
+
+
+def load_capture(where: Path) -> Any | None:
+    """A cached capture, or None if there is none or it cannot be read (a file torn by a crash
+    before saves were atomic): then it is captured again."""
+    if not where.exists():
+        return None
+    try:
+        return torch.load(where)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as error:
+        print(f"warning: {where}: unreadable cached capture ({error}); capturing again", file=sys.stderr, flush=True)
+        return None
 
 
 @torch.inference_mode()
@@ -553,9 +575,8 @@ def _needle_depths(n: int, lengths: int) -> list[float]:
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A results file's rows (``common.read_jsonl``: a torn last line is skipped)."""
+    return read_jsonl(path)
 
 
 def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
@@ -688,18 +709,18 @@ def reevaluate(
         i, ex = found
         prompt = assemble(tokenizer, ex)
         where = cache_path(ex, draft_name, prompt)
-        if not where.exists():
+        cached = load_capture(where)
+        if cached is None:
             continue
         same_example([row], prompt, path)
         row["results"] = {key: v for key, v in row["results"].items() if key.rsplit("@", 1)[0] in VARIANTS}
-        cached = torch.load(where)
         if not set(args.blocks) <= set(cached.get("blocks", [])):  # an older capture: add the blocks it lacks
             draft = draft or DraftModel.from_pretrained(args.draft, dtype=args.draft_dtype)
             cached = complete_rows(draft, prompt, cached, args.blocks)
-            torch.save(cached, where)
+            save_capture(cached, where)
         row["results"].update(evaluate(prompt, ex, cached, variants, args.keep_rates, args.seed * 1000 + i))
         updated += 1
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     print(f"re-evaluated {len(variants)} variants on {updated} of {len(rows)} examples")
     return 0
 
@@ -819,34 +840,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"[{i + 1}/{len(todo)}] {ex.task} {ex.id[:16]}: {prompt.n_tokens} tokens, and the draft's "
                       f"window of {draft.max_context} cannot hold it in windows: skipped", flush=True)
                 continue
-            with path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_jsonl(path, record)
             print(f"[{i + 1}/{len(todo)}] {ex.task} {ex.id[:16]} n={prompt.n_tokens} read in {record['windows']} "
                   f"windows, draft {record['draft_s']:.1f} s, elapsed {time.perf_counter() - started:.0f} s",
                   flush=True)
             continue
         cached = cache_path(ex, draft_name, prompt)
-        if cached.exists():
-            captured = torch.load(cached)
+        captured = load_capture(cached)
+        if captured is not None:
             draft_s = None
             if draft is not None and not set(args.blocks) <= set(captured.get("blocks", [])):
                 captured = complete_rows(draft, prompt, captured, args.blocks)
-                torch.save(captured, cached)
+                save_capture(captured, cached)
         else:
             t0 = time.perf_counter()
             captured = capture_rows(draft, prompt, args.blocks)
             draft_s = time.perf_counter() - t0
             if not args.tiny:
                 cached.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(captured, cached)
+                save_capture(captured, cached)
         results = evaluate(prompt, ex, captured, variants, args.keep_rates, args.seed * 1000 + i)
         record = {
             "task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "n_context": prompt.n_context,
             "prompt_sha": prompt_digest(prompt), "draft_s": draft_s, "draft_dtype": dtype_name(dtype),
             "results": results,
         }
-        with path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(path, record)
         print(f"[{i + 1}/{len(todo)}] {ex.task} {ex.id[:16]} n={prompt.n_tokens} "
               f"draft {draft_s or 0:.1f} s, elapsed {time.perf_counter() - started:.0f} s", flush=True)
     return 0

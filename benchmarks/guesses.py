@@ -19,7 +19,6 @@ token and records whether the tokens agree. Resumable (one JSON line per example
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -30,7 +29,7 @@ if __package__ in (None, ""):  # `python benchmarks/guesses.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import evidence
-from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, bootstrap_ci
+from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, append_jsonl, bootstrap_ci
 from specprefill_rag import DraftConfig, DraftModel
 from specprefill_rag.loading import load_tokenizer
 from specprefill_rag.types import SegmentKind
@@ -117,8 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             agrees = forwards_and_tokens(draft, prompt, DraftConfig(lookahead_guesses=0))[1] == tokens
         record = {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, "steps": config.lookahead - 1,
                   "forwards": forwards, "tokens": tokens, "agrees": agrees}
-        with path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(path, record)
         print(f"[{i + 1}/{len(todo)}] {ex.task} n={prompt.n_tokens} forwards {forwards} "
               f"{tokenizer.decode(tokens)!r} elapsed {time.perf_counter() - started:.0f} s", flush=True)
     print_summary(summarize(evidence.load_rows(path), args.seed))

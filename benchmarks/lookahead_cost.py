@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ if __package__ in (None, ""):  # `python benchmarks/lookahead_cost.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import evidence, guesses
-from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, bootstrap_ci, cold, lookahead_label
+from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, append_jsonl, bootstrap_ci, cold, lookahead_label
 from benchmarks.ttft import plain_forward_s
 from specprefill_rag import DraftConfig, DraftModel
 from specprefill_rag.loading import load_model, load_tokenizer
@@ -165,8 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not draft.fits(prompt.n_tokens, DraftConfig().extra_positions(DraftConfig().lookahead)):
             continue
         record = {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens, **measure(drafts, prompt, i, main_model)}
-        with path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(path, record)
         print(f"[{i + 1}] {ex.task} n={prompt.n_tokens} "
               + ", ".join(f"{c['forwards']} forwards {c['seconds']:.1f} s" for c in record["configs"].values())
               + f", plain {record['plain_s']:.1f} s, elapsed {time.perf_counter() - started:.0f} s", flush=True)

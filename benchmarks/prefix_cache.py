@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import random
@@ -53,6 +52,7 @@ from benchmarks.common import (
     DEFAULT_MAIN,
     RESULTS_DIR,
     ROOT,
+    append_jsonl,
     bootstrap_ci,
     model_dtype_name,
     paired_ratio_ci,
@@ -338,8 +338,7 @@ def run_chats(args: argparse.Namespace, engine: Any, url: str, path: Path, chat_
         row = run_chat(engine, url, conversation, turns, system, c, args.keep,
                        args.chat_answer_tokens if args.chat_answers == "long" else None)
         row["draft_dtype"] = model_dtype_name(engine.draft.model)
-        with path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(path, row)
         print(f"[chat {c + 1}/{args.chats}] " + "  ".join(
             f"turn {t['turn']}: full {t['full']['ttft_s']:.1f}s spec {t['spec']['ttft_s']:.1f}s" for t in row["turns"]),
             flush=True)
@@ -387,8 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             passages = passages_of(ex, pool[40:], tokenizer, args.passage_tokens, args.seed + i)
             row = run_example(engines, url, ex, passages, system, i, args.keep)
             row["system_tokens"], row["draft_dtype"] = system_tokens, model_dtype_name(engines["off"].draft.model)
-            with path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(path, row)
             print(f"[{i + 1}/{len(todo)}] " + "  ".join(
                 f"{name} {row[name]['ttft_s']:.1f}s cached {row[name]['cached_tokens']}" for name in SCENARIOS),
                 flush=True)

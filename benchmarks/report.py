@@ -25,6 +25,7 @@ if __package__ in (None, ""):  # `python benchmarks/report.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS_DIR, ROOT
+from specprefill_rag.durable import write_atomic
 
 DOC = ROOT / "docs" / "benchmarks.md"
 IMAGES = ROOT / "docs" / "images"
@@ -1226,7 +1227,7 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
     if gateway_load:
         lines += gateway_section(gateway_load)
     lines += prefix_cache_section(results)
-    doc.write_text("\n".join(lines + INSTALL))
+    write_atomic(doc, "\n".join(lines + INSTALL))
     return doc
 
 

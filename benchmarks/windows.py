@@ -15,7 +15,6 @@ context kept). Paired, resumable; long tasks as ``bench evidence`` builds them.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ if __package__ in (None, ""):  # `python benchmarks/windows.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import evidence
-from benchmarks.common import bootstrap_ci, share_ci
+from benchmarks.common import append_jsonl, bootstrap_ci, share_ci
 from specprefill_rag import DraftConfig, DraftModel, SelectionConfig
 from specprefill_rag.loading import SMALL_MODEL, load_tokenizer
 
@@ -110,8 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue  # one pass must fit its own window, and the windowed reading must need windows
         record = {"task": ex.task, "id": ex.id, "n_prompt": prompt.n_tokens,
                   **measure(draft, prompt, ex, args.window, args.keep_rates)}
-        with path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(path, record)
         print(f"[{i + 1}] {ex.task} n={prompt.n_tokens} windows {record['windows']['windows']}, "
               f"elapsed {time.perf_counter() - started:.0f} s", flush=True)
     print_summary(summarize(evidence.load_rows(path), args.seed))

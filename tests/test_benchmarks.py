@@ -765,6 +765,42 @@ def test_quality_resume_keeps_rows_it_does_not_redo(tmp_path: Path) -> None:
     assert "- commands (resumed into one results file" in "\n".join(report.meta_lines(data))
 
 
+def test_quality_interrupted_while_saving_keeps_the_earlier_rows_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The result file is rewritten after every example; an interrupt while it is being replaced
+    leaves the previous version whole (not a truncated file), and the rerun resumes from it."""
+    from specprefill_rag import durable
+
+    out = tmp_path / "quality.json"
+    argv = ["--tiny", "--tasks", "needle", "--needle-lengths", "256", "--needle-depths", "0.25", "0.75",
+            "--keep-rates", "0.3", "--methods", "specprefill", "--out", str(out)]
+    replace, saves = durable.os.replace, []
+
+    def interrupted(src: str, dst: str) -> None:
+        saves.append(dst)
+        if len(saves) == 2:  # the save after the second example
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(durable.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quality.main(argv)
+    monkeypatch.setattr(durable.os, "replace", replace)
+    data = json.loads(out.read_text())  # whole: the first example's save
+    assert not data["complete"] and data["done"] == {"needle": 1}
+    first = {(r["id"], r["method"]): r["prediction"] for r in data["rows"]}
+    assert {i for i, _ in first} == {"needle-256-0.25"}
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    capsys.readouterr()
+    assert quality.main(argv) == 0
+    assert "resuming: 2 rows of 1 examples" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["done"] == {"needle": 2} and len(data["rows"]) == 4
+    kept = {(r["id"], r["method"]): r["prediction"] for r in data["rows"] if r["id"] == "needle-256-0.25"}
+    assert kept == first  # the saved example's rows, not recomputed
+
+
 def test_quality_resume_refuses_rows_of_another_haystack(tmp_path: Path) -> None:
     """A needle's id names its length and depth, not its haystack, which is drawn from one stream
     over every depth asked: the same id from another list is another prompt, and its cached
@@ -820,6 +856,29 @@ def test_evidence_resume_refuses_rows_of_another_haystack(tmp_path: Path) -> Non
     with pytest.raises(SystemExit, match="holds needle needle-512-0.25 for another prompt"):
         evidence.main([*argv, "--n-needle", "4", "--needle-lengths", "256", "512"])
     assert evidence.load_rows(out) == rows
+
+
+@needs_data
+def test_evidence_resume_redoes_a_row_torn_by_a_crash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A crash mid-append leaves a torn last line: the resume reads the rows before it, redoes
+    that example, and the file is whole again (one JSON record a line)."""
+    from benchmarks import evidence
+
+    out = tmp_path / "evidence.jsonl"
+    argv = ["--tiny", "--tasks", "needle", "--variants", "library default", "--n-needle", "2",
+            "--needle-lengths", "512", "--out", str(out)]
+    assert evidence.main(argv) == 0
+    rows = evidence.load_rows(out)
+    assert [r["id"] for r in rows] == ["needle-512-0.25", "needle-512-0.75"]
+    data = out.read_bytes()
+    out.write_bytes(data[: len(data) - len(json.dumps(rows[-1])) // 2])  # half the last row, no newline
+    assert evidence.load_rows(out) == rows[:1]
+    assert evidence.main(argv) == 0
+    assert "torn last line" in capsys.readouterr().err
+    again = evidence.load_rows(out)
+    assert [r["id"] for r in again] == ["needle-512-0.25", "needle-512-0.75"] and again[0] == rows[0]
+    assert again[1]["results"] == rows[1]["results"]  # redone: the same seeded example
+    assert all(json.loads(line) for line in out.read_text().splitlines())
 
 
 def test_quality_merged_plan_keeps_what_earlier_runs_measured() -> None:

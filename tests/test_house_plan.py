@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # Floors, lowest first: a module may import modules on its own floor or below, never above.
 FLOORS: list[set[str]] = [
-    {"errors", "types", "attention", "scoring", "lookahead", "stepgraphs", "loading", "batching", "memo", "prefixkv",
-     "detokenize", "tokenbound"},
+    {"errors", "types", "durable", "attention", "scoring", "lookahead", "stepgraphs", "loading", "batching", "memo",
+     "prefixkv", "detokenize", "tokenbound"},
     {"prompt", "config", "tokenmap", "streams", "wire"},
     {"draft", "selection", "chat"},
     {"vllm_plugin"},

@@ -11,6 +11,7 @@ import json
 import os
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -183,6 +184,7 @@ def test_gguf_conversion_and_cache(tiny_gguf: Path, cache: Path, monkeypatch: py
     out = resolve_model_dir(tiny_gguf, progress=False)
     digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     assert out == cache / "converted" / f"tiny-llama-{digest[:12]}"
+    assert json.loads((out / loading._MARKER).read_text())["source_sha256"] == digest
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
@@ -358,6 +360,7 @@ def test_packaged_assembly_and_cache(
 
     out = resolve_model_dir("tiny-test", progress=False)
     assert out == cache / "models" / "tiny-test"
+    assert loading._incomplete(out, packaged.sha256) is None  # complete, for this pinned digest
     assert fetched == list(wheels)  # in part order
     assert torch.equal(_logits(out), _logits(tiny_gguf))
     assert not list((cache / "wheels").glob("*.whl"))  # wheels deleted
@@ -419,6 +422,121 @@ def test_packaged_uses_installed_distribution(
     out = resolve_model_dir("tiny-test", progress=False)
     assert (out / "model.safetensors").is_file()
     assert (site / members[1]).is_file()  # the installed package is left alone
+
+
+# --- the conversion cache: completion marker, pinned digest --------------------------------------
+
+
+def _fake_packaged(monkeypatch: pytest.MonkeyPatch, sha256: str, builds: list[str]) -> PackagedModel:
+    """Make "tiny-test" a packaged model pinned to `sha256` whose build (no wheels, no conversion)
+    writes a small directory saying what it was built from, and appends that digest to `builds`."""
+    packaged = PackagedModel(name="tiny-test", packages=(("fake-tiny-part1", "0.1.0"),), filename="tiny-test.gguf",
+                             size=1, sha256=sha256, description="fake")
+
+    def build(model: PackagedModel, out_dir: Path, *, progress: bool) -> None:
+        builds.append(model.sha256)
+        (out_dir / "config.json").write_text(json.dumps({"built_from": model.sha256}))
+        (out_dir / "model.safetensors").write_bytes(b"w" * 4096)
+
+    monkeypatch.setattr(loading, "PACKAGED_MODELS", {packaged.name: packaged})
+    monkeypatch.setattr(loading, "_build_packaged", build)
+    return packaged
+
+
+def _leftovers(cache: Path) -> list[str]:
+    return [p.name for p in (cache / "models").iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_a_new_pinned_sha256_rebuilds_the_conversion(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    builds: list[str] = []
+    _fake_packaged(monkeypatch, "a" * 64, builds)
+    out = resolve_model_dir("tiny-test")
+    assert resolve_model_dir("tiny-test") == out and builds == ["a" * 64]  # built once, then looked up
+    _fake_packaged(monkeypatch, "b" * 64, builds)  # a new release pins other weights
+    assert resolve_model_dir("tiny-test") == out == cache / "models" / "tiny-test"  # the path vLLM is given
+    assert builds == ["a" * 64, "b" * 64]
+    assert json.loads((out / "config.json").read_text()) == {"built_from": "b" * 64}
+    assert json.loads((out / loading._MARKER).read_text())["source_sha256"] == "b" * 64
+    assert resolve_model_dir("tiny-test") == out and len(builds) == 2
+    assert not _leftovers(cache)
+
+
+def _drop_marker(out: Path) -> None:
+    (out / loading._MARKER).unlink()
+
+
+def _drop_weights(out: Path) -> None:
+    (out / "model.safetensors").unlink()
+
+
+def _truncate_weights(out: Path) -> None:
+    with open(out / "model.safetensors", "r+b") as handle:
+        handle.truncate(100)
+
+
+def _garble_marker(out: Path) -> None:
+    (out / loading._MARKER).write_text('{"source_sha256": ')
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (_drop_marker, "no completion marker"),
+        (_drop_weights, "model.safetensors is missing"),
+        (_truncate_weights, "model.safetensors has 100 bytes, 4096 expected"),
+        (_garble_marker, "unreadable completion marker"),
+    ],
+)
+def test_an_incomplete_conversion_is_detected_and_rebuilt(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, damage: Any, why: str
+) -> None:
+    builds: list[str] = []
+    packaged = _fake_packaged(monkeypatch, "a" * 64, builds)
+    out = resolve_model_dir("tiny-test")
+    damage(out)
+    assert why in str(loading._incomplete(out, packaged.sha256))
+    with caplog.at_level("WARNING", logger="specprefill_rag.loading"):
+        assert resolve_model_dir("tiny-test") == out
+    assert f"rebuilding {out}: {why}" in caplog.text
+    assert len(builds) == 2 and loading._incomplete(out, packaged.sha256) is None
+    assert (out / "model.safetensors").stat().st_size == 4096
+    assert not _leftovers(cache)
+
+
+def test_a_cache_from_before_markers_is_rebuilt_once(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory converted by an older version has no marker, so nothing says which weights it
+    holds or that its build finished: it is converted again, once."""
+    old = cache / "models" / "tiny-test"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text("{}")
+    (old / "model.safetensors").write_bytes(b"old")
+    builds: list[str] = []
+    _fake_packaged(monkeypatch, "a" * 64, builds)
+    assert resolve_model_dir("tiny-test") == old
+    assert resolve_model_dir("tiny-test") == old and builds == ["a" * 64]
+    assert (old / "model.safetensors").read_bytes() == b"w" * 4096
+
+
+def test_a_build_is_fsynced_and_marked_before_its_rename_and_a_killed_ones_leftovers_go(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    killed = cache / "models" / ".tiny-test.tmp-killed"  # a build killed midway (SIGKILL: no cleanup)
+    killed.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"half")
+    synced: list[Path] = []
+    renamed: list[tuple[Path, bool, bool]] = []
+    real_rename = os.rename
+
+    def rename(src: str | Path, dst: str | Path) -> None:
+        renamed.append((Path(dst), Path(src) in synced, (Path(src) / loading._MARKER).is_file()))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(loading, "fsync_tree", lambda root: synced.append(Path(root)))
+    monkeypatch.setattr(loading.os, "rename", rename)
+    _fake_packaged(monkeypatch, "a" * 64, [])
+    out = resolve_model_dir("tiny-test")
+    assert renamed == [(out, True, True)]  # fsynced and marked, then renamed into place
+    assert not killed.exists() and not _leftovers(cache)
 
 
 # --- the real thing ------------------------------------------------------------------------------
