@@ -22,13 +22,15 @@ from typing import Any, BinaryIO
 import torch
 
 from specprefill_rag.durable import write_atomic
-from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN
+from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, cpu_runs_bf16, resolve_dtype
 
 __all__ = [
     "DEFAULT_DRAFT",
     "DEFAULT_MAIN",
     "RESULTS_DIR",
+    "add_dtype_arg",
     "append_jsonl",
+    "best_dtype",
     "bootstrap_ci",
     "paired_ratio_ci",
     "share_ci",
@@ -39,7 +41,9 @@ __all__ = [
     "model_dtype_name",
     "model_dtypes",
     "read_jsonl",
+    "resolved_dtype",
     "result_name",
+    "served_dtype",
     "summarise_length",
     "ttft_cell",
     "tiny_engine",
@@ -72,6 +76,41 @@ def dtype_name(dtype: torch.dtype) -> str:
 def model_dtype_name(model: torch.nn.Module) -> str:
     """The dtype a model's weights are in, as results rows record it."""
     return dtype_name(next(model.parameters()).dtype)
+
+
+def resolved_dtype(dtype: str, device: str = "auto") -> str:
+    """``--dtype`` as a model on ``device`` runs in it (``loading.resolve_dtype``), as rows record it."""
+    return dtype_name(resolve_dtype(dtype, device))
+
+
+def best_dtype(device: str = "auto") -> str:
+    """The fastest precision ``device`` offers here, what ``--dtype auto`` gives both models: a
+    TTFT file records it so that the report can tell a baseline that ran slower than the machine
+    allows (DESIGN.md, "The baseline is the main model at its best")."""
+    return resolved_dtype("auto", device)
+
+
+def served_dtype(server: Any) -> str | None:
+    """The dtype a vLLM server started here (``VLLMServer`` with a ``log_path``) runs its model
+    in, as vLLM logs its engine config ("dtype=torch.bfloat16"); else what it was asked for
+    (``VLLMServer.dtype``; None where vLLM chose on a GPU and its log is not kept)."""
+    log = getattr(server, "log_path", None)
+    try:
+        found = re.search(r"\bdtype=torch\.(\w+)", Path(log).read_text(errors="replace")) if log else None
+    except OSError:
+        found = None
+    return found.group(1) if found else getattr(server, "dtype", None)
+
+
+def add_dtype_arg(parser: Any, *, whose: str = "the main model and the draft") -> None:
+    """``--dtype``: one precision for ``whose`` (auto: the fastest the device offers)."""
+    from specprefill_rag.loading import DTYPES
+
+    parser.add_argument(
+        "--dtype", default="auto", choices=("auto", *DTYPES),
+        help=f"dtype of {whose} (auto: the fastest the device offers, one for both: bfloat16 on a GPU and on a "
+        "CPU that multiplies bf16 natively, else float32); result files record each side's (%(default)s)",
+    )
 
 
 def model_dtypes(engine: Any) -> dict[str, str]:
@@ -198,6 +237,9 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        # Whether bf16 is this CPU's fastest precision (``loading.cpu_runs_bf16``): the report refuses
+        # to headline an fp32 baseline measured where bf16 ran faster.
+        "cpu_native_bf16": cpu_runs_bf16(),
     }
     try:
         import transformers
@@ -222,6 +264,7 @@ def machine_info() -> dict[str, Any]:
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_bf16"] = torch.cuda.is_bf16_supported()
     return info
 
 

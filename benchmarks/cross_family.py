@@ -6,7 +6,9 @@ prompt plus demo-collection questions (retrieved top-k passages); keep 10% and 2
 
 For every prompt the modes run back to back (full, then each draft), so load on a shared
 machine hits them alike. The draft scores a prompt once; each keep rate then prefills its own
-plan, and its TTFT is draft + selection + main prefill to the first token. Run:
+plan, and its TTFT is draft + selection + main prefill to the first token. Every model runs in
+one precision, ``--dtype`` (auto: the fastest the device offers); the file records each one's.
+Run:
 
     .venv/bin/python -m benchmarks.cross_family            # table on stdout, JSON in benchmarks/results/
 """
@@ -29,7 +31,14 @@ import torch  # noqa: E402
 if __package__ in (None, ""):  # `python benchmarks/cross_family.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import cold, command_line, machine_info, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_dtype_arg,
+    cold,
+    command_line,
+    machine_info,
+    model_dtype_name,
+    write_results,
+)
 from specprefill_rag import (  # noqa: E402
     DraftConfig,
     DraftModel,
@@ -104,21 +113,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--needle-repeats", type=int, default=8, help="filler sentences per needle passage")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=None)
+    add_dtype_arg(parser, whose="the main model and every draft")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/cross_family-<time>.json)")
     return parser.parse_args(argv)
 
 
 def build_engines(args: argparse.Namespace, config: SpecPrefillConfig) -> dict[str, SpecPrefillEngine]:
     """One engine per draft, all on one main-model backend; each warmed up once."""
-    model, tokenizer = load_model(args.main)
+    model, tokenizer = load_model(args.main, dtype=args.dtype)
     backend = TransformersBackend(model, tokenizer, name=args.main)
     engines = {}
     for name in args.drafts:
-        draft, draft_tok = load_model(name)
+        draft, draft_tok = load_model(name, dtype=args.dtype)
         engines[name] = SpecPrefillEngine(backend, DraftModel(draft, draft_tok), config)
     for engine in engines.values():  # first calls pay one-off costs
         engine.warm_up()
     return engines
+
+
+def dtypes_of(engines: dict[str, SpecPrefillEngine]) -> dict[str, Any]:
+    """What each model ran in: {"main": "bfloat16", "drafts": {name: "bfloat16", ...}}."""
+    main = next(iter(engines.values())).backend
+    return {"main": model_dtype_name(main.model),  # type: ignore[attr-defined]
+            "drafts": {name: model_dtype_name(e.draft.model) for name, e in engines.items() if e.draft}}
 
 
 def row(case: dict[str, Any], prompt: Any, result: Any, **fields: Any) -> dict[str, Any]:
@@ -205,12 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         instructions=INSTRUCTIONS,
     )
     engines = build_engines(args, config)
-    print(f"main {args.main}; drafts {args.drafts}; torch threads {torch.get_num_threads()}", flush=True)
+    print(f"main {args.main}; drafts {args.drafts}; dtypes {dtypes_of(engines)}; torch threads "
+          f"{torch.get_num_threads()}", flush=True)
     rows = [r for case in cases for r in measure_case(case, engines, config, args.keep_rates)]
     summary = summarise(rows, args.drafts, args.keep_rates)
     print_tables(rows, summary)
     payload = {"benchmark": "cross_family", "command": command_line(argv, "cross_family"), "machine": machine_info(),
                "models": {"main": args.main, "drafts": args.drafts}, "keep_rates": args.keep_rates,
+               "dtypes": dtypes_of(engines),
                "rows": rows, "summary": summary}
     path = write_results(f"cross_family-{time.strftime('%Y%m%d-%H%M%S')}", payload, args.out)
     print(f"\nwrote {path}")

@@ -73,7 +73,7 @@ from specprefill_rag import selection as selection_lib
 from specprefill_rag.config import LayerChoice
 from specprefill_rag.durable import atomic_open, write_atomic
 from specprefill_rag.errors import InputError
-from specprefill_rag.loading import DTYPES, load_tokenizer, resolve_draft_dtype
+from specprefill_rag.loading import DTYPES, load_tokenizer, resolve_dtype
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
 # v3: keyed by the prompt's token ids too (v2 keyed by the question alone, so a padding built
@@ -700,7 +700,7 @@ def reevaluate(
     ``--blocks`` gets it added (a draft pass); the others are read as they are."""
     index = {(ex.task, ex.id): (i, ex) for i, ex in enumerate(todo)}
     rows = load_rows(path)
-    draft_name = capture_name(args, resolve_draft_dtype(args.draft_dtype))
+    draft_name = capture_name(args, resolve_dtype(args.draft_dtype))
     updated = 0
     for row in rows:
         found = index.get((row["task"], row["id"]))
@@ -755,7 +755,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--main", default=DEFAULT_MAIN, help="tokenizer and prompt layout come from the main model")
     p.add_argument("--draft", default=DEFAULT_DRAFT)
     p.add_argument("--draft-dtype", default="auto", choices=("auto", *DTYPES),
-                   help="the draft's dtype (auto: loading.resolve_draft_dtype); rows and cached captures record it, "
+                   help="the draft's dtype (auto: loading.resolve_dtype); rows and cached captures record it, "
                    "and a results file holds one dtype")
     add_task_args(p, tasks=["hotpotqa", "squad", "needle", "near_miss"], n=200, n_needle=100)
     p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
@@ -822,7 +822,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = load_rows(path)
     done = {(r["task"], r["id"]): r for r in rows}
     path.parent.mkdir(parents=True, exist_ok=True)
-    dtype = next(draft.model.parameters()).dtype if draft is not None else resolve_draft_dtype(args.draft_dtype)
+    dtype = next(draft.model.parameters()).dtype if draft is not None else resolve_dtype(args.draft_dtype)
     if not args.tiny:
         same_dtype(rows, dtype, path)
     draft_name = capture_name(args, dtype)

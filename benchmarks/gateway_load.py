@@ -12,6 +12,9 @@ demo question and its top-k retrieved demo passages, the system prompt of the ga
 Rounds alternate direct, gateway, direct, ... TTFT is the time from sending the request to the
 first streamed chunk that carries text. Every request must be answered (HTTP 200) or refused
 with 429; each gateway answer is checked against the same prompt sent alone (no mixed outputs).
+vLLM's main model and the gateway's draft run in one precision, ``--dtype`` (auto: the fastest
+the machine offers, bfloat16 on a CPU with native bf16), so the direct baseline is vLLM served
+at its best; the result file records both sides' dtypes.
 
     specprefill-rag bench gateway_load                      # → benchmarks/results/gateway_load.json
     specprefill-rag bench gateway_load --clients 4 --rounds 1 --main smollm2-135m-instruct \\
@@ -38,7 +41,18 @@ from typing import Any
 if __package__ in (None, ""):  # `python benchmarks/gateway_load.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, ROOT, command_line, machine_info, write_results
+from benchmarks.common import (
+    DEFAULT_DRAFT,
+    DEFAULT_MAIN,
+    ROOT,
+    add_dtype_arg,
+    command_line,
+    machine_info,
+    resolved_dtype,
+    served_dtype,
+    write_results,
+)
+from specprefill_rag.loading import DTYPES
 
 SYSTEM = "Answer the question using the context. Be concise."
 READY_TIMEOUT_S = 900.0
@@ -115,7 +129,7 @@ class Gateway:
                    "--vllm-url", vllm_url, "--main", args.main, "--draft", args.draft,
                    "--keep-rate", str(args.keep_rate), "--max-concurrency", str(args.clients),
                    "--max-queue", str(max(64, args.clients)), "--port", str(self.port), "--log-level", "warning",
-                   "--draft-memo", "0"]  # rounds repeat their prompts: every request is scored
+                   "--dtype", args.dtype, "--draft-memo", "0"]  # rounds repeat their prompts: every request is scored
         if args.gateway_threads:
             command += ["--threads", str(args.gateway_threads)]
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
@@ -195,6 +209,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-rate", type=float, default=0.2, help="the gateway's keep rate (%(default)s)")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--vllm-url", default=None, help="an existing vLLM server with the plugin (default: start one)")
+    add_dtype_arg(p, whose="vLLM's main model (a server started here) and the gateway's draft")
+    p.add_argument("--server-dtype", default=None, choices=DTYPES,
+                   help="with --vllm-url: the dtype that server runs the main model in (vLLM's --dtype; it does not "
+                   "report it), recorded as the main model's")
     p.add_argument("--gateway-threads", type=int, default=None, help="torch threads of the gateway process")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/gateway_load.json)")
     return p.parse_args(argv)
@@ -213,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = None
     if args.vllm_url is None:
         server = VLLMServer(args.main, port=free_port(), max_model_len=4096, log_path=logs / "vllm.log",
-                            extra_args=["--max-num-seqs", str(args.clients), "--no-enable-prefix-caching"])
+                            extra_args=["--max-num-seqs", str(args.clients), "--no-enable-prefix-caching"],
+                            dtype=args.dtype)
         print("starting vLLM ...", flush=True)
         server.start(timeout=READY_TIMEOUT_S)
     url = server.url if server else args.vllm_url
@@ -251,13 +270,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload = {
         "benchmark": "gateway_load", "command": command_line(argv, "gateway_load"), "machine": machine_info(),
         "models": {"main": args.main, "draft": args.draft},
-        "settings": {k: getattr(args, k) for k in ("clients", "rounds", "top_k", "keep_rate", "max_tokens")},
+        "dtypes": served_dtypes(args, server),
+        "settings": {k: getattr(args, k) for k in ("clients", "rounds", "top_k", "keep_rate", "max_tokens", "dtype")},
         "summary": summary, "rows": rows,
     }
     path = write_results("gateway_load", payload, args.out)
     print(json.dumps(summary, indent=1))
     print(f"wrote {path}")
     return 0
+
+
+def served_dtypes(args: argparse.Namespace, server: Any) -> dict[str, str]:
+    """Each side's precision: the draft's as the gateway resolves ``--dtype``; vLLM's main model's
+    as the server started here logs it (``common.served_dtype``), or ``--server-dtype`` for one
+    started elsewhere (unrecorded without it)."""
+    dtypes = {"draft": resolved_dtype(args.dtype)}
+    main = served_dtype(server) if server is not None else args.server_dtype
+    if main:
+        dtypes["main"] = resolved_dtype(main)
+    return dtypes
 
 
 def _get(url: str, path: str) -> str:

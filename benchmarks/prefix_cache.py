@@ -15,7 +15,9 @@ paragraphs to about ``--passage-tokens`` tokens. Per example, side by side:
 
 For each: TTFT, the main model's prefill time, and the prompt tokens vLLM served from its cache
 (the delta of its own ``vllm:prefix_cache_hits`` counter; requests run one at a time). The run
-order of sys_full / sys_spec alternates per example. Then ``--chats`` RAG chats of
+order of sys_full / sys_spec alternates per example. The vLLM server started here and the draft run
+in one precision, ``--dtype`` (auto: the fastest the machine offers; ``--draft-dtype`` overrides
+the draft's); each row records both (``main_dtype``, ``draft_dtype``). Then ``--chats`` RAG chats of
 ``--chat-turns`` turns (a new question and its passages each turn, earlier turns as chat
 messages): per turn, full prefill, SpecPrefill with the history whole (the default,
 ``SelectionConfig.protect_history``) and SpecPrefill with it prunable, all warm, and SpecPrefill
@@ -52,10 +54,13 @@ from benchmarks.common import (
     DEFAULT_MAIN,
     RESULTS_DIR,
     ROOT,
+    add_dtype_arg,
     append_jsonl,
     bootstrap_ci,
     model_dtype_name,
     paired_ratio_ci,
+    resolved_dtype,
+    served_dtype,
 )
 from benchmarks.evidence import load_rows
 from benchmarks.gateway_load import free_port
@@ -294,7 +299,7 @@ def build_engines(args: argparse.Namespace, url: str) -> dict[str, Any]:
     config = SpecPrefillConfig(selection=SelectionConfig(min_prompt_tokens=0),
                                generation=GenerationConfig(max_new_tokens=args.max_new_tokens))
     main = create_backend("vllm_server", args.main, base_url=url, read_timeout=READY_TIMEOUT_S)
-    draft = DraftModel.from_pretrained(args.draft, config.draft, dtype=args.draft_dtype)
+    draft = DraftModel.from_pretrained(args.draft, config.draft, dtype=args.draft_dtype or args.dtype)
     off = dataclasses.replace(config, draft=dataclasses.replace(config.draft, memo_entries=0))
     return {"memo": SpecPrefillEngine(main, draft, config), "off": SpecPrefillEngine(main, draft, off)}
 
@@ -304,8 +309,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--main", default=DEFAULT_MAIN)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--draft-dtype", default="auto", choices=("auto", *DTYPES),
-                   help="the draft's dtype (auto: loading.resolve_draft_dtype); each row records it")
+    add_dtype_arg(p, whose="vLLM's main model (a server started here) and the draft")
+    p.add_argument("--draft-dtype", default=None, choices=("auto", *DTYPES),
+                   help="the draft's dtype, overriding --dtype for it (default: --dtype); each row records it")
+    p.add_argument("--server-dtype", default=None, choices=DTYPES,
+                   help="with --vllm-url: the dtype that server runs the main model in (vLLM's --dtype; it does not "
+                   "report it), recorded in each row as main_dtype")
     p.add_argument("--vllm-url", default=None, help="a running vLLM server with the plugin and prefix caching on")
     p.add_argument("--n", type=int, default=8, help="HotpotQA questions")
     p.add_argument("--seed", type=int, default=11)
@@ -326,7 +335,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run_chats(args: argparse.Namespace, engine: Any, url: str, path: Path, chat_pool: Sequence[quality.Example],
-              pad: Sequence[quality.Example], tokenizer: Any, system: str) -> None:
+              pad: Sequence[quality.Example], tokenizer: Any, system: str, main_dtype: str | None = None) -> None:
     """``args.chats`` conversations of ``args.chat_turns`` HotpotQA questions each (resumable)."""
     done = {r["id"] for r in load_rows(path)}
     for c in range(args.chats):
@@ -337,7 +346,7 @@ def run_chats(args: argparse.Namespace, engine: Any, url: str, path: Path, chat_
         turns = [(ex.question, passages_of(ex, pad, tokenizer, args.passage_tokens, args.seed + 100 + c)) for ex in exs]
         row = run_chat(engine, url, conversation, turns, system, c, args.keep,
                        args.chat_answer_tokens if args.chat_answers == "long" else None)
-        row["draft_dtype"] = model_dtype_name(engine.draft.model)
+        row["draft_dtype"], row["main_dtype"] = model_dtype_name(engine.draft.model), main_dtype
         append_jsonl(path, row)
         print(f"[chat {c + 1}/{args.chats}] " + "  ".join(
             f"turn {t['turn']}: full {t['full']['ttft_s']:.1f}s spec {t['spec']['ttft_s']:.1f}s" for t in row["turns"]),
@@ -371,11 +380,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs = ROOT / "benchmarks" / ".cache" / "prefix_cache"
         logs.mkdir(parents=True, exist_ok=True)
         server = VLLMServer(args.main, port=free_port(), max_model_len=4096, log_path=logs / "vllm.log",
-                            extra_args=["--enable-prefix-caching"],
+                            extra_args=["--enable-prefix-caching"], dtype=args.dtype,
                             env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
         print("starting vLLM ...", flush=True)
         server.start(timeout=READY_TIMEOUT_S)
     url = server.url if server else args.vllm_url.rstrip("/")
+    asked = served_dtype(server) if server else args.server_dtype  # as vLLM logs it, or as declared
+    main_dtype = resolved_dtype(asked) if asked else None
     try:
         engines = build_engines(args, url)
         for options in ({"mode": "full"}, {"keep_rate": 0.5}):  # caches the system prompt, warms the draft
@@ -386,13 +397,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             passages = passages_of(ex, pool[40:], tokenizer, args.passage_tokens, args.seed + i)
             row = run_example(engines, url, ex, passages, system, i, args.keep)
             row["system_tokens"], row["draft_dtype"] = system_tokens, model_dtype_name(engines["off"].draft.model)
+            row["main_dtype"] = main_dtype
             append_jsonl(path, row)
             print(f"[{i + 1}/{len(todo)}] " + "  ".join(
                 f"{name} {row[name]['ttft_s']:.1f}s cached {row[name]['cached_tokens']}" for name in SCENARIOS),
                 flush=True)
         chat_system = system if args.chat_answers == "short" else system_prompt(
             tokenizer, args.system_tokens, pool[:40], LONG_INSTRUCTIONS)
-        run_chats(args, engines["off"], url, chat_path, chat_pool, pool[40:], tokenizer, chat_system)
+        run_chats(args, engines["off"], url, chat_path, chat_pool, pool[40:], tokenizer, chat_system, main_dtype)
     finally:
         if server is not None:
             server.stop()

@@ -54,6 +54,7 @@ from benchmarks.common import (
     DEFAULT_DRAFT,
     DEFAULT_MAIN,
     RESULTS_DIR,
+    add_dtype_arg,
     bootstrap_ci,
     cold,
     command_line,
@@ -69,7 +70,6 @@ from benchmarks.common import (
     tiny_engine,
     write_results,
 )
-from specprefill_rag.loading import DTYPES
 
 METHODS = ("specprefill", "reference", "contiguous", "random", "llmlingua")
 INSTRUCTIONS = (
@@ -497,7 +497,8 @@ def same_dtypes(before: dict[str, Any], dtypes: dict[str, str], path: Path) -> N
     found = recorded_dtypes(before)
     if found != dtypes:
         one = set(found.values())
-        fix = f"pass --dtype {one.pop()}" if len(one) == 1 else "run where --dtype auto gives that pair"
+        fix = (f"pass --dtype {one.pop()}" if len(one) == 1 else
+               "no --dtype gives that pair any more (auto gives both models one precision since issue 47):")
         raise SystemExit(f"{path} was measured with {_pair(found)}, this run has {_pair(dtypes)}: {fix} "
                          "or pass another --out")
 
@@ -740,9 +741,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--main", default=DEFAULT_MAIN)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
-                   help="the main model's and the draft's dtype (auto: the library's: on a CPU the main model in "
-                        "float32 and the draft in bfloat16 where the CPU runs it natively; bfloat16 on a GPU)")
+    add_dtype_arg(p)
     p.add_argument(
         "--quick",
         action="store_true",

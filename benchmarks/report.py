@@ -145,6 +145,59 @@ def _run_dtypes(data: dict[str, Any]) -> str:
     return "; ".join(dict.fromkeys(found)) or DTYPE_NAMES.get(one, one)
 
 
+# -- fair baselines: a speedup counts only against the main model at its best (DESIGN.md) ---------
+
+HALF = frozenset({"bfloat16", "float16"})  # faster than float32 wherever a device offers them natively
+BF16_GAIN = "DESIGN.md: on the 2-core CPU the main model runs ~4.8× faster in bf16 than in fp32"
+
+
+def _short(dtype: str) -> str:
+    return DTYPE_NAMES.get(dtype, dtype)
+
+
+def run_precisions(data: dict[str, Any], run: dict[str, Any]) -> dict[str, str]:
+    """``{role: dtype}`` a TTFT run's models ran in: recorded per run; files from before that record
+    ran both in their settings' one ``dtype``; {} where neither is there."""
+    if run.get("dtypes"):
+        return dict(run["dtypes"])
+    one = data.get("settings", {}).get("dtype")
+    return {"main": str(one), "draft": str(one)} if one else {}
+
+
+def machine_best(data: dict[str, Any]) -> str | None:
+    """The fastest precision the run's device offered, as the file records it: ``settings.best_dtype``
+    (what ``--dtype auto`` gave there), else ``machine.cpu_native_bf16`` for a CPU run; a GPU always
+    offers a half precision. None: the file does not say (it predates the record)."""
+    settings, machine = data.get("settings", {}), data.get("machine", {})
+    if settings.get("best_dtype"):
+        return str(settings["best_dtype"])
+    if str(settings.get("device", "")).startswith("cuda"):
+        return "bfloat16" if machine.get("gpu_bf16", True) else "float16"
+    if "cpu_native_bf16" in machine:
+        return "bfloat16" if machine["cpu_native_bf16"] else "float32"
+    return None
+
+
+def unfair_baseline(data: dict[str, Any], run: dict[str, Any]) -> str | None:
+    """Why a TTFT run's speedups may be shown but never headlined, in the words its label uses;
+    None for a fair baseline: the main model in the fastest precision the machine offered. A main
+    model in fp32 beside a bf16 draft, or where the file records that the machine ran bf16
+    natively, is an unfair baseline; one whose precision or machine is not recorded is unverified."""
+    dtypes = run_precisions(data, run)
+    main, draft = dtypes.get("main"), dtypes.get("draft")
+    if main is None:
+        return "unverified baseline (the main model's precision is not recorded)"
+    if draft in HALF and main not in HALF:
+        return f"unfair baseline (main {_short(main)}, draft {_short(draft)})"
+    best = machine_best(data)
+    if best in HALF and main not in HALF:
+        return f"unfair baseline (main {_short(main)} where the machine runs {_short(best)})"
+    if best is None and main not in HALF:
+        return (f"unverified baseline (main {_short(main)}; the file does not record whether the machine "
+                "multiplies bf16 natively)")
+    return None
+
+
 def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]:
     out = [f"## {title}", ""] + meta_lines(data)
     s = data.get("settings", {})
@@ -161,7 +214,7 @@ def ttft_section(data: dict[str, Any], title: str, unit: str = "s") -> list[str]
         if run.get("status") == "skipped":
             out += [f"**Backend `{run['backend']}`: not measured** — {run['reason']}", ""]
         else:
-            out += _ttft_table(run, targets, unit) + _draft_cost_table(run, targets, unit)
+            out += _ttft_table(run, targets, unit, unfair_baseline(data, run)) + _draft_cost_table(run, targets, unit)
     conc = data.get("concurrency")
     if conc:
         out += [
@@ -195,11 +248,19 @@ def _attention_lines(rows: list[dict[str, Any]] | None, unit: str) -> list[str]:
     return out + [""]
 
 
-def _ttft_table(run: dict[str, Any], targets: dict[str, float], unit: str) -> list[str]:
-    """One backend's TTFT per prompt length and keep rate, against the ideal 1/(r + k)."""
-    out = [
-        f"### Backend `{run['backend']}`",
-        "",
+def _ttft_table(run: dict[str, Any], targets: dict[str, float], unit: str, unfair: str | None = None) -> list[str]:
+    """One backend's TTFT per prompt length and keep rate, against the ideal 1/(r + k); ``unfair``:
+    why its baseline is not the main model at its best (``unfair_baseline``), said first."""
+    out = [f"### Backend `{run['backend']}`" + (f" — {unfair}" if unfair else ""), ""]
+    if unfair:
+        why = ("these are against a slower one" if unfair.startswith("unfair") else
+               "this file does not show that its baseline was")
+        out += [
+            f"**Not headlined: {unfair}.** A speedup counts only against full prefill of the main model at the "
+            f"fastest precision the machine offers, measured in the same run ({BF16_GAIN}); {why}.",
+            "",
+        ]
+    out += [
         "| prompt | keep | TTFT full | TTFT SpecPrefill | speedup | draft scoring | selection | main prefill "
         "| kept | r | ideal 1/(r+k) | efficiency |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -306,7 +367,7 @@ def plot_ttft(datasets: list[tuple[str, dict[str, Any]]], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     panels = [
-        (label, run)
+        (label, d, run)
         for label, d in datasets
         for run in d.get("runs", [])
         if run.get("status") != "skipped" and run.get("lengths")
@@ -314,7 +375,7 @@ def plot_ttft(datasets: list[tuple[str, dict[str, Any]]], path: Path) -> bool:
     if not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (label, run) in zip(axes[0], panels, strict=True):
+    for ax, (label, data, run) in zip(axes[0], panels, strict=True):
         keeps = sorted({c["keep_rate"] for row in run["lengths"] for c in row["cells"]})
         for i, k in enumerate(keeps):
             xs = [row["n_tokens"] for row in run["lengths"]]
@@ -326,7 +387,8 @@ def plot_ttft(datasets: list[tuple[str, dict[str, Any]]], path: Path) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("TTFT speedup vs full prefill (×)")
-        ax.set_title(f"{label} [{run['backend']}]", fontsize=9)
+        unfair = unfair_baseline(data, run)
+        ax.set_title(f"{label} [{run['backend']}]" + (f"\nnot headlined: {unfair}" if unfair else ""), fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -638,7 +700,7 @@ LENGTH_SOURCES = (  # (results file, the variant that scores as today's default,
     ("evidence_squad_long_draft-smollm2-135m-instruct-bf16.jsonl", "library default", "smollm2-135m-instruct"),
     ("evidence_multikey_draft-smollm2-135m-instruct-bf16.jsonl", "library default", "smollm2-135m-instruct"),
 )
-DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 LENGTH_KEEPS = (0.1, 0.3)
 LENGTH_AXIS = (512, 40_000)  # tokens: one x range for every panel, up to the 32k tasks
 
@@ -792,8 +854,8 @@ def headline(
         lookahead = f", look-ahead {settings['lookahead']}" if settings.get("lookahead") else ""
         source = f" (`{stem}`{lookahead}, {_run_dtypes(ttft)})"
         for run in ttft.get("runs", []):
-            if run.get("status") == "skipped":
-                continue
+            if run.get("status") == "skipped" or unfair_baseline(ttft, run):
+                continue  # an unfair or unverified baseline is shown in its section, never headlined
             for row in run["lengths"]:
                 for c in row["cells"]:
                     if c["keep_rate"] in (0.1, 0.3) and row["n_tokens"] >= 2048:
@@ -948,10 +1010,16 @@ def gateway_section(data: dict[str, Any]) -> list[str]:
         lines.append(f"| {label} | {m['requests']} | {m['answered']} | {m['refused_429']} | {m['other_errors']} | "
                      f"{_s(m['p50_ttft_s'])} | {_s(m['p95_ttft_s'])} |")
     speedups = ", ".join(f"{q} {s[f'{q}_speedup']:.2f}×" for q in ("p50", "p95") if s.get(f"{q}_speedup"))
+    precisions = ", ".join(dtype_parts(data.get("dtypes") or {})) or "precisions not recorded"
+    unfair = unfair_baseline(data, {"dtypes": data.get("dtypes")})
+    if unfair and unfair.startswith("unfair"):
+        precisions += f"; **{unfair}**: not the main model at its best"
+    elif unfair:
+        precisions += "; **unverified baseline**: not shown to be the main model at its best"
     lines += [
         "",
-        f"Speedup (direct / gateway): {speedups}. Gateway answers equal to the same prompt sent alone (no mixed "
-        f"outputs): {s['gateway_same_as_alone']} of {s['gateway_answered']}.",
+        f"Speedup (direct / gateway): {speedups} ({precisions}). Gateway answers equal to "
+        f"the same prompt sent alone (no mixed outputs): {s['gateway_same_as_alone']} of {s['gateway_answered']}.",
         "",
         *meta_lines(data),
         "",

@@ -3,7 +3,10 @@
 For every prompt length, each repetition runs (in an order rotated per repetition, so slow
 drift of a shared machine spreads over all rows): the full-prefill baseline, SpecPrefill at
 every keep rate, a plain draft forward (no capture) and a draft forward with capture on and
-no look-ahead. Reported per cell (medians over repetitions):
+no look-ahead. Both models run in one precision, ``--dtype`` (auto: the fastest the device
+offers), so the baseline is the main model at its best; each run records each side's dtype and
+the file the machine's best (``settings.best_dtype``, ``machine.cpu_native_bf16``), which the
+report checks before it headlines a speedup. Reported per cell (medians over repetitions):
 
     TTFT full, TTFT SpecPrefill, speedup = full / spec, breakdown (draft scoring, selection,
     main prefill), r = plain draft forward / plain main forward (both measured here),
@@ -47,6 +50,8 @@ from benchmarks.common import (
     DEFAULT_DRAFT,
     DEFAULT_MAIN,
     RESULTS_DIR,
+    add_dtype_arg,
+    best_dtype,
     cold,
     command_line,
     compared_lookahead,
@@ -55,11 +60,13 @@ from benchmarks.common import (
     lookahead_variants,
     machine_info,
     model_dtypes,
+    resolved_dtype,
     result_name,
     summarise_length,
     tiny_engine,
     write_results,
 )
+from specprefill_rag.loading import DTYPES
 
 QUESTION = "According to these essays, what should the founders of a startup do first, and why?"
 PASSAGE_TOKENS = 256  # tokens per synthetic passage
@@ -203,14 +210,15 @@ class _PeakMemory:
         self._sample()
 
 
-def memory_child(kind: str, draft_name: str, length: int, tiny: bool, device: str) -> dict[str, Any]:
+def memory_child(kind: str, draft_name: str, length: int, tiny: bool, device: str,
+                 dtype: str = "auto") -> dict[str, Any]:
     """Run in a fresh process: peak memory of one plain draft forward or one scoring run."""
     if tiny:
         draft = tiny_engine().draft
     else:
         from specprefill_rag.draft import DraftModel
 
-        draft = DraftModel.from_pretrained(draft_name, device=device)
+        draft = DraftModel.from_pretrained(draft_name, device=device, dtype=dtype)
     vocab = int(draft.model.config.vocab_size)
     ids = torch.randint(0, min(vocab, 30000), (length,), generator=torch.Generator().manual_seed(0))
     if not tiny:
@@ -250,7 +258,7 @@ def essay_passages_ids(tokenizer: Any, n_tokens: int) -> list[int]:
     return list(ids)
 
 
-def measure_memory(draft_name: str, length: int, tiny: bool, device: str) -> dict[str, Any]:
+def measure_memory(draft_name: str, length: int, tiny: bool, device: str, dtype: str = "auto") -> dict[str, Any]:
     """Peak memory of scoring vs a plain draft forward at ``length``, each in its own process."""
     rows = {}
     for kind in ("plain", "score"):
@@ -264,6 +272,8 @@ def measure_memory(draft_name: str, length: int, tiny: bool, device: str) -> dic
             draft_name,
             "--device",
             device,
+            "--dtype",
+            dtype,
             "--lengths",
             str(length),
         ] + (["--tiny"] if tiny else [])
@@ -308,8 +318,9 @@ def with_draft_config(engine: Any, draft: Any) -> Any:
 
 def build_engine(args: argparse.Namespace, backend: str) -> Any:
     from specprefill_rag import SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
-    from specprefill_rag.backends import create_backend
+    from specprefill_rag.backends import create_backend, loads_torch_model
     from specprefill_rag.draft import DraftModel
+    from specprefill_rag.tools.vllm_process import server_dtype
 
     config = SpecPrefillConfig(
         draft=build_draft_config(args),
@@ -320,10 +331,26 @@ def build_engine(args: argparse.Namespace, backend: str) -> Any:
         return tiny_engine(config)
     if backend == "vllm_server":
         main = create_backend("vllm_server", args.main, base_url=args.server_url)
-    else:
-        main = create_backend(backend, args.main, device=args.device)
-    draft = DraftModel.from_pretrained(args.draft, config.draft, device=args.device)
+    elif loads_torch_model(backend):
+        main = create_backend(backend, args.main, device=args.device, dtype=args.dtype)
+    else:  # vLLM in this process: the precision a server started here gets
+        main = create_backend(backend, args.main, dtype=server_dtype(args.dtype) or "auto")
+    draft = DraftModel.from_pretrained(args.draft, config.draft, device=args.device, dtype=args.dtype)
     return SpecPrefillEngine(main, draft, config)
+
+
+def run_dtypes(engine: Any, backend: str, args: argparse.Namespace) -> dict[str, str]:
+    """Each side's precision: the torch models' own; a vLLM main model's as vLLM was asked for it
+    (``--server-dtype`` for a server started elsewhere, which does not report it). A main model
+    whose precision is not known here goes unrecorded, and the report does not headline its run."""
+    from specprefill_rag.tools.vllm_process import server_dtype
+
+    dtypes = model_dtypes(engine)
+    if "main" not in dtypes:
+        asked = args.server_dtype if backend == "vllm_server" else server_dtype(args.dtype)
+        if asked:
+            dtypes["main"] = resolved_dtype(asked)
+    return dtypes
 
 
 def draft_token_ids(engine: Any, prompt: Any) -> torch.Tensor:
@@ -424,7 +451,7 @@ def run_backend(backend: str, args: argparse.Namespace, save: Any = None) -> dic
         reason = f"{type(error).__name__}: {error}"
         print(f"[{backend}] skipped: {reason}", flush=True)
         return {"backend": backend, "status": "skipped", "reason": reason}
-    dtypes = model_dtypes(engine)
+    dtypes = run_dtypes(engine, backend, args)
     print(f"[{backend}] models ready in {time.perf_counter() - started:.1f} s ({dtypes}); warming up ...", flush=True)
     warm = ["Warm-up context about essays and startups. " * 30]
     engine.generate("Warm-up?", warm, mode="full", generation=generation_config())
@@ -484,6 +511,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="main-model backends to run, in turn: transformers and/or vllm_server (%(default)s)",
     )
     p.add_argument("--server-url", default=None, help="vllm_server backend: http://HOST:PORT of `vllm serve`")
+    p.add_argument(
+        "--server-dtype", default=None, choices=DTYPES,
+        help="vllm_server backend: the dtype the server at --server-url runs the main model in (vLLM's --dtype; "
+        "`specprefill-rag serve` gives the CPU's fastest: bfloat16 where it multiplies bf16 natively). vLLM does "
+        "not report it: recorded as the main model's; without it the report does not headline the run",
+    )
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths (tokens)")
     p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
     p.add_argument("--reps", type=int, default=3, help="repetitions per cell; medians are reported")
@@ -494,6 +527,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "full forwards beside the early-exit default), side by side",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument(
@@ -526,7 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_child:
-        print(json.dumps(memory_child(args.memory_child, args.draft, args.lengths[-1], args.tiny, args.device)))
+        print(json.dumps(memory_child(args.memory_child, args.draft, args.lengths[-1], args.tiny, args.device,
+                                      args.dtype)))
         return 0
     command = command_line(argv, "ttft")
     payload = new_payload(args, command)
@@ -570,6 +605,8 @@ def new_payload(args: argparse.Namespace, command: str) -> dict[str, Any]:
             "lookahead_label": lookahead_label(draft),
             "compared_keep_rates": args.compared_keep_rates,
             "device": args.device,
+            "dtype_asked": args.dtype,  # both models'; each run's ``dtypes`` says what each side ran in
+            "best_dtype": best_dtype(args.device),  # the machine's fastest on the device: a fair baseline's
             "memory_length": args.memory_length or max(args.lengths),
         },
         "targets": TARGETS,
@@ -582,7 +619,7 @@ def new_payload(args: argparse.Namespace, command: str) -> dict[str, Any]:
 def memory_run(args: argparse.Namespace, length: int) -> dict[str, Any]:
     """Peak memory of a plain draft forward vs scoring at ``length`` tokens, printed as it is measured."""
     print(f"Peak memory at {length} tokens: plain draft forward vs scoring (fresh subprocesses) ...", flush=True)
-    memory = measure_memory(args.draft, length, args.tiny, args.device)
+    memory = measure_memory(args.draft, length, args.tiny, args.device, args.dtype)
     if "error" in memory:
         print(f"  {memory['error']}")
     else:

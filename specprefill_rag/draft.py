@@ -258,10 +258,11 @@ class DraftModel:
     ) -> DraftModel:
         """Load a draft by packaged short name, HF directory or GGUF path (see ``loading``);
         ``"auto"``: CUDA + bfloat16 when torch sees a GPU, else the CPU, in bfloat16 where it
-        multiplies bf16 natively and float32 otherwise (``loading.resolve_draft_dtype``)."""
-        from .loading import load_model, resolve_draft_dtype
+        multiplies bf16 natively and float32 otherwise: the main model's rule
+        (``loading.resolve_dtype``), so both run at the precision the device is fastest in."""
+        from .loading import load_model
 
-        model, tokenizer = load_model(name_or_path, dtype=resolve_draft_dtype(dtype, device), device=device)
+        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
         return cls(model, tokenizer, config)
 
     @property

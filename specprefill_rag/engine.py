@@ -160,9 +160,11 @@ class SpecPrefillEngine:
 
         ``dtype`` and ``device`` are the draft's, and the main model's on a backend that loads a
         torch model in this process (``register_backend(..., torch_model=True)``: transformers);
-        ``"auto"`` (the default) is CUDA + bfloat16 when torch sees a GPU, else CPU + float32, the
-        draft in bfloat16 on a CPU with native bf16 (``loading.resolve_draft_dtype``). A
-        vLLM main model places itself (``--gpu-memory-utilization`` leaves the draft its share).
+        ``"auto"`` (the default) is one precision for both, the fastest the device offers
+        (``loading.resolve_dtype``): CUDA + bfloat16 when torch sees a GPU, else the CPU in
+        bfloat16 where it multiplies bf16 natively and float32 otherwise. A vLLM main model
+        places itself and takes its dtype from the server's ``--dtype`` (``--gpu-memory-utilization``
+        leaves the draft its share of a GPU).
         A ``draft`` equal to ``main`` on a ``SelfDrafting`` backend shares the main model's weights.
         """
         config = config or SpecPrefillConfig()

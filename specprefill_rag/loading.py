@@ -54,7 +54,6 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "resolve_device",
-    "resolve_draft_dtype",
     "resolve_dtype",
     "resolve_model_dir",
 ]
@@ -178,15 +177,23 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> torch.dtype:
-    """``"auto"``: bfloat16 on a CUDA device that supports it (float16 on one that does not),
-    float32 elsewhere (CPU kernels are fastest and exact in fp32); a name of ``DTYPES`` or a
-    ``torch.dtype`` otherwise."""
+    """``"auto"``: the fastest precision ``device`` offers, one for the draft and the main model
+    alike: bfloat16 on a CUDA device that supports it (float16 on one that does not), bfloat16 on
+    a CPU that multiplies it natively (``cpu_runs_bf16``: AVX512-BF16 or AMX), float32 elsewhere.
+    A name of ``DTYPES`` or a ``torch.dtype`` is taken as given.
+
+    One rule for both models, so that a speedup is measured against the main model at its best
+    (DESIGN.md, "The baseline is the main model at its best"): on the 2-core AVX512-BF16 EPYC the
+    main model runs ~4.8x faster in bf16 than in fp32, and the Qwen 0.5B draft scored 2k-token
+    prompts 2.8x faster with the same evidence kept (docs/benchmarks.md).
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if resolve_device(device).type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        place = resolve_device(device)
+        if place.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if place.type == "cpu" and cpu_runs_bf16() else torch.float32
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of 'auto', {', '.join(repr(d) for d in DTYPES)}")
     return DTYPES[dtype]
@@ -199,16 +206,6 @@ def cpu_runs_bf16() -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
-def resolve_draft_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> torch.dtype:
-    """The draft's dtype: ``resolve_dtype``'s, except that ``"auto"`` on a CPU with native bf16
-    (``cpu_runs_bf16``) is bfloat16. The draft only scores tokens, and there bf16 scored the Qwen
-    0.5B draft's 2k-token prompts 2.8x faster than fp32 on an AVX512-BF16 EPYC with the same
-    evidence kept (docs/benchmarks.md); a CPU without it stays in fp32, which it runs faster."""
-    if dtype == "auto" and resolve_device(device).type == "cpu" and cpu_runs_bf16():
-        return torch.bfloat16
-    return resolve_dtype(dtype, device)
-
-
 def load_model(
     name_or_path: str | os.PathLike[str],
     *,
@@ -218,7 +215,8 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model in eval mode on ``device``, tokenizer) for anything ``resolve_model_dir`` accepts;
     ``device`` and ``dtype`` as ``resolve_device`` / ``resolve_dtype`` read them (``"auto"``:
-    CUDA + bfloat16 when torch sees a GPU, else CPU + float32)."""
+    CUDA + bfloat16 when torch sees a GPU, else the CPU, in bfloat16 where it multiplies bf16
+    natively and float32 otherwise)."""
     from transformers import AutoModelForCausalLM
 
     place = resolve_device(device)

@@ -148,9 +148,17 @@ def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
     assert "draft fp32, main fp32 on cpu" in "\n".join(report.ttft_section(data, "TTFT"))
     old = {**data, "runs": [{k: v for k, v in ok.items() if k != "dtypes"}], "settings": {"dtype": "float32"}}
     assert ", fp32 on None" in "\n".join(report.ttft_section(old, "TTFT"))  # files from before the record
+    # The file records what the report needs to tell a fair baseline: the machine's best precision.
+    from benchmarks.common import best_dtype
+    from specprefill_rag.loading import cpu_runs_bf16
+
+    assert data["settings"]["best_dtype"] == best_dtype("cpu") and data["settings"]["dtype_asked"] == "auto"
+    assert data["machine"]["cpu_native_bf16"] is cpu_runs_bf16()
     long = [{**ok, "lengths": [{**row, "n_tokens": 2048}]}]  # the headline lists 2k tokens and more
-    lines = report.headline([("ttft", {**data, "runs": long})], None)
-    assert "(`ttft`, look-ahead 8, draft fp32, main fp32)" in "\n".join(lines)
+    for best, headlined in (("float32", True), ("bfloat16", False)):  # the tiny models run in fp32
+        shown = {**data, "runs": long, "settings": {**data["settings"], "best_dtype": best}}
+        lines = "\n".join(report.headline([("ttft", shown)], None))
+        assert ("(`ttft`, look-ahead 8, draft fp32, main fp32)" in lines) is headlined
     # --memory-only re-measures memory into the same file and leaves the runs alone.
     assert ttft.main(["--tiny", "--lengths", "192", "--memory-only", "--out", str(out)]) == 0
     again = json.loads(out.read_text())
@@ -746,6 +754,118 @@ def test_gateway_load_summary_and_report_section() -> None:
             "models": {"main": "m", "draft": "d"}, "machine": {}, "command": "c"}
     text = "\n".join(report.gateway_section(data))
     assert "| gateway, SpecPrefill | 4 | 2 | 1 | 1 | 1.50 s |" in text and "p50 2.67×" in text
+    assert "(precisions not recorded; **unverified baseline" in text  # a file from before the record
+    fair = {**data, "dtypes": {"main": "bfloat16", "draft": "bfloat16"}, "machine": {"cpu_native_bf16": True}}
+    assert "× (draft bf16, main bf16). Gateway answers" in "\n".join(report.gateway_section(fair))
+    unfair = {**fair, "dtypes": {"main": "float32", "draft": "bfloat16"}}
+    assert "**unfair baseline (main fp32, draft bf16)**" in "\n".join(report.gateway_section(unfair))
+
+
+def test_gateway_load_records_both_sides_precision(tmp_path: Path) -> None:
+    """vLLM's main model as the server it started logs it, the draft as the gateway resolves --dtype."""
+    from types import SimpleNamespace
+
+    from benchmarks import gateway_load
+    from benchmarks.common import resolved_dtype
+
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO ... Initializing a V1 LLM engine (v0.32.0) with config: model='m', dtype=torch.bfloat16, x\n")
+    args = gateway_load.parse_args(["--dtype", "bfloat16"])
+    assert gateway_load.served_dtypes(args, SimpleNamespace(log_path=log, dtype="float32")) == \
+        {"draft": "bfloat16", "main": "bfloat16"}  # what vLLM ran, not what it was asked
+    args = gateway_load.parse_args([])
+    assert gateway_load.served_dtypes(args, SimpleNamespace(log_path=None, dtype="float32"))["main"] == "float32"
+    assert gateway_load.served_dtypes(args, None) == {"draft": resolved_dtype("auto")}  # --vllm-url: unknown
+    args = gateway_load.parse_args(["--vllm-url", "http://h:1", "--server-dtype", "bf16"])
+    assert gateway_load.served_dtypes(args, None)["main"] == "bfloat16"
+
+
+def test_ttft_records_a_served_main_models_precision_only_when_known() -> None:
+    """The vllm_server backend's main model has no weights here: its dtype is what --server-dtype
+    says the server runs (vLLM does not report it), else unrecorded (and never headlined)."""
+    from types import SimpleNamespace
+
+    from benchmarks import ttft
+
+    draft = SimpleNamespace(model=torch.nn.Linear(2, 2).to(torch.bfloat16))
+    served = SimpleNamespace(backend=SimpleNamespace(), draft=draft)
+    args = ttft.parse_args(["--backend", "vllm_server", "--server-url", "http://h:1", "--server-dtype", "bf16"])
+    assert ttft.run_dtypes(served, "vllm_server", args) == {"draft": "bfloat16", "main": "bfloat16"}
+    args = ttft.parse_args(["--backend", "vllm_server", "--server-url", "http://h:1"])
+    assert ttft.run_dtypes(served, "vllm_server", args) == {"draft": "bfloat16"}
+    local = SimpleNamespace(backend=SimpleNamespace(model=torch.nn.Linear(2, 2)), draft=draft)
+    assert ttft.run_dtypes(local, "transformers", args) == {"main": "float32", "draft": "bfloat16"}
+
+
+def _ttft_file(dtypes: dict[str, str] | None, *, settings: dict[str, object] | None = None,
+               machine: dict[str, object] | None = None) -> dict[str, object]:
+    """A TTFT result file of one transformers run at 2048 tokens, keep 10% (speedup 2.50×)."""
+    from benchmarks.common import summarise_length
+
+    raw: dict[tuple[str, object], list[object]] = {
+        ("full", None): [{"ttft_s": 10.0, "prefill_s": 9.0}], ("plain", None): [1.0],
+        ("spec", 0.1): [{"ttft_s": 4.0, "draft_s": 1.5, "selection_s": 0.01, "prefill_s": 2.0, "keep_ratio": 0.15}]}
+    run = {"backend": "transformers", "status": "ok", "lengths": [summarise_length(2048, 2048, raw, [0.1])]}
+    if dtypes is not None:
+        run["dtypes"] = dtypes
+    return {"benchmark": "ttft", "command": "c", "models": {"main": "m", "draft": "d"}, "machine": machine or {},
+            "settings": {"lengths": [2048], "keep_rates": [0.1], "reps": 1, "lookahead": 8, "device": "cpu",
+                         **(settings or {})},
+            "runs": [run], "complete": True}
+
+
+BF16 = {"main": "bfloat16", "draft": "bfloat16"}
+MIXED = {"main": "float32", "draft": "bfloat16"}
+FP32 = {"main": "float32", "draft": "float32"}
+
+
+@pytest.mark.parametrize(("data", "label"), [
+    # A bf16 draft against an fp32 main model: never SpecPrefill's speedup.
+    (_ttft_file(MIXED, settings={"best_dtype": "bfloat16"}), "unfair baseline (main fp32, draft bf16)"),
+    (_ttft_file(MIXED), "unfair baseline (main fp32, draft bf16)"),  # whatever the machine
+    # Both in fp32 where the file records that the machine multiplies bf16 natively.
+    (_ttft_file(FP32, machine={"cpu_native_bf16": True}), "unfair baseline (main fp32 where the machine runs bf16)"),
+    (_ttft_file(FP32, settings={"best_dtype": "bfloat16"}), "unfair baseline (main fp32 where the machine runs bf16)"),
+    # Files from before the record: one dtype for both in the settings, the machine unknown.
+    (_ttft_file(None, settings={"dtype": "float32"}), "unverified baseline (main fp32; the file does not record "
+                                                      "whether the machine multiplies bf16 natively)"),
+    (_ttft_file({"draft": "bfloat16"}), "unverified baseline (the main model's precision is not recorded)"),
+    # Fair: the main model at the machine's best.
+    (_ttft_file(BF16, settings={"best_dtype": "bfloat16"}, machine={"cpu_native_bf16": True}), None),
+    (_ttft_file(FP32, settings={"best_dtype": "float32"}, machine={"cpu_native_bf16": False}), None),
+    (_ttft_file(FP32, machine={"cpu_native_bf16": False}), None),
+    (_ttft_file(None, settings={"dtype": "bfloat16", "device": "cuda"}), None),  # gpu_ttft.json's kind
+])
+def test_the_report_headlines_only_a_speedup_over_the_main_model_at_its_best(
+        data: dict[str, object], label: str | None) -> None:
+    (run,) = data["runs"]  # type: ignore[misc]
+    assert report.unfair_baseline(data, run) == label
+    headline = "\n".join(report.headline([("ttft", data)], None))
+    section = "\n".join(report.ttft_section(data, "TTFT"))
+    assert "| 2048 | 10% | 10.0 s | 4.00 s | **2.50×** |" in section  # shown either way
+    if label is None:
+        assert "- d → m, transformers, 2048 tokens, keep 10%: speedup **2.50×**" in headline
+        assert "Not headlined" not in section
+    else:
+        assert "speedup" not in headline  # never in the Headline section
+        assert f"### Backend `transformers` — {label}" in section and f"**Not headlined: {label}.**" in section
+
+
+def test_the_rendered_page_headlines_the_fair_file_and_labels_the_unfair_one(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "results"
+    results.mkdir()
+    fair = _ttft_file(BF16, settings={"best_dtype": "bfloat16"}, machine={"cpu_native_bf16": True})
+    unfair = _ttft_file(MIXED, settings={"best_dtype": "bfloat16"}, machine={"cpu_native_bf16": True})
+    (results / "ttft.json").write_text(json.dumps(fair))
+    (results / "ttft_bf16-draft.json").write_text(json.dumps(unfair))
+    text = report.render(results, tmp_path / "benchmarks.md", tmp_path / "images").read_text()
+    head = text[text.index("## Headline"):text.index("## Time to first token")]
+    assert head.count("speedup **2.50×**") == 1 and "(`ttft`, look-ahead 8, draft bf16, main bf16)" in head
+    assert "ttft_bf16-draft" not in head and "unfair" not in head
+    unfair_part = text[text.index("`benchmarks/results/ttft_bf16-draft.json`"):]
+    assert "### Backend `transformers` — unfair baseline (main fp32, draft bf16)" in unfair_part
+    assert "| 2048 | 10% | 10.0 s | 4.00 s | **2.50×** |" in unfair_part  # shown, labelled
 
 
 def test_quality_resume_keeps_rows_it_does_not_redo(tmp_path: Path) -> None:
@@ -915,7 +1035,7 @@ def test_quality_keeps_one_pair_of_dtypes_per_file(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"the draft in float32, the main in float32, this run has the draft in "
                                          r"bfloat16.*--dtype float32"):
         quality.same_dtypes({"rows": [{}]}, bf16, tmp_path / "old.json")
-    with pytest.raises(SystemExit, match="run where --dtype auto gives that pair"):  # no one --dtype gives it
+    with pytest.raises(SystemExit, match="no --dtype gives that pair any more"):  # auto gives one precision
         quality.same_dtypes({"rows": [{}], "dtypes": bf16}, fp32, tmp_path / "bf16.json")
 
 

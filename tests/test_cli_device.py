@@ -53,11 +53,13 @@ def test_device_and_dtype_reach_the_models(built: list[dict[str, Any]], argv: li
 def test_serve_gives_the_gateways_draft_the_device(
     built: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    started: list[dict[str, Any]] = []
+
     class FakeVLLM:
         url, started_s = "http://127.0.0.1:1", 0.0
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            pass
+            started.append(kwargs)
 
         def start(self) -> None:
             pass
@@ -74,6 +76,37 @@ def test_serve_gives_the_gateways_draft_the_device(
         "main": "main-model", "draft": "d", "backend": "vllm_server", "base_url": FakeVLLM.url,
         "config": built[-1]["config"], "device": "cuda", "dtype": "float16",
     }
+    assert started[-1]["dtype"] == "float16"  # one precision: vLLM's main model too
+    with pytest.raises(_Built):
+        cli.main(["serve", "main-model", "--gateway-port", "1", "--draft", "d"])
+    assert started[-1]["dtype"] == built[-1]["dtype"] == "auto"  # each resolves auto by one rule
+
+
+def test_serve_gives_vllm_the_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(vllm_process, "serve", lambda model, **kwargs: calls.append(kwargs) or 0)
+    assert cli.main(["serve", "m", "--dtype", "bfloat16"]) == 0 and calls[-1]["dtype"] == "bfloat16"
+    assert cli.main(["serve", "m"]) == 0 and calls[-1]["dtype"] == "auto"
+
+
+@pytest.mark.parametrize(("native_bf16", "want"), [(True, "bfloat16"), (False, "float32")])
+def test_a_cpu_vllm_server_runs_at_the_cpus_best_precision(monkeypatch: pytest.MonkeyPatch, native_bf16: bool,
+                                                           want: str) -> None:
+    """``VLLMServer`` / ``serve`` ask vLLM for the precision ``"auto"`` gives the draft on that CPU."""
+    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: native_bf16)
+    assert vllm_process.server_dtype("auto", cpu=True) == want
+    assert vllm_process.server_dtype("auto", cpu=False) is None  # a GPU: vLLM's own auto (bf16 / fp16)
+    assert vllm_process.server_dtype("fp32", cpu=True) == "float32"  # asked for: given, as vLLM spells it
+    command = vllm_process.server_command("/m", cpu=True, dtype=vllm_process.server_dtype("auto", cpu=True),
+                                          extra_args=["--max-num-seqs", "8"])
+    assert command[-5:] == ["--dtype", want, "--enforce-eager", "--max-num-seqs", "8"]
+    assert vllm_process.server_command("/m", cpu=False, dtype="float16")[-2:] == ["--dtype", "float16"]
+    monkeypatch.setattr(vllm_process, "on_cpu", lambda: True)
+    monkeypatch.setattr(loading, "resolve_model_dir", lambda name, **_: name)
+    server = vllm_process.VLLMServer("m", port=1)
+    assert server.dtype == want and server.command[server.command.index("--dtype") + 1] == want
+    server = vllm_process.VLLMServer("m", port=1, dtype="float32")  # equality tests against fp32 references
+    assert server.dtype == "float32" and server.command.count("--dtype") == 1
 
 
 def test_an_unknown_dtype_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,3 +163,33 @@ def test_the_loaded_line_names_each_torch_models_device_and_dtype() -> None:
     model = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"))  # what a transformers model has
     assert cli._placed(model) == " (cpu, bfloat16)"
     assert cli._placed(None) == ""  # a vLLM main model: nothing to name
+
+
+def test_the_demos_speedup_names_both_precisions() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    def model(dtype: torch.dtype) -> Any:
+        return SimpleNamespace(dtype=dtype, device=torch.device("cpu"))
+
+    engine = SimpleNamespace(draft=SimpleNamespace(model=model(torch.bfloat16)),
+                             backend=SimpleNamespace(model=model(torch.bfloat16)))
+    assert cli._precisions(engine) == "draft bf16, main bf16"
+    engine.backend = SimpleNamespace()  # a vLLM main model: no weights here
+    assert cli._precisions(engine) == "draft bf16, main served by vLLM"
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_the_demo_says_when_its_baseline_is_not_at_its_best(monkeypatch: pytest.MonkeyPatch,
+                                                           native_bf16: bool) -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: native_bf16)
+    fp32 = SimpleNamespace(dtype=torch.float32, device=torch.device("cpu"))
+    note = cli._baseline_note(fp32)
+    assert ("fp32 where this CPU runs bf16 faster" in note) is native_bf16 and bool(note) is native_bf16
+    assert cli._baseline_note(SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"))) == ""
+    assert cli._baseline_note(None) == ""  # a vLLM main model

@@ -135,7 +135,6 @@ def test_public_api() -> None:
         "load_model",
         "load_tokenizer",
         "resolve_device",
-        "resolve_draft_dtype",
         "resolve_dtype",
         "resolve_model_dir",
     }
@@ -231,7 +230,7 @@ def test_concurrent_builders_build_once(tiny_gguf: Path, cache: Path, monkeypatc
 
 
 def test_load_model(tiny_gguf: Path, cache: Path) -> None:
-    model, tokenizer = load_model(tiny_gguf, attn_implementation="sdpa")
+    model, tokenizer = load_model(tiny_gguf, dtype="float32", attn_implementation="sdpa")
     assert not model.training and model.dtype == torch.float32
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert tokenizer.eos_token == "<|im_end|>"
@@ -240,8 +239,9 @@ def test_load_model(tiny_gguf: Path, cache: Path) -> None:
 # --- device and dtype ---------------------------------------------------------------------------
 
 
-def test_auto_is_the_cpu_in_fp32_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_is_the_cpu_in_fp32_without_a_gpu_or_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: False)
     assert loading.resolve_device("auto") == torch.device("cpu")
     assert loading.resolve_dtype("auto") is torch.float32
     assert loading.resolve_dtype("auto", "cpu") is torch.float32
@@ -259,26 +259,66 @@ def test_auto_is_cuda_in_bf16_with_a_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: False)
     assert loading.resolve_device("auto") == torch.device("cuda", 0)
     assert loading.resolve_dtype("auto") is torch.bfloat16
-    assert loading.resolve_dtype("auto", "cpu") is torch.float32  # the CPU stays exact when chosen
+    assert loading.resolve_dtype("auto", "cpu") is torch.float32  # a CPU chosen beside the GPU: its own rule
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # e.g. a V100
     assert loading.resolve_dtype("auto", "cuda") is torch.float16
 
 
-def test_the_drafts_auto_dtype_is_bf16_on_a_cpu_that_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+class _Loaded(Exception):
+    """Raised by the recording ``from_pretrained``: a loader got as far as asking transformers."""
+
+
+def _loaded_dtypes(monkeypatch: pytest.MonkeyPatch, device: str = "auto") -> tuple[torch.dtype, torch.dtype]:
+    """(draft, main): the dtype each loader hands transformers for ``dtype="auto"`` on ``device``
+    (``DraftModel.from_pretrained`` and the transformers backend's, loading nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    from specprefill_rag.backends.transformers import TransformersBackend
+
+    asked: list[torch.dtype] = []
+
+    def record(*args: object, dtype: torch.dtype, **kwargs: object) -> None:
+        asked.append(dtype)
+        raise _Loaded
+
+    monkeypatch.setattr(loading, "resolve_model_dir", lambda name, **_: Path(str(name)))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", record)
+    for loader in (DraftModel.from_pretrained, TransformersBackend.from_pretrained):
+        with pytest.raises(_Loaded):
+            loader("some-model", device=device)
+    return asked[0], asked[1]
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_resolves_one_precision_for_draft_and_main_on_a_cpu(monkeypatch: pytest.MonkeyPatch,
+                                                                 native_bf16: bool) -> None:
+    """A speedup counts only against the main model at its best: ``"auto"`` never gives the draft
+    a faster precision than the main model (DESIGN.md, "The baseline is the main model at its best")."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: True)
-    assert loading.resolve_draft_dtype("auto") is torch.bfloat16
-    assert loading.resolve_draft_dtype("auto", "cpu") is torch.bfloat16
-    assert loading.resolve_draft_dtype("float32", "cpu") is torch.float32  # asked for: given
-    assert loading.resolve_dtype("auto", "cpu") is torch.float32  # a main model stays in fp32
-    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: False)
-    assert loading.resolve_draft_dtype("auto", "cpu") is torch.float32
+    want = torch.bfloat16 if native_bf16 else torch.float32
+    for avx512_bf16, amx in ((native_bf16, False), (False, native_bf16)):  # the probes behind cpu_runs_bf16
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        assert loading.resolve_dtype("auto") is loading.resolve_dtype("auto", "cpu") is want
+        assert _loaded_dtypes(monkeypatch) == _loaded_dtypes(monkeypatch, "cpu") == (want, want)
+    assert loading.resolve_dtype("float32", "cpu") is torch.float32  # asked for: given
+    assert loading.resolve_dtype("bfloat16", "cpu") is torch.bfloat16
+    assert not hasattr(loading, "resolve_draft_dtype")  # one rule for both models
+
+
+@pytest.mark.parametrize(("bf16", "want"), [(True, torch.bfloat16), (False, torch.float16)])
+def test_auto_resolves_one_precision_for_draft_and_main_on_cuda(monkeypatch: pytest.MonkeyPatch,
+                                                                bf16: bool, want: torch.dtype) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert loading.resolve_draft_dtype("auto") is torch.float16  # a GPU: resolve_dtype's rule
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    for native in (True, False):  # the host CPU does not matter to a GPU
+        monkeypatch.setattr(loading, "cpu_runs_bf16", lambda v=native: v)
+        assert loading.resolve_dtype("auto") is loading.resolve_dtype("auto", "cuda:0") is want
+        assert _loaded_dtypes(monkeypatch) == _loaded_dtypes(monkeypatch, "cuda") == (want, want)
 
 
 def test_cpu_runs_bf16_reads_torchs_cpu_probes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -291,19 +331,23 @@ def test_cpu_runs_bf16_reads_torchs_cpu_probes(monkeypatch: pytest.MonkeyPatch) 
     assert loading.cpu_runs_bf16() is False  # a torch without the probes: fp32
 
 
-def test_a_drafts_auto_dtype_reaches_the_loaded_model(tiny_gguf: Path, cache: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_loads_draft_and_main_in_one_dtype(tiny_gguf: Path, cache: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from specprefill_rag.backends.transformers import TransformersBackend
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: True)
-    assert DraftModel.from_pretrained(str(tiny_gguf)).model.dtype == torch.bfloat16
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(loading, "cpu_runs_bf16", lambda v=native: v)
+        draft = DraftModel.from_pretrained(str(tiny_gguf)).model
+        main = TransformersBackend.from_pretrained(str(tiny_gguf)).model
+        assert draft.dtype == main.dtype == want
     assert DraftModel.from_pretrained(str(tiny_gguf), dtype="float32").model.dtype == torch.float32
-    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: False)
-    assert DraftModel.from_pretrained(str(tiny_gguf)).model.dtype == torch.float32
 
 
 def test_load_model_reads_auto_and_names(tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    model, _ = load_model(tiny_gguf)  # auto without a GPU: the CPU in fp32
+    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: False)
+    model, _ = load_model(tiny_gguf)  # auto without a GPU or native bf16: the CPU in fp32
     assert model.dtype == torch.float32 and model.device.type == "cpu"
     model, _ = load_model(tiny_gguf, dtype="bfloat16", device="cpu")
     assert model.dtype == torch.bfloat16

@@ -71,7 +71,8 @@ def reference(backend: TransformersBackend, plan: PrefillPlan, n: int) -> tuple[
 
 @pytest.fixture(scope="module")
 def hf_backend():
-    return TransformersBackend.from_pretrained(MODEL)
+    # float32 as the vLLM engines here (``dtype="float32"``, CPU_ENGINE_ARGS): equality needs one precision.
+    return TransformersBackend.from_pretrained(MODEL, dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -743,7 +743,9 @@ def stock_server(tmp_path_factory):
 
     log = tmp_path_factory.mktemp("vllm-stock") / "server.log"
     env = {**os.environ, "VLLM_PLUGINS": ""}  # an allow-list naming no plugin: specprefill is not loaded
-    srv = VLLMServer("smollm2-135m-instruct", port=free_port(), max_model_len=2048, log_path=log, env=env)
+    # float32: its full answers are compared with a float32 transformers reference (equal precision).
+    srv = VLLMServer("smollm2-135m-instruct", port=free_port(), max_model_len=2048, log_path=log, env=env,
+                     dtype="float32")
     try:
         srv.start(timeout=600)
         yield srv
@@ -760,7 +762,7 @@ def test_server_without_plugin_refuses_plans_and_serves_full_ones(stock_server):
     from specprefill_rag.backends.transformers import TransformersBackend
 
     client = create_backend("vllm_server", "smollm2-135m-instruct", base_url=stock_server.url)
-    hf = TransformersBackend.from_pretrained("smollm2-135m-instruct")
+    hf = TransformersBackend.from_pretrained("smollm2-135m-instruct", dtype="float32")  # the server's precision
     ids = prompt_ids(hf.tokenizer, repeats=1)
     with pytest.raises(BackendError, match="accepted an invalid plan") as info:
         list(client.stream_tokens(make_plan(ids, sparse(ids.numel(), seed=0)), GenerationConfig(max_new_tokens=4)))

@@ -47,7 +47,10 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    srv = VLLMServer(MODEL, port=free_port(), max_model_len=MAX_MODEL_LEN, log_path=log,
+    # float32, not the CPU's faster bf16 default: tokens and log-probabilities are compared with a
+    # float32 transformers reference, and equality needs equal precision on both sides (a bf16 server
+    # gave other greedy tokens than the fp32 reference, and log-probabilities 0.2 from a bf16 one).
+    srv = VLLMServer(MODEL, port=free_port(), max_model_len=MAX_MODEL_LEN, log_path=log, dtype="float32",
                      extra_args=["--enable-prompt-tokens-details", "--max-num-seqs", "8"],
                      env={**os.environ, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"})
     try:
@@ -64,7 +67,7 @@ def backend(server):
 
 @pytest.fixture(scope="module")
 def hf_backend():
-    return TransformersBackend.from_pretrained(MODEL)
+    return TransformersBackend.from_pretrained(MODEL, dtype="float32")  # the server's precision (above)
 
 
 def post(server, body: dict) -> tuple[int, str]:

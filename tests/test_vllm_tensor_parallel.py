@@ -36,7 +36,9 @@ def server(tmp_path_factory):
         pytest.skip("tensor parallelism on CPU needs one CPU per rank (2)")
     log = tmp_path_factory.mktemp("vllm-tp") / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
-    srv = VLLMServer(MODEL, port=free_port(), max_model_len=1024, log_path=log, env=env,
+    # float32, not the CPU's bf16 default: the plan's tokens are compared with a float32 transformers
+    # reference, and equality needs equal precision on both sides.
+    srv = VLLMServer(MODEL, port=free_port(), max_model_len=1024, log_path=log, env=env, dtype="float32",
                      extra_args=["--tensor-parallel-size", "2", "--max-num-seqs", "4"])
     try:
         srv.start(timeout=600)
@@ -46,7 +48,7 @@ def server(tmp_path_factory):
 
 
 def test_plan_on_two_ranks_matches_transformers(server):
-    hf = TransformersBackend.from_pretrained(MODEL)
+    hf = TransformersBackend.from_pretrained(MODEL, dtype="float32")  # the server's precision
     backend = create_backend("vllm_server", MODEL, base_url=server.url, read_timeout=300)
     ids = prompt_ids(hf.tokenizer, repeats=3)
     kept = sparse(ids.numel(), seed=1)

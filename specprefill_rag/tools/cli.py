@@ -34,8 +34,8 @@ def _device_args(parser: Any, *, whose: str) -> None:
     )
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-        help=f"dtype of {whose}: auto (bfloat16 on a GPU, float32 on the CPU; a draft in bfloat16 on a CPU "
-        "with native bf16) (%(default)s)",
+        help=f"dtype of {whose}: auto (the fastest the device offers, one for every model: bfloat16 on a GPU "
+        "and on a CPU that multiplies bf16 natively, else float32) (%(default)s)",
     )
 
 
@@ -127,8 +127,8 @@ def _add_serve(sub: Any) -> None:
     stack.add_argument("--gateway-host", default="127.0.0.1", help="address the gateway listens on (%(default)s)")
     stack.add_argument("--draft", default=None, help="draft model, run beside the gateway (required with a gateway)")
     stack.add_argument("--vllm-log", default=None, help="write vLLM's output to this file (default: discarded)")
-    _device_args(stack, whose="the draft (vLLM places the main model: share one GPU with --vllm-args "
-                 "'--gpu-memory-utilization 0.8')")
+    _device_args(stack, whose="the draft (--dtype: vLLM's main model too, unless --vllm-args names one; vLLM "
+                 "places the main model: share one GPU with --vllm-args '--gpu-memory-utilization 0.8')")
     _gateway_args(stack)
 
 
@@ -231,6 +231,45 @@ def _placed(model: Any) -> str:
     return f" ({model.device.type}, {str(model.dtype).removeprefix('torch.')})"
 
 
+_SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _short_dtype(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return _SHORT_DTYPES.get(name, name)
+
+
+def _precisions(engine: Any) -> str:
+    """"draft bf16, main bf16": the precision each side of a speedup ran in (a main model served
+    elsewhere, by vLLM, is named as such)."""
+    parts = []
+    models = (("draft", getattr(engine.draft, "model", None)), ("main", getattr(engine.backend, "model", None)))
+    for role, model in models:
+        dtype = getattr(model, "dtype", None)
+        if dtype is not None:
+            parts.append(f"{role} {_short_dtype(dtype)}")
+        elif role == "main":
+            parts.append("main served by vLLM")
+    return ", ".join(parts)
+
+
+def _baseline_note(main_model: Any) -> str:
+    """A warning when the full-prefill baseline ran slower than its device allows (a main model
+    in float32 where ``--dtype auto`` would give bfloat16): that speedup is not SpecPrefill's."""
+    import torch
+
+    from ..loading import resolve_dtype
+
+    dtype, device = getattr(main_model, "dtype", None), getattr(main_model, "device", None)
+    if dtype != torch.float32 or not isinstance(device, torch.device):
+        return ""
+    best = resolve_dtype("auto", device)
+    if best == torch.float32:
+        return ""
+    return (f"Note: the main model ran in fp32 where this {device.type.upper()} runs {_short_dtype(best)} faster: "
+            "the speedup above is measured against a slower baseline than the machine offers (--dtype auto).")
+
+
 def _retrieve(args: argparse.Namespace, question: str) -> list[Any]:
     from .retrieval import Retriever, demo_documents, load_documents
 
@@ -274,7 +313,9 @@ def _demo(args: argparse.Namespace) -> int:
     print("\n" + _summary("full", full))
     print(_summary("SpecPrefill", spec))
     speedup = full.timings.ttft_s / spec.timings.ttft_s
-    print(f"TTFT speedup: {speedup:.2f}x   prefilled: {spec.keep_ratio:.1%} of the prompt")
+    print(f"TTFT speedup: {speedup:.2f}x ({_precisions(engine)})   prefilled: {spec.keep_ratio:.1%} of the prompt")
+    if note := _baseline_note(getattr(engine.backend, "model", None)):
+        print(note)
     print("\nKept per passage (retrieval rank, id, kept/total tokens):")
     rank = 0
     for span in spec.kept_spans:
@@ -311,7 +352,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         return serve(
             args.model, host=args.host, port=args.port, max_model_len=args.max_model_len,
-            extra_args=shlex.split(args.vllm_args),
+            extra_args=shlex.split(args.vllm_args), dtype=args.dtype,
         )
     except ServerStartError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -440,7 +481,7 @@ def _serve_stack(args: argparse.Namespace) -> int:
         return 2
     config = _gateway_config(args, SpecPrefillConfig())
     server = VLLMServer(args.model, host=args.host, port=args.port, max_model_len=args.max_model_len,
-                        extra_args=shlex.split(args.vllm_args), log_path=args.vllm_log)
+                        extra_args=shlex.split(args.vllm_args), log_path=args.vllm_log, dtype=args.dtype)
     # uvicorn re-raises SIGINT/SIGTERM after its own shutdown; as exceptions they still stop vLLM below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     print(f"Starting vLLM on {server.url} (the first start takes minutes) ...", flush=True)

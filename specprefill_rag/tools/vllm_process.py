@@ -4,8 +4,9 @@
 short name, HF directory or .gguf) to an HF directory, then runs
 ``python -m vllm.entrypoints.openai.api_server`` on it. The plugin loads through the
 ``vllm.general_plugins`` entry point in every vLLM process, so nothing else is needed. On a
-machine without CUDA the CPU settings (float32, eager, 1 GiB KV cache unless set) are added.
-See docs/vllm.md.
+machine without CUDA the CPU settings (eager, 1 GiB KV cache unless set) are added, and the
+dtype is the fastest the CPU offers, as for the draft (``server_dtype``: bfloat16 on a CPU that
+multiplies it natively, else float32). See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..errors import ServerStartError, UnsupportedVLLMError
 
 __all__ = [
     "ManagedProcess", "VLLMServer", "cpu_binding", "numa_nodes", "parallel_ranks", "plugin_installed", "serve",
-    "server_command", "server_env",
+    "server_command", "server_dtype", "server_env",
 ]
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,22 @@ def cli_flags(args: Mapping[str, Any]) -> list[str]:
     return flags
 
 
+def server_dtype(dtype: str = "auto", *, cpu: bool | None = None) -> str | None:
+    """vLLM's ``--dtype`` for a server started here. ``"auto"``: on a machine without CUDA the
+    fastest precision its CPU offers, the rule the draft and a transformers main model follow
+    (``loading.resolve_dtype``: bfloat16 on a CPU with native bf16, else float32), so that a
+    SpecPrefill speedup is measured against the main model at its best; on a GPU None, vLLM's
+    own ``auto`` (bfloat16, float16 on a GPU without it, for the float32 checkpoints this package
+    converts). Another name of ``loading.DTYPES`` is given as vLLM spells it ("bf16" → "bfloat16")."""
+    from ..loading import resolve_dtype
+
+    if dtype != "auto":
+        return str(resolve_dtype(dtype)).removeprefix("torch.")
+    if on_cpu() if cpu is None else cpu:
+        return str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    return None
+
+
 def server_command(
     model_dir: str | os.PathLike[str],
     *,
@@ -84,9 +101,12 @@ def server_command(
     extra_args: Sequence[str] = (),
     cpu: bool | None = None,
     python: str | None = None,
+    dtype: str | None = None,
 ) -> list[str]:
     """The command line that starts vLLM's OpenAI server on ``model_dir`` (with the interpreter
-    ``python``; default: this one)."""
+    ``python``; default: this one). ``dtype``: vLLM's ``--dtype`` (``server_dtype`` resolves
+    ``"auto"``); None: on CPU the float32 of ``CPU_ENGINE_ARGS``, on a GPU vLLM's own choice.
+    A ``--dtype`` in ``extra_args`` comes later and wins."""
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(model_dir),
            "--host", host, "--port", str(port)]
     if served_model_name:
@@ -94,7 +114,9 @@ def server_command(
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     if on_cpu() if cpu is None else cpu:
-        cmd += cli_flags(CPU_ENGINE_ARGS)
+        cmd += cli_flags({**CPU_ENGINE_ARGS, **({"dtype": dtype} if dtype else {})})
+    elif dtype:
+        cmd += ["--dtype", dtype]
     return cmd + list(extra_args)
 
 
@@ -258,6 +280,9 @@ class VLLMServer(ManagedProcess):
     Use as a context manager; ``url`` is the base URL for ``VLLMServerBackend``. ``python`` is
     the interpreter of the environment vLLM and specprefill-rag are installed in, when that is not
     this one (e.g. a client environment without vLLM starting a server from the vLLM one).
+    ``dtype``: the main model's (``server_dtype``; ``"auto"`` is bfloat16 on a CPU with native
+    bf16); ``self.dtype`` is what vLLM was asked for (None: vLLM's own choice on a GPU). Tests
+    that compare the server's tokens with a float32 transformers reference pass ``"float32"``.
     """
 
     what = "vLLM server"
@@ -273,14 +298,16 @@ class VLLMServer(ManagedProcess):
         env: Mapping[str, str] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         python: str | None = None,
+        dtype: str = "auto",
     ) -> None:
         from ..loading import resolve_model_dir
 
         self.model_dir = resolve_model_dir(model)
         self.host, self.port = host, port
         self.python = python
+        self.dtype = server_dtype(dtype)
         self.command = server_command(self.model_dir, host=host, port=port, max_model_len=max_model_len,
-                                      extra_args=extra_args, python=python)
+                                      extra_args=extra_args, python=python, dtype=self.dtype)
         self.env = server_env(env, extra_args=extra_args)
         self.log_path = Path(log_path) if log_path else None
         self._init_process()
@@ -289,11 +316,12 @@ class VLLMServer(ManagedProcess):
         _require_plugin(self.python)
 
 
-def serve(model: str, *, host: str, port: int, max_model_len: int | None, extra_args: Sequence[str]) -> int:
+def serve(model: str, *, host: str, port: int, max_model_len: int | None, extra_args: Sequence[str],
+          dtype: str = "auto") -> int:
     """Run the server in the foreground (the ``serve`` CLI subcommand); returns its exit code."""
     from ..loading import resolve_model_dir
 
     _require_plugin()
     cmd = server_command(resolve_model_dir(model), host=host, port=port, served_model_name=model,
-                         max_model_len=max_model_len, extra_args=extra_args)
+                         max_model_len=max_model_len, extra_args=extra_args, dtype=server_dtype(dtype))
     return subprocess.call(cmd, env=server_env(extra_args=extra_args))
