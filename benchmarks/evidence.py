@@ -82,11 +82,45 @@ CACHE_DIR = ROOT / "benchmarks" / ".cache" / "evidence-v3"
 PINNED = ("library default", "reference", "random chunks", "random sentences", "oracle sentences")
 METRICS = ("recall", "complete", "context_kept")  # the columns of each result entry
 MAX_LOOKAHEAD = 8  # captured once; shorter look-aheads are prefixes of the same greedy run
-LENS_LAYERS: LayerChoice = "middle_half"  # the early-exit blocks are captured for these aggregated layers only
+# The early-exit blocks ("lens", "upper<share>", "greedyupper<share>") depend on the aggregated
+# layers, whose top is where the prompt's forward stops: an untagged block is captured for
+# LENS_LAYERS, a block "<kind>@<layers>" for other layers ("<layers>": a LayerChoice, or "a-b" for
+# the layers a..b), so exits at other depths are measured as the library runs them.
+LENS_LAYERS: LayerChoice = "middle_half"
 UPPER_KEEPS = (0.15, 0.3)  # DraftConfig.upper_keep values captured
-BLOCKS = (  # look-ahead row blocks, in order
-    "greedy", "full", "lens", *(f"upper{u:g}" for u in UPPER_KEEPS), *(f"greedyupper{u:g}" for u in UPPER_KEEPS),
-)
+EXIT_KINDS = ("lens", *(f"upper{u:g}" for u in UPPER_KEEPS), *(f"greedyupper{u:g}" for u in UPPER_KEEPS))
+BLOCKS = ("greedy", "full", *EXIT_KINDS)  # look-ahead row blocks, in order
+
+
+def layers_tag(layers: LayerChoice | tuple[int, ...]) -> str:
+    """How a block names its aggregated ``layers``: a LayerChoice as it is, a run of indices "a-b"."""
+    if isinstance(layers, str):
+        return layers
+    first, last = min(layers), max(layers)
+    if tuple(layers) != tuple(range(first, last + 1)):
+        raise ValueError(f"early-exit blocks are captured for a LayerChoice or a run of layers, got {layers}")
+    return f"{first}-{last}"
+
+
+def block_name(kind: str, layers: LayerChoice | tuple[int, ...]) -> str:
+    """The block of early-exit ``kind`` for ``layers`` (untagged for ``LENS_LAYERS``)."""
+    return kind if layers == LENS_LAYERS else f"{kind}@{layers_tag(layers)}"
+
+
+def block_layers(block: str) -> tuple[str, LayerChoice | tuple[int, ...]]:
+    """(kind, aggregated layers) of a block name; ``ValueError`` for a name that is none."""
+    kind, _, tag = block.partition("@")
+    if kind in ("greedy", "full") and not tag:
+        return kind, LENS_LAYERS
+    if kind not in EXIT_KINDS:
+        raise ValueError(f"unknown look-ahead block {block!r}: one of {BLOCKS}, or <early-exit kind>@<layers>")
+    if not tag:
+        return kind, LENS_LAYERS
+    if "-" in tag:
+        first, last = (int(x) for x in tag.split("-"))
+        return kind, tuple(range(first, last + 1))
+    DraftConfig(layers=tag)  # type: ignore[arg-type]  # validates the name
+    return kind, tag  # type: ignore[return-value]
 POOL_KERNEL = DraftConfig().pool_kernel
 
 
@@ -250,10 +284,11 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     of 7 rows each, in the order of ``blocks``: "greedy" (7 greedy steps), "full" (siblings from
     the full forward's logits), "lens" (siblings read off the input of the top aggregated layer
     by the LM head: the logit lens, measured and rejected), "upper<share>" (siblings from the
-    upper layers over a reading set, ``DraftConfig.upper_keep``: the library's early exit). Every
-    look-ahead forward runs on the prompt's cache cropped back to the prompt. Rows (per layer):
-    question, last token, then the blocks. ``tests/test_benchmarks.py`` checks the variants
-    against ``DraftModel.score``."""
+    upper layers over a reading set, ``DraftConfig.upper_keep``: the library's early exit),
+    "greedyupper<share>" (its greedy steps); the early-exit ones for ``LENS_LAYERS``, or for the
+    layers a "@<layers>" tag names (``block_layers``). Every look-ahead forward runs on the
+    prompt's cache cropped back to the prompt. Rows (per layer): question, last token, then the
+    blocks. ``tests/test_benchmarks.py`` checks the variants against ``DraftModel.score``."""
     from transformers import DynamicCache
 
     from specprefill_rag.draft import _Recorder, _recording
@@ -261,22 +296,28 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
 
     n, k = int(ids.numel()), MAX_LOOKAHEAD - 1
     device = draft.device
-    aggregated = DraftConfig(layers=LENS_LAYERS).layer_indices(draft.n_layers)
-    top = max(aggregated)
+    parsed = {block: block_layers(block) for block in blocks}
+    aggregated = {layers: DraftConfig(layers=layers).layer_indices(draft.n_layers)  # type: ignore[arg-type]
+                  for _, layers in parsed.values()}
+    tops = sorted({max(layers) for layers in aggregated.values()})
     recorder = _Recorder([n], [question.to(torch.int64).cpu()])
     cache = DynamicCache(config=draft.model.config)
     parts = DecoderParts.of(draft.model)
     assert parts is not None
-    seen: dict[str, torch.Tensor] = {}
+    entering: dict[int, torch.Tensor] = {}
+    leaving: dict[int, torch.Tensor] = {}
 
-    def entering(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen["entering"] = (args[0] if args else kwargs["hidden_states"])[0, -1]
+    def hooks_of(top: int) -> list[Any]:
+        def enter(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            entering[top] = (args[0] if args else kwargs["hidden_states"])[0, -1]
 
-    def leaving(module: Any, args: Any, output: Any) -> None:
-        seen["leaving"] = output[0] if isinstance(output, tuple) else output
+        def leave(module: Any, args: Any, output: Any) -> None:
+            leaving[top] = output[0] if isinstance(output, tuple) else output
 
-    hooks = [parts.layers[top].register_forward_pre_hook(entering, with_kwargs=True),
-             parts.layers[top].register_forward_hook(leaving)]
+        return [parts.layers[top].register_forward_pre_hook(enter, with_kwargs=True),
+                parts.layers[top].register_forward_hook(leave)]
+
+    hooks = [hook for top in tops for hook in hooks_of(top)]
     prompt = ids.to(device).reshape(1, n)
     last = torch.tensor([n - 1], device=device)
     with _recording(recorder):
@@ -286,19 +327,26 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
             for hook in hooks:
                 hook.remove()
         logits = out.logits[0, -1]
-        firsts = {"full": logits, "lens": parts.head(parts.norm(seen["entering"]))}
-        for u in UPPER_KEEPS:
-            firsts[f"upper{u:g}"] = draft._upper_logits(recorder, parts, seen["leaving"], last, top, u, aggregated)[0]
         tokens: list[int] = []
         for block in blocks:
-            if block == "greedy":
+            kind, layers = parsed[block]
+            chosen = aggregated[layers]
+            top = max(chosen)
+            if kind == "greedy":
                 tokens += _greedy_steps(draft, cache, logits, n, k)
                 continue
-            if block.startswith("greedyupper"):
-                tokens += _upper_greedy_steps(draft, recorder, cache, prompt, seen["leaving"], aggregated,
-                                              float(block.removeprefix("greedyupper")), k)
+            if kind.startswith("greedyupper"):
+                tokens += _upper_greedy_steps(draft, recorder, cache, prompt, leaving[top], chosen,
+                                              float(kind.removeprefix("greedyupper")), k)
                 continue
-            siblings = firsts[block].topk(k).indices
+            if kind == "full":
+                first = logits
+            elif kind == "lens":
+                first = parts.head(parts.norm(entering[top]))
+            else:
+                first = draft._upper_logits(recorder, parts, leaving[top], last, top,
+                                            float(kind.removeprefix("upper")), chosen)[0]
+            siblings = first.topk(k).indices
             tokens += siblings.tolist()
             draft.model(input_ids=siblings.reshape(1, k), position_ids=torch.full((1, k), n, device=device),
                         attention_mask=tree_mask(torch.ones(1, n, device=device), k), past_key_values=cache,
@@ -425,11 +473,16 @@ def variant_scores(rows: dict[str, Any], cfg: DraftConfig, block: str | None = N
         elif not cfg.early_exit or max(cfg.layer_indices(rows["n_layers"])) == rows["n_layers"] - 1:
             block = "greedy" if greedy else "full"  # no early exit, or nothing above the aggregated layers
         else:
-            if cfg.layers != LENS_LAYERS or cfg.upper_keep not in UPPER_KEEPS:
-                raise ValueError(f"early-exit look-aheads were captured for layers={LENS_LAYERS!r} and "
-                                 f"upper_keep in {UPPER_KEEPS} only")
-            block = f"{'greedy' if greedy else ''}upper{cfg.upper_keep:g}"
-    after = lead + (MAX_LOOKAHEAD - 1) * rows.get("blocks", ["greedy", "full", "lens"]).index(block)
+            if cfg.upper_keep not in UPPER_KEEPS:
+                raise ValueError(f"early-exit look-aheads were captured for upper_keep in {UPPER_KEEPS} only")
+            block = block_name(f"{'greedy' if greedy else ''}upper{cfg.upper_keep:g}", cfg.layers)
+    elif block == "lens":
+        block = block_name("lens", cfg.layers)
+    captured = rows.get("blocks", ["greedy", "full", "lens"])
+    if block not in captured:
+        raise ValueError(f"this capture holds no look-ahead block {block!r} (it holds {captured}): capture it "
+                         "with --blocks")
+    after = lead + (MAX_LOOKAHEAD - 1) * captured.index(block)
     fed = lookahead - 1  # look-ahead tokens whose rows count
     if cfg.lookahead_stop_at_eos and lookahead > 1:
         if "tokens" not in rows:
@@ -748,6 +801,14 @@ def open_results(args: argparse.Namespace, name: str) -> tuple[Path, list[dict[s
     return path, load_rows(path)
 
 
+def _block_arg(value: str) -> str:
+    try:
+        block_layers(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="specprefill-rag bench evidence", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -760,9 +821,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_task_args(p, tasks=["hotpotqa", "squad", "needle", "near_miss"], n=200, n_needle=100)
     p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
     p.add_argument("--variants", nargs="*", default=None, help="names from VARIANTS (default: all)")
-    p.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=BLOCKS,
-                   help="look-ahead blocks to capture for new examples (default: all; fewer is faster, and "
-                   "variants reading a block not captured fail)")
+    p.add_argument("--blocks", nargs="+", default=list(BLOCKS), type=_block_arg,
+                   help=f"look-ahead blocks to capture for new examples: {', '.join(BLOCKS)}, or an early-exit one "
+                   "for other aggregated layers, <kind>@<layers> (e.g. upper0.3@9-14); default: those the "
+                   "variants read. Fewer is faster, and variants reading a block not captured fail")
     p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
     p.add_argument(
         "--reevaluate",

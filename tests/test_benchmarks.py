@@ -528,6 +528,37 @@ def test_evidence_variant_scores_equal_the_draft_models(tokenizer) -> None:
     torch.testing.assert_close(completed["0max"].float(), rows["0max"].float(), atol=2e-3, rtol=2e-2)
 
 
+def test_early_exit_blocks_at_another_depth_match_the_library(tokenizer) -> None:
+    """Blocks tagged with other aggregated layers ("<kind>@a-b") are the library's early exit at
+    that depth: the variants read off them equal ``DraftModel.score`` with those layers."""
+    from helpers import make_model
+
+    from benchmarks import evidence
+    from specprefill_rag import DraftConfig, DraftModel, Passage
+    from specprefill_rag.chat import build_segments
+    from specprefill_rag.prompt import assemble
+    from specprefill_rag.types import SegmentKind
+
+    draft = DraftModel(make_model("qwen2", len(tokenizer), layers=6), tokenizer)
+    segments = build_segments("what is the passkey?", [Passage("The grass is green. " * 6), "The passkey is 4."], "Hi.")
+    prompt = assemble(tokenizer, segments)
+    blocks = ["greedy", "upper0.3@1-2", "greedyupper0.3@1-2", "lens@1-2"]
+    rows = evidence.capture_rows(draft, prompt, blocks)
+    assert rows["blocks"] == blocks
+    for cfg in (DraftConfig(layers=(1, 2)), DraftConfig(layers=(1, 2), lookahead_tokens="siblings"),
+                DraftConfig(layers=(1, 2), lookahead=1)):
+        expected = draft.score(
+            prompt.token_ids, question=prompt.positions_of(SegmentKind.QUESTION), context=~prompt.protected, config=cfg
+        ).scores
+        torch.testing.assert_close(evidence.variant_scores(rows, cfg), expected, atol=2e-3, rtol=2e-2)
+    assert evidence.block_layers("upper0.3@1-2") == ("upper0.3", (1, 2))
+    assert evidence.block_name("lens", (1, 2)) == "lens@1-2" and evidence.block_name("lens", "middle_half") == "lens"
+    with pytest.raises(ValueError, match="no look-ahead block 'greedyupper0.3@2-3'"):
+        evidence.variant_scores(rows, DraftConfig(layers=(2, 3)))
+    with pytest.raises(ValueError, match="unknown look-ahead block"):
+        evidence.block_layers("sideways@1-2")
+
+
 @needs_data
 def test_evidence_bench_tiny_smoke_resumes(tmp_path: Path) -> None:
     from benchmarks import evidence
