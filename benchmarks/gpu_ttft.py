@@ -1,45 +1,62 @@
-"""TTFT at real model sizes on one GPU: Llama-3.2-1B-shaped draft → Llama-3.1-8B-shaped main.
+"""TTFT at real model sizes on one GPU, two draft → main pairs, every phase timed apart.
 
-A prepared, self-contained script for one H200 (torch + transformers, no vLLM, no network,
-no input files): both models are built from their published configs with random bf16 weights,
-so only the timings mean anything (the kept tokens are whatever random attention picks; the
-cost of scoring and of a prefill does not depend on the weights). The draft runs through the
-library's real capture path (``DraftModel.score``: SDPA + hooks + look-ahead + scoring), the
-selection is the library's ``selection.select``, and the main prefill feeds the kept tokens at
-their original position ids exactly like the transformers backend.
+A prepared, self-contained script for one H100 or H200 (torch + transformers, no vLLM, no
+network, no input files). Both pairs are built from their published configs with random
+weights, directly on the GPU in bfloat16 (nothing is materialised in float32), so only the
+timings mean anything; the cost of scoring and of a prefill does not depend on the weights:
 
-Per length (4k/8k/16k/32k) and repetition, interleaved with a rotated order: full prefill, then
-SpecPrefill at each keep rate with the library's default draft config (draft scoring + selection
-+ main prefill of the kept tokens), SpecPrefill at 10% with the compared look-ahead
-(``common.compared_lookahead``: greedy 8 over full forwards beside the early-exit default), a
-plain draft forward, a draft forward with capture and no look-ahead, and the scoring of each
-look-ahead variant of ``common.lookahead_variants`` (greedy or siblings after a full forward or
-with early exit, greedy after an early exit one step per token beside the default's verified
-guesses on CUDA, each replayed from CUDA graphs and eager, look-ahead 1 with early exit). The
-look-ahead's CUDA graphs are captured once before any timing, as the engine's warm-up does
-(``capture_graphs``: seconds and GPU memory reported). Then 8 concurrent 8k requests in
-one batched draft pass. Reported like ``benchmarks/ttft.py``: TTFT full / spec, speedup,
-breakdown, r, ideal 1/(r+k), efficiency, capture overhead per variant, and peak GPU memory of
-scoring vs a plain draft forward. Stops before a length that would pass ``--time-budget-s``
-(6 minutes), so one call of a lent GPU answers it. Where vLLM is installed, the plugin's position
-rewrite in vLLM's V2 model runner is checked on the GPU against V2's own Triton kernel first
-(``runner_v2_check.gpu_check``: "skipped" with the reason elsewhere).
+- ``llama-1b-8b``: a Llama-3.2-1B-shaped draft → a Llama-3.1-8B-shaped main model;
+- ``qwen-0.5b-32b``: a Qwen2.5-0.5B-shaped draft → a Qwen2.5-32B-shaped main model (64 GB in
+  bf16: a realistic one-GPU serving pair). Its 32k point is 32,512 tokens: the published
+  window is 32,768 and the look-ahead and the answer need positions after the prompt.
 
-    python benchmarks/gpu_ttft.py                       # H200: <= 6 min, writes benchmarks/results/gpu_ttft.json
-    python benchmarks/gpu_ttft.py --tiny                # CPU dry run with tiny shapes (~1 min)
+Both run the library's own path: ``DraftModel.score`` with whatever ``DraftConfig()`` holds at
+run time (its fields are in the results; nothing reused between repetitions: ``common.cold``),
+``selection.select``, and ``TransformersBackend.prefill`` plus the first token for the main
+model, pruned and full. Per length (2k … 32k) and repetition, in a rotated order: full prefill,
+SpecPrefill at each keep rate (default 10%), a plain draft forward. Each phase is timed apart:
+the draft's prompt forward, its look-ahead and its scoring (CUDA events recorded around the
+draft's own steps, no synchronisation added), the selection, the main model's pruned prefill and
+its full prefill (synchronised ``perf_counter``); medians of ``--reps`` after a warm-up. Speedup =
+full TTFT / (draft + selection + pruned prefill); efficiency = speedup / (1 / (r + k)), r = plain
+draft forward / full main prefill, k = the share prefilled. A length that would pass the time
+budget or that does not fit the GPU's memory is skipped, and the results say so.
+
+Per pair, once: the pruned prefill's logits against the all-ones-mask path the backend took
+before, and the host synchronisations inside a pruned prefill and a scoring call (CUDA's sync
+debug mode). ``--profile``: the torch profiler over one pruned prefill, one scoring call and one
+plain draft forward at 4k: top operations by GPU time and by kernel launches, kernels, host
+synchronisations, and how much of the wall time the GPU was busy.
+
+The first pair also measures what earlier runs did (``--no-extras`` leaves it out): SpecPrefill
+with the compared look-ahead (``common.compared_lookahead``), the scoring cost of each look-ahead
+variant (``common.lookahead_variants``), the capture hooks alone, 8 concurrent requests in one
+batched draft pass, the look-ahead's attention through SDPA and through the short path
+(``attention_rows``) and the draft's peak memory; and where vLLM is installed, the plugin's
+position rewrite in vLLM's V2 runner (``runner_v2_check.gpu_check``).
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \\
+    python benchmarks/gpu_ttft.py --profile --out $OUT/gpu_ttft.json   # H100/H200: <= 6 min
+    python benchmarks/gpu_ttft.py --tiny                # both pairs, tiny shapes, CPU: seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import math
 import os
+import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +69,7 @@ from benchmarks import runner_v2_check
 from benchmarks.common import (
     cold,
     compared_lookahead,
+    dtype_name,
     lookahead_label,
     lookahead_variants,
     machine_info,
@@ -61,72 +79,81 @@ from benchmarks.common import (
 
 # Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B).
 LLAMA_3_2_1B: dict[str, Any] = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    vocab_size=128256,
-    tie_word_embeddings=True,
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-    rope_parameters={
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 )
 LLAMA_3_1_8B: dict[str, Any] = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=128256,
-    tie_word_embeddings=False,
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-    rope_parameters={
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+# Published shapes (config.json of Qwen/Qwen2.5-0.5B-Instruct and Qwen2.5-32B-Instruct; q/k/v
+# projections with biases, as in every Qwen2).
+QWEN2_5_0_5B: dict[str, Any] = dict(
+    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+    vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+QWEN2_5_32B: dict[str, Any] = dict(
+    hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+    vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
 TINY_DRAFT: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=512,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=8192,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 TINY_MAIN: dict[str, Any] = dict(TINY_DRAFT, hidden_size=128, intermediate_size=256, num_hidden_layers=4, head_dim=32)
 
+
+@dataclass(frozen=True)
+class Pair:
+    """A draft → main pair: model family and the two shapes."""
+
+    key: str
+    draft_name: str
+    main_name: str
+    family: str  # "llama" or "qwen2"
+    draft: dict[str, Any]
+    main: dict[str, Any]
+    extras: bool  # also the earlier runs' measurements (look-ahead variants, concurrency, ...)
+
+
+PAIRS = (
+    Pair("llama-1b-8b", "Llama-3.2-1B-shaped (random bf16)", "Llama-3.1-8B-shaped (random bf16)", "llama",
+         LLAMA_3_2_1B, LLAMA_3_1_8B, extras=True),
+    Pair("qwen-0.5b-32b", "Qwen2.5-0.5B-shaped (random bf16)", "Qwen2.5-32B-shaped (random bf16)", "qwen2",
+         QWEN2_5_0_5B, QWEN2_5_32B, extras=False),
+)
+TINY_PAIRS = (
+    Pair("llama-1b-8b", "tiny-llama (random)", "tiny-llama (random)", "llama", TINY_DRAFT, TINY_MAIN, extras=True),
+    Pair("qwen-0.5b-32b", "tiny-qwen2 (random)", "tiny-qwen2 (random)", "qwen2",
+         dict(TINY_DRAFT, head_dim=16), dict(TINY_MAIN, head_dim=32), extras=False),
+)
+
 INSTRUCTION_TOKENS = 32  # protected head of the prompt (system instructions)
 QUESTION_TOKENS = 64  # protected tail (question + generation prompt)
 PASSAGE_TOKENS = 512  # passage size; chunks never cross a passage boundary
+HEADROOM = 256  # positions left after the prompt (look-ahead, answer) where a window caps a length
+PROFILE_TOKENS = 4096  # the length --profile looks at (the nearest measured one otherwise)
+COMPARED_KEEP = (0.1,)  # keep rates also run with the compared look-ahead (common.compared_lookahead)
+QWEN_SHARE = 0.5  # of the time budget, the part by which the Qwen pair (run first) must be done
 
 
-def build(shape: dict[str, Any], dtype: torch.dtype, device: str, seed: int) -> Any:
-    """A LlamaForCausalLM with ``shape`` and random weights, built directly on ``device``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build(family: str, shape: dict[str, Any], dtype: torch.dtype, device: str, seed: int) -> Any:
+    """A causal LM of ``family`` with ``shape`` and random weights, built directly on ``device``
+    in ``dtype`` (no float32 copy: a 32B model's bf16 weights alone fill most of one GPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_class, model_class = classes[family]
     torch.manual_seed(seed)
-    config = LlamaConfig(**shape)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = model_class._from_config(config_class(**shape), dtype=dtype, attn_implementation="sdpa")
     return model.eval()
 
 
@@ -148,62 +175,138 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
-def prefill(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> int:
-    """Main-model prefill of ``ids`` at ``positions`` (as the transformers backend does); first token."""
-    device = next(model.parameters()).device
-    ids = ids.to(device).reshape(1, -1)
-    out = model(
-        input_ids=ids,
-        position_ids=positions.to(device).reshape(1, -1),
-        attention_mask=torch.ones_like(ids),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return int(out.logits[0, -1].argmax())  # .item() waits for the GPU
+def plan_of(ids: torch.Tensor, kept: torch.Tensor, n_prompt: int) -> Any:
+    """The ``PrefillPlan`` of ``ids[kept]`` at positions ``kept`` (all of them: a full prefill)."""
+    from specprefill_rag.types import PrefillPlan
+
+    return PrefillPlan(token_ids=ids[kept], position_ids=kept, next_position=n_prompt, n_prompt=n_prompt,
+                       kept_spans=(), speculated=kept.numel() < n_prompt)
 
 
-@torch.inference_mode()
-def plain_forward(model: Any, ids: torch.Tensor) -> None:
-    device = next(model.parameters()).device
-    ids = ids.to(device).reshape(1, -1)
-    model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
-    sync(device)
+def first_token(backend: Any, plan: Any) -> int:
+    """The backend's prefill of ``plan`` and its first (greedy) token: what a TTFT waits for."""
+    from specprefill_rag.backends.transformers import sample_token
+    from specprefill_rag.config import GenerationConfig
+
+    state = backend.prefill(plan)
+    return sample_token(state.logits, GenerationConfig(), None)  # int(): the host waits for the device
 
 
-def timed(fn: Any, *args: Any) -> tuple[float, Any]:
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     start = time.perf_counter()
     out = fn(*args)
     return time.perf_counter() - start, out
 
 
-def spec_ttft(
-    draft: Any, main: Any, ids: torch.Tensor, protected: torch.Tensor, segment: torch.Tensor, keep: float,
-    config: Any = None,
-) -> dict[str, float]:
-    """SpecPrefill's TTFT at ``keep`` with the draft's default config, or ``config``."""
+@dataclass
+class Context:
+    """One pair, built: the main model behind the library's backend, the draft, its plain-forward
+    backend (the draft's weights served like the main model, for r) and the vocabulary."""
+
+    pair: Pair
+    main: Any  # TransformersBackend
+    draft: Any  # DraftModel
+    draft_plain: Any  # TransformersBackend over the draft's weights
+    vocab: int
+    window: int  # the longest prompt both models take, with HEADROOM positions after it
+
+    @property
+    def device(self) -> torch.device:
+        return self.draft.device
+
+
+class Clock:
+    """Named marks on the device's timeline: CUDA events (read after a synchronisation, none
+    added) on a GPU, ``perf_counter`` on a CPU. A name is marked once (its first time)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: dict[str, Any] = {}
+
+    def mark(self, name: str) -> None:
+        if name in self.marks:
+            return
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[name] = event
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def seconds(self, start: str, end: str) -> float | None:
+        if start not in self.marks or end not in self.marks:
+            return None
+        if self.cuda:
+            return float(self.marks[start].elapsed_time(self.marks[end])) / 1e3
+        return float(self.marks[end] - self.marks[start])
+
+
+@contextlib.contextmanager
+def draft_phases(draft: Any, clock: Clock) -> Iterator[None]:
+    """While open, the draft's prompt forward (``_prompt_forward``) and its scoring (``_scores``)
+    mark their start and end on ``clock``: instance attributes that call the draft's own methods,
+    removed afterwards (the library's code runs unchanged). A draft without them: no marks."""
+    steps = {"_prompt_forward": ("prompt_start", "prompt_end"), "_scores": ("scoring_start", "scoring_end")}
+    wrapped = []
+    for name, (before, after) in steps.items():
+        original = getattr(draft, name, None)
+        if original is None:
+            continue
+
+        def step(*args: Any, _original: Any = original, _marks: tuple[str, str] = (before, after),
+                 **kwargs: Any) -> Any:
+            clock.mark(_marks[0])
+            out = _original(*args, **kwargs)
+            clock.mark(_marks[1])
+            return out
+
+        setattr(draft, name, step)
+        wrapped.append(name)
+    try:
+        yield
+    finally:
+        for name in wrapped:
+            delattr(draft, name)
+
+
+def spec_ttft(ctx: Context, ids: torch.Tensor, protected: torch.Tensor, segment: torch.Tensor, keep: float,
+              config: Any = None) -> dict[str, Any]:
+    """SpecPrefill's TTFT at ``keep`` with the draft's config (or ``config``), phase by phase."""
     from specprefill_rag import SelectionConfig
     from specprefill_rag import selection as selection_lib
 
+    draft, n = ctx.draft, ids.numel()
+    clock = Clock(ctx.device)
+    sync(ctx.device)
     start = time.perf_counter()
-    n = ids.numel()
-    # The engine's path: the question's tokens query the context (ends with .cpu(): synchronised).
-    scores = draft.score(
-        ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected.to(ids.device),
-        config=cold(config or draft.config),  # repetitions: the instructions read anew each time
-    )
+    clock.mark("start")
+    with draft_phases(draft, clock):
+        # The engine's path: the question's tokens query the context (ends with .cpu(): synchronised).
+        scores = draft.score(ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected,
+                             config=cold(config or draft.config))  # repetitions: nothing read from a store
+    clock.mark("draft_end")
     scored = time.perf_counter()
     sel = SelectionConfig(keep_rate=keep, unit="chunk", min_prompt_tokens=0)  # synthetic ids: no sentences
     kept = selection_lib.select(scores.scores, protected, segment, sel)
+    plan = plan_of(ids, kept, n)
     selected = time.perf_counter()
-    prefill(main, ids[kept], kept)
+    first_token(ctx.main, plan)
     end = time.perf_counter()
+    phases = {
+        "draft_prefill_s": clock.seconds("prompt_start", "prompt_end"),
+        "lookahead_s": clock.seconds("prompt_end", "scoring_start"),
+        "scoring_s": clock.seconds("scoring_start", "scoring_end"),
+    }
+    known = [v for v in phases.values() if v is not None]
+    phases["draft_other_s"] = (clock.seconds("start", "draft_end") or 0.0) - sum(known) if known else None
     return {
         "ttft_s": end - start,
         "draft_s": scored - start,
         "selection_s": selected - scored,
         "prefill_s": end - selected,
-        "keep_ratio": kept.numel() / ids.numel(),
+        "keep_ratio": kept.numel() / n,
+        "n_kept": int(kept.numel()),
+        "phases": phases,
     }
 
 
@@ -211,9 +314,258 @@ def scoring_s(draft: Any, ids: torch.Tensor, protected: torch.Tensor, config: An
     """Seconds of the draft's scoring with ``config`` (a look-ahead variant)."""
     n = ids.numel()
     start = time.perf_counter()
-    draft.score(ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected.to(ids.device),
-                config=cold(config))
+    draft.score(ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected, config=cold(config))
     return time.perf_counter() - start  # .cpu() at the end of scoring synchronises
+
+
+def full_prefill_s(backend: Any, ids: torch.Tensor) -> float:
+    """Seconds of ``backend``'s prefill of the whole prompt, first token included."""
+    sync(backend.device)
+    return timed(first_token, backend, plan_of(ids, torch.arange(ids.numel()), ids.numel()))[0]
+
+
+def phase_medians(rows: list[dict[str, Any]], full: list[dict[str, float]]) -> dict[str, float | None]:
+    """Each phase's median over the repetitions of one cell (None where it was not marked)."""
+    med = statistics.median
+    out: dict[str, float | None] = {}
+    for name in ("draft_prefill_s", "lookahead_s", "scoring_s", "draft_other_s"):
+        values = [r["phases"][name] for r in rows if r["phases"].get(name) is not None]
+        out[name] = med(values) if values else None
+    out["draft_s"] = med([r["draft_s"] for r in rows])
+    out["selection_s"] = med([r["selection_s"] for r in rows])
+    out["pruned_prefill_s"] = med([r["prefill_s"] for r in rows])
+    out["full_prefill_s"] = med([f["prefill_s"] for f in full])
+    return out
+
+
+def run_length(ctx: Context, target: int, args: argparse.Namespace, extras: bool) -> dict[str, Any]:
+    """Every measurement at ``target`` tokens (capped by the window), ``args.reps`` times, the
+    order rotating per repetition; with ``extras`` the earlier runs' measurements too."""
+    n = min(target, ctx.window)
+    ids, protected, segment = synthetic_prompt(n, ctx.vocab, seed=n)
+    draft = ctx.draft
+
+    def capture_once() -> None:
+        draft.capture(ids, lookahead=1)
+        sync(ctx.device)
+
+    def full(_: Any) -> dict[str, float]:
+        seconds = full_prefill_s(ctx.main, ids)
+        return {"ttft_s": seconds, "prefill_s": seconds}
+
+    variants = lookahead_variants(ctx.device.type) if extras else {}
+    measures: dict[str, Callable[[Any], Any]] = {
+        "full": full,
+        "spec": lambda keep: spec_ttft(ctx, ids, protected, segment, keep),
+        "plain": lambda _: full_prefill_s(ctx.draft_plain, ids),
+        "spec_compared": lambda keep: spec_ttft(ctx, ids, protected, segment, keep, compared_lookahead()[1]),
+        "capture": lambda _: timed(capture_once)[0],
+        "lookahead": lambda name: scoring_s(draft, ids, protected, variants[name]),
+    }
+    items: list[tuple[str, Any]] = [("full", None), *(("spec", k) for k in args.keep_rates), ("plain", None)]
+    if extras:
+        items += [*(("spec_compared", k) for k in COMPARED_KEEP), ("capture", None),
+                  *(("lookahead", name) for name in variants)]
+    raw: dict[tuple[str, Any], list[Any]] = {}
+    for rep in range(args.reps):
+        shift = rep % len(items)
+        for what, arg in items[shift:] + items[:shift]:
+            raw.setdefault((what, arg), []).append(measures[what](arg))
+    row = summarise_length(target, n, raw, args.keep_rates, COMPARED_KEEP if extras else ())
+    for cell in row["cells"]:
+        cell["phases"] = phase_medians(cell["raw"], raw[("full", None)])
+        cell["n_kept"] = statistics.median([r["n_kept"] for r in cell["raw"]])
+    report_length(ctx.pair, row)
+    return row
+
+
+def report_length(pair: Pair, row: dict[str, Any]) -> None:
+    n, r = row["n_tokens"], row["r"]
+    ms = 1e3
+    print(f"[{pair.key}] {n} tokens: main {row['main_plain_s'] * ms:.0f} ms, draft {row['draft_plain_s'] * ms:.0f} ms"
+          f" (r = {r:.3f}), default scoring {row['draft_scoring_s'] * ms:.0f} ms ({row['capture_overhead']:.2f}x)",
+          flush=True)
+    for name, v in row["lookahead_scoring"].items():
+        print(f"  scoring with {name}: {v['scoring_s'] * ms:.0f} ms = {v['overhead']:.2f}x, r = {v['r']:.3f}",
+              flush=True)
+    cells = [("", c) for c in row["cells"]] + [(f", {row['compared_label']}", c) for c in row["cells_compared"]]
+    for label, c in cells:
+        p = c.get("phases") or {}
+        split = "" if p.get("draft_prefill_s") is None else (
+            f" = prompt {p['draft_prefill_s'] * ms:.0f} + look-ahead {p['lookahead_s'] * ms:.0f}"
+            f" + scoring {p['scoring_s'] * ms:.0f} + rest {p['draft_other_s'] * ms:.0f}")
+        print(f"  keep {c['keep_rate']:.0%}{label}: spec {c['ttft_spec_s'] * ms:.0f} ms (draft {c['draft_s'] * ms:.0f}"
+              f"{split}; sel {c['selection_s'] * ms:.1f}; pruned prefill {c['prefill_s'] * ms:.0f} of"
+              f" {c['keep_ratio']:.1%}) vs full {c['ttft_full_s'] * ms:.0f}: speedup {c['speedup']:.2f}x,"
+              f" ideal {c['ideal']:.2f}x, efficiency {c['efficiency']:.2f}", flush=True)
+
+
+# -- checks and the profiler ------------------------------------------------------------------
+
+
+def mask_check(ctx: Context, n: int, keep: float) -> dict[str, Any]:
+    """The backend's pruned prefill (no mask: ``MASK_FREE``) against the path it took before (an
+    explicit all-ones mask) at ``n`` tokens: the largest logit difference and the first token."""
+    ids, protected, segment = synthetic_prompt(n, ctx.vocab, seed=n)
+    kept = torch.cat([torch.arange(0, n, max(2, round(1 / keep))), torch.tensor([n - 1])]).unique()
+    plan = plan_of(ids, kept, n)
+    model, device = ctx.main.model, ctx.device
+    with torch.inference_mode():
+        ours = ctx.main.prefill(plan).logits
+        before = model(input_ids=plan.token_ids.reshape(1, -1).to(device),
+                       position_ids=plan.position_ids.reshape(1, -1).to(device),
+                       attention_mask=torch.ones(1, plan.n_kept, dtype=torch.int64, device=device),
+                       use_cache=True, logits_to_keep=1).logits[0, -1].float()
+    return {"n_tokens": n, "n_kept": plan.n_kept, "mask_free": bool(ctx.main.mask_free),
+            "max_abs_logit_diff": float((ours - before).abs().max()), "max_abs_logit": float(before.abs().max()),
+            "same_first_token": int(ours.argmax()) == int(before.argmax())}
+
+
+def host_syncs(device: torch.device, fn: Callable[[], Any]) -> dict[str, Any]:
+    """The host synchronisations ``fn`` makes on a CUDA device (``torch.cuda.set_sync_debug_mode``
+    warns at each), with where each was made; not countable on a CPU."""
+    if device.type != "cuda":
+        return {"count": None, "why": "not a CUDA device"}
+    sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in found)
+    return {"count": len(found), "where": dict(sites.most_common())}
+
+
+def checks(ctx: Context, n: int, keep: float) -> dict[str, Any]:
+    """What the backend's prefill computes and where the host waits, at ``n`` tokens."""
+    ids, protected, segment = synthetic_prompt(n, ctx.vocab, seed=n)
+    kept = torch.arange(0, n, max(2, round(1 / keep)))
+    plan = plan_of(ids, kept, n)
+    question = torch.arange(n - QUESTION_TOKENS, n)
+    with torch.inference_mode():
+        prefill = host_syncs(ctx.device, lambda: ctx.main.prefill(plan))
+    scoring = host_syncs(ctx.device, lambda: ctx.draft.score(ids, question=question, context=~protected,
+                                                              config=cold(ctx.draft.config)))
+    return {"mask_free_vs_ones_mask": mask_check(ctx, n, keep),
+            "host_syncs": {"pruned_prefill_without_first_token": prefill, "draft_scoring": scoring}}
+
+
+# Where the host waits (the runtime calls) and what makes it wait (the operations: ``item``,
+# ``bool``, ``int`` of a tensor all reach ``_local_scalar_dense``; sizes that depend on data).
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+_SYNC_CAUSES = ("aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_consecutive",
+                "aten::masked_select", "aten::repeat_interleave")
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+             "cuGraphLaunch", "cudaLaunchCooperativeKernel")
+
+
+def runtime_name(name: str) -> str:
+    """A CUDA runtime/driver call's name without the suffixes some CUPTI versions report
+    (``cudaLaunchKernel_v7000``, ``cudaMemcpy_ptds``), so the tables above match it."""
+    return re.sub(r"(_v\d+|_ptsz|_ptds)+$", "", name)
+
+
+def profile_table(prof: Any, wall_s: float, top: int = 15) -> dict[str, Any]:
+    """One profiled call in numbers: the wall time, the GPU's busy time (kernels), kernel launches
+    and which operation made them, the top operations by GPU time and by launches, the top
+    kernels, and every host synchronisation the profiler saw."""
+    events = [e for e in prof.events() if not getattr(e, "is_async", False)]
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    ops: dict[str, dict[str, float]] = {}
+    for e in cpu:
+        if e.name.startswith(("cuda", "cu")):
+            continue
+        row = ops.setdefault(e.name, {"calls": 0, "launches": 0, "self_device_ms": 0.0, "self_cpu_ms": 0.0})
+        row["calls"] += 1
+        row["self_device_ms"] += float(getattr(e, "self_device_time_total", 0.0)) / 1e3
+        row["self_cpu_ms"] += float(e.self_cpu_time_total) / 1e3
+    launches = 0
+    for e in cpu:
+        if runtime_name(e.name) in _LAUNCHES:
+            launches += 1
+            parent = e.cpu_parent.name if e.cpu_parent is not None else "(no operation)"
+            ops.setdefault(parent, {"calls": 0, "launches": 0, "self_device_ms": 0.0, "self_cpu_ms": 0.0})
+            ops[parent]["launches"] += 1
+    by_kernel: dict[str, list[float]] = {}
+    for e in kernels:
+        by_kernel.setdefault(e.name, []).append((e.time_range.end - e.time_range.start) / 1e3)
+    syncs = {name: {"count": 0, "cpu_ms": 0.0} for name in (*_SYNC_CALLS, *_SYNC_CAUSES, "cudaMemcpyAsync")}
+    for e in cpu:
+        name = runtime_name(e.name)
+        if name in syncs:
+            syncs[name]["count"] += 1
+            syncs[name]["cpu_ms"] += float(e.cpu_time_total) / 1e3
+    waits = {name: v for name, v in syncs.items() if v["count"] and name in _SYNC_CALLS}
+    causes = {name: v for name, v in syncs.items() if v["count"] and name in _SYNC_CAUSES}
+    top_level_cpu = sum(float(e.cpu_time_total) for e in cpu if e.cpu_parent is None) / 1e6
+    busy = sum(sum(v) for v in by_kernel.values()) / 1e3
+
+    def ranked(key: str) -> list[dict[str, Any]]:
+        rows = sorted(ops.items(), key=lambda kv: -kv[1][key])[:top]
+        return [{"op": name, **{k: round(v, 4) for k, v in row.items()}} for name, row in rows if row[key] > 0]
+
+    return {
+        "wall_s": wall_s,
+        "gpu_busy_s": busy,
+        "gpu_busy_share": busy / wall_s if wall_s else None,
+        "kernels": len(kernels),
+        "launches": launches,
+        "host_time_outside_ops_s": wall_s - top_level_cpu,  # Python and framework code between operations
+        "top_ops_by_device_time": ranked("self_device_ms"),
+        "top_ops_by_launches": ranked("launches"),
+        "top_ops_by_host_time": ranked("self_cpu_ms"),
+        "top_kernels": [{"kernel": name[:160], "count": len(v), "total_ms": round(sum(v), 4)}
+                        for name, v in sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]],
+        "host_syncs": waits,  # the runtime calls that block the host (a CUDA device only)
+        "host_sync_causes": causes,  # the operations that make them (a scalar read, a data-dependent size)
+        "copies": syncs["cudaMemcpyAsync"]["count"],  # host<->device copies, blocking or not
+    }
+
+
+def profile_rows(ctx: Context, n: int, keep: float) -> dict[str, Any]:
+    """The torch profiler over one pruned prefill (the plan the draft's scores give at ``keep``),
+    one scoring call and one plain draft forward at ``n`` tokens, each after an unprofiled run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specprefill_rag import SelectionConfig
+    from specprefill_rag import selection as selection_lib
+
+    n = min(n, ctx.window)
+    ids, protected, segment = synthetic_prompt(n, ctx.vocab, seed=n)
+    question = torch.arange(n - QUESTION_TOKENS, n)
+    config = cold(ctx.draft.config)
+    scores = ctx.draft.score(ids, question=question, context=~protected, config=config)
+    kept = selection_lib.select(scores.scores, protected, segment,
+                                SelectionConfig(keep_rate=keep, unit="chunk", min_prompt_tokens=0))
+    plan, full = plan_of(ids, kept, n), plan_of(ids, torch.arange(n), n)
+    calls: dict[str, Callable[[], Any]] = {
+        "pruned_prefill": lambda: first_token(ctx.main, plan),
+        "draft_scoring": lambda: ctx.draft.score(ids, question=question, context=~protected, config=config),
+        "plain_draft_forward": lambda: first_token(ctx.draft_plain, full),
+    }
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    out: dict[str, Any] = {"n_tokens": n, "n_kept": int(kept.numel()),
+                           "note": "wall times under the profiler are inflated; compare counts and shares"}
+    for name, call in calls.items():
+        call()
+        sync(ctx.device)
+        with profile(activities=activities) as prof:  # each call ends on a host read: nothing left queued
+            wall, _ = timed(call)
+        sync(ctx.device)  # outside: the harness's own wait is not the call's
+        out[name] = profile_table(prof, wall)
+        t = out[name]
+        print(f"[{ctx.pair.key}] profile of {name} at {n} tokens: {t['wall_s'] * 1e3:.1f} ms wall, GPU busy"
+              f" {t['gpu_busy_s'] * 1e3:.1f} ms, {t['launches']} launches, host waits"
+              f" {sum(v['count'] for v in t['host_syncs'].values())} (scalar reads and data-dependent sizes:"
+              f" {sum(v['count'] for v in t['host_sync_causes'].values())})", flush=True)
+    return out
+
+
+# -- the earlier runs' measurements (the first pair) ------------------------------------------
 
 
 def concurrency_row(draft: Any, n: int, vocab: int, batch: int, reps: int) -> dict[str, Any]:
@@ -229,11 +581,8 @@ def concurrency_row(draft: Any, n: int, vocab: int, batch: int, reps: int) -> di
         )
     med = statistics.median
     row = {"n_tokens": n, "batch": batch, "one_s": med(one), "batch_s": med(many), "ratio": med(many) / med(one)}
-    print(
-        f"{batch} concurrent {n}-token requests: one batched draft pass {row['batch_s'] * 1e3:.0f} ms ="
-        f" {row['ratio']:.2f}x one request's {row['one_s'] * 1e3:.0f} ms (target <= 3x)",
-        flush=True,
-    )
+    print(f"{batch} concurrent {n}-token requests: one batched draft pass {row['batch_s'] * 1e3:.0f} ms ="
+          f" {row['ratio']:.2f}x one request's {row['one_s'] * 1e3:.0f} ms (target <= 3x)", flush=True)
     return row
 
 
@@ -287,7 +636,8 @@ def memory_row(draft: Any, ids: torch.Tensor) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         if kind == "plain":
-            plain_forward(draft.model, ids)
+            with torch.inference_mode():
+                draft.model(input_ids=ids.to(device).reshape(1, -1), use_cache=True, logits_to_keep=1)
         else:
             draft.score(ids)
         sync(device)
@@ -296,107 +646,6 @@ def memory_row(draft: Any, ids: torch.Tensor) -> dict[str, Any]:
     out["delta_ratio"] = s / max(p, 1)
     out["peak_ratio"] = (weights + s) / (weights + p)  # as if the draft ran alone: weights + activations
     return out
-
-
-def run_length(draft: Any, main: Any, n: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    """Every measurement at ``n`` tokens, ``args.reps`` times, the order rotating per repetition."""
-    ids, protected, segment = synthetic_prompt(n, vocab, seed=n)
-    positions = torch.arange(n)
-
-    def full(keep: float | None) -> dict[str, float]:
-        seconds = timed(prefill, main, ids, positions)[0]
-        return {"ttft_s": seconds, "prefill_s": seconds}
-
-    def capture_once() -> None:
-        draft.capture(ids, lookahead=1)
-        sync(draft.device)
-
-    variants = lookahead_variants(draft.device.type)
-    measures: dict[str, Callable[[Any], Any]] = {
-        "full": full,
-        "spec": lambda keep: spec_ttft(draft, main, ids, protected, segment, keep),
-        "spec_compared": lambda keep: spec_ttft(draft, main, ids, protected, segment, keep, compared_lookahead()[1]),
-        "plain": lambda _: timed(plain_forward, draft.model, ids)[0],
-        "capture": lambda _: timed(capture_once)[0],
-        "lookahead": lambda name: scoring_s(draft, ids, protected, variants[name]),
-    }
-    items: list[tuple[str, Any]] = [
-        ("full", None), *(("spec", k) for k in args.keep_rates), *(("spec_compared", k) for k in COMPARED_KEEP),
-        ("plain", None), ("capture", None), *(("lookahead", name) for name in variants),
-    ]
-    raw: dict[tuple[str, Any], list[Any]] = {}
-    for rep in range(args.reps):
-        shift = rep % len(items)
-        for what, arg in items[shift:] + items[:shift]:
-            raw.setdefault((what, arg), []).append(measures[what](arg))
-    row = summarise_length(n, n, raw, args.keep_rates, COMPARED_KEEP)
-    report_length(row)
-    return row
-
-
-COMPARED_KEEP = (0.1,)  # keep rates also run with the compared look-ahead (common.compared_lookahead)
-
-
-def report_length(row: dict[str, Any]) -> None:
-    n, r, scoring = row["n_tokens"], row["r"], row["draft_scoring_s"]
-    main_plain, draft_plain = row["main_plain_s"], row["draft_plain_s"]
-    print(
-        f"{n} tokens: main {main_plain * 1e3:.0f} ms, draft {draft_plain * 1e3:.0f} ms (r = {r:.3f}),"
-        f" default scoring {scoring * 1e3:.0f} ms ({row['capture_overhead']:.2f}x, r of the scoring"
-        f" {row['r_scoring']:.3f}; hooks alone {row['hook_overhead']:.2f}x)",
-        flush=True,
-    )
-    for name, v in row["lookahead_scoring"].items():
-        print(f"  scoring with {name}: {v['scoring_s'] * 1e3:.0f} ms = {v['overhead']:.2f}x, r = {v['r']:.3f}",
-              flush=True)
-    cells = [("", c) for c in row["cells"]] + [(f", {row['compared_label']}", c) for c in row["cells_compared"]]
-    for label, c in cells:
-        print(
-            f"  keep {c['keep_rate']:.0%}{label}: spec {c['ttft_spec_s'] * 1e3:.0f} ms (draft {c['draft_s'] * 1e3:.0f}"
-            f" + sel {c['selection_s'] * 1e3:.1f} + prefill {c['prefill_s'] * 1e3:.0f})  speedup {c['speedup']:.2f}x"
-            f"  ideal {c['ideal']:.2f}x  efficiency {c['efficiency']:.2f}",
-            flush=True,
-        )
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=None,
-                   help="default 4096 8192 16384 32768 (tiny: 256 512)")
-    p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--lookahead", type=int, default=None, help="look-ahead L (default: the library's)")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes, CPU allowed: a dry run of the whole script")
-    p.add_argument(
-        "--time-budget-s",
-        type=float,
-        default=360.0,
-        help="stop before a length whose estimated cost would pass this (default: 6 min)",
-    )
-    p.add_argument("--concurrency", type=int, default=8, help="requests scored in one batch (0: skip)")
-    p.add_argument("--out", default=None)
-    return p.parse_args(argv)
-
-
-def build_models(args: argparse.Namespace, device: str) -> tuple[Any, Any, int]:
-    """(main model, DraftModel, vocabulary size) with random bf16 weights, warmed up on ``device``."""
-    from specprefill_rag import DraftConfig
-    from specprefill_rag.draft import DraftModel
-
-    draft_shape, main_shape = (TINY_DRAFT, TINY_MAIN) if args.tiny else (LLAMA_3_2_1B, LLAMA_3_1_8B)
-    print(f"building {'tiny' if args.tiny else 'Llama-3.2-1B / Llama-3.1-8B'}-shaped models"
-          f" (random bf16) on {device} ...", flush=True)
-    main_model = build(main_shape, torch.bfloat16, device, seed=1)
-    config = cold(DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead))
-    draft = DraftModel(build(draft_shape, torch.bfloat16, device, seed=2), None, config)
-    vocab = int(draft_shape["vocab_size"])
-    ids, protected, segment = synthetic_prompt(min(args.lengths), vocab, seed=0)
-    prefill(main_model, ids, torch.arange(ids.numel()))
-    spec_ttft(draft, main_model, ids, protected, segment, 0.3)
-    for variant in lookahead_variants(draft.device.type).values():  # each look-ahead's kernels chosen before timing
-        scoring_s(draft, ids, protected, variant)
-    plain_forward(draft.model, ids)
-    return main_model, draft, vocab
 
 
 def concurrency_length(args: argparse.Namespace) -> int:
@@ -434,27 +683,231 @@ def capture_variant_graphs(draft: Any, args: argparse.Namespace) -> int:
                for variant in lookahead_variants("cuda").values())  # labelled as on a GPU
 
 
-def new_payload(args: argparse.Namespace, device: str) -> dict[str, Any]:
+# -- one pair ---------------------------------------------------------------------------------
+
+
+def build_pair(pair: Pair, args: argparse.Namespace, device: str, dtype: torch.dtype) -> Context:
+    """The pair on ``device`` in ``dtype`` behind the library's classes, warmed up."""
+    from specprefill_rag import DraftConfig
+    from specprefill_rag.backends.transformers import TransformersBackend
+    from specprefill_rag.draft import DraftModel
+
+    print(f"[{pair.key}] building {pair.draft_name} → {pair.main_name} on {device} ...", flush=True)
+    main = TransformersBackend(build(pair.family, pair.main, dtype, device, seed=1), None, name=pair.main_name)
+    config = DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead)
+    draft = DraftModel(build(pair.family, pair.draft, dtype, device, seed=2), None, config)
+    window = min(draft.max_context, main.max_context) - HEADROOM
+    ctx = Context(pair, main, draft, TransformersBackend(draft.model, None, name=pair.draft_name),
+                  min(int(pair.draft["vocab_size"]), int(pair.main["vocab_size"])), window)
+    n = min(min(args.lengths), window)
+    ids, protected, segment = synthetic_prompt(n, ctx.vocab, seed=0)
+    full_prefill_s(ctx.main, ids)
+    spec_ttft(ctx, ids, protected, segment, args.keep_rates[0])
+    full_prefill_s(ctx.draft_plain, ids)
+    if pair.extras and args.extras:
+        for variant in lookahead_variants(ctx.device.type).values():  # kernels chosen before timing
+            scoring_s(draft, ids, protected, variant)
+    return ctx
+
+
+def precision(ctx: Context) -> dict[str, Any]:
+    """Every dtype the run computes in: weights, KV caches, the scoring's softmax, TF32, SDPA's
+    kernels allowed."""
+    state = ctx.main.prefill(plan_of(torch.zeros(8, dtype=torch.int64), torch.arange(8), 8))
+    out: dict[str, Any] = {
+        "main_weights": dtype_name(next(ctx.main.model.parameters()).dtype),
+        "draft_weights": dtype_name(next(ctx.draft.model.parameters()).dtype),
+        "main_kv_cache": dtype_name(state.cache.layers[0].keys.dtype),
+        "main_logits": dtype_name(state.logits.dtype),
+        "scoring": "float32 (the library's logits and softmax)",
+        "attention": ctx.main.model.config._attn_implementation,
+        "draft_attention": ctx.draft.model.config._attn_implementation,
+    }
+    if ctx.device.type == "cuda":
+        out["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+        out["sdpa_backends"] = {"flash": torch.backends.cuda.flash_sdp_enabled(),
+                                "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                                "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+                                "math": torch.backends.cuda.math_sdp_enabled()}
+    return out
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def run_pair(pair: Pair, args: argparse.Namespace, device: str, dtype: torch.dtype, deadline: float,
+             payload: dict[str, Any], write: Callable[[], Any]) -> Context | None:
+    """Measure ``pair`` at every length that fits ``deadline`` and the GPU's memory into its run
+    (``payload["runs"]``); returns the built pair (None where it could not be built)."""
+    run: dict[str, Any] = {"backend": "transformers", "pair": pair.key, "status": "partial",
+                           "models": {"draft": pair.draft_name, "main": pair.main_name},
+                           "dtypes": {"main": dtype_name(dtype), "draft": dtype_name(dtype)},
+                           "lengths": [], "skipped_lengths": []}
+    payload["runs"][[p.key for p in args.pairs].index(pair.key)] = run
+    try:
+        started = time.perf_counter()
+        ctx = build_pair(pair, args, device, dtype)
+        run["built_s"] = time.perf_counter() - started
+    except Exception as error:
+        if not out_of_memory(error):
+            raise
+        run.update(status="skipped", reason=f"could not be built: {type(error).__name__}: {str(error)[:300]}")
+        free(torch.device(device))
+        write()
+        return None
+    run["precision"] = precision(ctx)
+    extras = pair.extras and args.extras
+    args_for_graphs = argparse.Namespace(**{**vars(args), "concurrency": args.concurrency if extras else 0})
+    run["graphs"] = capture_graphs(ctx.draft, args_for_graphs)
+    if extras:
+        run["graphs"]["variant_shapes"] = capture_variant_graphs(ctx.draft, args)
+        payload["graphs"] = run["graphs"]
+    check_n = min(PROFILE_TOKENS if PROFILE_TOKENS in args.lengths else args.lengths[0], ctx.window)
+    run["checks"] = guarded("checks", lambda: checks(ctx, check_n, args.keep_rates[0]), args, payload)
+    write()
+    last_s, last_n = 0.0, 1
+    for target in args.lengths:
+        estimate = last_s * (target / last_n) ** 1.5  # between linear and quadratic in n
+        if time.perf_counter() + estimate > deadline:
+            why = f"time budget: estimated {estimate:.0f} s would pass it"
+            run["skipped_lengths"] += [{"n_tokens": t, "why": why} for t in args.lengths if t >= target]
+            print(f"[{pair.key}] skipping {target} tokens and longer: {why}", flush=True)
+            break
+        t0 = time.perf_counter()
+        try:
+            row = run_length(ctx, target, args, extras)
+        except Exception as error:
+            if not out_of_memory(error):
+                raise
+            why = f"out of GPU memory: {str(error).splitlines()[0][:300]}"
+            run["skipped_lengths"] += [{"n_tokens": t, "why": why} for t in args.lengths if t >= target]
+            print(f"[{pair.key}] skipping {target} tokens and longer: {why}", flush=True)
+            free(ctx.device)
+            break
+        run["lengths"].append(row)
+        last_s, last_n = time.perf_counter() - t0, target
+        free(ctx.device)
+        write()
+    if args.profile and run["lengths"]:
+        measured = [row["target_tokens"] for row in run["lengths"]]
+        n = min(measured, key=lambda t: abs(math.log(t / PROFILE_TOKENS)))
+        run["profile"] = guarded("profile", lambda: profile_rows(ctx, n, args.keep_rates[0]), args, payload)
+    run["status"] = "ok" if run["lengths"] else "skipped"
+    if not run["lengths"]:
+        run["reason"] = "; ".join(sorted({s["why"] for s in run["skipped_lengths"]})) or "no length measured"
+    write()
+    return ctx
+
+
+def guarded(what: str, measure: Callable[[], Any], args: argparse.Namespace, payload: dict[str, Any]) -> Any:
+    """``measure()``; where it fails on a GPU run, None, with the error in ``payload["errors"]``: a
+    check, a profile or an extra must not cost the lent call the TTFT tables after it. A dry run
+    (``--tiny``, what the tests run) raises it."""
+    try:
+        return measure()
+    except Exception as error:
+        if args.tiny:
+            raise
+        traceback.print_exc()
+        payload["errors"].append({"what": what, "error": f"{type(error).__name__}: {str(error)[:500]}"})
+        free(torch.device(payload["settings"]["device"]))
+        return None
+
+
+def pair_extras(ctx: Context, args: argparse.Namespace, payload: dict[str, Any], deadline: float,
+                write: Callable[[], Any]) -> None:
+    """The earlier runs' whole-run measurements for the first pair, each while time is left."""
+    rows = payload["runs"][0]["lengths"]
+    if not rows:
+        return
+    lengths = [row["n_tokens"] for row in rows]
+    left = deadline - time.perf_counter()
+    if args.concurrency > 1 and left > 30:
+        payload["concurrency"] = guarded("concurrency", lambda: concurrency_row(
+            ctx.draft, concurrency_length(args), ctx.vocab, args.concurrency, args.reps), args, payload)
+        write()
+    if deadline - time.perf_counter() > 60 or args.tiny:  # on a CPU (--tiny) both paths are SDPA: a dry run
+        payload["attention"] = guarded("attention", lambda: attention_rows(ctx.draft, args, ctx.vocab, lengths),
+                                       args, payload)
+        write()
+    if ctx.device.type == "cuda" and deadline - time.perf_counter() > 10:
+        mem = guarded("memory", lambda: memory_row(ctx.draft, synthetic_prompt(lengths[-1], ctx.vocab, seed=1)[0]),
+                      args, payload)
+        if mem is not None:
+            print(f"memory at {mem['length']} tokens: plain +{mem['plain']['delta_bytes'] / 2**20:.0f} MiB, scoring"
+                  f" +{mem['score']['delta_bytes'] / 2**20:.0f} MiB ({mem['delta_ratio']:.2f}x of activations;"
+                  f" {mem['peak_ratio']:.2f}x with the draft's weights)", flush=True)
+        payload["memory"] = mem
+        write()
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="prompt lengths (default 2048 4096 8192 16384 32768; tiny: 256 512)")
+    p.add_argument("--keep-rates", type=float, nargs="+", default=[0.1])
+    p.add_argument("--reps", type=int, default=None, help="repetitions per cell, medians (default 3; tiny: 1)")
+    p.add_argument("--lookahead", type=int, default=None, help="look-ahead L (default: the library's)")
+    p.add_argument("--pairs", nargs="+", default=[p.key for p in PAIRS], choices=[p.key for p in PAIRS],
+                   help="which pairs (default: both)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, CPU allowed: a dry run of the whole script")
+    p.add_argument("--profile", action="store_true",
+                   help="the torch profiler over a pruned prefill, a scoring call and a plain draft forward at 4k")
+    p.add_argument("--no-extras", dest="extras", action="store_false",
+                   help="leave out the first pair's look-ahead variants, concurrency, attention and memory rows")
+    p.add_argument("--time-budget-s", type=float, default=360.0,
+                   help="stop before a length whose estimated cost would pass this (default: 6 min)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests scored in one batch (0: skip)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.lengths = sorted(args.lengths or ([256, 512] if args.tiny else [2048, 4096, 8192, 16384, 32768]))
+    args.reps = args.reps or (1 if args.tiny else 3)
+    return args
+
+
+def new_payload(args: argparse.Namespace, device: str, dtype: torch.dtype, argv: Sequence[str] | None
+                ) -> dict[str, Any]:
     from specprefill_rag import DraftConfig
 
     config = DraftConfig() if args.lookahead is None else DraftConfig(lookahead=args.lookahead)
+    machine = machine_info()
+    machine["cuda"] = torch.version.cuda
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        machine.update(gpu_memory_gib=round(props.total_memory / 2**30, 1), cudnn=torch.backends.cudnn.version(),
+                       gpu_capability=f"{props.major}.{props.minor}")
+    first = args.pairs[0]
     return {
         "benchmark": "ttft",
-        "command": "python benchmarks/gpu_ttft.py" + (" --tiny" if args.tiny else ""),
+        "command": " ".join(["python benchmarks/gpu_ttft.py", *(sys.argv[1:] if argv is None else argv)]),
         "tiny": args.tiny,
         "reduced": False,
-        "machine": machine_info(),
-        "models": {
-            "main": "tiny-llama (random)" if args.tiny else "Llama-3.1-8B-shaped (random bf16)",
-            "draft": "tiny-llama (random)" if args.tiny else "Llama-3.2-1B-shaped (random bf16)",
-        },
+        "machine": machine,
+        "models": {"main": first.main_name, "draft": first.draft_name},
+        "pairs": {p.key: {"draft": p.draft_name, "main": p.main_name} for p in args.pairs},
         "settings": {"lengths": args.lengths, "keep_rates": args.keep_rates, "reps": args.reps,
-                     "lookahead": config.lookahead, "device": device, "dtype": "bfloat16",
+                     "lookahead": config.lookahead, "device": device, "dtype": dtype_name(dtype),
                      "draft_config": dataclasses.asdict(config),
+                     "draft_config_timed": dataclasses.asdict(cold(config)),  # nothing reused between repetitions
                      "lookahead_label": lookahead_label(config, torch.device(device).type),
-                     "compared_keep_rates": list(COMPARED_KEEP)},
+                     "compared_keep_rates": list(COMPARED_KEEP), "time_budget_s": args.time_budget_s,
+                     "profile": args.profile, "extras": args.extras,
+                     "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") if device == "cuda" else None},
         "targets": {"efficiency": 0.85, "capture_overhead": 1.10, "memory": 1.15},
+        "runs": [{"backend": "transformers", "pair": p.key, "status": "skipped", "reason": "not reached"}
+                 for p in args.pairs],
         "memory": None,
+        "errors": [],  # measurements beside the TTFT tables that failed on the GPU (``guarded``)
         "complete": False,
     }
 
@@ -462,52 +915,53 @@ def new_payload(args: argparse.Namespace, device: str) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    started = time.perf_counter()
     cuda = torch.cuda.is_available()
+    if cuda:  # before the first allocation: the 32B model leaves ~15 GiB of an H100, fragments cost lengths
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not cuda and not args.tiny:
         print("no GPU: run with --tiny for a CPU dry run", file=sys.stderr)
         return 2
-    device = "cuda" if cuda else "cpu"
-    args.lengths = args.lengths or ([256, 512] if args.tiny else [4096, 8192, 16384, 32768])
+    threads = torch.get_num_threads()
+    if not cuda:  # a dry run of tiny shapes: one thread (two on two shared cores spin ~80x slower)
+        torch.set_num_threads(1)
+    try:
+        return _run(args, argv, "cuda" if cuda else "cpu")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str] | None, device: str) -> int:
+    started = time.perf_counter()
+    cuda = device == "cuda"
+    # Both models in one precision: bf16 on a GPU (the fair comparison), the library's choice for
+    # the CPU of a dry run (bf16 where it multiplies bf16 natively: ``loading.resolve_dtype``).
+    from specprefill_rag.loading import resolve_dtype
+
+    dtype = torch.bfloat16 if cuda else resolve_dtype("auto", "cpu")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
-    main_model, draft, vocab = build_models(args, device)
-    print(f"built and warmed up in {time.perf_counter() - started:.1f} s", flush=True)
-    payload = new_payload(args, device)
-    payload["graphs"] = capture_graphs(draft, args)
-    payload["graphs"]["variant_shapes"] = capture_variant_graphs(draft, args)
+    chosen = TINY_PAIRS if args.tiny else PAIRS
+    args.pairs = [p for p in chosen if p.key in args.pairs]
+    payload = new_payload(args, device, dtype, argv)
+    name = "gpu_ttft_tiny" if args.tiny else "gpu_ttft"
+
+    def write() -> Any:
+        return write_results(name, payload, args.out)
+
     payload["vllm_v2_runner"] = v2 = runner_v2_check.gpu_check()  # the plugin's V2 rewrite, where vLLM is here
     print(f"vLLM V2 runner position rewrite: {v2['status']}" + (f" ({v2['why']})" if "why" in v2 else ""), flush=True)
-    name = "gpu_ttft_tiny" if args.tiny else "gpu_ttft"
-    rows: list[dict[str, Any]] = []
-    last_s, last_n = 0.0, 1
-    for n in args.lengths:
-        # Cost grows between linearly and quadratically with n: skip what would not fit the budget.
-        estimate = last_s * (n / last_n) ** 1.5
-        if time.perf_counter() - started + estimate > args.time_budget_s:
-            print(f"skipping {n} tokens: estimated {estimate:.0f} s would pass the {args.time_budget_s:.0f} s budget")
-            break
-        t0 = time.perf_counter()
-        rows.append(run_length(draft, main_model, n, args, vocab))
-        last_s, last_n = time.perf_counter() - t0, n
-        payload["runs"] = [{"backend": "transformers", "status": "partial", "lengths": rows}]
-        write_results(name, payload, args.out)
-    if rows and args.concurrency > 1:
-        payload["concurrency"] = concurrency_row(draft, concurrency_length(args), vocab, args.concurrency, args.reps)
-        write_results(name, payload, args.out)
-    if rows:  # on a CPU (--tiny) both paths are SDPA: a dry run of the comparison
-        payload["attention"] = attention_rows(draft, args, vocab, [row["n_tokens"] for row in rows])
-        write_results(name, payload, args.out)
-    if cuda and rows:
-        mem = memory_row(draft, synthetic_prompt(rows[-1]["n_tokens"], vocab, seed=1)[0])
-        print(f"memory at {mem['length']} tokens: plain +{mem['plain']['delta_bytes'] / 2**20:.0f} MiB, scoring"
-              f" +{mem['score']['delta_bytes'] / 2**20:.0f} MiB ({mem['delta_ratio']:.2f}x of activations;"
-              f" {mem['peak_ratio']:.2f}x with the draft's weights)")
-        payload["memory"] = mem
-    payload["runs"] = [{"backend": "transformers", "status": "ok", "lengths": rows}]
+    budget_end = started + args.time_budget_s
+    # The pair without extras first (a fixed, predictable cost), then the one with them.
+    for pair in sorted(args.pairs, key=lambda p: p.extras):
+        deadline = budget_end if pair.extras else started + QWEN_SHARE * args.time_budget_s
+        ctx = run_pair(pair, args, device, dtype, deadline, payload, write)
+        if ctx is not None and pair.extras and args.extras and pair is args.pairs[0]:
+            pair_extras(ctx, args, payload, budget_end, write)
+        del ctx
+        free(torch.device(device))
     payload["complete"] = True
     payload["elapsed_s"] = time.perf_counter() - started
-    path = write_results(name, payload, args.out)
+    path = write()
     print(f"wrote {path} after {payload['elapsed_s']:.0f} s")
     return 0 if math.isfinite(payload["elapsed_s"]) else 1
 

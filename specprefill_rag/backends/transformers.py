@@ -1,9 +1,20 @@
 """Main model on transformers: exact position ids, CPU or GPU.
 
-Prefill feeds the kept tokens with ``position_ids`` = their original positions and an explicit
-all-ones attention mask (without it, gaps in ``position_ids`` can be read as packed
-sequences). The KV cache stays contiguous; only RoPE sees the original positions. Decoding
-continues at ``plan.next_position``.
+Prefill feeds the kept tokens with ``position_ids`` = their original positions; the KV cache
+stays contiguous and only RoPE sees the original positions. Decoding continues at
+``plan.next_position``.
+
+Gaps in ``position_ids`` must never reach transformers' mask code without a cache: with no
+``past_key_values`` and no 2-D mask, ``masking_utils`` reads gaps as packed sequences (a
+block-diagonal mask, silently wrong logits). Every forward here passes a cache (a new
+``DynamicCache`` for a prefill), and for the attention implementations in ``MASK_FREE`` no
+mask at all: transformers then neither reads the positions nor builds a mask, and SDPA runs
+``is_causal`` (prefill) or unmasked (decode), the same kernel call as with the all-ones mask
+this backend used to pass, minus that mask's kernels and the host synchronisation its
+all-ones test cost per forward. Other implementations (flash attention reads ``position_ids``
+for packed sequences when it has no mask) keep the explicit all-ones mask. Inputs reach a CUDA
+device from pinned memory without blocking; a prefill waits for the device nowhere (tested:
+no host synchronisation inside ``prefill``; the first token's ``int()`` is the first).
 """
 
 from __future__ import annotations
@@ -15,12 +26,19 @@ from typing import Any
 import torch
 
 from ..config import DraftConfig, GenerationConfig
-from ..draft import DraftModel
+from ..draft import CAPTURE_ATTENTION, DraftModel
 from ..loading import eos_ids
 from ..types import PrefillPlan
 from .base import BackendCapabilities, ModelIdentity, check_window, max_new_tokens
 
-__all__ = ["PrefillState", "TransformersBackend", "sample_token"]
+__all__ = ["MASK_FREE", "PrefillState", "TransformersBackend", "sample_token", "to_device"]
+
+# Attention implementations that prefill and decode with no mask at non-contiguous positions
+# (checked in transformers' masking_utils, tested against a reference): given a cache, the mask
+# code skips packed-sequence detection; SDPA then gets None (``is_causal`` for a prefill) and
+# eager a causal mask built from the cache's sizes. The draft's capture wrapper is SDPA outside
+# a capture (a self-drafting main model runs on it).
+MASK_FREE = frozenset({"sdpa", "eager", CAPTURE_ATTENTION})
 
 
 @dataclass
@@ -31,6 +49,16 @@ class PrefillState:
     cache: Any  # transformers Cache
     n_cached: int  # tokens in the cache
     next_position: int  # position id of the next token fed
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; a CPU tensor reaches a CUDA device through pinned memory without
+    blocking (a pageable copy would wait for every kernel queued before it)."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def sample_token(logits: torch.Tensor, generation: GenerationConfig, generator: torch.Generator | None) -> int:
@@ -70,8 +98,8 @@ class TransformersBackend(ModelIdentity):
     def from_pretrained(
         cls, name_or_path: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"
     ) -> TransformersBackend:
-        """Load the main model by packaged short name, HF directory or GGUF path; ``"auto"``:
-        CUDA + bfloat16 when torch sees a GPU, else CPU + float32 (``loading.resolve_device``)."""
+        """Load the main model by packaged short name, HF directory or GGUF path; ``"auto"``: the
+        device and precision ``loading.load_model`` chooses (CUDA + bfloat16 when torch sees a GPU)."""
         from ..loading import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
@@ -85,30 +113,43 @@ class TransformersBackend(ModelIdentity):
         """This model as its own draft (``SelfDrafting``): the capture is inert outside scoring."""
         return DraftModel(self.model, self.tokenizer, config)
 
+    @property
+    def mask_free(self) -> bool:
+        """Whether forwards pass no attention mask (``MASK_FREE``); read per call, since a
+        self-drafting main model is switched to the draft's capture wrapper later."""
+        config = getattr(self.model.config, "text_config", None) or self.model.config
+        return getattr(config, "_attn_implementation", None) in MASK_FREE
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: Any, n_cached: int) -> Any:
-        n_new = ids.numel()
-        return self.model(
-            input_ids=ids.to(self.device).reshape(1, n_new),
-            position_ids=positions.to(self.device).reshape(1, n_new),
-            attention_mask=torch.ones(1, n_cached + n_new, dtype=torch.int64, device=self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        """ids, positions (1, n_new) on the device; ``cache`` holds ``n_cached`` tokens (None: a
+        prefill, into a new cache). Never without a cache: see the module's docstring."""
+        if cache is None:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.model.config)
+        mask = None
+        if not self.mask_free:
+            mask = torch.ones(1, n_cached + ids.shape[1], dtype=torch.int64, device=ids.device)
+        return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                          use_cache=True, logits_to_keep=1)
 
     @torch.inference_mode()
     def prefill(self, plan: PrefillPlan) -> PrefillState:
         """Run the main model over the plan's kept tokens at the plan's positions."""
         check_window(plan, self.max_context)
-        out = self._forward(plan.token_ids, plan.position_ids, None, 0)
+        device = self.device
+        ids = to_device(plan.token_ids.reshape(1, -1), device)
+        positions = to_device(plan.position_ids.reshape(1, -1), device)
+        out = self._forward(ids, positions, None, 0)
         return PrefillState(out.logits[0, -1].float(), out.past_key_values, plan.n_kept, plan.next_position)
 
     @torch.inference_mode()
     def decode_step(self, state: PrefillState, token_id: int) -> PrefillState:
         """Feed one token at ``state.next_position``; returns the state after it."""
-        out = self._forward(
-            torch.tensor([token_id]), torch.tensor([state.next_position]), state.cache, state.n_cached
-        )
+        device = self.device  # filled on the device: no host-to-device copy
+        ids = torch.full((1, 1), token_id, dtype=torch.int64, device=device)
+        positions = torch.full((1, 1), state.next_position, dtype=torch.int64, device=device)
+        out = self._forward(ids, positions, state.cache, state.n_cached)
         return PrefillState(out.logits[0, -1].float(), out.past_key_values, state.n_cached + 1, state.next_position + 1)
 
     def stream_tokens(self, plan: PrefillPlan, generation: GenerationConfig) -> Generator[int, None, None]:
