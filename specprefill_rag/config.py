@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+import torch
+
 from .errors import ConfigError, ConfigTypeError
 from .scoring import HeadReduction
 from .types import is_int, is_number
@@ -120,8 +122,10 @@ class DraftConfig:
     # tokens in the prompt: RAG answers copy) and keeps those the draft's own argmax confirms.
     # The tokens and queries are exactly the steps' (tested); only the forwards change: 4.1
     # instead of 7 on average (Qwen 0.5B, 110 RAG prompts), but each feeds 7 tokens. 0: one
-    # decode step per token. None (auto): L - 2 on a CUDA draft, whose decode costs about the
-    # same for 7 tokens as for one; 0 on a CPU, where a 7-token forward costs ~4.6x a step.
+    # decode step per token. None (auto): L - 2 where a forward of 7 tokens costs what one of a
+    # single token does, reading the weights: a CUDA draft, and a CPU draft in bf16/fp16 (0.10 s
+    # either way for the Qwen 0.5B draft over 1.7k tokens); 0 for a CPU draft in float32, where a
+    # 7-token forward costs ~4.6x a step.
     lookahead_guesses: int | None = None
     # Greedy look-ahead only: stop where the draft's answer ends. Its queries are those of the
     # tokens before its first end-of-turn token (``DraftModel.end_ids``: the tokenizer's EOS and
@@ -227,13 +231,18 @@ class DraftConfig:
         """Whether a draft on ``device_type`` captures its look-ahead as CUDA graphs."""
         return device_type == "cuda" and self.cuda_graphs
 
-    def guesses_on(self, device_type: str, lookahead: int | None = None) -> int:
+    def guesses_on(self, device_type: str, lookahead: int | None = None, dtype: Any = None) -> int:
         """Guesses verified per greedy forward by a draft on ``device_type`` ("cuda", "cpu", ...)
-        for a look-ahead of ``lookahead`` (default this config's): ``lookahead_guesses``, or for
-        None (auto) every remaining token on CUDA and none elsewhere."""
+        in ``dtype`` for a look-ahead of ``lookahead`` (default this config's):
+        ``lookahead_guesses``, or for None (auto) every remaining token where a forward of 7
+        tokens costs what one of a single token does (reading the weights: on CUDA, and on a CPU
+        in bf16/fp16), none where it costs several times more (a CPU in float32)."""
         if self.lookahead_guesses is not None:
             return self.lookahead_guesses
-        return max(0, (self.lookahead if lookahead is None else lookahead) - 2) if device_type == "cuda" else 0
+        all_of_them = max(0, (self.lookahead if lookahead is None else lookahead) - 2)
+        if device_type == "cuda":
+            return all_of_them
+        return all_of_them if device_type == "cpu" and dtype in (torch.bfloat16, torch.float16) else 0
 
     def extra_positions(self, lookahead: int, tokens: LookaheadTokens | None = None) -> int:
         """Positions past the prompt a look-ahead of ``lookahead`` queries of ``tokens`` (default:

@@ -693,8 +693,9 @@ class DraftModel:
 
     def _guesses(self, value: int | None, lookahead: int) -> int:
         """Guesses verified per greedy forward: ``value``, or for None (auto) what
-        ``DraftConfig.guesses_on`` gives on this draft's device."""
-        return DraftConfig(lookahead_guesses=value).guesses_on(self.device.type, lookahead)
+        ``DraftConfig.guesses_on`` gives on this draft's device and dtype."""
+        dtype = next(self.model.parameters()).dtype
+        return DraftConfig(lookahead_guesses=value).guesses_on(self.device.type, lookahead, dtype)
 
     def _embeds_plainly(self, parts: DecoderParts, ids: torch.Tensor) -> bool:
         """Whether the first decoder layer receives exactly the input embedding's output (checked

@@ -382,3 +382,14 @@ def test_another_threads_early_exit_leaves_this_threads_forwards_alone(tokenizer
         assert a.lookahead_token_ids == b.lookahead_token_ids
         for qa, qb, ka, kb in zip(a.queries, b.queries, a.keys, b.keys, strict=True):
             assert torch.equal(qa, qb) and torch.equal(ka, kb)
+
+
+def test_auto_guesses_follow_what_a_forward_costs_on_the_device():
+    """Verified guesses where a 7-token forward costs what a 1-token one does (reading weights:
+    CUDA, a CPU in bf16/fp16), one step per token where it costs several (a CPU in fp32)."""
+    auto = DraftConfig()
+    assert auto.guesses_on("cuda", 8) == 6
+    assert auto.guesses_on("cpu", 8, torch.bfloat16) == 6 and auto.guesses_on("cpu", 8, torch.float16) == 6
+    assert auto.guesses_on("cpu", 8, torch.float32) == 0 and auto.guesses_on("cpu", 8) == 0
+    assert auto.guesses_on("cpu", 4, torch.bfloat16) == 2
+    assert DraftConfig(lookahead_guesses=2).guesses_on("cpu", 8, torch.float32) == 2
