@@ -211,6 +211,18 @@ def _variants() -> list[Variant]:
 VARIANTS = {v.name: v for v in _variants()}
 
 
+def exit_candidates(tag: str) -> list[Variant]:
+    """The library default's scoring with its early exit after another layer: the aggregated
+    layers a..b of ``tag`` ("a-b", for one draft's depth), with the default look-ahead (greedy
+    from the upper layers over a reading set), none (look-ahead 1) and siblings. Their blocks
+    are "greedyupper0.3@a-b" and "upper0.3@a-b" (``--blocks``). Added to ``VARIANTS`` by
+    ``--candidate-layers``; what a cheaper draft would keep, measured on the same examples."""
+    _, layers = block_layers(f"upper0.3@{tag}")
+    best = dataclasses.replace(DraftConfig(), layers=layers)
+    looks = (best, dataclasses.replace(best, lookahead=1), dataclasses.replace(best, lookahead_tokens="siblings"))
+    return [Variant(f"default scoring, layers {tag}, {_lookahead_name(d)} | sentences", d, SENTENCES) for d in looks]
+
+
 # -- gold evidence on tokens -------------------------------------------------------------------
 
 
@@ -479,10 +491,10 @@ def variant_scores(rows: dict[str, Any], cfg: DraftConfig, block: str | None = N
     elif block == "lens":
         block = block_name("lens", cfg.layers)
     captured = rows.get("blocks", ["greedy", "full", "lens"])
-    if block not in captured:
+    if lookahead > 1 and block not in captured:  # a look-ahead of 1 reads no block
         raise ValueError(f"this capture holds no look-ahead block {block!r} (it holds {captured}): capture it "
                          "with --blocks")
-    after = lead + (MAX_LOOKAHEAD - 1) * captured.index(block)
+    after = lead + (MAX_LOOKAHEAD - 1) * captured.index(block) if lookahead > 1 else lead
     fed = lookahead - 1  # look-ahead tokens whose rows count
     if cfg.lookahead_stop_at_eos and lookahead > 1:
         if "tokens" not in rows:
@@ -825,6 +837,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"look-ahead blocks to capture for new examples: {', '.join(BLOCKS)}, or an early-exit one "
                    "for other aggregated layers, <kind>@<layers> (e.g. upper0.3@9-14); default: those the "
                    "variants read. Fewer is faster, and variants reading a block not captured fail")
+    p.add_argument("--candidate-layers", nargs="+", default=[], metavar="A-B",
+                   help="also measure the default scoring with its early exit after layer B, aggregating layers "
+                   "A..B (exit_candidates; capture their blocks: --blocks ... greedyupper0.3@A-B upper0.3@A-B)")
     p.add_argument("--summary", action="store_true", help="print the table of the results file and exit")
     p.add_argument(
         "--reevaluate",
@@ -848,6 +863,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    for tag in args.candidate_layers:
+        VARIANTS.update((v.name, v) for v in exit_candidates(tag))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     path = Path(args.out) if args.out else RESULTS_DIR / ("evidence_tiny.jsonl" if args.tiny else "evidence.jsonl")
@@ -863,6 +880,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     variants = [VARIANTS[n] for n in args.variants] if args.variants else list(VARIANTS.values())
+    variants += [v for tag in args.candidate_layers for v in exit_candidates(tag) if v not in variants]
     if args.tiny:
         engine = quality.build_engine(
             argparse.Namespace(tiny=True, main=args.main, draft=args.draft, lookahead=None, max_new_tokens=8)
