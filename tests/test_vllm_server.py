@@ -70,10 +70,10 @@ def hf_backend():
     return TransformersBackend.from_pretrained(MODEL, dtype="float32")  # the server's precision (above)
 
 
-def post(server, body: dict) -> tuple[int, str]:
+def post(server, body: dict, path: str = "/v1/completions") -> tuple[int, str]:
     conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
         return response.status, response.read().decode()
     finally:
@@ -242,16 +242,6 @@ def test_bad_plan_in_a_chat_request_gets_http_400(server, stream):
                      error["message"]), error["message"]
 
 
-def post_chat(server, body: dict) -> tuple[int, str]:
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
-
-
 def test_beam_search_with_a_plan_is_refused(server):
     """vLLM's beam search rebuilds the sampling parameters without vllm_xargs: a plan there would be
     dropped (before the fix: HTTP 200 with the plan's proof, prefilled at contiguous positions)."""
@@ -268,11 +258,12 @@ def test_beam_search_with_a_plan_is_refused(server):
 
     chat = {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_completion_tokens": 4,
             "temperature": 0.0, "n": 2, "use_beam_search": True}
-    status, text = post_chat(server, {**chat, "vllm_xargs": {P: [0], N: 500}})
+    status, text = post(server, {**chat, "vllm_xargs": {P: [0], N: 500}}, "/v1/chat/completions")
     found = re.search(r"the prompt has (\d+) tokens", text)
     assert status == 400 and found, text
     n = int(found.group(1))  # a valid plan for the rendered chat prompt
-    status, text = post_chat(server, {**chat, "vllm_xargs": {P: [2 * i for i in range(n)], N: 2 * n + 10}})
+    plan = {P: [2 * i for i in range(n)], N: 2 * n + 10}
+    status, text = post(server, {**chat, "vllm_xargs": plan}, "/v1/chat/completions")
     assert status == 400, text
     assert json.loads(text)["error"]["message"].startswith("SpecPrefill plans are not supported with beam search")
 

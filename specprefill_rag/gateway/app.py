@@ -1,10 +1,13 @@
 """The FastAPI app: OpenAI-compatible endpoints in front of one ``SpecPrefillEngine``.
 
-Every request is admitted or refused at once: at most ``max_queue`` requests are in flight
-(running or waiting), the next gets HTTP 429 with ``Retry-After``. Of the admitted, at most
-``max_concurrency`` generate at a time, through ``engine.astream``: every model step runs in a
-worker thread, so the event loop only moves bytes. Concurrent requests score in one draft
-batch when the engine's ``DraftConfig.max_batch`` allows.
+Every request is admitted or refused at once, before a byte of its body is read: at most
+``max_queue`` requests are in flight (reading their body, waiting or running) and at most
+``max_body_bytes_in_flight`` bytes of bodies are being read or parsed; the next gets HTTP 429
+with ``Retry-After``. Parsing (JSON, prompt shapes, segments: linear in the body) runs in a
+worker thread. Of the admitted, at most ``max_concurrency`` generate at a time, through
+``engine.astream``: every model step runs in a worker thread, so the event loop only moves
+bytes. Concurrent requests score in one draft batch when the engine's ``DraftConfig.max_batch``
+allows; requests of different ``cache_salt`` (tenants) share no cache and no batch.
 
 Failures before the first token are plain HTTP errors (400, 413, 502, 503, 504, OpenAI-shaped);
 after it, an ``{"error": ...}`` event ends the stream, and every stream ends with ``[DONE]``. A
