@@ -289,8 +289,8 @@ def ttft_cell(keep: float, rows: list[dict[str, Any]], ttft_full: float, r: floa
     }
 
 
-def lookahead_label(config: Any, device: str = "cpu") -> str:
-    """What a draft config's look-ahead does on ``device``, in the words the TTFT tables use:
+def lookahead_label(config: Any, device: str = "cpu", dtype: Any = None) -> str:
+    """What a draft config's look-ahead does on ``device`` in ``dtype``, in the words the TTFT tables use:
     "greedy 8, early exit, upper layers read 30%" (one decode step per token), the same with
     ", 6 guesses per forward" (``DraftConfig.lookahead_guesses``) and ", CUDA graphs"
     (``DraftConfig.cuda_graphs``) and ", to the draft's end" (``DraftConfig.lookahead_stop_at_eos``),
@@ -300,7 +300,7 @@ def lookahead_label(config: Any, device: str = "cpu") -> str:
         return f"look-ahead 1, {'early exit' if config.early_exit else 'full forward'}"
     if config.lookahead_tokens == "siblings":
         return f"siblings, {forward}"
-    guesses = config.guesses_on(device) if config.early_exit else 0
+    guesses = config.guesses_on(device, dtype=dtype) if config.early_exit else 0
     graphs = ", CUDA graphs" if config.early_exit and config.graphs_on(device) else ""
     end = ", to the draft's end" if config.lookahead_stop_at_eos else ""
     return (f"greedy {config.lookahead}, {forward}" + (f", {guesses} guesses per forward" if guesses else "")

@@ -38,12 +38,12 @@ from specprefill_rag import DraftConfig, DraftModel
 from specprefill_rag.loading import load_model, load_tokenizer
 
 
-def configs(device: str = "cpu") -> dict[str, DraftConfig]:
+def configs(device: str = "cpu", dtype: Any = None) -> dict[str, DraftConfig]:
     """The library's default and the same look-ahead with its stop at the draft's end toggled,
-    by ``lookahead_label``; both read every prompt whole."""
+    by ``lookahead_label`` (on ``device`` in ``dtype``); both read every prompt whole."""
     default = cold(DraftConfig())
     other = dataclasses.replace(default, lookahead_stop_at_eos=not default.lookahead_stop_at_eos)
-    return {lookahead_label(c, device): c for c in (default, other)}
+    return {lookahead_label(c, device, dtype): c for c in (default, other)}
 
 
 def timed(draft: Any, prompt: Any, config: DraftConfig) -> dict[str, Any]:
@@ -58,9 +58,14 @@ def runs(drafts: dict[str, Any]) -> list[tuple[str, Any, DraftConfig]]:
     dtype, the library's default on each ("<label>, <dtype>")."""
     if len(drafts) == 1:
         [draft] = drafts.values()
-        return [(label, draft, config) for label, config in configs(draft.device.type).items()]
-    return [(f"{lookahead_label(cold(DraftConfig()), d.device.type)}, {dtype}", d, cold(DraftConfig()))
+        return [(label, draft, config) for label, config in configs(draft.device.type, _dtype(draft)).items()]
+    return [(f"{lookahead_label(cold(DraftConfig()), d.device.type, _dtype(d))}, {dtype}", d, cold(DraftConfig()))
             for dtype, d in drafts.items()]
+
+
+def _dtype(draft: Any) -> Any:
+    """The dtype ``draft``'s weights are in (what decides its verified guesses on a CPU)."""
+    return next(draft.model.parameters()).dtype
 
 
 def measure(drafts: dict[str, Any], prompt: Any, index: int, main: Any = None) -> dict[str, Any]:

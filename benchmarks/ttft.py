@@ -66,7 +66,7 @@ from benchmarks.common import (
     tiny_engine,
     write_results,
 )
-from specprefill_rag.loading import DTYPES
+from specprefill_rag.loading import DTYPES, resolve_device, resolve_dtype
 
 QUESTION = "According to these essays, what should the founders of a startup do first, and why?"
 PASSAGE_TOKENS = 256  # tokens per synthetic passage
@@ -602,7 +602,8 @@ def new_payload(args: argparse.Namespace, command: str) -> dict[str, Any]:
             "reps": args.reps,
             "lookahead": draft.lookahead,
             "draft_config": dataclasses.asdict(draft),
-            "lookahead_label": lookahead_label(draft),
+            "lookahead_label": lookahead_label(draft, resolve_device(args.device).type,
+                                               resolve_dtype(args.dtype, args.device)),
             "compared_keep_rates": args.compared_keep_rates,
             "device": args.device,
             "dtype_asked": args.dtype,  # both models'; each run's ``dtypes`` says what each side ran in
