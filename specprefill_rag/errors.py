@@ -16,7 +16,9 @@ failure raises what.
     │   ├── ServerError                  the vLLM server answered with an error (``status``)
     │   ├── BackendTimeoutError (TimeoutError)  no answer within the deadline
     │   └── ServerStartError             the vLLM server exited or was not ready in time
-    └── UnsupportedVLLMError (RuntimeError)  the installed vLLM is not one the plugin was written for
+    ├── UnsupportedVLLMError (RuntimeError)  the installed vLLM is not one the plugin was written for
+    └── MissingDependencyError (ImportError)  an optional part is not installed; the message
+                                              names the one ``pip install`` that adds it
 
 Pure Python, no imports: the vLLM plugin's workers use ``PlanError`` too.
 """
@@ -30,6 +32,7 @@ __all__ = [
     "ConfigTypeError",
     "InputError",
     "InputTypeError",
+    "MissingDependencyError",
     "ModelNotFoundError",
     "PlanError",
     "ServerError",
@@ -61,6 +64,15 @@ class InputError(SpecPrefillError, ValueError):
 
 class InputTypeError(InputError, TypeError):
     """Passages or messages of a type the engine does not take."""
+
+
+class MissingDependencyError(SpecPrefillError, ImportError):
+    """An optional part (retrieval, the gateway, vLLM, benchmarks) is not installed. ``install``
+    is the command that adds it; the message ends with it."""
+
+    def __init__(self, what: str, install: str) -> None:
+        super().__init__(f"{what}: {install}")
+        self.install = install
 
 
 class PlanError(SpecPrefillError, ValueError):

@@ -65,6 +65,7 @@ EXPECTED_TOP_LEVEL = [
     "InputError",
     "InputTypeError",
     "KeptSpan",
+    "MissingDependencyError",
     "ModelNotFoundError",
     "Passage",
     "PlanError",

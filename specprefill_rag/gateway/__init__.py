@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, MissingDependencyError
 from .messages import DEFAULT_SHAPES, PromptShape
 
 if TYPE_CHECKING:
@@ -87,9 +87,9 @@ def _app_module() -> Any:
     try:
         from . import app
     except ImportError as error:
-        raise ImportError(
-            f"the SpecPrefill gateway needs fastapi, uvicorn and prometheus-client ({error.name} is missing): "
-            f"{INSTALL_HINT}"
+        raise MissingDependencyError(
+            f"the SpecPrefill gateway needs fastapi, uvicorn and prometheus-client ({error.name} is missing)",
+            INSTALL_HINT,
         ) from error
     return app
 
@@ -107,5 +107,5 @@ def run_app(app: Any, *, host: str = "127.0.0.1", port: int = 8080, log_level: s
     try:
         import uvicorn  # noqa: F401
     except ImportError as error:
-        raise ImportError(f"serving the gateway needs uvicorn: {INSTALL_HINT}") from error
+        raise MissingDependencyError("serving the gateway needs uvicorn", INSTALL_HINT) from error
     _app_module().run_app(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout)

