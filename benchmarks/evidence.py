@@ -67,7 +67,8 @@ from benchmarks.common import (
     same_example,
     share_ci,
 )
-from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat, scoring
+from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat
+from specprefill_rag import draft as draft_lib
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
 from specprefill_rag.config import LayerChoice
@@ -303,8 +304,8 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     blocks. ``tests/test_benchmarks.py`` checks the variants against ``DraftModel.score``."""
     from transformers import DynamicCache
 
-    from specprefill_rag.draft import _Recorder, _recording
-    from specprefill_rag.lookahead import DecoderParts, tree_mask
+    from specprefill_rag.draft import DecoderParts, tree_mask
+    from specprefill_rag.draft.model import _Recorder, _recording
 
     n, k = int(ids.numel()), MAX_LOOKAHEAD - 1
     device = draft.device
@@ -398,7 +399,7 @@ def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, prompt: torch.Ten
     and rows (tests/test_lookahead.py)."""
     from transformers import DynamicCache
 
-    from specprefill_rag.lookahead import DecoderParts, upper_greedy
+    from specprefill_rag.draft import DecoderParts, upper_greedy
 
     parts = DecoderParts.of(draft.model)
     assert parts is not None
@@ -425,7 +426,7 @@ def _block_rows(cap: Any, prompt: AssembledPrompt) -> dict[str, torch.Tensor]:
     return {
         f"{int(normalize)}{heads}": torch.stack(
             [
-                scoring.layer_rows(
+                draft_lib.layer_rows(
                     cap.queries[i], cap.keys[i], cap.scaling[i], POOL_KERNEL,
                     positions=cap.positions, context=context if normalize else None, heads=heads,
                 )
@@ -502,7 +503,7 @@ def variant_scores(rows: dict[str, Any], cfg: DraftConfig, block: str | None = N
         fed = min(fed, _end_at(rows["tokens"][block], rows["end_ids"]))
     per_layer = per_layer[cfg.layer_indices(rows["n_layers"])]
     per_layer = torch.cat([per_layer[:, :lead], per_layer[:, after : after + fed]], dim=1)
-    return scoring.importance(per_layer, scoring.query_weights(n_q, 1 + fed, cfg.lookahead_weight))
+    return draft_lib.importance(per_layer, draft_lib.query_weights(n_q, 1 + fed, cfg.lookahead_weight))
 
 
 _EMBEDDER: list[Any] = []

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import make_model
 
-from specprefill_rag import scoring
 from specprefill_rag.config import DraftConfig
-from specprefill_rag.draft import DraftModel, _Recorder
+from specprefill_rag.draft import DraftModel, scoring
+from specprefill_rag.draft.model import _Recorder
 
 
 def eager_reference_rows(model, ids: torch.Tensor, lookahead_ids: tuple[int, ...]) -> list[torch.Tensor]:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .lookahead import DecoderParts, LoopShape, StepLoop
+from .early_exit import DecoderParts, LoopShape, StepLoop
 
 __all__ = ["MIN_GRAPH_WIDTH", "StepGraphs", "graph_width"]
 

@@ -32,14 +32,14 @@ from typing import Any
 
 import torch
 
-from . import attention, scoring
-from .config import DraftConfig, LookaheadTokens
-from .errors import InputError
-from .loading import eos_ids
-from .lookahead import DecoderParts, LoopShape, reading_set, tree_mask, upper_greedy, upper_logits
-from .prefixkv import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
-from .stepgraphs import MIN_GRAPH_WIDTH, StepGraphs
-from .types import TokenScores
+from ..config import DraftConfig, LookaheadTokens
+from ..errors import InputError
+from ..loading import eos_ids
+from ..types import TokenScores
+from . import scoring, short_query_attention
+from .cuda_graphs import MIN_GRAPH_WIDTH, StepGraphs
+from .early_exit import DecoderParts, LoopShape, reading_set, tree_mask, upper_greedy, upper_logits
+from .prefix_store import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
 
 MIN_WINDOW_CONTEXT = 64  # context tokens a window must hold beside the protected ones (``DraftModel.windows``)
 
@@ -162,8 +162,10 @@ def _capture_attention(
     recorder = _RECORDER.get()
     if recorder is not None:
         recorder.record(module, query, key, kwargs.get("scaling"))
-    if attention_mask is not None and attention.applies(query, key, attention_mask, kwargs):  # look-ahead, GPU
-        return attention.short_query_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
+    if attention_mask is not None and short_query_attention.applies(query, key, attention_mask, kwargs):
+        # a look-ahead forward on a GPU
+        scaling = kwargs.get("scaling")
+        return short_query_attention.attend_short_queries(query, key, value, attention_mask, scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -260,7 +262,7 @@ class DraftModel:
         ``"auto"``: CUDA + bfloat16 when torch sees a GPU, else the CPU, in bfloat16 where it
         multiplies bf16 natively and float32 otherwise: the main model's rule
         (``loading.resolve_dtype``), so both run at the precision the device is fastest in."""
-        from .loading import load_model
+        from ..loading import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
         return cls(model, tokenizer, config)
