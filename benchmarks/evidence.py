@@ -304,8 +304,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     blocks. ``tests/test_benchmarks.py`` checks the variants against ``DraftModel.score``."""
     from transformers import DynamicCache
 
-    from specprefill_rag.draft import DecoderParts, tree_mask
-    from specprefill_rag.draft.model import _Recorder, _recording
+    from specprefill_rag.draft import DecoderParts, Recorder, recording, tree_mask, upper_layer_logits
 
     n, k = int(ids.numel()), MAX_LOOKAHEAD - 1
     device = draft.device
@@ -313,7 +312,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     aggregated = {layers: DraftConfig(layers=layers).layer_indices(draft.n_layers)  # type: ignore[arg-type]
                   for _, layers in parsed.values()}
     tops = sorted({max(layers) for layers in aggregated.values()})
-    recorder = _Recorder([n], [question.to(torch.int64).cpu()])
+    recorder = Recorder([n], [question.to(torch.int64).cpu()])
     cache = DynamicCache(config=draft.model.config)
     parts = DecoderParts.of(draft.model)
     assert parts is not None
@@ -333,7 +332,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     hooks = [hook for top in tops for hook in hooks_of(top)]
     prompt = ids.to(device).reshape(1, n)
     last = torch.tensor([n - 1], device=device)
-    with _recording(recorder):
+    with recording(recorder):
         try:
             out = draft.model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         finally:
@@ -357,8 +356,8 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
             elif kind == "lens":
                 first = parts.head(parts.norm(entering[top]))
             else:
-                first = draft._upper_logits(recorder, parts, leaving[top], last, top,
-                                            float(kind.removeprefix("upper")), chosen)[0]
+                first = upper_layer_logits(draft, recorder, parts, leaving[top], last, top,
+                                           float(kind.removeprefix("upper")), chosen)[0]
             siblings = first.topk(k).indices
             tokens += siblings.tolist()
             draft.model(input_ids=siblings.reshape(1, k), position_ids=torch.full((1, k), n, device=device),
@@ -392,19 +391,19 @@ def _greedy_steps(draft: Any, cache: Any, logits: torch.Tensor, n: int, k: int) 
 
 def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, prompt: torch.Tensor, leaving: torch.Tensor,
                         aggregated: list[int], share: float, k: int) -> list[int]:
-    """The library's early-exit greedy look-ahead (``lookahead.upper_greedy``) on the full forward's
+    """The library's early-exit greedy look-ahead (``draft.upper_greedy``) on the full forward's
     cache, whose layers up to the top aggregated one are the early-exit forward's (left as they
-    are: the loop runs on fixed-size copies, ``lookahead.StepLoop``). The layers above get zero
+    are: the loop runs on fixed-size copies, ``draft.early_exit.StepLoop``). The layers above get zero
     rows (they are never read for it). One step per token: verified guesses give the same tokens
     and rows (tests/test_lookahead.py)."""
     from transformers import DynamicCache
 
-    from specprefill_rag.draft import DecoderParts, upper_greedy
+    from specprefill_rag.draft import DecoderParts, reading_sets, upper_greedy
 
     parts = DecoderParts.of(draft.model)
     assert parts is not None
     top = max(aggregated)
-    keeps = draft._reading_sets(recorder, share, aggregated)
+    keeps = reading_sets(draft, recorder, share, aggregated)
     n = int(leaving.shape[1])
     everything = recorder.layers
     recorder.layers = frozenset(range(top + 1))

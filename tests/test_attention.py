@@ -1,4 +1,4 @@
-"""Attention of a few queries over a long cache (``attention``), the look-ahead's path on a GPU.
+"""Attention of a few queries over a long cache (``draft.short_query_attention``), the look-ahead's path on a GPU.
 
 It must compute what transformers' SDPA path computes (grouped heads, bool or additive masks,
 a mask shared by the batch), and a draft whose look-ahead forwards take it must score and pick

@@ -352,7 +352,7 @@ def test_another_threads_early_exit_leaves_this_threads_forwards_alone(tokenizer
     from the gateway while its warm-up ran beside the first request)."""
     import threading
 
-    from specprefill_rag.draft.model import _hooked, _leaving
+    from specprefill_rag.draft.capture import hooked, leaving
 
     draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
     ids, question = _prompt(tokenizer), torch.arange(50, 58)
@@ -364,7 +364,7 @@ def test_another_threads_early_exit_leaves_this_threads_forwards_alone(tokenizer
 
     def other() -> None:
         layers = draft.model.get_decoder().layers
-        with _leaving(layers[0]) as left, _hooked(layers[1], lambda *args, **kwargs: seen.append(args), pre=True):
+        with leaving(layers[0]) as left, hooked(layers[1], lambda *args, **kwargs: seen.append(args), pre=True):
             opened.set()
             done.wait(60)
         seen.extend(left)

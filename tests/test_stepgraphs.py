@@ -1,5 +1,5 @@
-"""The greedy look-ahead on fixed-size buffers, and its CUDA graphs (``lookahead.StepLoop``,
-``stepgraphs``).
+"""The greedy look-ahead on fixed-size buffers, and its CUDA graphs (``draft.early_exit.StepLoop``,
+``draft.cuda_graphs``).
 
 A CUDA graph replays the kernels it recorded on the tensors it recorded them on, so the loop must
 keep every tensor it reads or writes in place, the same size from one forward to the next. These

@@ -20,11 +20,14 @@ names from ``specprefill_rag.draft``, never from a module inside it. The rooms:
 """
 
 from .batching import MicroBatcher
+from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording
 from .early_exit import DecoderParts, tree_mask, upper_greedy
-from .model import CAPTURE_ATTENTION, MIN_WINDOW_CONTEXT, DraftCapture, DraftModel
+from .lookahead import reading_sets, upper_layer_logits
+from .model import DraftModel
 from .scoring import importance, layer_rows, query_weights
 from .short_query_attention import SHORT_QUERY_TOKENS, attend_short_queries, short_query_limit
 from .token_mapping import map_scores, needs_mapping
+from .windows import MIN_WINDOW_CONTEXT
 
 __all__ = [
     "CAPTURE_ATTENTION",
@@ -34,13 +37,17 @@ __all__ = [
     "DraftCapture",
     "DraftModel",
     "MicroBatcher",
+    "Recorder",
     "attend_short_queries",
     "importance",
     "layer_rows",
     "map_scores",
     "needs_mapping",
     "query_weights",
+    "reading_sets",
+    "recording",
     "short_query_limit",
     "tree_mask",
     "upper_greedy",
+    "upper_layer_logits",
 ]

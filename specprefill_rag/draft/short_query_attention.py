@@ -1,7 +1,7 @@
 """Attention of a few queries over a long cache: the look-ahead's forwards on a GPU.
 
 Each look-ahead forward feeds 1–8 tokens that attend to the whole prompt's keys under an
-explicit mask (``lookahead.FixedKV.mask``, ``lookahead.tree_mask``). Given a mask and grouped
+explicit mask (``early_exit.FixedKV.mask``, ``early_exit.tree_mask``). Given a mask and grouped
 key/value heads, transformers' SDPA path first copies every key and value head ``heads //
 kv_heads`` times (``repeat_kv``) and then runs a fused kernel that parallelises over query
 blocks, so with 7 queries a few dozen of an H200's 132 multiprocessors each read all the keys.
