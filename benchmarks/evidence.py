@@ -67,7 +67,8 @@ from benchmarks.common import (
     same_example,
     share_ci,
 )
-from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat, scoring
+from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat
+from specprefill_rag import draft as draft_lib
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
 from specprefill_rag.config import LayerChoice
@@ -303,8 +304,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     blocks. ``tests/test_benchmarks.py`` checks the variants against ``DraftModel.score``."""
     from transformers import DynamicCache
 
-    from specprefill_rag.draft import _Recorder, _recording
-    from specprefill_rag.lookahead import DecoderParts, tree_mask
+    from specprefill_rag.draft import DecoderParts, Recorder, recording, tree_mask, upper_layer_logits
 
     n, k = int(ids.numel()), MAX_LOOKAHEAD - 1
     device = draft.device
@@ -312,7 +312,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     aggregated = {layers: DraftConfig(layers=layers).layer_indices(draft.n_layers)  # type: ignore[arg-type]
                   for _, layers in parsed.values()}
     tops = sorted({max(layers) for layers in aggregated.values()})
-    recorder = _Recorder([n], [question.to(torch.int64).cpu()])
+    recorder = Recorder([n], [question.to(torch.int64).cpu()])
     cache = DynamicCache(config=draft.model.config)
     parts = DecoderParts.of(draft.model)
     assert parts is not None
@@ -332,7 +332,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     hooks = [hook for top in tops for hook in hooks_of(top)]
     prompt = ids.to(device).reshape(1, n)
     last = torch.tensor([n - 1], device=device)
-    with _recording(recorder):
+    with recording(recorder):
         try:
             out = draft.model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         finally:
@@ -356,8 +356,8 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
             elif kind == "lens":
                 first = parts.head(parts.norm(entering[top]))
             else:
-                first = draft._upper_logits(recorder, parts, leaving[top], last, top,
-                                            float(kind.removeprefix("upper")), chosen)[0]
+                first = upper_layer_logits(draft, recorder, parts, leaving[top], last, top,
+                                           float(kind.removeprefix("upper")), chosen)[0]
             siblings = first.topk(k).indices
             tokens += siblings.tolist()
             draft.model(input_ids=siblings.reshape(1, k), position_ids=torch.full((1, k), n, device=device),
@@ -391,19 +391,19 @@ def _greedy_steps(draft: Any, cache: Any, logits: torch.Tensor, n: int, k: int) 
 
 def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, prompt: torch.Tensor, leaving: torch.Tensor,
                         aggregated: list[int], share: float, k: int) -> list[int]:
-    """The library's early-exit greedy look-ahead (``lookahead.upper_greedy``) on the full forward's
+    """The library's early-exit greedy look-ahead (``draft.upper_greedy``) on the full forward's
     cache, whose layers up to the top aggregated one are the early-exit forward's (left as they
-    are: the loop runs on fixed-size copies, ``lookahead.StepLoop``). The layers above get zero
+    are: the loop runs on fixed-size copies, ``draft.early_exit.StepLoop``). The layers above get zero
     rows (they are never read for it). One step per token: verified guesses give the same tokens
     and rows (tests/test_lookahead.py)."""
     from transformers import DynamicCache
 
-    from specprefill_rag.lookahead import DecoderParts, upper_greedy
+    from specprefill_rag.draft import DecoderParts, reading_sets, upper_greedy
 
     parts = DecoderParts.of(draft.model)
     assert parts is not None
     top = max(aggregated)
-    keeps = draft._reading_sets(recorder, share, aggregated)
+    keeps = reading_sets(draft, recorder, share, aggregated)
     n = int(leaving.shape[1])
     everything = recorder.layers
     recorder.layers = frozenset(range(top + 1))
@@ -425,7 +425,7 @@ def _block_rows(cap: Any, prompt: AssembledPrompt) -> dict[str, torch.Tensor]:
     return {
         f"{int(normalize)}{heads}": torch.stack(
             [
-                scoring.layer_rows(
+                draft_lib.layer_rows(
                     cap.queries[i], cap.keys[i], cap.scaling[i], POOL_KERNEL,
                     positions=cap.positions, context=context if normalize else None, heads=heads,
                 )
@@ -502,7 +502,7 @@ def variant_scores(rows: dict[str, Any], cfg: DraftConfig, block: str | None = N
         fed = min(fed, _end_at(rows["tokens"][block], rows["end_ids"]))
     per_layer = per_layer[cfg.layer_indices(rows["n_layers"])]
     per_layer = torch.cat([per_layer[:, :lead], per_layer[:, after : after + fed]], dim=1)
-    return scoring.importance(per_layer, scoring.query_weights(n_q, 1 + fed, cfg.lookahead_weight))
+    return draft_lib.importance(per_layer, draft_lib.query_weights(n_q, 1 + fed, cfg.lookahead_weight))
 
 
 _EMBEDDER: list[Any] = []

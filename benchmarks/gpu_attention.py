@@ -4,7 +4,7 @@ A look-ahead forward feeds 7 tokens (1 + 6 guesses, the default on CUDA) that at
 prompt's keys under a mask. Per cache length (4k … 32k keys, Llama-3.2-1B's 32 query and 8
 key/value heads of 64, bf16), each replayed 50 times from a CUDA graph as the look-ahead replays
 it: transformers' SDPA path (what the draft used before 2026-12-04), the library's
-``attention.short_query_attention`` with its values product in one piece and in blocks of 256 /
+``draft.attend_short_queries`` with its values product in one piece and in blocks of 256 /
 512 / 2048 keys, the logits in bf16 (timing only: the library keeps them in float32), and the
 two products alone; each output's largest difference from float32 SDPA. The whole scoring
 through either path is ``benchmarks/gpu_ttft.py``'s attention table.
@@ -45,7 +45,7 @@ class _Module(torch.nn.Module):
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
          scaling: float | None) -> torch.Tensor:
     """(batch, q, heads, head_dim): transformers' SDPA path (``repeat_kv`` + the fused kernel), what
-    the draft's look-ahead used before ``attention.short_query_attention``; the reference of its tests."""
+    the draft's look-ahead used before ``draft.attend_short_queries``; the reference of its tests."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     module = _Module(query.shape[1], key.shape[1])
@@ -93,7 +93,7 @@ def bf16_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
 
 @torch.inference_mode()
 def length_row(n: int, heads: int, kv_heads: int, dim: int, device: str) -> dict[str, Any]:
-    from specprefill_rag.attention import short_query_attention
+    from specprefill_rag.draft import attend_short_queries
 
     cuda, cols, scale = device == "cuda", n + EXTRA, dim**-0.5
     gen = torch.Generator(device=device).manual_seed(n)
@@ -106,8 +106,8 @@ def length_row(n: int, heads: int, kv_heads: int, dim: int, device: str) -> dict
     probs = torch.rand(1, kv_heads, heads // kv_heads * GUESSED, cols, device=device).softmax(-1).to(torch.bfloat16)
     variants: dict[str, Callable[[], Any]] = {
         "sdpa": lambda: sdpa(q, key, value, mask, scale),
-        "short, one values product": lambda: short_query_attention(q, key, value, mask, scale, block=1 << 30),
-        **{f"short, values in blocks of {b}": functools.partial(short_query_attention, q, key, value, mask, scale, b)
+        "short, one values product": lambda: attend_short_queries(q, key, value, mask, scale, block=1 << 30),
+        **{f"short, values in blocks of {b}": functools.partial(attend_short_queries, q, key, value, mask, scale, b)
            for b in (256, 512, 2048)},
         "short, bf16 logits (timing only)": lambda: bf16_logits(q, key, value, mask),
         "piece: float32 keys + logits": lambda: torch.matmul(

@@ -588,27 +588,28 @@ def concurrency_row(draft: Any, n: int, vocab: int, batch: int, reps: int) -> di
 
 def attention_rows(draft: Any, args: argparse.Namespace, vocab: int, lengths: Sequence[int]) -> list[dict[str, Any]]:
     """The default scoring with the look-ahead's attention through SDPA (before 2026-12-04) and
-    through ``attention.short_query_attention`` (the default since), side by side per length, the
+    through ``draft.attend_short_queries`` (the default since), side by side per length, the
     graphs captured anew for each path; with whether both picked the same look-ahead tokens and
     their largest score difference (bf16: within rounding, not zero)."""
-    from specprefill_rag import attention
+    from specprefill_rag.draft import SHORT_QUERY_TOKENS, short_query_limit
 
-    saved, graphs = attention.SHORT_QUERY_TOKENS, draft.graphs
+    graphs = draft.graphs
     one = argparse.Namespace(**{**vars(args), "concurrency": 0, "lengths": list(lengths)})
     seconds: dict[str, dict[int, float]] = {}
     scores: dict[str, dict[int, Any]] = {}
     try:
-        for path, tokens in (("sdpa", 0), ("short", saved)):
-            attention.SHORT_QUERY_TOKENS, draft.graphs = tokens, None
-            capture_graphs(draft, one)
-            for n in lengths:
-                ids, protected, _ = synthetic_prompt(n, vocab, seed=n)
-                scores.setdefault(path, {})[n] = draft.score(
-                    ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected, config=cold(draft.config))
-                times = [scoring_s(draft, ids, protected, draft.config) for _ in range(args.reps)]
-                seconds.setdefault(path, {})[n] = statistics.median(times)
+        for path, tokens in (("sdpa", 0), ("short", SHORT_QUERY_TOKENS)):
+            draft.graphs = None
+            with short_query_limit(tokens):
+                capture_graphs(draft, one)
+                for n in lengths:
+                    ids, protected, _ = synthetic_prompt(n, vocab, seed=n)
+                    scores.setdefault(path, {})[n] = draft.score(ids, question=torch.arange(n - QUESTION_TOKENS, n),
+                                                                 context=~protected, config=cold(draft.config))
+                    times = [scoring_s(draft, ids, protected, draft.config) for _ in range(args.reps)]
+                    seconds.setdefault(path, {})[n] = statistics.median(times)
     finally:
-        attention.SHORT_QUERY_TOKENS, draft.graphs = saved, graphs
+        draft.graphs = graphs
     rows = []
     for n in lengths:
         a, b = scores["sdpa"][n], scores["short"][n]

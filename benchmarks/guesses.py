@@ -1,8 +1,8 @@
 """How many forwards the greedy look-ahead needs when guesses are verified (``lookahead_guesses``).
 
 With early exit the draft's L − 1 = 7 greedy look-ahead tokens take 7 decode steps, one token
-each. Verified guesses (``lookahead.upper_greedy`` with ``guesses`` > 0) feed the next token plus
-guesses of the ones after it (``lookahead.prompt_lookup``: what followed the same tokens in the
+each. Verified guesses (``draft.upper_greedy`` with ``guesses`` > 0) feed the next token plus
+guesses of the ones after it (``draft.early_exit.prompt_lookup``: what followed the same tokens in the
 prompt) and keep what the draft's argmax confirms: the same tokens and queries (tested), in as
 many forwards as the guesses fail. How many depends on how much of the draft's answer is copied
 from the prompt, so it is measured here on the evidence bench's RAG prompts with real weights

@@ -237,8 +237,9 @@ def _attention_lines(rows: list[dict[str, Any]] | None, unit: str) -> list[str]:
     path (``specprefill_rag.attention``), side by side (``gpu_ttft.attention_rows``)."""
     if not rows:
         return []
-    out = ["The look-ahead's attention (`specprefill_rag/attention.py`): the default scoring with its few-token "
-           "forwards through SDPA and through the short path, graphs captured for each, same run:", "",
+    out = ["The look-ahead's attention (`specprefill_rag/draft/short_query_attention.py`): the default scoring "
+           "with its few-token forwards through SDPA and through the short path, graphs captured for each, "
+           "same run:", "",
            "| tokens | SDPA | short path | ratio | same look-ahead tokens | largest score difference |",
            "|---|---|---|---|---|---|"]
     for r in rows:

@@ -14,8 +14,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from .errors import ConfigError, ConfigTypeError
-from .scoring import HeadReduction
-from .types import is_int, is_number
+from .types import HeadReduction, is_int, is_number
 
 LayerChoice = Literal["all", "upper_half", "lower_half", "middle_half"]
 PositionMode = Literal["original", "contiguous"]
@@ -151,13 +150,13 @@ class DraftConfig:
     memo_entries: int = 32
     memo_bytes: int = 64 * 2**20
     # The draft keeps its keys and values of the protected start of its last prefix_cache_entries
-    # prompts (at most prefix_cache_bytes together; ``prefixkv``): a prompt that begins with one
+    # prompts (at most prefix_cache_bytes together; ``draft.prefix_store``): a prompt that begins with one
     # (the same system prompt, a chat's earlier turns) is read from where it ends. About 20 KB
     # per token with the Qwen 0.5B draft in float32. Scores equal a full read's within
     # floating-point tolerance. 0: every prompt is read whole.
     prefix_cache_entries: int = 8
     prefix_cache_bytes: int = 512 * 2**20
-    # CUDA graphs of the greedy look-ahead's forwards (``stepgraphs``), captured by the engine's
+    # CUDA graphs of the greedy look-ahead's forwards (``draft.cuda_graphs``), captured by the engine's
     # warm-up for padded prompt widths 512, 1024, … up to graph_max_tokens (and the draft's
     # window) and replayed per request: one launch per forward instead of one per kernel. A
     # prompt wider than that, or a batch size not captured, runs the same loop eagerly. Static

@@ -18,18 +18,18 @@ from typing import Any, Literal, TypedDict, Unpack, cast
 
 import torch
 
-from . import chat, tokenbound, tokenmap
+from . import chat, tokenbound
+from . import draft as draft_lib
 from . import prompt as prompt_lib
 from . import selection as selection_lib
 from .backends import Backend, create_backend, loads_torch_model
 from .backends.base import SelfDrafting, max_new_tokens
-from .batching import MicroBatcher
+from .caches import PromptMemo, ScoreMemo, digest
 from .chat import Passages
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig, check_choice
 from .detokenize import IncrementalDecoder
-from .draft import DraftModel
+from .draft import DraftModel, MicroBatcher
 from .errors import BackendTimeoutError, ConfigError, InputError, InputTypeError
-from .memo import PromptMemo, ScoreMemo, digest
 from .streams import AsyncTextStream, TextStream
 from .types import (
     AssembledPrompt,
@@ -137,7 +137,7 @@ class SpecPrefillEngine:
         )
         if draft is not None:
             mode = self.config.draft.tokenizer_mapping
-            self.maps_tokens = tokenmap.needs_mapping(draft.tokenizer, self.tokenizer, mode)
+            self.maps_tokens = draft_lib.needs_mapping(draft.tokenizer, self.tokenizer, mode)
         # The scores of the last prompts, so an identical request skips the draft (DraftConfig.memo_entries),
         # and their assembly, so it skips the template and the tokenizer too.
         self.memo = ScoreMemo(draft_config.memo_entries, draft_config.memo_bytes)
@@ -239,7 +239,7 @@ class SpecPrefillEngine:
     def _assembled(memo: PromptMemo, tokenizer: Any, segments: Sequence[Segment], protect_instructions: bool,
                    protect_tail_tokens: int, protect_history: bool, salt: str | None) -> AssembledPrompt:
         """``prompt.assemble`` of ``segments``, or the same prompt assembled before under the same
-        cache ``salt``: a retry skips the template and the tokenizer (``memo``: as many entries as
+        cache ``salt``: a retry skips the template and the tokenizer (``caches``: as many entries as
         the score memo)."""
         options = (protect_instructions, protect_tail_tokens, protect_history, salt)
         key = PromptMemo.key(segments, options) if memo.entries else None
@@ -435,7 +435,7 @@ class SpecPrefillEngine:
         )
         if not self.maps_tokens:
             return scored
-        mapped = [tokenmap.map_scores(s.scores, item.read, item.prompt) for s, item in zip(scored, items, strict=True)]
+        mapped = [draft_lib.map_scores(s.scores, item.read, item.prompt) for s, item in zip(scored, items, strict=True)]
         seconds = time.perf_counter() - start
         logger.debug("mapped draft scores onto %d prompts in %.3f s", len(items), seconds - scored[0].seconds)
         return [dataclasses.replace(s, scores=m, seconds=seconds) for m, s in zip(mapped, scored, strict=True)]

@@ -184,21 +184,21 @@ async def counting_loop_ticks(interval: float = 0.001) -> AsyncIterator[LoopTick
 def recording_score_maps() -> Iterator[list[tuple[int, int]]]:
     """Record each cross-family score mapping made inside the block as (draft prompt tokens,
     main prompt tokens): proof that a draft's scores reached the main prompt through
-    ``tokenmap.map_scores``. Not thread-safe (it patches the module function)."""
-    from . import tokenmap
+    ``draft.map_scores``. Not thread-safe (it patches the wing's function)."""
+    from . import draft as draft_lib
 
-    original = tokenmap.map_scores
+    original = draft_lib.map_scores
     mapped: list[tuple[int, int]] = []
 
     def recording(draft_scores: torch.Tensor, draft: Any, main: Any) -> torch.Tensor:
         mapped.append((draft.n_tokens, main.n_tokens))
         return original(draft_scores, draft, main)
 
-    tokenmap.map_scores = recording
+    draft_lib.map_scores = recording
     try:
         yield mapped
     finally:
-        tokenmap.map_scores = original
+        draft_lib.map_scores = original
 
 
 def small_real_engine(*, keep_rate: float = 0.5, max_new_tokens: int | None = None) -> SpecPrefillEngine:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, TypeGuard
+from typing import Any, Literal, TypeGuard
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "RETRIEVER_SCORE_KEY",
     "AssembledPrompt",
     "GenerationResult",
+    "HeadReduction",
     "KeptSpan",
     "Passage",
     "PlannedPrompt",
@@ -39,6 +40,8 @@ __all__ = [
     "is_number",
     "lone_surrogate",
 ]
+
+HeadReduction = Literal["max", "mean"]  # how one layer's heads are combined (DraftConfig.heads)
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _SURROGATE = re.compile("[\ud800-\udfff]")

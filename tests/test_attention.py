@@ -1,4 +1,4 @@
-"""Attention of a few queries over a long cache (``attention``), the look-ahead's path on a GPU.
+"""Attention of a few queries over a long cache (``draft.short_query_attention``), the look-ahead's path on a GPU.
 
 It must compute what transformers' SDPA path computes (grouped heads, bool or additive masks,
 a mask shared by the batch), and a draft whose look-ahead forwards take it must score and pick
@@ -14,9 +14,9 @@ import torch
 from helpers import make_model
 
 from benchmarks.gpu_attention import sdpa
-from specprefill_rag import attention
 from specprefill_rag.config import DraftConfig
 from specprefill_rag.draft import DraftModel
+from specprefill_rag.draft import short_query_attention as attention
 
 
 def _inputs(batch=2, heads=8, kv_heads=2, q=7, k=300, dim=16, dtype=torch.float32, seed=0):
@@ -36,7 +36,7 @@ def _inputs(batch=2, heads=8, kv_heads=2, q=7, k=300, dim=16, dtype=torch.float3
 def test_equals_sdpa_with_a_bool_mask(heads, kv_heads, q, k, block):
     """A cache shorter than a block, blocks and a remainder, blocks only."""
     query, key, value, mask = _inputs(heads=heads, kv_heads=kv_heads, q=q, k=k)
-    got = attention.short_query_attention(query, key, value, mask, 0.25, block=block)
+    got = attention.attend_short_queries(query, key, value, mask, 0.25, block=block)
     torch.testing.assert_close(got, sdpa(query, key, value, mask, 0.25), atol=1e-4, rtol=1e-4)
     assert got.shape == (2, q, heads, 16) and got.is_contiguous()
 
@@ -45,13 +45,13 @@ def test_equals_sdpa_with_an_additive_mask_shared_by_the_batch():
     query, key, value, mask = _inputs()
     bias = torch.where(mask[:1], 0.0, torch.finfo(torch.float32).min)  # (1, 1, q, k)
     bias[..., :50] += torch.linspace(-2, 2, 50)  # a real bias, not only 0 / -inf
-    got = attention.short_query_attention(query, key, value, bias, None, block=64)  # scaling None: 1/sqrt(dim)
+    got = attention.attend_short_queries(query, key, value, bias, None, block=64)  # scaling None: 1/sqrt(dim)
     torch.testing.assert_close(got, sdpa(query, key, value, bias, None), atol=1e-4, rtol=1e-4)
 
 
 def test_bfloat16_stays_within_its_rounding_of_float32():
     query, key, value, mask = _inputs(dtype=torch.bfloat16)
-    got = attention.short_query_attention(query, key, value, mask, 0.25, block=64)
+    got = attention.attend_short_queries(query, key, value, mask, 0.25, block=64)
     want = sdpa(query.float(), key.float(), value.float(), mask, 0.25)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
@@ -60,7 +60,7 @@ def test_bfloat16_stays_within_its_rounding_of_float32():
 def test_a_row_that_may_attend_to_nothing_is_finite():
     query, key, value, mask = _inputs(batch=1)
     mask[0, 0, 2] = False
-    got = attention.short_query_attention(query, key, value, mask, 0.25)
+    got = attention.attend_short_queries(query, key, value, mask, 0.25)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got[0, 2], value[0].mean(1).repeat_interleave(4, 0))
 

@@ -12,7 +12,7 @@ import torch
 from helpers import PASSAGES, QUESTION, make_engine, make_tokenizer
 
 from specprefill_rag import ConfigError, SpecPrefillEngine
-from specprefill_rag.batching import MicroBatcher
+from specprefill_rag.draft import MicroBatcher
 
 
 def test_concurrent_calls_form_one_batch_in_order():

@@ -19,8 +19,8 @@ from specprefill_rag import (
     SpecPrefillEngine,
     prompt,
     testing,
-    tokenmap,
 )
+from specprefill_rag import draft as draft_lib
 from specprefill_rag.backends.transformers import TransformersBackend
 
 
@@ -113,7 +113,7 @@ def test_same_tokenizer_does_not_map(tokenizers, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the same-tokenizer path must not map scores")
 
-    monkeypatch.setattr(tokenmap, "map_scores", boom)
+    monkeypatch.setattr(draft_lib, "map_scores", boom)
     renders = []
     real_assemble = prompt.assemble
     monkeypatch.setattr(prompt, "assemble", lambda *a, **kw: renders.append(a[0]) or real_assemble(*a, **kw))

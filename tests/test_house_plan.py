@@ -1,8 +1,12 @@
-"""The house plan (README, "Layout"): every import in ``specprefill_rag``
+"""The house plan (docs/architecture.md): every import in ``specprefill_rag``
 points down a floor, the HTTP transport is the server backend's own, and no function runs long.
 
 Read with ``ast`` (imports inside functions and under ``TYPE_CHECKING`` count as well), nothing is
 imported. A module on no floor fails the test: place a new module before adding it.
+
+The draft wing (``specprefill_rag/draft/``) is one entry on its floor and has one door: outside
+it, the library, the benchmarks, the examples and the integrations import ``specprefill_rag.draft``
+itself, never a module inside it (the unit tests of a wing module may import that module).
 """
 
 from __future__ import annotations
@@ -17,10 +21,9 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # Floors, lowest first: a module may import modules on its own floor or below, never above.
 FLOORS: list[set[str]] = [
-    {"errors", "types", "durable", "attention", "scoring", "lookahead", "stepgraphs", "loading", "batching", "memo",
-     "prefixkv", "detokenize", "tokenbound"},
-    {"prompt", "config", "tokenmap", "streams", "wire"},
-    {"draft", "selection", "chat"},
+    {"errors", "types", "durable", "loading", "caches", "detokenize", "tokenbound"},
+    {"prompt", "config", "streams", "wire"},
+    {"draft", "selection", "chat"},  # draft: the wing (``specprefill_rag/draft/``), one entry
     {"vllm_plugin"},
     {"backends"},
     {"engine", ""},  # "": the package's __init__, the public face over the engine
@@ -28,6 +31,11 @@ FLOORS: list[set[str]] = [
     {"tools"},
 ]
 MAX_FUNCTION_LINES = 60
+WING = "draft"
+MAX_WING_MODULE_LINES = 500
+MAX_WING_CLASS_LINES = 300
+# Outside the package, what must enter the wing through its door (tests/ may reach inside).
+DOOR_USERS = ("benchmarks", "examples", "integrations", "client_tests")
 
 
 def _modules() -> dict[str, Path]:
@@ -130,3 +138,60 @@ def test_no_function_is_longer_than_the_limit():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{PACKAGE}.{module}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def _wing_submodules_imported(path: Path, module: str | None = None) -> set[str]:
+    """The wing's inner modules (``draft.<name>``) that the file at ``path`` imports: by an
+    absolute import, or, for a module of the package (``module``), by a relative one too."""
+    if module is not None:
+        return {name for name in _imports(module) if name.startswith(WING + ".")}
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            dotted = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            dotted = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in dotted:
+            if name.startswith(f"{PACKAGE}.{WING}.") and name[len(PACKAGE) + 1:] in MODULES:
+                found.add(name[len(PACKAGE) + 1:])
+    return found
+
+
+def test_nothing_outside_the_wing_imports_a_module_inside_it():
+    """``specprefill_rag.draft`` is the wing's one door (its ``__all__``)."""
+    inside = sorted(
+        f"{PACKAGE}.{module}: {sorted(found)}" for module in MODULES
+        if module != WING and not module.startswith(WING + ".")
+        and (found := _wing_submodules_imported(MODULES[module], module))
+    )
+    repo = ROOT.parent
+    outside = sorted(
+        f"{path.relative_to(repo)}: {sorted(found)}" for folder in DOOR_USERS for path in (repo / folder).rglob("*.py")
+        if ".venv" not in path.parts and (found := _wing_submodules_imported(path))
+    )
+    assert not inside and not outside, f"wing modules imported past the door: {inside + outside}"
+
+
+def test_the_door_check_catches_a_module_imported_past_it(tmp_path):
+    path = tmp_path / "bench.py"
+    path.write_text("from specprefill_rag.draft import DraftModel, scoring\nimport specprefill_rag.draft.capture\n")
+    assert _wing_submodules_imported(path) == {"draft.scoring", "draft.capture"}
+
+
+def test_the_wings_modules_and_classes_stay_small():
+    """A module over ~400 lines is usually two concepts (STYLE.md): the wing keeps each under
+    ``MAX_WING_MODULE_LINES`` and each class under ``MAX_WING_CLASS_LINES``."""
+    long = []
+    for module, path in MODULES.items():
+        if module != WING and not module.startswith(WING + "."):
+            continue
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_WING_MODULE_LINES:
+            long.append(f"{PACKAGE}.{module} ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text)):
+            lines = (getattr(node, "end_lineno", None) or 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and lines > MAX_WING_CLASS_LINES:
+                long.append(f"{PACKAGE}.{module}.{node.name} ({lines} lines)")
+    assert not long, f"too long for the wing: {long}"

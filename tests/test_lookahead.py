@@ -16,7 +16,7 @@ from helpers import make_model
 
 from specprefill_rag.config import DraftConfig
 from specprefill_rag.draft import DraftModel
-from specprefill_rag.lookahead import DecoderParts, reading_set, upper_logits
+from specprefill_rag.draft.early_exit import DecoderParts, reading_set, upper_logits
 
 LAYERS = [1, 2]  # of 4: the top recorded layer is 2, so layer 3 (and the LM head) may be skipped
 
@@ -292,7 +292,7 @@ def test_verified_guesses_give_the_steps_tokens_and_queries(family, tokenizer, m
     guesses (all right, right up to some token, all wrong, different per row of a batch), the
     tokens and every recorded query are those of one decode step per token; all-right guesses
     need one forward after the prompt's, all-wrong ones as many as the steps."""
-    from specprefill_rag import lookahead
+    from specprefill_rag.draft import early_exit as lookahead
 
     model = make_model(family, len(tokenizer), layers=4)
     draft = DraftModel(model, tokenizer)
@@ -323,7 +323,7 @@ def test_verified_guesses_give_the_steps_tokens_and_queries(family, tokenizer, m
 def test_prompt_lookup_continues_the_latest_match():
     """Guesses: what followed the last two known tokens' latest earlier occurrence, else the
     last token's; rows of a right-padded batch each search their own prompt and tokens."""
-    from specprefill_rag.lookahead import prompt_lookup
+    from specprefill_rag.draft.early_exit import prompt_lookup
 
     prompts = torch.tensor([[10, 11, 12, 20, 11, 13, 30], [40, 41, 42, 41, 0, 0, 0]])
     n = torch.tensor([7, 4])
@@ -352,7 +352,7 @@ def test_another_threads_early_exit_leaves_this_threads_forwards_alone(tokenizer
     from the gateway while its warm-up ran beside the first request)."""
     import threading
 
-    from specprefill_rag.draft import _hooked, _leaving
+    from specprefill_rag.draft.capture import hooked, leaving
 
     draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
     ids, question = _prompt(tokenizer), torch.arange(50, 58)
@@ -364,7 +364,7 @@ def test_another_threads_early_exit_leaves_this_threads_forwards_alone(tokenizer
 
     def other() -> None:
         layers = draft.model.get_decoder().layers
-        with _leaving(layers[0]) as left, _hooked(layers[1], lambda *args, **kwargs: seen.append(args), pre=True):
+        with leaving(layers[0]) as left, hooked(layers[1], lambda *args, **kwargs: seen.append(args), pre=True):
             opened.set()
             done.wait(60)
         seen.extend(left)

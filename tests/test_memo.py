@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specprefill_rag import DraftConfig, Passage
-from specprefill_rag.memo import ScoreMemo, digest
+from specprefill_rag.caches import ScoreMemo, digest
 from specprefill_rag.testing import tiny_engine
 from specprefill_rag.types import TokenScores
 

@@ -13,7 +13,7 @@ from helpers import make_model
 
 from specprefill_rag import DraftConfig, Passage, Segment, SegmentKind
 from specprefill_rag.draft import DraftModel
-from specprefill_rag.prefixkv import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
+from specprefill_rag.draft.prefix_store import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
 from specprefill_rag.testing import tiny_engine
 
 CONFIGS = {

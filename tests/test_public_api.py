@@ -9,7 +9,7 @@ import pytest
 PACKAGES = [
     "specprefill_rag",
     "specprefill_rag.backends",
-    "specprefill_rag.batching",
+    "specprefill_rag.draft.batching",
     "specprefill_rag.chat",
     "specprefill_rag.config",
     "specprefill_rag.draft",
@@ -20,7 +20,7 @@ PACKAGES = [
     "specprefill_rag.loading",
     "specprefill_rag.prompt",
     "specprefill_rag.tools.retrieval",
-    "specprefill_rag.scoring",
+    "specprefill_rag.draft.scoring",
     "specprefill_rag.selection",
     "specprefill_rag.types",
     "specprefill_rag.wire",

@@ -9,9 +9,8 @@ import pytest
 import torch
 from helpers import make_model
 
-from specprefill_rag import scoring
 from specprefill_rag.config import DraftConfig
-from specprefill_rag.draft import DraftModel, _Recorder
+from specprefill_rag.draft import DraftModel, Recorder, scoring
 
 
 def eager_reference_rows(model, ids: torch.Tensor, lookahead_ids: tuple[int, ...]) -> list[torch.Tensor]:
@@ -136,7 +135,7 @@ def test_recorder_keeps_only_the_query_rows_it_needs():
     # A view of the last row would pin the whole prefill query (heads × n × dim per layer)
     # in memory through the look-ahead; the recorder must hold a copy of one row.
     module = SimpleNamespace(layer_idx=0, scaling=0.125)
-    recorder = _Recorder([300], [None])
+    recorder = Recorder([300], [None])
     query, key = torch.randn(1, 4, 300, 16), torch.randn(1, 2, 300, 16)
     recorder.record(module, query, key, None)
     recorder.record(module, torch.randn(1, 4, 1, 16), torch.randn(1, 2, 301, 16), None)

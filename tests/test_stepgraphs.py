@@ -1,5 +1,5 @@
-"""The greedy look-ahead on fixed-size buffers, and its CUDA graphs (``lookahead.StepLoop``,
-``stepgraphs``).
+"""The greedy look-ahead on fixed-size buffers, and its CUDA graphs (``draft.early_exit.StepLoop``,
+``draft.cuda_graphs``).
 
 A CUDA graph replays the kernels it recorded on the tensors it recorded them on, so the loop must
 keep every tensor it reads or writes in place, the same size from one forward to the next. These
@@ -15,11 +15,10 @@ import pytest
 import torch
 from helpers import make_model
 
-from specprefill_rag import stepgraphs
 from specprefill_rag.config import DraftConfig
-from specprefill_rag.draft import DraftModel
-from specprefill_rag.lookahead import DecoderParts, LoopShape, StepLoop
-from specprefill_rag.stepgraphs import MIN_GRAPH_WIDTH, StepGraphs, graph_width
+from specprefill_rag.draft import DraftModel, cuda_graphs
+from specprefill_rag.draft.cuda_graphs import MIN_GRAPH_WIDTH, StepGraphs, graph_width
+from specprefill_rag.draft.early_exit import DecoderParts, LoopShape, StepLoop
 
 LAYERS = [1, 2]  # of 4: layer 3 is the upper part, read over the reading set only
 GREEDY = dict(layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=0.3)
@@ -42,7 +41,7 @@ class FakeGraph:
         self.take, self.rows = self._forward()
 
     def _forward(self):
-        rows = stepgraphs._Rows()
+        rows = cuda_graphs._Rows()
         with self.graphs._recording(rows):
             take = self.loop.run(self.predict)
         return take, rows.rows
@@ -75,7 +74,7 @@ def test_the_loop_keeps_every_tensor_in_place_and_leaves_the_caches_alone(tokeni
     buffer or change its size. The caller's caches are copied once, never written."""
     from transformers import DynamicCache
 
-    from specprefill_rag.lookahead import upper_greedy
+    from specprefill_rag.draft.early_exit import upper_greedy
 
     draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
     parts = DecoderParts.of(draft.model)

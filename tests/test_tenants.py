@@ -19,8 +19,8 @@ from test_memo import Calls, assembly
 
 from specprefill_rag import DraftConfig, GenerationConfig, Passage, SpecPrefillConfig
 from specprefill_rag.config import SelectionConfig
+from specprefill_rag.draft.prefix_store import PrefixEntry, PrefixStore
 from specprefill_rag.errors import ConfigError
-from specprefill_rag.prefixkv import PrefixEntry, PrefixStore
 from specprefill_rag.testing import tiny_engine
 
 # A system prompt long enough for the draft's prefix store (MIN_PREFIX_TOKENS), then passages.

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from specprefill_rag.tokenmap import content_intervals, map_scores, overlap_max
+from specprefill_rag.draft.token_mapping import content_intervals, map_scores, overlap_max
 from specprefill_rag.types import AssembledPrompt, Segment, SegmentKind
 
 

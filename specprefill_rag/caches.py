@@ -47,7 +47,7 @@ def _size(scores: TokenScores) -> int:
 class Bounded(Generic[K, V]):
     """At most ``entries`` values and ``max_bytes`` of them together (``size(value)``), least
     recently used first out; 0 entries: nothing is kept, and a value larger than ``max_bytes``
-    alone is not kept. Thread-safe. The score memo and the draft's prefix store (``prefixkv``)."""
+    alone is not kept. Thread-safe. The score memo and the draft's prefix store (``draft.prefix_store``)."""
 
     def __init__(self, entries: int, max_bytes: int, size: Callable[[V], int]) -> None:
         self.entries, self.max_bytes, self._size = entries, max_bytes, size

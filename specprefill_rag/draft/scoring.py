@@ -12,10 +12,12 @@ maximum over layers.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
+
+from ..types import HeadReduction
 
 __all__ = [
     "HeadReduction",
@@ -26,9 +28,6 @@ __all__ = [
     "pool_rows",
     "query_weights",
 ]
-
-
-HeadReduction = Literal["max", "mean"]  # how one layer's heads are combined (DraftConfig.heads)
 
 
 def attention_rows(

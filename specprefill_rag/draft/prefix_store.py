@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .memo import Bounded
+from ..caches import Bounded
 
 __all__ = ["MIN_PREFIX_TOKENS", "PrefixEntry", "PrefixStore"]
 

@@ -124,7 +124,7 @@ def upper_greedy(
     forwards, one host synchronisation each; rejected guesses stay in the caches, masked out.
 
     The loop runs on a ``StepLoop``: fixed-size buffers copied from the two caches once (the
-    caches themselves are left as they were). ``loops`` (a ``stepgraphs.StepGraphs``): where a
+    caches themselves are left as they were). ``loops`` (a ``cuda_graphs.StepGraphs``): where a
     loop of this shape was captured as CUDA graphs at warm-up, its forwards are replayed.
 
     ``end_ids``: a row stops where its answer ends: a token one of these ids would follow is its
@@ -240,7 +240,7 @@ class StepLoop:
     and upper layers' keys and values (``FixedKV``), the tokens, how many each row has fed and
     may feed (``limit``: fewer once its answer ends).
     ``run`` is one forward; it changes only these tensors, in place, so the same forward can be
-    captured once as a CUDA graph and replayed (``stepgraphs``)."""
+    captured once as a CUDA graph and replayed (``cuda_graphs``)."""
 
     def __init__(self, parts: DecoderParts, shape: LoopShape, device: torch.device) -> None:
         self.parts, self.shape = parts, shape

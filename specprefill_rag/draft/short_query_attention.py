@@ -1,12 +1,12 @@
 """Attention of a few queries over a long cache: the look-ahead's forwards on a GPU.
 
 Each look-ahead forward feeds 1–8 tokens that attend to the whole prompt's keys under an
-explicit mask (``lookahead.FixedKV.mask``, ``lookahead.tree_mask``). Given a mask and grouped
+explicit mask (``early_exit.FixedKV.mask``, ``early_exit.tree_mask``). Given a mask and grouped
 key/value heads, transformers' SDPA path first copies every key and value head ``heads //
 kv_heads`` times (``repeat_kv``) and then runs a fused kernel that parallelises over query
 blocks, so with 7 queries a few dozen of an H200's 132 multiprocessors each read all the keys.
 
-``short_query_attention`` computes the same attention without copying the cache: the logits as
+``attend_short_queries`` computes the same attention without copying the cache: the logits as
 one batched product over the grouped heads, a float32 softmax, and the product with the values
 split over blocks of ``VALUE_BLOCK`` keys (as one product it ran on 8 blocks of threads, one per
 key/value head, each reading every value: 145 µs at 8k, 861 µs at 32k). One layer's attention
@@ -19,11 +19,13 @@ with a 4-d mask (``applies``); everything else, and every call on a CPU, goes to
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["SHORT_QUERY_TOKENS", "VALUE_BLOCK", "applies", "fits", "short_query_attention"]
+__all__ = ["SHORT_QUERY_TOKENS", "VALUE_BLOCK", "applies", "attend_short_queries", "fits", "short_query_limit"]
 
 SHORT_QUERY_TOKENS = 16  # at most this many queries per forward take the short path (0: never)
 VALUE_BLOCK = 512  # keys per block of the values product (256–2048 timed the same on an H200)
@@ -35,7 +37,7 @@ _KNOWN = frozenset({"scaling", "dropout", "position_ids", "use_cache", "cache_po
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, kwargs: dict[str, Any]) -> bool:
-    """Whether ``short_query_attention`` serves this call: on CUDA (where SDPA is the slow one
+    """Whether ``attend_short_queries`` serves this call: on CUDA (where SDPA is the slow one
     for it; a CPU's SDPA reads a decode step's cache well) and where it ``fits``."""
     return query.device.type == "cuda" and fits(query, key, mask, kwargs)
 
@@ -53,7 +55,19 @@ def fits(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, kwar
     )
 
 
-def short_query_attention(
+@contextlib.contextmanager
+def short_query_limit(tokens: int) -> Iterator[None]:
+    """While open, calls of at most ``tokens`` queries take the short path (0: none, every call
+    goes to SDPA): what a benchmark that compares both paths sets. Not thread-safe."""
+    global SHORT_QUERY_TOKENS
+    saved, SHORT_QUERY_TOKENS = SHORT_QUERY_TOKENS, tokens
+    try:
+        yield
+    finally:
+        SHORT_QUERY_TOKENS = saved
+
+
+def attend_short_queries(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float | None = None,
     block: int | None = None,
 ) -> torch.Tensor:

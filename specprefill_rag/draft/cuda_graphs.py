@@ -2,7 +2,7 @@
 
 On a GPU a small draft's decode step is bound by kernel launches, not arithmetic: one eager
 step of a 1B draft at 8k tokens cost 11.3 ms on an H200 against ~48 ms for its whole 8k
-prefill, so seven sequential steps ate most of what SpecPrefill saves. ``lookahead.StepLoop``
+prefill, so seven sequential steps ate most of what SpecPrefill saves. ``early_exit.StepLoop``
 keeps the greedy look-ahead in tensors of fixed size, changed in place; so one forward of it
 can be captured once as a CUDA graph and replayed as one launch.
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .lookahead import DecoderParts, LoopShape, StepLoop
+from .early_exit import DecoderParts, LoopShape, StepLoop
 
 __all__ = ["MIN_GRAPH_WIDTH", "StepGraphs", "graph_width"]
 

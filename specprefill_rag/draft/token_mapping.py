@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, InputError
-from .types import AssembledPrompt
+from ..errors import ConfigError, InputError
+from ..types import AssembledPrompt
 
 __all__ = ["SegmentSpan", "content_intervals", "map_scores", "needs_mapping", "overlap_max"]
 

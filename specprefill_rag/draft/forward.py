@@ -1,0 +1,210 @@
+"""The draft's forward plumbing: the prompt's forward, the KV cache, padding, the prefix store's heads.
+
+``DraftForward`` is what ``DraftModel`` and its look-ahead drivers are built on: the model's
+sizes and device, right-padded batches, the prompt's forward (which may stop early inside a
+layer, or leave one with its hidden states), and the prompt heads the prefix store serves
+(``prefix_store``). It holds no state of its own: ``DraftModel.__init__`` sets every attribute
+declared here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..config import DraftConfig, LookaheadTokens
+from ..errors import InputError
+from .capture import EarlyExit, Recorder, hooked, leaving, recording
+from .cuda_graphs import StepGraphs
+from .early_exit import DecoderParts
+from .prefix_store import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
+
+__all__ = ["DraftForward", "protected_heads"]
+
+
+def protected_heads(contexts: Sequence[torch.Tensor | None]) -> list[int]:
+    """Each prompt's protected start: its tokens before the first prunable one (``contexts``
+    (n,) bool); none without a mask or a prunable token."""
+    return [0 if c is None or not bool(c.any()) else int(c.to(torch.int8).argmax()) for c in contexts]
+
+
+class DraftForward:
+    """The forward plumbing of a draft (``DraftModel``): sizes, device, cache, padding, prompt
+    forward and prefix-store heads."""
+
+    model: Any  # a transformers causal LM on the capturing attention (``capture.CAPTURE_ATTENTION``)
+    tokenizer: Any
+    config: DraftConfig  # the draft's default settings
+    prefixes: PrefixStore  # keys and values of prompt heads read before
+    graphs: StepGraphs | None  # the look-ahead's CUDA graphs (``DraftModel.capture_graphs``)
+    end_ids: frozenset[int]  # the ids that end the draft's answer
+    _plain_embedding: bool | None  # see _embeds_plainly
+    _plain_cache: bool | None  # see _stores_heads
+
+    @property
+    def n_layers(self) -> int:
+        config = self.model.config
+        return int((getattr(config, "text_config", None) or config).num_hidden_layers)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    def fits(self, n_tokens: int, extra_positions: int = 0) -> bool:
+        """Whether a prompt of ``n_tokens`` plus ``extra_positions`` look-ahead positions after it
+        (``DraftConfig.extra_positions``) fits the window."""
+        return n_tokens + extra_positions <= self.max_context
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- the prefix store: prompt heads read once (``prefix_store``) ----------------------------
+
+    def _shared_head(self, token_ids: Sequence[torch.Tensor], lengths: list[int], questions: list[torch.Tensor],
+                     heads: Sequence[int] | None) -> int:
+        """How many first tokens of the batch the prefix store may serve: the shortest of
+        ``heads`` when every prompt begins with the same tokens, before every question token and
+        each prompt's last token (their queries are recorded); 0 when that is under
+        ``MIN_PREFIX_TOKENS``, the store is off, or this draft's cache is not plain."""
+        if not heads or self.prefixes.entries == 0:
+            return 0
+        if len(heads) != len(lengths):
+            raise InputError("pass one head length per prompt")
+        starts = [int(q.min()) for q in questions if q.numel()]
+        p = min(min(int(h) for h in heads), min(lengths) - 1, *starts)
+        if p < MIN_PREFIX_TOKENS or not self._stores_heads():
+            return 0
+        first = token_ids[0][:p].to(torch.int64).cpu()
+        return p if all(torch.equal(t[:p].to(torch.int64).cpu(), first) for t in token_ids[1:]) else 0
+
+    def _exit_layer(self, lookahead: int, tokens: LookaheadTokens, early_exit: bool, top: int, ids: torch.Tensor
+                    ) -> int:
+        """The last layer the prompt's forward runs (what a stored head must hold for it)."""
+        last = self.n_layers - 1
+        if not early_exit or top >= last:
+            return last
+        if lookahead == 1:
+            return top
+        parts = DecoderParts.of(self.model)
+        if parts is None or (tokens == "greedy" and not self._embeds_plainly(parts, ids)):
+            return last
+        return top
+
+    def _read_head(self, head_ids: torch.Tensor, exit_layer: int, namespace: str) -> PrefixEntry:
+        """The store's entry for ``head_ids`` (p,) in ``namespace``: stored, or read on from the
+        longest head stored there that it begins with (a chat's previous turn), or from nothing,
+        and then stored."""
+        head_ids = head_ids.to(torch.int64).cpu()
+        found = self.prefixes.longest(head_ids, exit_layer, namespace)
+        if found is not None and found.n_tokens == head_ids.numel():
+            return found
+        done = 0 if found is None else found.n_tokens
+        cache = self._cache(found, 1)
+        with leaving(self.model.get_decoder().layers[exit_layer]) as left, recording(None), \
+                contextlib.suppress(EarlyExit):
+            self.model(input_ids=head_ids[done:].unsqueeze(0).to(self.device), past_key_values=cache, use_cache=True)
+        hidden = left[0] if found is None else torch.cat([found.hidden, left[0]], dim=1)
+        layers = cache.layers[: exit_layer + 1]
+        entry = PrefixEntry(head_ids, exit_layer, tuple(layer.keys for layer in layers),
+                            tuple(layer.values for layer in layers), hidden, namespace)
+        self.prefixes.add(entry)
+        return entry
+
+    def _cache(self, head: PrefixEntry | None, batch: int) -> Any:
+        """A new KV cache for ``batch`` prompts, holding ``head``'s keys and values when given."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        if head is not None:
+            for i, (keys, values) in enumerate(zip(head.keys, head.values, strict=True)):
+                cache.update(keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1), i)
+        return cache
+
+    def _stores_heads(self) -> bool:
+        """Whether this draft can resume from a stored head: a decoder whose KV cache is plain
+        (every layer a growing full-attention one); checked once."""
+        if self._plain_cache is None:
+            from transformers import DynamicCache
+            from transformers.cache_utils import DynamicLayer
+
+            decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+            layers = DynamicCache(config=self.model.config).layers
+            self._plain_cache = (getattr(decoder, "layers", None) is not None and len(layers) == self.n_layers
+                                 and all(type(layer) is DynamicLayer for layer in layers))
+        return self._plain_cache
+
+    def _guesses(self, value: int | None, lookahead: int) -> int:
+        """Guesses verified per greedy forward: ``value``, or for None (auto) what
+        ``DraftConfig.guesses_on`` gives on this draft's device and dtype."""
+        dtype = next(self.model.parameters()).dtype
+        return DraftConfig(lookahead_guesses=value).guesses_on(self.device.type, lookahead, dtype)
+
+    def _embeds_plainly(self, parts: DecoderParts, ids: torch.Tensor) -> bool:
+        """Whether the first decoder layer receives exactly the input embedding's output (checked
+        once on one token): what running greedy steps layer by hand assumes. Not so for a model
+        whose forward scales or mixes the embeddings itself; it then decodes with full forwards."""
+        if self._plain_embedding is None:
+            seen: list[torch.Tensor] = []
+
+            def entering(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                seen.append(args[0] if args else kwargs["hidden_states"])
+                raise EarlyExit
+
+            with hooked(parts.layers[0], entering, pre=True), recording(None), contextlib.suppress(EarlyExit):
+                self.model(input_ids=ids[:1, :1], use_cache=False)
+            self._plain_embedding = bool(seen) and torch.equal(seen[0], parts.embed(ids[:1, :1]))
+        return self._plain_embedding
+
+    def _check_batch(
+        self, lengths: list[int], questions: list[torch.Tensor | None], lookahead: int, extra: int
+    ) -> None:
+        """``InputError`` for an empty prompt, one over the window, or question indices outside it."""
+        for n, question in zip(lengths, questions, strict=True):
+            if n == 0:
+                raise InputError("cannot score an empty prompt")
+            if not self.fits(n, extra):
+                raise InputError(
+                    f"prompt of {n} tokens plus {extra} look-ahead positions exceeds the draft "
+                    f"model's window of {self.max_context}: shorten the context or use a draft "
+                    "with a longer window"
+                )
+            if question is not None and question.numel() and (int(question.min()) < 0 or int(question.max()) >= n):
+                raise InputError(f"question token indices must lie in [0, {n})")
+
+    def _right_padded(self, token_ids: Sequence[torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, attention mask), each (batch, longest prompt), padded after each prompt, on the device."""
+        ids = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+        mask = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+        for b, row in enumerate(token_ids):
+            ids[b, : lengths[b]] = row.to(torch.int64).cpu()
+            mask[b, : lengths[b]] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _prompt_forward(
+        self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, *,
+        stop_after: int | None, cache: Any = None, leave: Any = None, head: PrefixEntry | None = None,
+    ) -> torch.Tensor | None:
+        """The prompt's forward: (batch, vocab) logits at each prompt's last token; or None when it
+        stopped inside layer ``stop_after``; or, with ``leave`` (a decoder layer), the hidden
+        states (batch, width, d_model) leaving that layer, where the forward then stops.
+
+        ``head``: the prompts' shared first tokens, already in ``cache``: the forward reads the
+        tokens after them, and the hidden states returned begin with the head's."""
+        start = 0 if head is None else head.n_tokens
+        recorder.stop_after, recorder.offset = stop_after, start
+        keep = torch.unique(last)  # logits only where some prompt ends
+        with leaving(leave) as left:
+            try:
+                out = self.model(
+                    input_ids=ids[:, start:], attention_mask=mask, past_key_values=cache,
+                    use_cache=cache is not None, logits_to_keep=keep - start,
+                )
+            except EarlyExit:
+                if not left or head is None:
+                    return left[0] if left else None
+                return torch.cat([head.hidden.expand(len(last), -1, -1), left[0]], dim=1)
+        return out.logits[torch.arange(len(last), device=self.device), torch.searchsorted(keep, last)]

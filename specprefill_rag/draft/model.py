@@ -1,0 +1,279 @@
+"""The draft model: one forward over the prompt plus a look-ahead, with query/key capture.
+
+``DraftModel`` loads a small causal LM and switches it to the capturing attention
+(``capture``). ``capture`` / ``capture_batch`` prefill the prompt (``forward``) and run the
+look-ahead (``lookahead``), recording the query and key rows scoring needs; ``score`` /
+``score_batch`` turn a capture into ``TokenScores`` (``scoring``), reading a prompt too long for
+the window in windows (``windows``).
+
+A prompt's protected start (template, system prompt, a chat's earlier turns) is read once: its
+keys and values go to the draft's prefix store (``prefix_store``), and a later prompt that begins
+with it runs its forward over the rest only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..config import DraftConfig, LookaheadTokens
+from ..errors import InputError
+from ..loading import eos_ids
+from ..types import TokenScores
+from . import scoring
+from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording, register
+from .forward import protected_heads
+from .lookahead import LookaheadDrivers
+from .prefix_store import PrefixStore
+from .windows import MIN_WINDOW_CONTEXT, read_windows, score_windowed
+
+__all__ = ["CAPTURE_ATTENTION", "MIN_WINDOW_CONTEXT", "DraftCapture", "DraftModel"]
+
+
+class DraftModel(LookaheadDrivers):
+    """A small causal LM that scores prompt tokens for SpecPrefill.
+
+    Works with any transformers decoder whose attention modules carry ``layer_idx`` and go
+    through the attention registry (Llama, Qwen2, Mistral, ... families). The model is switched
+    to the capturing SDPA wrapper, which behaves exactly like SDPA outside a capture. Its forward
+    plumbing is ``forward.DraftForward``, its look-ahead ``lookahead.LookaheadDrivers``.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, config: DraftConfig | None = None) -> None:
+        """``config`` is this draft's default; an engine passes its own to ``score`` instead of
+        changing it, so several engines can share one draft."""
+        register()
+        model.set_attn_implementation(CAPTURE_ATTENTION)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config or DraftConfig()
+        self._plain_embedding = None  # see _embeds_plainly
+        self._plain_cache = None  # see _stores_heads
+        # Keys and values of prompt heads read before (``prefix_store``; DraftConfig.prefix_cache_entries).
+        self.prefixes = PrefixStore(self.config.prefix_cache_entries, self.config.prefix_cache_bytes)
+        self.graphs = None  # the look-ahead's CUDA graphs (``capture_graphs``)
+        # The ids that end the draft's answer (``DraftConfig.lookahead_stop_at_eos``).
+        self.end_ids = eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer)
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str, config: DraftConfig | None = None, *,
+        dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+    ) -> DraftModel:
+        """Load a draft by packaged short name, HF directory or GGUF path (see ``loading``);
+        ``"auto"``: CUDA + bfloat16 when torch sees a GPU, else the CPU, in bfloat16 where it
+        multiplies bf16 natively and float32 otherwise: the main model's rule
+        (``loading.resolve_dtype``), so both run at the precision the device is fastest in."""
+        from ..loading import load_model
+
+        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
+        return cls(model, tokenizer, config)
+
+    def windows(self, n_tokens: int, context: torch.Tensor | None, extra_positions: int = 0
+                ) -> list[torch.Tensor] | None:
+        """How a prompt too long for the window is read (``score_batch``): None when it fits;
+        else windows, (m,) sorted prompt indices each, that hold every protected token (template,
+        instructions, question: ``context`` (n,) bool marks the prunable ones) and one run of
+        consecutive prunable tokens, the runs of equal size and together all of them. Each
+        window fits with its look-ahead. ``InputError`` when the protected tokens alone leave
+        fewer than ``MIN_WINDOW_CONTEXT`` positions (``windows.read_windows``)."""
+        if self.fits(n_tokens, extra_positions):
+            return None
+        return read_windows(n_tokens, context, self.max_context, extra_positions)
+
+    def capture(
+        self,
+        token_ids: torch.Tensor,
+        lookahead: int | None = None,
+        question: torch.Tensor | None = None,
+        *,
+        layers: Sequence[int] | None = None,
+        early_exit: bool = False,
+        tokens: LookaheadTokens | None = None,
+        upper_keep: float | None = None,
+        guesses: int | None = None,
+        head: int = 0,
+        stop_at_eos: bool | None = None,
+    ) -> DraftCapture:
+        """Prefill ``token_ids`` (n_prompt,) and run the look-ahead, recording post-RoPE queries
+        of the ``question`` token indices (m,), of the last prompt token and of each of the
+        ``lookahead - 1`` look-ahead tokens.
+
+        ``tokens`` (default: the draft's ``DraftConfig.lookahead_tokens``): ``"siblings"`` = the
+        ``lookahead - 1`` likeliest next tokens, in one more forward, all at position n_prompt,
+        each attending to the prompt and itself; ``"greedy"`` = that many greedy decode steps.
+        ``layers``: record only these layers (default: all); the last look-ahead forward stops
+        after the highest of them. ``early_exit``: the prompt's forward stops there too; the
+        look-ahead tokens then come from the upper layers run over the ``upper_keep`` share of
+        the prompt (default: the draft's ``DraftConfig.upper_keep``) that the recorded rows
+        score highest (``early_exit.upper_greedy``, ``early_exit.upper_logits``), and greedy steps
+        read that share in their upper layers too. The recorded prompt tensors are exactly those
+        of the full forward. ``guesses`` (default: the draft's ``DraftConfig.lookahead_guesses``;
+        None: ``lookahead - 2`` on CUDA, else 0): with early exit, greedy tokens are verified
+        that many guesses per forward (``early_exit.upper_greedy``): the same tokens and queries
+        in fewer forwards. ``head``: the prompt's first tokens that later prompts may share (its
+        protected start): read from the draft's prefix store (``prefix_store``) when it holds them, and
+        stored once read; the prompt's forward then runs over the rest only. ``stop_at_eos``
+        (default: the draft's ``DraftConfig.lookahead_stop_at_eos``): greedy tokens stop where
+        the draft's answer ends (before its first ``end_ids`` token), so a capture may hold fewer
+        than ``lookahead - 1`` look-ahead tokens and rows.
+        """
+        return self.capture_batch(
+            [token_ids], lookahead, [question], layers=layers, early_exit=early_exit, tokens=tokens,
+            upper_keep=upper_keep, guesses=guesses, heads=[head], stop_at_eos=stop_at_eos,
+        )[0]
+
+    @torch.inference_mode()
+    def capture_batch(
+        self,
+        token_ids: Sequence[torch.Tensor],
+        lookahead: int | None = None,
+        questions: Sequence[torch.Tensor | None] | None = None,
+        *,
+        layers: Sequence[int] | None = None,
+        early_exit: bool = False,
+        tokens: LookaheadTokens | None = None,
+        upper_keep: float | None = None,
+        guesses: int | None = None,
+        heads: Sequence[int] | None = None,
+        graphs: bool = True,
+        stop_at_eos: bool | None = None,
+        namespace: str = "",
+    ) -> list[DraftCapture]:
+        """``capture`` for several prompts in one right-padded forward per step.
+
+        Padding sits after each prompt and is masked out of every attention; look-ahead tokens
+        of prompt b sit at positions n_b, n_b + 1, ... (greedy) or all at n_b (siblings). So
+        each capture equals the prompt's own (within floating-point tolerance). ``heads``: one
+        ``capture`` head per prompt; the prefix store serves the batch when all prompts begin
+        with the same tokens (``_shared_head``). ``graphs``: replay the look-ahead's CUDA
+        graphs where ``capture_graphs`` captured one for this shape (False: run it eagerly).
+        ``namespace``: the requests' cache salt; the prefix store is read and written under it.
+        """
+        lookahead = self.config.lookahead if lookahead is None else lookahead
+        tokens = self.config.lookahead_tokens if tokens is None else tokens
+        upper_keep = self.config.upper_keep if upper_keep is None else upper_keep
+        guesses = self._guesses(self.config.lookahead_guesses if guesses is None else guesses, lookahead)
+        stop_at_eos = self.config.lookahead_stop_at_eos if stop_at_eos is None else stop_at_eos
+        questions = list(questions) if questions is not None else [None] * len(token_ids)
+        if not token_ids or len(questions) != len(token_ids):
+            raise InputError("pass one question (or None) per prompt, and at least one prompt")
+        lengths = [int(ids.numel()) for ids in token_ids]
+        extra = self.config.extra_positions(lookahead, tokens)
+        self._check_batch(lengths, questions, lookahead, extra)
+        wanted = None if layers is None else frozenset(int(i) for i in layers)
+        top = max(wanted) if wanted else self.n_layers - 1  # the highest recorded layer
+        recorder = Recorder(lengths, [None if q is None else q.to(torch.int64).cpu() for q in questions], wanted)
+        ids, mask = self._right_padded(token_ids, lengths)
+        last = torch.tensor(lengths, device=self.device) - 1  # (batch,) each prompt's last token
+        cached = self._shared_head(token_ids, lengths, recorder.questions, heads)
+        head = self._read_head(token_ids[0][:cached], self._exit_layer(lookahead, tokens, early_exit, top, ids),
+                               namespace) if cached else None
+        with recording(recorder):
+            if lookahead == 1:
+                cache = self._cache(head, len(lengths)) if head is not None else None
+                self._prompt_forward(recorder, ids, mask, last, stop_after=top if early_exit else None, cache=cache,
+                                     head=head)
+                return recorder.captures([[] for _ in lengths], cached)
+            upper = upper_keep if early_exit else None
+            if tokens == "siblings":
+                siblings = self._siblings(recorder, ids, mask, last, lookahead - 1, top, upper, head)
+                return recorder.captures(siblings.tolist(), cached)
+            found = self._greedy(recorder, ids, mask, last, lookahead - 1, top, upper, guesses, head,
+                                 self.graphs if graphs else None, self.end_ids if stop_at_eos else frozenset())
+            return recorder.captures(found, cached)
+
+    def score(
+        self,
+        token_ids: torch.Tensor,
+        *,
+        question: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        config: DraftConfig | None = None,
+    ) -> TokenScores:
+        """Importance of every prompt token, (n_prompt,) float32 on the CPU.
+
+        question: (m,) int64 indices of the question's tokens, whose queries join the look-ahead
+        ones (``DraftConfig.lookahead_weight`` splits the vote); None scores with the look-ahead
+        alone. context: (n_prompt,) bool, the prunable tokens, over which each attention row is
+        renormalised when ``config.normalize``. config: this call's settings (default: the
+        draft's own).
+        """
+        return self.score_batch([token_ids], questions=[question], contexts=[context], config=config)[0]
+
+    @torch.inference_mode()
+    def score_batch(
+        self,
+        token_ids: Sequence[torch.Tensor],
+        *,
+        questions: Sequence[torch.Tensor | None] | None = None,
+        contexts: Sequence[torch.Tensor | None] | None = None,
+        config: DraftConfig | None = None,
+        namespace: str = "",
+    ) -> list[TokenScores]:
+        """``score`` for several prompts of any lengths in one batched draft run (one padded
+        prefill, one batched step per look-ahead token); each result equals the prompt's own
+        ``score`` within floating-point tolerance. ``seconds`` is the whole batch's time.
+
+        Each prompt's protected start (its tokens before the first one ``contexts`` marks
+        prunable) is its head (``capture``): an application's system prompt, a chat's earlier
+        turns are read once and then served from the prefix store (``DraftConfig.prefix_cache_entries``),
+        under ``namespace`` (the requests' cache salt: prompts of other namespaces never share a head)."""
+        cfg = config or self.config
+        start = time.perf_counter()
+        batch = len(token_ids)
+        questions = list(questions) if questions is not None else [None] * batch
+        contexts = list(contexts) if contexts is not None else [None] * batch
+        if len(questions) != batch or len(contexts) != batch:
+            raise InputError("pass one question and one context mask (or None) per prompt")
+        lookaheads = [cfg.lookahead_for(0 if q is None else int(q.numel())) for q in questions]
+        windows = [self.windows(int(ids.numel()), c, cfg.extra_positions(n))
+                   for ids, c, n in zip(token_ids, contexts, lookaheads, strict=True)]
+        if any(w is not None for w in windows):
+            return self._score_windowed(token_ids, questions, contexts, windows, cfg, namespace)
+        layers = cfg.layer_indices(self.n_layers)
+        if cfg.prefix_cache_entries:  # 0: this call neither reads nor changes the store
+            self.prefixes.resize(cfg.prefix_cache_entries, cfg.prefix_cache_bytes)
+        caps = self.capture_batch(
+            token_ids, max(lookaheads), questions, layers=layers, early_exit=cfg.early_exit,
+            tokens=cfg.lookahead_tokens, upper_keep=cfg.upper_keep,
+            guesses=self._guesses(cfg.lookahead_guesses, max(lookaheads)),
+            heads=protected_heads(contexts) if cfg.prefix_cache_entries else None, graphs=cfg.cuda_graphs,
+            stop_at_eos=cfg.lookahead_stop_at_eos, namespace=namespace,
+        )
+        results = [self._scores(cap, lookahead, context, cfg)
+                   for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True)]
+        seconds = time.perf_counter() - start
+        return [dataclasses.replace(r, seconds=seconds) for r in results]
+
+    def _scores(self, cap: DraftCapture, lookahead: int, context: torch.Tensor | None, cfg: DraftConfig
+                ) -> TokenScores:
+        """One prompt's scores from its capture (``lookahead``: the rows it needs)."""
+        # A prompt that needs fewer look-ahead rows than the batch, or whose answer ended sooner.
+        lookahead = min(lookahead, 1 + len(cap.lookahead_token_ids))
+        rows = cap.n_question + lookahead
+        mask = context.to(self.device) if context is not None and cfg.normalize else None
+        positions = cap.positions[:rows].to(self.device)
+        per_layer = torch.stack(
+            [
+                scoring.layer_rows(
+                    cap.queries[i][:, :rows], cap.keys[i], cap.scaling[i], cfg.pool_kernel,
+                    positions=positions, context=mask, heads=cfg.heads,
+                )
+                for i in range(len(cap.keys))
+            ]
+        )  # (layers, n_question + lookahead, n_prompt)
+        weights = scoring.query_weights(cap.n_question, lookahead, cfg.lookahead_weight)
+        return TokenScores(scores=scoring.importance(per_layer, weights).cpu(),
+                           lookahead_token_ids=cap.lookahead_token_ids[: lookahead - 1], seconds=0.0,
+                           cached_tokens=cap.cached_tokens)
+
+    def _score_windowed(self, token_ids: Sequence[torch.Tensor], questions: list[torch.Tensor | None],
+                        contexts: list[torch.Tensor | None], windows: list[list[torch.Tensor] | None],
+                        cfg: DraftConfig, namespace: str = "") -> list[TokenScores]:
+        """``score_batch`` when some prompts exceed the window (``windows.score_windowed``)."""
+        return score_windowed(self.score_batch, token_ids, questions, contexts, windows, cfg, namespace)
