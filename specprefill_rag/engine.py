@@ -239,7 +239,7 @@ class SpecPrefillEngine:
     def _assembled(memo: PromptMemo, tokenizer: Any, segments: Sequence[Segment], protect_instructions: bool,
                    protect_tail_tokens: int, protect_history: bool, salt: str | None) -> AssembledPrompt:
         """``prompt.assemble`` of ``segments``, or the same prompt assembled before under the same
-        cache ``salt``: a retry skips the template and the tokenizer (``caches``: as many entries as
+        cache ``salt``: a retry skips the template and the tokenizer (``memo``: as many entries as
         the score memo)."""
         options = (protect_instructions, protect_tail_tokens, protect_history, salt)
         key = PromptMemo.key(segments, options) if memo.entries else None

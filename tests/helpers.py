@@ -58,3 +58,28 @@ def make_engine(tokenizer: Any, *, keep_rate: float = 0.3, max_new_tokens: int =
     )
     draft_model = DraftModel(make_model("llama", len(tokenizer), seed=1), tokenizer) if draft else None
     return SpecPrefillEngine(TransformersBackend(main, tokenizer), draft_model, config)
+
+
+class Calls:
+    """Counts the calls of ``owner.name`` from now on (``draft_runs``, ``assembly``)."""
+
+    def __init__(self, owner, name: str, monkeypatch=None) -> None:
+        self.runs = 0
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.runs += 1
+            return original(*args, **kwargs)
+
+        (monkeypatch.setattr if monkeypatch is not None else setattr)(owner, name, counted)
+
+
+def draft_runs(engine) -> Calls:
+    return Calls(engine.draft, "score_batch")
+
+
+def assembly(monkeypatch) -> Calls:
+    """Counts ``prompt.assemble`` calls (the template and the tokenizer) of the engine module."""
+    from specprefill_rag import engine as engine_module
+
+    return Calls(engine_module.prompt_lib, "assemble", monkeypatch)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_memo import Calls, assembly
+from helpers import Calls, assembly
 
 from specprefill_rag import DraftConfig, GenerationConfig, Passage, SpecPrefillConfig
 from specprefill_rag.config import SelectionConfig

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import assembly, draft_runs
 
 from specprefill_rag import DraftConfig, Passage
 from specprefill_rag.caches import ScoreMemo, digest
@@ -18,31 +19,6 @@ PASSAGES = [Passage(f"Passage {i} says the river number {i} is {100 + i} metres 
 
 def _scores(n: int) -> TokenScores:
     return TokenScores(scores=torch.arange(n, dtype=torch.float32), lookahead_token_ids=(1, 2), seconds=1.5)
-
-
-class Calls:
-    """Counts the calls of ``owner.name`` from now on (``draft_runs``, ``assembly``)."""
-
-    def __init__(self, owner, name: str, monkeypatch=None) -> None:
-        self.runs = 0
-        original = getattr(owner, name)
-
-        def counted(*args, **kwargs):
-            self.runs += 1
-            return original(*args, **kwargs)
-
-        (monkeypatch.setattr if monkeypatch is not None else setattr)(owner, name, counted)
-
-
-def draft_runs(engine) -> Calls:
-    return Calls(engine.draft, "score_batch")
-
-
-def assembly(monkeypatch) -> Calls:
-    """Counts ``prompt.assemble`` calls (the template and the tokenizer) of the engine module."""
-    from specprefill_rag import engine as engine_module
-
-    return Calls(engine_module.prompt_lib, "assemble", monkeypatch)
 
 
 def test_memo_keeps_the_last_entries_and_bytes():
