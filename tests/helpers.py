@@ -83,3 +83,17 @@ def assembly(monkeypatch) -> Calls:
     from specprefill_rag import engine as engine_module
 
     return Calls(engine_module.prompt_lib, "assemble", monkeypatch)
+
+
+def post_json(server: Any, body: dict[str, Any], path: str = "/v1/completions") -> tuple[int, str]:
+    """POST ``body`` as JSON to ``path`` on ``server`` (host, port): (status, body text)."""
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()

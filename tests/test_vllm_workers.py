@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import os
 import socket
@@ -26,6 +25,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+from helpers import post_json
 
 from specprefill_rag.vllm_plugin import admission, workers
 from specprefill_rag.vllm_plugin import runner as plugin_runner
@@ -261,16 +261,6 @@ def broken_worker_server(request, tmp_path_factory):
         srv.stop()
 
 
-def post(server: Any, path: str, body: dict[str, Any]) -> tuple[int, str]:
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
-
-
 @pytest.mark.real_model
 @pytest.mark.timeout(900)
 def test_server_whose_worker_cannot_rewrite_refuses_plans(broken_worker_server):
@@ -287,16 +277,17 @@ def test_server_whose_worker_cannot_rewrite_refuses_plans(broken_worker_server):
     planned = {"model": model, "prompt": list(range(1000, 1040)), "max_tokens": 4, "temperature": 0.0,
                "vllm_xargs": plan_to_xargs([3 * i for i in range(40)], 200)}
     for stream in (False, True):
-        status, text = post(server, "/v1/completions", {**planned, "stream": stream})
+        status, text = post_json(server, path="/v1/completions", body={**planned, "stream": stream})
         assert status == 503, text
         assert PROOF_FIELD not in text
         error = json.loads(text)["error"]
         assert error["param"] == "vllm_xargs"
         for part in EXPECTED[how]:
             assert part in error["message"], error["message"]
-    status, text = post(server, "/v1/completions", {k: v for k, v in planned.items() if k != "vllm_xargs"})
+    unplanned = {k: v for k, v in planned.items() if k != "vllm_xargs"}
+    status, text = post_json(server, path="/v1/completions", body=unplanned)
     assert status == 200, text  # requests without a plan are served
-    status, text = post(server, "/v1/chat/completions", {
+    status, text = post_json(server, path="/v1/chat/completions", body={
         "model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_completion_tokens": 2,
         "vllm_xargs": {"specprefill_positions": [0], "specprefill_next_position": 0}})
     assert status == 400 and "invalid SpecPrefill plan" in text  # a malformed plan is still named as such
