@@ -12,6 +12,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Markers that say what a test starts besides real weights; each implies ``real_model``, so
+# ``-m "not real_model"`` is the unit tests alone (tiny random models, no downloads).
+COSTLY = ("vllm", "browser", "terminal", "install")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(item.get_closest_marker(name) for name in COSTLY) and not item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.real_model)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real_model, pytest.mark.terminal, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = re.compile(r"\[TTFT (\d+\.\d+) s \(draft [\d.]+ s \+ main prefill [\d.]+ s\).*kept (\d+)/(\d+) tokens")

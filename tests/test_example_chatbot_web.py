@@ -13,7 +13,7 @@ import pytest
 
 from examples.chatbot_web import browser
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real_model, pytest.mark.browser, pytest.mark.timeout(900)]
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 QUESTION = "Who is the winter physician at Tindra Point?"

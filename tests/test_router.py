@@ -42,7 +42,7 @@ from specprefill_rag.tools.router import VLLMRouter  # noqa: E402
 from specprefill_rag.tools.vllm_process import VLLMServer  # noqa: E402
 from specprefill_rag.wire import PROOF_FIELD, plan_proof  # noqa: E402
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 GEN = GenerationConfig(max_new_tokens=6)
 MAX_MODEL_LEN = 2048

@@ -24,7 +24,7 @@ from specprefill_rag.config import GenerationConfig  # noqa: E402
 from specprefill_rag.errors import BackendError  # noqa: E402
 from specprefill_rag.types import PrefillPlan  # noqa: E402
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MODEL = "smollm2-135m-instruct"
 GREEDY = GenerationConfig(max_new_tokens=8)

@@ -33,7 +33,7 @@ from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefil
 from specprefill_rag.tools.vllm_process import VLLMServer  # noqa: E402
 from specprefill_rag.types import PrefillPlan  # noqa: E402
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 GREEDY = GenerationConfig(max_new_tokens=8)
 MAX_MODEL_LEN = 4096
