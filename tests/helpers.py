@@ -97,3 +97,46 @@ def post_json(server: Any, body: dict[str, Any], path: str = "/v1/completions") 
         return response.status, response.read().decode()
     finally:
         conn.close()
+
+
+# -- the needle prompt (test_needle_real, test_cross_family_real) --
+
+PASSKEY = "68413"
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = f"The pass key is {PASSKEY}. Remember it. {PASSKEY} is the pass key. "
+QUESTION = "What is the pass key? Answer with the number only."
+
+
+def haystack(n_passages: int = 12, repeats: int = 9, needle_at: int = 7) -> list[Passage]:
+    passages = []
+    for i in range(n_passages):
+        text = FILLER * repeats
+        if i == needle_at:
+            half = FILLER * (repeats // 2)
+            text = half + NEEDLE + half
+        passages.append(Passage(text, id=f"p{i}"))
+    return passages
+
+
+class ForwardCounter:
+    """Counts the draft's forwards, and which decoder layers ran after each on how many tokens."""
+
+    def __init__(self, model) -> None:
+        self.forwards = 0
+        self.layers: list[list[tuple[int, int]]] = []  # per forward: (layer, tokens it ran on)
+        self.hooks = [model.register_forward_pre_hook(self._forward)]
+        for i, layer in enumerate(model.get_decoder().layers):
+            self.hooks.append(layer.register_forward_pre_hook(self._layer(i), with_kwargs=True))
+
+    def _layer(self, i: int):
+        def hook(module, args, kwargs) -> None:
+            self.layers[-1].append((i, (args[0] if args else kwargs["hidden_states"]).shape[1]))
+        return hook
+
+    def _forward(self, *_) -> None:
+        self.forwards += 1
+        self.layers.append([])
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()

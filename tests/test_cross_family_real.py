@@ -8,7 +8,7 @@ offsets, and Qwen must prefill every needle token and answer with the passkey.
 from __future__ import annotations
 
 import pytest
-from test_needle_real import NEEDLE, PASSKEY, QUESTION, haystack
+from helpers import NEEDLE, PASSKEY, QUESTION, haystack
 
 from specprefill_rag import (
     DraftModel,

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_model
+from helpers import ForwardCounter, make_model
 
 from specprefill_rag.config import DraftConfig
 from specprefill_rag.draft import DraftModel
@@ -23,30 +23,6 @@ LAYERS = [1, 2]  # of 4: the top recorded layer is 2, so layer 3 (and the LM hea
 
 def _prompt(tokenizer, n: int = 61, seed: int = 5) -> torch.Tensor:
     return torch.randint(0, len(tokenizer), (n,), generator=torch.Generator().manual_seed(seed))
-
-
-class ForwardCounter:
-    """Counts the draft's forwards, and which decoder layers ran after each on how many tokens."""
-
-    def __init__(self, model) -> None:
-        self.forwards = 0
-        self.layers: list[list[tuple[int, int]]] = []  # per forward: (layer, tokens it ran on)
-        self.hooks = [model.register_forward_pre_hook(self._forward)]
-        for i, layer in enumerate(model.get_decoder().layers):
-            self.hooks.append(layer.register_forward_pre_hook(self._layer(i), with_kwargs=True))
-
-    def _layer(self, i: int):
-        def hook(module, args, kwargs) -> None:
-            self.layers[-1].append((i, (args[0] if args else kwargs["hidden_states"]).shape[1]))
-        return hook
-
-    def _forward(self, *_) -> None:
-        self.forwards += 1
-        self.layers.append([])
-
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
 
 
 @pytest.mark.parametrize("early_exit", [False, True])

@@ -8,11 +8,11 @@ alongside.
 from __future__ import annotations
 
 import pytest
+from helpers import NEEDLE, PASSKEY, QUESTION, haystack
 
 from specprefill_rag import (
     DraftModel,
     GenerationConfig,
-    Passage,
     SegmentKind,
     SelectionConfig,
     SpecPrefillConfig,
@@ -23,21 +23,7 @@ from specprefill_rag.backends.transformers import TransformersBackend
 pytestmark = pytest.mark.real_model
 
 MODEL = "smollm2-135m-instruct"
-PASSKEY = "68413"
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-NEEDLE = f"The pass key is {PASSKEY}. Remember it. {PASSKEY} is the pass key. "
-QUESTION = "What is the pass key? Answer with the number only."
 
-
-def haystack(n_passages: int = 12, repeats: int = 9, needle_at: int = 7) -> list[Passage]:
-    passages = []
-    for i in range(n_passages):
-        text = FILLER * repeats
-        if i == needle_at:
-            half = FILLER * (repeats // 2)
-            text = half + NEEDLE + half
-        passages.append(Passage(text, id=f"p{i}"))
-    return passages
 
 
 @pytest.fixture(scope="module")
