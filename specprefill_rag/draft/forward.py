@@ -62,6 +62,11 @@ class DraftForward:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype: with the device, what decides verified guesses (``DraftConfig.guesses_on``)."""
+        return next(self.model.parameters()).dtype
+
     # -- the prefix store: prompt heads read once (``prefix_store``) ----------------------------
 
     def _shared_head(self, token_ids: Sequence[torch.Tensor], lengths: list[int], questions: list[torch.Tensor],
@@ -140,8 +145,7 @@ class DraftForward:
     def _guesses(self, value: int | None, lookahead: int) -> int:
         """Guesses verified per greedy forward: ``value``, or for None (auto) what
         ``DraftConfig.guesses_on`` gives on this draft's device and dtype."""
-        dtype = next(self.model.parameters()).dtype
-        return DraftConfig(lookahead_guesses=value).guesses_on(self.device.type, lookahead, dtype)
+        return DraftConfig(lookahead_guesses=value).guesses_on(self.device.type, lookahead, self.dtype)
 
     def _embeds_plainly(self, parts: DecoderParts, ids: torch.Tensor) -> bool:
         """Whether the first decoder layer receives exactly the input embedding's output (checked

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..engine import SpecPrefillEngine
 
 __all__ = [
-    "DEFAULT_SHAPES", "INSTALL_HINT", "GatewayOptions", "PromptShape", "create_app", "run_app",
+    "DEFAULT_SHAPES", "INSTALL_HINT", "GatewayOptions", "PromptShape", "create_app", "require_installed", "run_app",
 ]
 
 INSTALL_HINT = "pip install 'specprefill-rag[gateway]'"
@@ -94,6 +94,17 @@ def _app_module() -> Any:
     return app
 
 
+def require_installed() -> None:
+    """``MissingDependencyError`` naming the extra when fastapi, uvicorn or prometheus-client is
+    missing: what serving the gateway needs, checked before any model loads."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise MissingDependencyError(f"the gateway needs {error.name}", INSTALL_HINT) from error
+
+
 def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None, **fields: Any) -> Any:
     """A FastAPI app serving ``engine`` over the OpenAI API (``GatewayOptions`` fields may be given
     as keywords instead of ``options``)."""
@@ -104,8 +115,5 @@ def run_app(app: Any, *, host: str = "127.0.0.1", port: int = 8080, log_level: s
             drain_timeout: float = 30.0) -> None:
     """Serve ``app`` with uvicorn until SIGINT/SIGTERM, then drain: the requests in flight get up
     to ``drain_timeout`` seconds while new ones get 503 (docs/deploy.md)."""
-    try:
-        import uvicorn  # noqa: F401
-    except ImportError as error:
-        raise MissingDependencyError("serving the gateway needs uvicorn", INSTALL_HINT) from error
+    require_installed()
     _app_module().run_app(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout)

@@ -16,7 +16,7 @@ from typing import Any, get_args
 
 from ..config import LookaheadTokens
 from ..errors import MissingDependencyError
-from ..gateway import INSTALL_HINT as GATEWAY_INSTALL
+from ..gateway import require_installed as _require_gateway
 from ..loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
 __all__ = ["main"]
@@ -395,16 +395,6 @@ def _read_api_keys(path: str) -> dict[str, str]:
                 raise ValueError(f"an API key is given twice (tenants {keys[key]!r:.40} and {tenant!r:.40})")
             keys[key] = tenant
     return keys
-
-
-def _require_gateway() -> None:
-    """One line naming the extra to install, before any model loads, where the gateway's parts are missing."""
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as error:
-        raise MissingDependencyError(f"the gateway needs {error.name}", GATEWAY_INSTALL) from error
 
 
 def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int, model_name: str | None) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.client
 import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
@@ -25,8 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Self
 
-from ..backends.vllm_offline import CPU_ENGINE_ARGS, CPU_KV_CACHE_GIB, VLLM_INSTALL, on_cpu
-from ..errors import MissingDependencyError, ServerStartError, UnsupportedVLLMError
+from ..backends.vllm_offline import CPU_ENGINE_ARGS, CPU_KV_CACHE_GIB, on_cpu, require_vllm
+from ..errors import ServerStartError, UnsupportedVLLMError
 
 __all__ = [
     "ManagedProcess", "VLLMServer", "cpu_binding", "numa_nodes", "parallel_ranks", "plugin_installed", "serve",
@@ -52,8 +51,7 @@ def _require_plugin(python: str | None = None) -> None:
             lines = (check.stderr or check.stdout).strip().splitlines()
             raise ServerStartError(f"cannot start vLLM with {python}: {lines[-1] if lines else check.returncode}")
         return
-    if importlib.util.find_spec("vllm") is None:
-        raise MissingDependencyError("serving with vLLM needs vLLM", VLLM_INSTALL)
+    require_vllm("serving with vLLM")
     if not plugin_installed():
         raise ServerStartError(
             "the specprefill-rag vLLM plugin entry point is not installed in this environment: "
