@@ -67,7 +67,7 @@ from benchmarks.common import (
     same_example,
     share_ci,
 )
-from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig, chat
+from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig
 from specprefill_rag import draft as draft_lib
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
@@ -753,7 +753,7 @@ def print_summary(summary: list[dict[str, Any]]) -> None:
 def assemble(tokenizer: Any, ex: quality.Example) -> AssembledPrompt:
     """The prompt ``bench quality`` builds for ``ex`` (its instructions, default protection)."""
     passages = [Passage(text, id=pid) for pid, text in ex.passages]
-    return prompt_lib.assemble(tokenizer, chat.build_segments(ex.question, passages, quality.INSTRUCTIONS))
+    return prompt_lib.assemble(tokenizer, prompt_lib.build_segments(ex.question, passages, quality.INSTRUCTIONS))
 
 
 def reevaluate(

@@ -103,7 +103,6 @@ def stream(port: int, path: str, body: dict[str, Any], headers: dict[str, str] |
 
 def prompts(tokenizer: Any, n: int, top_k: int) -> list[dict[str, Any]]:
     """``n`` RAG prompts over the demo documents: question, passages and the full prompt's ids."""
-    from specprefill_rag import chat
     from specprefill_rag import prompt as prompt_lib
     from specprefill_rag.tools.retrieval import Retriever, demo_documents, demo_questions, split_passages
 
@@ -113,7 +112,7 @@ def prompts(tokenizer: Any, n: int, top_k: int) -> list[dict[str, Any]]:
     for i in range(n):
         question = questions[i % len(questions)].question
         passages = [p.text for p in retriever.retrieve(question, top_k=top_k + i // len(questions))]
-        segments = chat.chat_segments([("system", SYSTEM), ("user", question)], passages)
+        segments = prompt_lib.chat_segments([("system", SYSTEM), ("user", question)], passages)
         ids = prompt_lib.assemble(tokenizer, segments).token_ids.tolist()
         out.append({"question": question, "passages": passages, "ids": ids})
     return out

@@ -154,7 +154,7 @@ def measure_segments(engine: Any, url: str, segments: list[Any], salt: str | Non
 
 def run_example(engines: dict[str, Any], url: str, ex: quality.Example, passages: list[str], system: str,
                 index: int, keep: float) -> dict[str, Any]:
-    from specprefill_rag.chat import build_segments
+    from specprefill_rag.prompt import build_segments
 
     cold = f"bench-prefix-{ex.id}-{time.time_ns()}"
     order = ["sys_full", "sys_spec"] if index % 2 == 0 else ["sys_spec", "sys_full"]
@@ -177,7 +177,7 @@ def run_chat(engine: Any, url: str, conversation: str, turns: Sequence[tuple[str
     default) and SpecPrefill with it prunable, of every turn's prompt (all with the prefix cache;
     order rotating), and SpecPrefill of it cold (a salt of its own) to check the warm answer.
     History: the full-prefill answers (``answer_tokens`` long at most), as the chat's earlier turns."""
-    from specprefill_rag.chat import chat_segments
+    from specprefill_rag.prompt import chat_segments
 
     history: list[tuple[str, str]] = [("system", system)]
     out = []

@@ -31,8 +31,8 @@ from specprefill_rag import (
     available_backends,
 )
 from specprefill_rag import prompt as prompt_lib
-from specprefill_rag.chat import chat_segments
 from specprefill_rag.loading import MODEL_PAIRS as MODEL_PAIRS_BY_NAME
+from specprefill_rag.prompt import chat_segments
 from specprefill_rag.tools.retrieval import Document, Retriever, demo_documents, split_passages
 
 __all__ = [

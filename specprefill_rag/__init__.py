@@ -5,7 +5,7 @@ prefills only the best chunks, at their original position ids, and decodes from 
 
 The top level holds what code built on the engine names: the engine and its configs, the typed
 values it takes and returns, the errors it raises, and the backend registry. The modules hold the
-rest (``chat``, ``prompt``, ``selection``, ``backends.base``, ...).
+rest (``prompt``, ``draft``, ``selection``, ``backends.base``, ...).
 """
 
 from .backends import Backend, BackendCapabilities, available_backends, create_backend, register_backend

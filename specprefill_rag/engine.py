@@ -13,23 +13,20 @@ import logging
 import threading
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, Unpack, cast
 
 import torch
 
-from . import chat, tokenbound
-from . import draft as draft_lib
 from . import prompt as prompt_lib
 from . import selection as selection_lib
 from .backends import Backend, create_backend, loads_torch_model
 from .backends.base import SelfDrafting, max_new_tokens
-from .caches import PromptMemo, ScoreMemo, digest
-from .chat import Passages
+from .caches import PromptMemo, ScoreMemo
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig, check_choice
 from .detokenize import IncrementalDecoder
-from .draft import DraftModel, MicroBatcher
+from .draft import DraftModel, DraftReading, DraftScorer
 from .errors import BackendTimeoutError, ConfigError, InputError, InputTypeError
+from .prompt import Passages
 from .streams import AsyncTextStream, TextStream
 from .types import (
     AssembledPrompt,
@@ -37,7 +34,6 @@ from .types import (
     PlannedPrompt,
     PrefillPlan,
     Segment,
-    SegmentKind,
     Timings,
     TokenScores,
 )
@@ -48,9 +44,6 @@ __all__ = ["LazyEngine", "Mode", "RequestOptions", "SpecPrefillEngine"]
 logger = logging.getLogger(__name__)
 
 Mode = Literal["specprefill", "full"]
-# Characters of prompt text tokenized to count them whatever their length (milliseconds); a longer
-# prompt whose length alone shows it cannot fit the window is refused before tokenizing.
-_COUNT_EXACTLY_BELOW = 100_000
 
 
 class RequestOptions(TypedDict, total=False):
@@ -63,16 +56,6 @@ class RequestOptions(TypedDict, total=False):
     selection: SelectionConfig | None
     generation: GenerationConfig | None
 PromptInput = str | Sequence[Segment]
-
-
-@dataclass(frozen=True)
-class _DraftInput:
-    """A prompt and the draft's rendering of it: the prompt itself when the draft shares the main
-    tokenizer, else the same segments in the draft's tokenizer and chat template."""
-
-    prompt: AssembledPrompt
-    read: AssembledPrompt
-    salt: str | None = None  # the request's cache namespace (``GenerationConfig.cache_salt``)
 
 
 def _prefilled_whole(prompt: AssembledPrompt, scores: TokenScores | None) -> PlannedPrompt:
@@ -112,9 +95,10 @@ def _result(planned: PlannedPrompt, decoder: IncrementalDecoder, finish: str, *,
 class SpecPrefillEngine:
     """Answers RAG questions with a draft-selected prefill on a main-model backend.
 
-    ``draft`` may be None: the engine then serves only ``mode="full"``. A draft with another
-    tokenizer scores its own rendering of the prompt; its scores reach the main tokens through
-    character offsets (``DraftConfig.tokenizer_mapping``, docs/cross-family.md).
+    ``draft`` may be None: the engine then serves only ``mode="full"``. What the draft reads and
+    how its scores are cached, batched and mapped is ``scorer``'s (``DraftScorer``): a draft with
+    another tokenizer scores its own rendering of the prompt; its scores reach the main tokens
+    through character offsets (``DraftConfig.tokenizer_mapping``, docs/cross-family.md).
     """
 
     def __init__(
@@ -122,27 +106,36 @@ class SpecPrefillEngine:
     ) -> None:
         self.backend = backend
         self.draft = draft
-        self.config = config or SpecPrefillConfig()
         self.tokenizer = backend.tokenizer
+        config = config or SpecPrefillConfig()
+        self.scorer = None if draft is None else DraftScorer(draft, self.tokenizer, config.draft)
+        self.config = config
         # Characters one main token covers at most (None: no bound): refuses a prompt by its length.
-        self._chars_per_token = tokenbound.max_chars_per_token(self.tokenizer)
-        self.maps_tokens = False  # True: the draft has its own tokenizer (scores mapped by offsets)
-        draft_config = self.config.draft
-        # Concurrent requests (threads, async tasks) share draft passes (DraftConfig.max_batch).
-        # A batch's key is (draft config, cache salt): requests of other namespaces never share a batch.
-        self._batcher: MicroBatcher[_DraftInput, TokenScores] = MicroBatcher(
-            lambda key, items: self._score_inputs(items, key[0]),  # type: ignore[index]
-            max_batch=draft_config.max_batch,
-            window_s=draft_config.batch_window_s,
-        )
-        if draft is not None:
-            mode = self.config.draft.tokenizer_mapping
-            self.maps_tokens = draft_lib.needs_mapping(draft.tokenizer, self.tokenizer, mode)
-        # The scores of the last prompts, so an identical request skips the draft (DraftConfig.memo_entries),
-        # and their assembly, so it skips the template and the tokenizer too.
-        self.memo = ScoreMemo(draft_config.memo_entries, draft_config.memo_bytes)
-        self.prompts = PromptMemo(draft_config.memo_entries, draft_config.memo_bytes)
-        self.draft_prompts = PromptMemo(draft_config.memo_entries, draft_config.memo_bytes)  # a draft's own rendering
+        self._chars_per_token = prompt_lib.max_chars_per_token(self.tokenizer)
+        # The last prompts' assembly, so a retry skips the template and the tokenizer (DraftConfig.memo_entries).
+        self.prompts = PromptMemo(self.config.draft.memo_entries, self.config.draft.memo_bytes)
+
+    @property
+    def config(self) -> SpecPrefillConfig:
+        """The engine's settings; a new one (``dataclasses.replace``) takes effect at the next
+        request, the draft's scoring rule included (the caches keep their sizes)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: SpecPrefillConfig) -> None:
+        self._config = config
+        if self.scorer is not None:
+            self.scorer.config = config.draft
+
+    @property
+    def maps_tokens(self) -> bool:
+        """Whether the draft has its own tokenizer (its scores are mapped onto the main tokens)."""
+        return self.scorer is not None and self.scorer.maps_tokens
+
+    @property
+    def memo(self) -> ScoreMemo | None:
+        """The draft's score memo (``DraftScorer.memo``); None without a draft."""
+        return None if self.scorer is None else self.scorer.memo
 
     @classmethod
     def from_pretrained(
@@ -212,7 +205,7 @@ class SpecPrefillEngine:
         """
         if isinstance(question, str):
             instructions = self.config.instructions if instructions is None else instructions
-            segments = chat.build_segments(question, passages, instructions)
+            segments = prompt_lib.build_segments(question, passages, instructions)
         elif not isinstance(question, Sequence):
             raise InputTypeError(
                 f"the question must be a str (or a list of Segment), got {type(question).__name__}"
@@ -225,47 +218,17 @@ class SpecPrefillEngine:
                 raise InputError("a prompt given as a list must hold Segment objects; pass a question str otherwise")
         sel = selection or self.config.selection
         window = self.backend.max_context
-        self._check_length(segments, window)
-        prompt = self._assembled(self.prompts, self.tokenizer, segments, sel.protect_instructions,
-                                 sel.protect_tail_tokens, sel.protect_history, cache_salt)
+        prompt_lib.check_length(segments, window, self._chars_per_token)
+        prompt = prompt_lib.assemble_cached(
+            self.prompts, self.tokenizer, segments, protect_instructions=sel.protect_instructions,
+            protect_tail_tokens=sel.protect_tail_tokens, protect_history=sel.protect_history, salt=cache_salt,
+        )
         if prompt.n_tokens >= window:
             raise InputError(
                 f"the prompt has {prompt.n_tokens} tokens but the main model's window is {window}: "
                 "retrieve fewer or shorter passages"
             )
         return prompt
-
-    @staticmethod
-    def _assembled(memo: PromptMemo, tokenizer: Any, segments: Sequence[Segment], protect_instructions: bool,
-                   protect_tail_tokens: int, protect_history: bool, salt: str | None) -> AssembledPrompt:
-        """``prompt.assemble`` of ``segments``, or the same prompt assembled before under the same
-        cache ``salt``: a retry skips the template and the tokenizer (``memo``: as many entries as
-        the score memo)."""
-        options = (protect_instructions, protect_tail_tokens, protect_history, salt)
-        key = PromptMemo.key(segments, options) if memo.entries else None
-        if key is not None and (remembered := memo.get(key, segments)) is not None:
-            return remembered
-        prompt = prompt_lib.assemble(tokenizer, segments, protect_instructions=protect_instructions,
-                                     protect_tail_tokens=protect_tail_tokens, protect_history=protect_history)
-        if key is not None:
-            memo.put(key, prompt)
-        return prompt
-
-    def _check_length(self, segments: Sequence[Segment], window: int) -> None:
-        """The window's ``InputError`` for segments too long to fit by their length alone, before
-        tokenizing them (seconds and gigabytes for millions of characters). Never refuses a prompt
-        that fits: it has at least chars / ``_chars_per_token`` tokens (``tokenbound``). Prompts
-        cheap to tokenize are left to the exact count, whose message says how many tokens."""
-        per_token = self._chars_per_token
-        if per_token is None:
-            return
-        chars = sum(len(s.text) for s in segments if isinstance(s.text, str))
-        if chars > max(per_token * (window - 1), _COUNT_EXACTLY_BELOW):
-            raise InputError(
-                f"the prompt has at least {-(-chars // per_token)} tokens ({chars} characters, at most "
-                f"{per_token} per token) but the main model's window is {window}: "
-                "retrieve fewer or shorter passages"
-            )
 
     def score(self, prompt: AssembledPrompt, *, draft: DraftConfig | None = None) -> TokenScores:
         """Draft importance of every token of ``prompt`` (``draft`` overrides the engine's
@@ -276,21 +239,18 @@ class SpecPrefillEngine:
                    ) -> list[TokenScores]:
         """``score`` for several prompts in one batched draft run (each result equals the
         prompt's own within floating-point tolerance); what concurrent requests share."""
-        self._require_draft()
-        return self._score_inputs([self._draft_input(p) for p in prompts], draft or self.config.draft)
+        return self._require_scorer().score_many(prompts, draft)
 
     def draft_fits(self, prompt: AssembledPrompt, *, draft: DraftConfig | None = None) -> bool:
         """Whether the draft can read ``prompt`` (its own rendering, look-ahead included)."""
-        if self.draft is None:
-            return False
-        return self._overflow(self._draft_input(prompt), draft or self.config.draft) is None
+        return self.scorer is not None and self.scorer.fits(prompt, draft)
 
     def draft_reads(self, prompt: AssembledPrompt) -> bool:
         """Whether the draft scores ``prompt``, so that SpecPrefill plans it: it fits in one pass,
         or ``DraftConfig.on_overflow="windows"`` reads it in windows. False when it would be
         prefilled whole (``"full"``, or windows that cannot hold its context); under ``"raise"`` a
         prompt that does not fit raises ``InputError``."""
-        return self.draft is not None and self._readable(prompt) is not None
+        return self.scorer is not None and self.scorer.reading(prompt) is not None
 
     def plan(
         self,
@@ -309,14 +269,15 @@ class SpecPrefillEngine:
             return _prefilled_whole(prompt, scores)
         if scores is not None:
             return self._select(prompt, sel, scores)
-        return self._plan(prompt, sel, self._readable(prompt, cache_salt))
+        return self._plan(prompt, sel, self._reading(prompt, cache_salt))
 
     # -- planning: one pipeline, each stage written once --------------------------------------
     #   _request_selection  a request's options, checked: mode, keep rate, selection
     #   assemble            question and passages (or segments) → the main model's prompt
     #   _speculates         whether the prompt is pruned at all (else it is prefilled whole)
-    #   _readable           what the draft reads; a prompt too long for it is refused or prefilled whole
-    #   _draft_scores       the draft's scores, batched with concurrent requests
+    #   _reading            what the draft reads (DraftScorer.reading); a prompt too long for it is
+    #                       refused or prefilled whole
+    #   _plan               the draft's scores (DraftScorer.score: memo, batching, mapping), then
     #   _select             scores → kept tokens → ``PrefillPlan``, timed
 
     def _request_selection(self, mode: str, keep_rate: float | None, selection: SelectionConfig | None
@@ -337,108 +298,15 @@ class SpecPrefillEngine:
         n_context = prompt.n_context
         return mode != "full" and prompt.n_tokens >= sel.min_prompt_tokens and sel.budget(n_context) < n_context
 
-    def _require_draft(self) -> DraftModel:
-        if self.draft is None:
+    def _require_scorer(self) -> DraftScorer:
+        if self.scorer is None:
             raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
-        return self.draft
+        return self.scorer
 
-    def _draft_input(self, prompt: AssembledPrompt, salt: str | None = None) -> _DraftInput:
-        """``prompt`` and what the draft reads of it: itself, or the same segments in the draft's
-        own tokenizer and chat template (``tokenizer_mapping``), rendered once per request; under
-        the request's cache ``salt``."""
-        if not self.maps_tokens:
-            return _DraftInput(prompt, prompt, salt)
-        if not prompt.segment_spans:
-            raise InputError("the prompt carries no segment spans: build it with engine.assemble")
-        tokenizer = self._require_draft().tokenizer
-        read = self._assembled(self.draft_prompts, tokenizer, prompt.segments, True, 0, True, salt)
-        return _DraftInput(prompt, read, salt)
-
-    def _overflow(self, item: _DraftInput, config: DraftConfig) -> str | None:
-        """Why the draft cannot read ``item`` (its rendering plus the look-ahead), or None."""
-        draft = self._require_draft()
-        lookahead = config.lookahead_for(int(item.prompt.positions_of(SegmentKind.QUESTION).numel()))
-        n, extra = item.read.n_tokens, config.extra_positions(lookahead)
-        if draft.fits(n, extra):
-            return None
-        return (
-            f"the prompt of {n} draft tokens plus {extra} look-ahead positions exceeds the draft "
-            f"model's window of {draft.max_context}"
-        )
-
-    def _readable(self, prompt: AssembledPrompt, salt: str | None = None) -> _DraftInput | None:
-        """What the draft reads for ``prompt``. A prompt longer than the draft's window is read
-        in windows (``DraftConfig.on_overflow="windows"``, ``DraftModel.windows``); None when the
-        draft cannot read it and the prompt is prefilled whole (``"full"``, or windows that cannot
-        hold the context; logged), ``InputError`` under ``"raise"``."""
-        item = self._draft_input(prompt, salt)
-        config = self.config.draft
-        reason = self._overflow(item, config)
-        if reason is None:
-            return item
-        if config.on_overflow == "raise":
-            raise InputError(f"{reason}: shorten the context or use a draft with a longer window")
-        if config.on_overflow == "windows":
-            lookahead = config.lookahead_for(int(item.read.positions_of(SegmentKind.QUESTION).numel()))
-            try:
-                windows = self._require_draft().windows(item.read.n_tokens, ~item.read.protected,
-                                                        config.extra_positions(lookahead))
-            except InputError as error:
-                reason = f"{reason}, and it cannot be read in windows: {error}"
-            else:
-                logger.info("%s: the draft reads it in %d windows", reason, len(windows or ()))
-                return item
-        logger.warning("%s: prefilling the whole prompt (DraftConfig.on_overflow)", reason)
-        return None
-
-    def _draft_scores(self, item: _DraftInput) -> TokenScores:
-        """The draft's scores of ``item``: from the memo when an identical request was scored
-        (the same draft reading, the same scoring config, the same cache salt), else scored and
-        remembered."""
-        config = self.config.draft
-        key = self._memo_key(item, config) if config.memo_entries else None
-        if key is not None and (remembered := self.memo.get(key)) is not None:
-            return remembered
-        if config.max_batch > 1:
-            scores = self._batcher.submit((config, item.salt), item)
-        else:
-            scores = self._score_inputs([item], config)[0]
-        if key is not None:
-            self.memo.put(key, scores)
-        return scores
-
-    def _memo_key(self, item: _DraftInput, config: DraftConfig) -> bytes:
-        """What the draft's scores of ``item`` depend on: the draft's token ids, question and
-        prunable tokens, the main prompt's token ids when scores are mapped onto them, the
-        scoring fields of ``config``, and the request's cache salt (namespaces share nothing)."""
-        read = item.read
-        main = item.prompt.token_ids if self.maps_tokens else None
-        return digest([read.token_ids, read.positions_of(SegmentKind.QUESTION), read.protected, main],
-                      (config.scoring(), item.salt))
-
-    def _score_inputs(self, items: Sequence[_DraftInput], config: DraftConfig) -> list[TokenScores]:
-        """The draft's scores of each prompt, read in its own rendering (one batched run), mapped
-        onto the main tokens when the draft has its own tokenizer. The items share one cache salt
-        (a batch never mixes namespaces): the draft's prefix store is read and written under it."""
-        draft = self._require_draft()
-        start = time.perf_counter()
-        read = [item.read for item in items]
-        salts = {item.salt for item in items}
-        if len(salts) > 1:
-            raise RuntimeError(f"a draft batch mixes {len(salts)} cache salts")
-        scored = draft.score_batch(
-            [d.token_ids for d in read],
-            questions=[d.positions_of(SegmentKind.QUESTION) for d in read],
-            contexts=[~d.protected for d in read],
-            config=config,
-            namespace=salts.pop() or "",
-        )
-        if not self.maps_tokens:
-            return scored
-        mapped = [draft_lib.map_scores(s.scores, item.read, item.prompt) for s, item in zip(scored, items, strict=True)]
-        seconds = time.perf_counter() - start
-        logger.debug("mapped draft scores onto %d prompts in %.3f s", len(items), seconds - scored[0].seconds)
-        return [dataclasses.replace(s, scores=m, seconds=seconds) for m, s in zip(mapped, scored, strict=True)]
+    def _reading(self, prompt: AssembledPrompt, salt: str | None) -> DraftReading | None:
+        """What the draft reads of ``prompt`` (``DraftScorer.reading``); SpecPrefill asked of an
+        engine without a draft is a ``ConfigError``."""
+        return self._require_scorer().reading(prompt, salt)
 
     def _select(self, prompt: AssembledPrompt, sel: SelectionConfig, scores: TokenScores) -> PlannedPrompt:
         """The plan from the draft's ``scores``: the best units within the budget (timed here;
@@ -453,12 +321,13 @@ class SpecPrefillEngine:
         )
         return PlannedPrompt(prompt, plan, scores, 0.0, time.perf_counter() - began)
 
-    def _plan(self, prompt: AssembledPrompt, sel: SelectionConfig, item: _DraftInput | None) -> PlannedPrompt:
-        """The plan of a prompt the draft reads as ``item``, scored and selected; prefilled whole
-        when there is nothing to read (``item`` None)."""
-        if item is None:
+    def _plan(self, prompt: AssembledPrompt, sel: SelectionConfig, reading: DraftReading | None
+              ) -> PlannedPrompt:
+        """The plan of a prompt the draft reads as ``reading``, scored and selected; prefilled whole
+        when there is nothing to read (``reading`` None)."""
+        if reading is None:
             return _prefilled_whole(prompt, None)
-        return self._select(prompt, sel, self._draft_scores(item))
+        return self._select(prompt, sel, self._require_scorer().score(reading))
 
     # -- generation ------------------------------------------------------------------------
 
@@ -567,11 +436,11 @@ class SpecPrefillEngine:
         sel = self._request_selection(mode, keep_rate, selection)
         salt = (generation or self.config.generation).cache_salt
         prompt = self.assemble(question, passages, instructions=instructions, selection=sel, cache_salt=salt)
-        item = self._readable(prompt, salt) if self._speculates(prompt, mode, sel) else None
+        reading = self._reading(prompt, salt) if self._speculates(prompt, mode, sel) else None
 
         def run() -> Generator[str, None, GenerationResult]:
             assembled = time.perf_counter()
-            planned = dataclasses.replace(self._plan(prompt, sel, item), assemble_s=assembled - started)
+            planned = dataclasses.replace(self._plan(prompt, sel, reading), assemble_s=assembled - started)
             return (yield from self._run(planned, generation, started=started, stop=stop))
 
         stop = threading.Event()

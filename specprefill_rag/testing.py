@@ -184,21 +184,21 @@ async def counting_loop_ticks(interval: float = 0.001) -> AsyncIterator[LoopTick
 def recording_score_maps() -> Iterator[list[tuple[int, int]]]:
     """Record each cross-family score mapping made inside the block as (draft prompt tokens,
     main prompt tokens): proof that a draft's scores reached the main prompt through
-    ``draft.map_scores``. Not thread-safe (it patches the wing's function)."""
-    from . import draft as draft_lib
+    ``DraftScorer.map_onto_main``. Not thread-safe (it patches the scorer's class)."""
+    from .draft import DraftReading, DraftScorer
 
-    original = draft_lib.map_scores
+    original = DraftScorer.map_onto_main
     mapped: list[tuple[int, int]] = []
 
-    def recording(draft_scores: torch.Tensor, draft: Any, main: Any) -> torch.Tensor:
-        mapped.append((draft.n_tokens, main.n_tokens))
-        return original(draft_scores, draft, main)
+    def recording(scores: torch.Tensor, reading: DraftReading) -> torch.Tensor:
+        mapped.append((reading.read.n_tokens, reading.prompt.n_tokens))
+        return original(scores, reading)
 
-    draft_lib.map_scores = recording
+    DraftScorer.map_onto_main = staticmethod(recording)  # type: ignore[method-assign]
     try:
         yield mapped
     finally:
-        draft_lib.map_scores = original
+        DraftScorer.map_onto_main = staticmethod(original)  # type: ignore[method-assign]
 
 
 def small_real_engine(*, keep_rate: float = 0.5, max_new_tokens: int | None = None) -> SpecPrefillEngine:

@@ -79,10 +79,11 @@ def draft_runs(engine) -> Calls:
 
 
 def assembly(monkeypatch) -> Calls:
-    """Counts ``prompt.assemble`` calls (the template and the tokenizer) of the engine module."""
-    from specprefill_rag import engine as engine_module
+    """Counts ``assemble`` calls (the template and the tokenizer): the main prompt's and the
+    draft's own rendering, both through ``prompt.assemble_cached``."""
+    from specprefill_rag.prompt import render
 
-    return Calls(engine_module.prompt_lib, "assemble", monkeypatch)
+    return Calls(render, "assemble", monkeypatch)
 
 
 def post_json(server: Any, body: dict[str, Any], path: str = "/v1/completions") -> tuple[int, str]:

@@ -453,8 +453,7 @@ def test_near_miss_set_is_well_formed_and_graded_by_containment() -> None:
 def test_evidence_spans_cover_the_gold_text(tokenizer) -> None:
     from benchmarks import evidence
     from specprefill_rag import Passage
-    from specprefill_rag.chat import build_segments
-    from specprefill_rag.prompt import assemble
+    from specprefill_rag.prompt import assemble, build_segments
 
     examples = (
         quality.load_hotpotqa(3, seed=1)
@@ -479,8 +478,7 @@ def test_evidence_variant_scores_equal_the_draft_models(tokenizer) -> None:
 
     from benchmarks import evidence
     from specprefill_rag import DraftConfig, DraftModel, Passage
-    from specprefill_rag.chat import build_segments
-    from specprefill_rag.prompt import assemble
+    from specprefill_rag.prompt import assemble, build_segments
     from specprefill_rag.types import SegmentKind
 
     draft = DraftModel(make_model("qwen2", len(tokenizer), layers=4), tokenizer)
@@ -535,8 +533,7 @@ def test_early_exit_blocks_at_another_depth_match_the_library(tokenizer) -> None
 
     from benchmarks import evidence
     from specprefill_rag import DraftConfig, DraftModel, Passage
-    from specprefill_rag.chat import build_segments
-    from specprefill_rag.prompt import assemble
+    from specprefill_rag.prompt import assemble, build_segments
     from specprefill_rag.types import SegmentKind
 
     draft = DraftModel(make_model("qwen2", len(tokenizer), layers=6), tokenizer)

@@ -17,11 +17,11 @@ from specprefill_rag import (
     SelectionConfig,
     SpecPrefillConfig,
     SpecPrefillEngine,
-    prompt,
     testing,
 )
-from specprefill_rag import draft as draft_lib
 from specprefill_rag.backends.transformers import TransformersBackend
+from specprefill_rag.draft import scorer as scorer_lib
+from specprefill_rag.prompt import render
 
 
 def make_engine(main_tok, draft_tok, *, mapping="auto", keep_rate=0.3, draft_window=2048):
@@ -51,7 +51,7 @@ def test_cross_family_draft_runs_and_protects_the_question(tokenizers, monkeypat
 
     result = engine.generate(QUESTION, PASSAGES)
     main_prompt = engine.assemble(QUESTION, PASSAGES)
-    draft_prompt = prompt.assemble(draft_tok, main_prompt.segments)
+    draft_prompt = render.assemble(draft_tok, main_prompt.segments)
     # The draft read its own tokens of its own rendering, not the main model's ids.
     assert len(seen) == 1 and torch.equal(seen[0], draft_prompt.token_ids)
     assert draft_prompt.n_tokens != main_prompt.n_tokens and draft_prompt.text != main_prompt.text
@@ -79,7 +79,7 @@ def test_mapped_scores_follow_the_draft(tokenizers):
     content = main_prompt.segment_index >= 0
     assert bool((scores[~main_prompt.protected] > 0).all()) and bool((scores[~content] == 0).all())
     # A main token's score is one of the draft scores of the tokens over the same characters.
-    draft_prompt = prompt.assemble(draft_tok, main_prompt.segments, protect_tail_tokens=0)
+    draft_prompt = render.assemble(draft_tok, main_prompt.segments, protect_tail_tokens=0)
     draft_scores = engine.draft.score(
         draft_prompt.token_ids,
         question=draft_prompt.positions_of(SegmentKind.QUESTION),
@@ -113,10 +113,10 @@ def test_same_tokenizer_does_not_map(tokenizers, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the same-tokenizer path must not map scores")
 
-    monkeypatch.setattr(draft_lib, "map_scores", boom)
+    monkeypatch.setattr(scorer_lib, "map_scores", boom)
     renders = []
-    real_assemble = prompt.assemble
-    monkeypatch.setattr(prompt, "assemble", lambda *a, **kw: renders.append(a[0]) or real_assemble(*a, **kw))
+    real_assemble = render.assemble
+    monkeypatch.setattr(render, "assemble", lambda *a, **kw: renders.append(a[0]) or real_assemble(*a, **kw))
     assert not engine.maps_tokens
     assert engine.generate(QUESTION, PASSAGES).plan.speculated
     assert renders == [main_tok]  # one rendering: the draft reads the main prompt itself
@@ -145,11 +145,11 @@ def test_draft_window_applies_to_the_drafts_own_tokens(tokenizers, caplog):
     main_tok, draft_tok = tokenizers
     engine = make_engine(main_tok, draft_tok, draft_window=128)
     p = engine.assemble(QUESTION, PASSAGES)
-    n_draft = prompt.assemble(draft_tok, p.segments).n_tokens
+    n_draft = render.assemble(draft_tok, p.segments).n_tokens
     assert not engine.draft_fits(p)
     # Default (windows): its protected tokens leave too little of 128 for the context, so it is
     # prefilled whole, with a warning naming the draft's own count.
-    with caplog.at_level("WARNING", logger="specprefill_rag.engine"):
+    with caplog.at_level("WARNING", logger="specprefill_rag.draft"):
         result = engine.generate(QUESTION, PASSAGES)
     assert not result.plan.speculated and result.prefilled_tokens == p.n_tokens
     assert f"prompt of {n_draft} draft tokens" in caplog.text and "window of 128" in caplog.text
@@ -173,8 +173,8 @@ def test_the_draft_renders_each_request_once(tokenizers, monkeypatch, on_overflo
     )
     engine = SpecPrefillEngine(engine.backend, engine.draft, config)
     renders = []
-    real_assemble = prompt.assemble
-    monkeypatch.setattr(prompt, "assemble", lambda tok, *a, **kw: renders.append(tok) or real_assemble(tok, *a, **kw))
+    real_assemble = render.assemble
+    monkeypatch.setattr(render, "assemble", lambda tok, *a, **kw: renders.append(tok) or real_assemble(tok, *a, **kw))
     result = engine.generate(QUESTION, PASSAGES)
     assert result.plan.speculated
     assert sum(tok is draft_tok for tok in renders) == 1

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from examples.rag_chat import ChatSession, load_uploads, passage_views
-from specprefill_rag import Passage, SegmentKind, chat
+from specprefill_rag import Passage, SegmentKind
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag.selection import full_plan, plan_from_indices
 from specprefill_rag.testing import tiny_engine
@@ -23,7 +23,7 @@ PASSAGES = [
 
 @pytest.fixture()
 def prompt(tokenizer):
-    segments = chat.build_segments("what is the passkey?", PASSAGES, "be concise")
+    segments = prompt_lib.build_segments("what is the passkey?", PASSAGES, "be concise")
     return prompt_lib.assemble(tokenizer, segments)
 
 

@@ -36,9 +36,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from specprefill_rag.chat import chat_segments  # noqa: E402
 from specprefill_rag.config import GenerationConfig  # noqa: E402
 from specprefill_rag.gateway.messages import to_segments  # noqa: E402
+from specprefill_rag.prompt import chat_segments  # noqa: E402
 from specprefill_rag.testing import tiny_engine, tiny_tokenizer  # noqa: E402
 from specprefill_rag.types import Passage  # noqa: E402
 

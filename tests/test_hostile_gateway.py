@@ -28,9 +28,7 @@ pytest.importorskip("prometheus_client")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from specprefill_rag import chat as chat_lib  # noqa: E402
 from specprefill_rag import prompt as prompt_lib  # noqa: E402
-from specprefill_rag import tokenbound  # noqa: E402
 from specprefill_rag.backends.transformers import sample_token  # noqa: E402
 from specprefill_rag.backends.vllm_server import request_body  # noqa: E402
 from specprefill_rag.config import GREEDY_BELOW, GenerationConfig  # noqa: E402
@@ -38,6 +36,8 @@ from specprefill_rag.errors import ConfigError, InputError  # noqa: E402
 from specprefill_rag.gateway import GatewayOptions, create_app  # noqa: E402
 from specprefill_rag.gateway import app as app_module  # noqa: E402
 from specprefill_rag.gateway.responses import StreamChunks  # noqa: E402
+from specprefill_rag.prompt import length_guard  # noqa: E402
+from specprefill_rag.prompt import render as render_lib  # noqa: E402
 from specprefill_rag.testing import tiny_engine, tiny_inst_tokenizer, tiny_tokenizer  # noqa: E402
 from specprefill_rag.types import Passage, PrefillPlan, Segment, SegmentKind  # noqa: E402
 
@@ -125,13 +125,13 @@ def test_max_body_bytes_is_an_option_and_a_flag(capsys):
 
 
 def test_a_prompt_too_long_for_the_window_is_refused_before_tokenizing(engine, monkeypatch):
-    per_token = tokenbound.max_chars_per_token(engine.tokenizer)
+    per_token = length_guard.max_chars_per_token(engine.tokenizer)
     assert per_token == max(map(len, engine.tokenizer.get_vocab()))  # byte-level BPE, no normalizer
 
     def no_tokenizing(*args: object, **kwargs: object) -> None:
         raise AssertionError("the prompt was tokenized")
 
-    monkeypatch.setattr(prompt_lib, "assemble", no_tokenizing)
+    monkeypatch.setattr(render_lib, "assemble", no_tokenizing)
     text = "The sky is blue. " * 240_000  # 4,080,000 characters; the window holds 2048 tokens
     started = time.perf_counter()
     with pytest.raises(InputError) as info:
@@ -195,7 +195,7 @@ def metaspace_nfkc_tokenizer():
 
 
 def assert_bound_holds(tokenizer, n: int = 150, seed: int = 0) -> None:
-    per_token = tokenbound.max_chars_per_token(tokenizer)
+    per_token = length_guard.max_chars_per_token(tokenizer)
     assert per_token is not None
     for text in random_texts(tokenizer, n, seed):
         n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -207,11 +207,11 @@ def test_the_window_bound_never_refuses_a_prompt_that_fits(make):
     tokenizer = make()
     assert_bound_holds(tokenizer)
     # And on whole prompts as the engine assembles them: segments are part of the prompt's text.
-    per_token = tokenbound.max_chars_per_token(tokenizer)
+    per_token = length_guard.max_chars_per_token(tokenizer)
     rng = random.Random(1)
     texts = list(random_texts(tokenizer, 30, 2))
     for _ in range(30):
-        segments = chat_lib.chat_segments(
+        segments = prompt_lib.chat_segments(
             [("system", rng.choice(texts)), ("user", rng.choice(texts)), ("assistant", rng.choice(texts)),
              ("user", rng.choice(texts) + "?")], [rng.choice(texts) for _ in range(rng.randint(0, 3))])
         assembled = prompt_lib.assemble(tokenizer, segments)
@@ -220,13 +220,13 @@ def test_the_window_bound_never_refuses_a_prompt_that_fits(make):
 
 def test_composition_shortens_text_by_the_documented_factors_at_most():
     """|NFD(c)| <= 4 characters and <= 1.5 x its UTF-8 bytes for every character an NFC (or NFKC)
-    text holds: the factors ``tokenbound``'s proof uses."""
+    text holds: the factors ``length_guard``'s proof uses."""
     composed = [chr(cp) for cp in range(sys.maxunicode + 1)
                 if not 0xD800 <= cp <= 0xDFFF and unicodedata.decomposition(chr(cp))]
     for form, back in (("NFC", "NFD"), ("NFKC", "NFKD")):
         stable = [c for c in composed if unicodedata.normalize(form, c) == c]
-        assert max(len(unicodedata.normalize(back, c)) for c in stable) <= tokenbound._COMPOSE_CHARS
-        assert max(len(unicodedata.normalize(back, c)) / len(c.encode()) for c in stable) <= tokenbound._COMPOSE_BYTES
+        assert max(len(unicodedata.normalize(back, c)) for c in stable) <= length_guard._COMPOSE_CHARS
+        assert max(len(unicodedata.normalize(back, c)) / len(c.encode()) for c in stable) <= length_guard._COMPOSE_BYTES
 
 
 def test_pipelines_that_drop_characters_get_no_bound():
@@ -239,7 +239,7 @@ def test_pipelines_that_drop_characters_get_no_bound():
     squeezing = tiny_tokenizer()
     squeezing.backend_tokenizer.normalizer = normalizers.Replace("  ", " ")
     for tokenizer in (dropping, stripping, squeezing, object()):
-        assert tokenbound.max_chars_per_token(tokenizer) is None
+        assert length_guard.max_chars_per_token(tokenizer) is None
     # Why: ten thousand characters, no token at all (the engine then counts tokens, as before).
     assert len(dropping(" " * 10_000, add_special_tokens=False)["input_ids"]) == 0
 

@@ -14,9 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specprefill_rag.chat import build_segments, chat_segments
 from specprefill_rag.gateway.messages import to_segments
-from specprefill_rag.prompt import assemble, special_token_ids
+from specprefill_rag.prompt import assemble, build_segments, chat_segments, special_token_ids
 from specprefill_rag.testing import tiny_inst_tokenizer, tiny_tokenizer
 from specprefill_rag.types import Passage, Segment, SegmentKind
 

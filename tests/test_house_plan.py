@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # Floors, lowest first: a module may import modules on its own floor or below, never above.
 FLOORS: list[set[str]] = [
-    {"errors", "types", "durable", "loading", "caches", "detokenize", "tokenbound"},
-    {"prompt", "config", "streams", "wire"},
-    {"draft", "selection", "chat"},  # draft: the wing (``specprefill_rag/draft/``), one entry
+    {"errors", "types", "durable", "loading", "caches", "detokenize"},
+    {"prompt", "config", "streams", "wire"},  # prompt: segments, render, length guard (a package)
+    {"draft", "selection"},  # draft: the wing (``specprefill_rag/draft/``), one entry
     {"vllm_plugin"},
     {"backends"},
     {"engine", ""},  # "": the package's __init__, the public face over the engine

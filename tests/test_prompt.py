@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specprefill_rag.chat import build_segments
-from specprefill_rag.prompt import assemble
+from specprefill_rag.prompt import assemble, build_segments
 from specprefill_rag.types import Passage, SegmentKind
 
 
@@ -81,7 +80,7 @@ def test_slow_tokenizer_is_rejected(tokenizer):
 
 
 def test_chat_segments_map_turns():
-    from specprefill_rag.chat import chat_segments
+    from specprefill_rag.prompt import chat_segments
 
     segments = chat_segments(
         [("system", "Be brief."), ("user", "hello"), ("assistant", "hi there"), ("user", "what is the passkey?")],
@@ -294,7 +293,7 @@ def test_turns_share_their_prefix_with_the_packaged_templates(name):
 
 
 def check_turns(tok) -> None:
-    from specprefill_rag.chat import chat_segments
+    from specprefill_rag.prompt import chat_segments
 
     def rendered(turns: list[tuple[str, str]]) -> str:
         return tok.apply_chat_template([{"role": r, "content": t} for r, t in turns], tokenize=False)
@@ -316,7 +315,7 @@ def check_turns(tok) -> None:
 
 
 def test_history_without_a_chat_template_is_written_as_turns(tokenizer):
-    from specprefill_rag.chat import chat_segments
+    from specprefill_rag.prompt import chat_segments
 
     template, tokenizer.chat_template = tokenizer.chat_template, None
     try:
@@ -328,8 +327,8 @@ def test_history_without_a_chat_template_is_written_as_turns(tokenizer):
 
 
 def test_history_can_be_left_prunable(tokenizer):
-    from specprefill_rag.chat import chat_segments
     from specprefill_rag.config import SelectionConfig, SpecPrefillConfig
+    from specprefill_rag.prompt import chat_segments
     from specprefill_rag.testing import tiny_engine
 
     segments = chat_segments([*conversation(2), ("user", "q?")], ["A passage."])
@@ -351,7 +350,7 @@ def test_visible_starts_follow_str_lstrip():
     Unicode white space, and the code-point list against Python's own ``str.isspace``."""
     import random
 
-    from specprefill_rag.prompt import _WHITESPACE, _visible_starts
+    from specprefill_rag.prompt.render import _WHITESPACE, _visible_starts
 
     assert sorted(_WHITESPACE.tolist()) == [c for c in range(0x110000) if chr(c).isspace()]
     chars = [" ", "\t", "\n", "\u00a0", "\u2003", "\u3000", "\x1c", "\x85", "a", "é", "中", "😀", "\u200b"]

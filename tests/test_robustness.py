@@ -30,7 +30,7 @@ from specprefill_rag import (
     prompt,
     selection,
 )
-from specprefill_rag import chat as chat_lib
+from specprefill_rag import prompt as chat_lib
 from specprefill_rag.types import Segment, SegmentKind
 
 INJECTION = (
@@ -343,7 +343,7 @@ def test_plan_spans_match_a_per_segment_count(tokenizer):
 def test_prompt_over_the_draft_window_falls_back_or_raises(tokenizer, caplog):
     engine = make_engine(tokenizer)
     engine.draft.model.config.max_position_embeddings = 64
-    with caplog.at_level("WARNING", logger="specprefill_rag.engine"):
+    with caplog.at_level("WARNING", logger="specprefill_rag.draft"):
         result = engine.generate(QUESTION, PASSAGES)
     # Too small even for windows (the protected tokens alone fill it): prefilled whole, logged.
     assert not result.plan.speculated and "exceeds the draft model's window of 64" in caplog.text

@@ -243,7 +243,7 @@ def test_retriever_prior_lifts_the_passage_the_retriever_ranks_first():
 
 
 def test_retriever_scores_come_from_passage_metadata():
-    from specprefill_rag.chat import build_segments
+    from specprefill_rag.prompt import build_segments
     from specprefill_rag.selection import retriever_scores
     from specprefill_rag.types import Passage
 

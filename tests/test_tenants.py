@@ -120,13 +120,14 @@ def test_requests_of_two_namespaces_never_share_a_draft_batch():
         generation=GenerationConfig(max_new_tokens=2),
     ))
     batches: list[list[str]] = []
-    real = engine._score_inputs
+    assert engine.scorer is not None
+    real = engine.scorer._score_readings
 
     def spy(items, config):
         batches.append(sorted(str(item.salt) for item in items))
         return real(items, config)
 
-    engine._score_inputs = spy  # type: ignore[method-assign]
+    engine.scorer._score_readings = spy  # type: ignore[method-assign]
     salts = ["a", "b", "a", "b"]
     barrier = threading.Barrier(len(salts))
 

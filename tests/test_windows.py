@@ -113,7 +113,7 @@ def test_the_engine_plans_a_prompt_longer_than_the_drafts_window(tokenizer, capl
     engine.draft.model.config.max_position_embeddings = n_protected + extra + 2 * MIN_WINDOW_CONTEXT
     assert not engine.draft_fits(prompt) and engine.config.draft.on_overflow == "windows"
     assert engine.draft_reads(prompt)
-    with caplog.at_level(logging.INFO, logger="specprefill_rag.engine"):
+    with caplog.at_level(logging.INFO, logger="specprefill_rag.draft"):
         result = engine.generate(QUESTION, PASSAGES)
     assert result.plan.speculated and result.prefilled_tokens < prompt.n_tokens
     assert result.draft_windows >= 2 and result.to_dict()["draft_windows"] == result.draft_windows
@@ -125,7 +125,7 @@ def test_the_engine_plans_a_prompt_longer_than_the_drafts_window(tokenizer, capl
     assert not whole.plan.speculated and whole.draft_windows == 0 and not full.draft_reads(prompt)
     engine.draft.model.config.max_position_embeddings = n_protected + extra + MIN_WINDOW_CONTEXT - 1
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="specprefill_rag.engine"):
+    with caplog.at_level(logging.WARNING, logger="specprefill_rag.draft"):
         assert not engine.generate(QUESTION, PASSAGES).plan.speculated
     assert not engine.draft_reads(prompt)
     assert "cannot be read in windows" in caplog.text and "prefilling the whole prompt" in caplog.text

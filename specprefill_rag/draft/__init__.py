@@ -3,6 +3,10 @@
 The one door of the wing: the rest of the package, the benchmarks and the examples import these
 names from ``specprefill_rag.draft``, never from a module inside it. The rooms:
 
+- ``scorer``: ``DraftScorer``, what the engine calls: the draft's reading of a prompt (its own
+  rendering; overflow and windows decided once), the score memo, micro-batching and the
+  cross-tokenizer mapping around ``DraftModel.score_batch``.
+
 - ``model``: ``DraftModel``, the draft loaded and switched to the capturing attention;
   ``capture`` / ``capture_batch`` record one prompt or a batch, ``score`` / ``score_batch``
   turn the capture into ``TokenScores``.
@@ -24,6 +28,7 @@ from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording
 from .early_exit import DecoderParts, tree_mask, upper_greedy
 from .lookahead import reading_sets, upper_layer_logits
 from .model import DraftModel
+from .scorer import DraftReading, DraftScorer
 from .scoring import importance, layer_rows, query_weights
 from .short_query_attention import SHORT_QUERY_TOKENS, attend_short_queries, short_query_limit
 from .token_mapping import map_scores, needs_mapping
@@ -36,6 +41,8 @@ __all__ = [
     "DecoderParts",
     "DraftCapture",
     "DraftModel",
+    "DraftReading",
+    "DraftScorer",
     "MicroBatcher",
     "Recorder",
     "attend_short_queries",

@@ -5,17 +5,17 @@ Rules (docs/gateway.md):
 * system (and developer) messages are the instructions: protected;
 * the last user message is the question: protected;
 * every earlier user or assistant turn is history, rendered as the chat message it was
-  (``chat.chat_segments``), so turn k's prompt begins with turn k − 1's conversation and vLLM's
+  (``prompt.chat_segments``), so turn k's prompt begins with turn k − 1's conversation and vLLM's
   prefix cache holds it; kept whole unless ``SelectionConfig.protect_history`` is False;
 * retrieved documents are recognised, and become prunable passages, when a message follows a
   known shape: ``<document>`` / ``<context>`` tags, LlamaIndex's default ``text_qa_template``,
   or the prompts LangChain documents for ``create_stuff_documents_chain`` (documents joined by
-  blank lines, ``chat.split_documents``). Anything else stays where the rules above put it: never
+  blank lines, ``prompt.split_documents``). Anything else stays where the rules above put it: never
   pruned by guesswork.
 
 Pure functions, no web framework: ``to_segments`` is what the gateway calls per request. The
 recognition of documents in whole messages is the gateway's alone (the integrations get their
-documents as objects); the segments are built by ``specprefill_rag.chat``.
+documents as objects); the segments are built by ``specprefill_rag.prompt``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..chat import chat_segments, split_documents
 from ..errors import InputError
+from ..prompt import chat_segments, split_documents
 from ..types import Passage, Segment
 
 __all__ = [

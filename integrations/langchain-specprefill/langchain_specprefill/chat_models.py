@@ -34,8 +34,8 @@ from specprefill_rag import (
     SpecPrefillEngine,
 )
 from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
-from specprefill_rag.chat import chat_segments
 from specprefill_rag.engine import LazyEngine, Mode
+from specprefill_rag.prompt import chat_segments
 
 __all__ = ["ChatSpecPrefill", "messages_to_segments"]
 

@@ -44,8 +44,8 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import TokenAsyncGen, TokenGen
 from specprefill_rag import GenerationResult, Passage, Segment, SegmentKind, SpecPrefillEngine
 from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
-from specprefill_rag.chat import build_segments, chat_segments, split_documents
 from specprefill_rag.engine import LazyEngine, Mode
+from specprefill_rag.prompt import build_segments, chat_segments, split_documents
 from specprefill_rag.types import RETRIEVER_SCORE_KEY
 
 __all__ = ["PassageIdPostprocessor", "SpecPrefillLLM", "split_context"]

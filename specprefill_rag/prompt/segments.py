@@ -14,7 +14,7 @@ their segments here:
 * ``split_documents``: documents joined by blank lines (LangChain's separator, LlamaIndex's
   ``context_str``) back into passages.
 
-Rendering segments with a chat template into token ids is ``prompt``'s job.
+Rendering segments with a chat template into token ids is ``render``'s job.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from .errors import InputError, InputTypeError
-from .types import Passage, Segment, SegmentKind
+from ..errors import InputError, InputTypeError
+from ..types import Passage, Segment, SegmentKind
 
 __all__ = [
     "Passages",
@@ -109,7 +109,7 @@ def chat_segments(
 
     System turns become the instructions (else ``instructions``); the last user turn is the
     protected question. Every other user or assistant turn becomes a history segment with id
-    ``turn-<i>``, rendered as the chat message it was (``prompt.render``), so the prompt of turn
+    ``turn-<i>``, rendered as the chat message it was (``render.render``), so the prompt of turn
     k begins with the conversation of turn k − 1 and vLLM's prefix cache holds it; history is
     protected unless ``SelectionConfig.protect_history`` is False. Turns of other roles (a tool's
     output) become prunable context "Tool: ..." in the last user message, before the passages.

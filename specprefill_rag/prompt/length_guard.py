@@ -1,8 +1,8 @@
 """How many characters one token can stand for: a prompt refused by its length, before tokenizing.
 
 The engine refuses a prompt of ``window`` tokens or more. Tokenizing a 10-million-character prompt
-to find that out takes half a minute and gigabytes; its length alone shows it sooner. For a
-tokenizer whose pipeline keeps every character (below), every token covers at most
+to find that out takes half a minute and gigabytes; its length alone shows it sooner
+(``check_length``). For a tokenizer whose pipeline keeps every character (below), every token covers at most
 ``max_chars_per_token(tokenizer)`` characters of the text, so a text of ``n_chars`` characters has
 at least ``ceil(n_chars / max_chars_per_token)`` tokens, and one with
 ``n_chars > max_chars_per_token * (window - 1)`` cannot fit.
@@ -33,9 +33,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["max_chars_per_token"]
+from ..errors import InputError
+from ..types import Segment
+
+__all__ = ["check_length", "max_chars_per_token"]
+
+# Characters of prompt text tokenized to count them whatever their length (milliseconds); a longer
+# prompt whose length alone shows it cannot fit the window is refused before tokenizing.
+COUNT_EXACTLY_BELOW = 100_000
 
 _COMPOSING = frozenset({"NFC", "NFKC"})
 _LENGTHENING = frozenset({"NFD", "NFKD", "Lowercase", "Prepend"})
@@ -112,3 +120,20 @@ def max_chars_per_token(tokenizer: Any) -> int | None:
     if factor is None or longest < 1:
         return None
     return math.ceil(longest * factor)
+
+
+def check_length(segments: Sequence[Segment], window: int, chars_per_token: int | None) -> None:
+    """The window's ``InputError`` for segments too long to fit by their length alone, before
+    tokenizing them (seconds and gigabytes for millions of characters). Never refuses a prompt
+    that fits: it has at least chars / ``chars_per_token`` tokens (``max_chars_per_token``; None:
+    no bound, nothing refused). Prompts cheap to tokenize are left to the exact count, whose
+    message says how many tokens."""
+    if chars_per_token is None:
+        return
+    chars = sum(len(s.text) for s in segments if isinstance(s.text, str))
+    if chars > max(chars_per_token * (window - 1), COUNT_EXACTLY_BELOW):
+        raise InputError(
+            f"the prompt has at least {-(-chars // chars_per_token)} tokens ({chars} characters, at most "
+            f"{chars_per_token} per token) but the main model's window is {window}: "
+            "retrieve fewer or shorter passages"
+        )

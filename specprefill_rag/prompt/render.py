@@ -14,7 +14,7 @@ The user message is laid out as::
 Passage headers, separators and the chat template's own text are *template* tokens
 (segment index -1) and are always kept; so are the question, the instructions (by default)
 and the last few tokens. Only passage/context text is prunable. The segments themselves are
-built by ``chat`` (from a question and passages, or from chat messages).
+built by ``segments`` (from a question and passages, or from chat messages).
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import InputError
-from .types import AssembledPrompt, PrefillPlan, Segment, SegmentKind, lone_surrogate
+from ..caches import PromptMemo
+from ..errors import InputError
+from ..types import AssembledPrompt, PrefillPlan, Segment, SegmentKind, lone_surrogate
 
 __all__ = [
     "assemble",
+    "assemble_cached",
     "cut_levels",
     "kept_runs",
     "render",
@@ -411,3 +413,19 @@ def kept_runs(prompt: AssembledPrompt, plan: PrefillPlan) -> dict[int, tuple[tup
         cuts = [0, *((state[1:] != state[:-1]).nonzero().flatten() + 1).tolist(), b - a]
         runs[index] = tuple((prompt.text[a + x : a + y], bool(state[x])) for x, y in itertools.pairwise(cuts))
     return runs
+
+
+def assemble_cached(memo: PromptMemo, tokenizer: Any, segments: Sequence[Segment], *, protect_instructions: bool,
+                    protect_tail_tokens: int, protect_history: bool, salt: str | None) -> AssembledPrompt:
+    """``assemble`` of ``segments``, or the same prompt assembled before under the same cache
+    ``salt`` (the request's namespace): a retry skips the template and the tokenizer. A ``memo``
+    of no entries remembers nothing."""
+    options = (protect_instructions, protect_tail_tokens, protect_history, salt)
+    key = PromptMemo.key(segments, options) if memo.entries else None
+    if key is not None and (remembered := memo.get(key, segments)) is not None:
+        return remembered
+    prompt = assemble(tokenizer, segments, protect_instructions=protect_instructions,
+                      protect_tail_tokens=protect_tail_tokens, protect_history=protect_history)
+    if key is not None:
+        memo.put(key, prompt)
+    return prompt

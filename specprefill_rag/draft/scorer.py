@@ -1,0 +1,196 @@
+"""The draft's side of one request, decided in one place: ``DraftScorer``.
+
+What the engine asks of the draft is "how much does each token of this prompt matter?". The
+answer takes more than a forward: the draft reads its own rendering of the prompt when its
+tokenizer differs from the main model's; a prompt longer than the draft's window is refused, read
+in windows or prefilled whole (``DraftConfig.on_overflow``); an identical request is answered from
+the score memo; concurrent requests share one batched run; and scores reach the main prompt's
+tokens through character offsets. ``DraftScorer`` holds all of it, so the engine only calls
+``reading`` (may the draft read this prompt, and how) and ``score`` / ``score_many``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import prompt as prompt_lib
+from ..caches import PromptMemo, ScoreMemo, digest
+from ..config import DraftConfig
+from ..errors import InputError
+from ..types import AssembledPrompt, SegmentKind, TokenScores
+from .batching import MicroBatcher
+from .model import DraftModel
+from .token_mapping import map_scores, needs_mapping
+
+__all__ = ["DraftReading", "DraftScorer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftReading:
+    """A prompt and what the draft reads of it: the prompt itself when the draft shares the main
+    tokenizer, else the same segments in the draft's tokenizer and chat template. ``windows``:
+    the windows the draft reads it in (``DraftModel.windows``), None when it fits in one pass."""
+
+    prompt: AssembledPrompt
+    read: AssembledPrompt
+    salt: str | None = None  # the request's cache namespace (``GenerationConfig.cache_salt``)
+    windows: tuple[torch.Tensor, ...] | None = None
+
+    def question(self) -> torch.Tensor:
+        """The draft-side indices of the question's tokens."""
+        return self.read.positions_of(SegmentKind.QUESTION)
+
+
+class DraftScorer:
+    """The draft model and everything one request's scores go through: rendering, the draft's
+    window, the score memo, micro-batching and the cross-tokenizer mapping.
+
+    ``main_tokenizer``: the main model's, onto whose tokens the scores are mapped when the
+    draft's tokenizer differs (``DraftConfig.tokenizer_mapping``, docs/cross-family.md).
+    ``config``: the engine's draft settings; ``score_many`` takes another for one call.
+    """
+
+    def __init__(self, model: DraftModel, main_tokenizer: Any, config: DraftConfig) -> None:
+        self.model = model
+        self.config = config
+        # True: the draft has its own tokenizer (scores mapped by offsets).
+        self.maps_tokens = needs_mapping(model.tokenizer, main_tokenizer, config.tokenizer_mapping)
+        # Concurrent requests (threads, async tasks) share draft passes (DraftConfig.max_batch).
+        # A batch's key is (draft config, cache salt): requests of other namespaces never share a batch.
+        self._batcher: MicroBatcher[DraftReading, TokenScores] = MicroBatcher(
+            lambda key, items: self._score_readings(items, key[0]),  # type: ignore[index]
+            max_batch=config.max_batch,
+            window_s=config.batch_window_s,
+        )
+        # The scores of the last prompts, so an identical request skips the draft (DraftConfig.memo_entries),
+        # and the draft's own renderings of them.
+        self.memo = ScoreMemo(config.memo_entries, config.memo_bytes)
+        self.prompts = PromptMemo(config.memo_entries, config.memo_bytes)
+
+    # -- what the draft reads ------------------------------------------------------------------
+
+    def render(self, prompt: AssembledPrompt, salt: str | None = None) -> DraftReading:
+        """``prompt`` and what the draft reads of it: itself, or the same segments in the draft's
+        own tokenizer and chat template (rendered once per request, remembered under ``salt``)."""
+        if not self.maps_tokens:
+            return DraftReading(prompt, prompt, salt)
+        if not prompt.segment_spans:
+            raise InputError("the prompt carries no segment spans: build it with engine.assemble")
+        read = prompt_lib.assemble_cached(self.prompts, self.model.tokenizer, prompt.segments,
+                                          protect_instructions=True, protect_tail_tokens=0, protect_history=True,
+                                          salt=salt)
+        return DraftReading(prompt, read, salt)
+
+    def overflow(self, reading: DraftReading, config: DraftConfig | None = None) -> str | None:
+        """Why the draft cannot read ``reading`` in one pass (its rendering plus the look-ahead), or None."""
+        config = config or self.config
+        n, extra = reading.read.n_tokens, self._extra_positions(reading, config)
+        if self.model.fits(n, extra):
+            return None
+        return (
+            f"the prompt of {n} draft tokens plus {extra} look-ahead positions exceeds the draft "
+            f"model's window of {self.model.max_context}"
+        )
+
+    def fits(self, prompt: AssembledPrompt, config: DraftConfig | None = None) -> bool:
+        """Whether the draft reads ``prompt`` in one pass (its own rendering, look-ahead included)."""
+        return self.overflow(self.render(prompt), config) is None
+
+    def reading(self, prompt: AssembledPrompt, salt: str | None = None) -> DraftReading | None:
+        """What the draft reads for ``prompt``, decided here once: in one pass, or in windows when
+        it is longer than the draft's window (``DraftConfig.on_overflow="windows"``). None when the
+        draft cannot read it and the prompt is prefilled whole (``"full"``, or windows that cannot
+        hold its context; logged); ``InputError`` under ``"raise"``."""
+        reading = self.render(prompt, salt)
+        config = self.config
+        reason = self.overflow(reading, config)
+        if reason is None:
+            return reading
+        if config.on_overflow == "raise":
+            raise InputError(f"{reason}: shorten the context or use a draft with a longer window")
+        if config.on_overflow == "windows":
+            read = reading.read
+            try:
+                windows = self.model.windows(read.n_tokens, ~read.protected, self._extra_positions(reading, config))
+            except InputError as error:
+                reason = f"{reason}, and it cannot be read in windows: {error}"
+            else:
+                logger.info("%s: the draft reads it in %d windows", reason, len(windows or ()))
+                return dataclasses.replace(reading, windows=tuple(windows or ()))
+        logger.warning("%s: prefilling the whole prompt (DraftConfig.on_overflow)", reason)
+        return None
+
+    @staticmethod
+    def _extra_positions(reading: DraftReading, config: DraftConfig) -> int:
+        """The positions the look-ahead adds to the draft's reading of the prompt."""
+        return config.extra_positions(config.lookahead_for(int(reading.question().numel())))
+
+    # -- scores ----------------------------------------------------------------------------------
+
+    def score(self, reading: DraftReading) -> TokenScores:
+        """The draft's scores of ``reading`` (onto the main prompt's tokens): from the memo when an
+        identical request was scored (the same draft reading, the same scoring rule, the same cache
+        salt), else scored — batched with concurrent requests — and remembered."""
+        config = self.config
+        key = self._memo_key(reading, config) if config.memo_entries else None
+        if key is not None and (remembered := self.memo.get(key)) is not None:
+            return remembered
+        if config.max_batch > 1:
+            scores = self._batcher.submit((config, reading.salt), reading)
+        else:
+            scores = self._score_readings([reading], config)[0]
+        if key is not None:
+            self.memo.put(key, scores)
+        return scores
+
+    def score_many(self, prompts: Sequence[AssembledPrompt], config: DraftConfig | None = None
+                   ) -> list[TokenScores]:
+        """The scores of several prompts in one batched draft run, past the memo and the batcher
+        (each result equals the prompt's own within floating-point tolerance)."""
+        return self._score_readings([self.render(p) for p in prompts], config or self.config)
+
+    def _memo_key(self, reading: DraftReading, config: DraftConfig) -> bytes:
+        """What the draft's scores of ``reading`` depend on: the draft's token ids, question and
+        prunable tokens, the main prompt's token ids when scores are mapped onto them, the scoring
+        fields of ``config``, and the request's cache salt (namespaces share nothing)."""
+        read = reading.read
+        main = reading.prompt.token_ids if self.maps_tokens else None
+        return digest([read.token_ids, reading.question(), read.protected, main], (config.scoring(), reading.salt))
+
+    @staticmethod
+    def map_onto_main(scores: torch.Tensor, reading: DraftReading) -> torch.Tensor:
+        """The draft's scores of ``reading.read`` carried onto the main prompt's tokens through
+        character offsets (``token_mapping.map_scores``)."""
+        return map_scores(scores, reading.read, reading.prompt)
+
+    def _score_readings(self, readings: Sequence[DraftReading], config: DraftConfig) -> list[TokenScores]:
+        """The draft's scores of each reading (one batched run), mapped onto the main tokens when
+        the draft has its own tokenizer. The readings share one cache salt (a batch never mixes
+        namespaces): the draft's prefix store is read and written under it."""
+        start = time.perf_counter()
+        read = [reading.read for reading in readings]
+        salts = {reading.salt for reading in readings}
+        if len(salts) > 1:
+            raise RuntimeError(f"a draft batch mixes {len(salts)} cache salts")
+        scored = self.model.score_batch(
+            [d.token_ids for d in read],
+            questions=[reading.question() for reading in readings],
+            contexts=[~d.protected for d in read],
+            config=config,
+            namespace=salts.pop() or "",
+        )
+        if not self.maps_tokens:
+            return scored
+        mapped = [self.map_onto_main(s.scores, r) for s, r in zip(scored, readings, strict=True)]
+        seconds = time.perf_counter() - start
+        logger.debug("mapped draft scores onto %d prompts in %.3f s", len(readings), seconds - scored[0].seconds)
+        return [dataclasses.replace(s, scores=m, seconds=seconds) for m, s in zip(mapped, scored, strict=True)]
