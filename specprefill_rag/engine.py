@@ -13,19 +13,19 @@ import logging
 import threading
 import time
 from collections.abc import Generator, Sequence
-from typing import Any, Literal, TypedDict, Unpack, cast
+from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 
 from . import prompt as prompt_lib
 from . import selection as selection_lib
 from .backends import Backend, create_backend, loads_torch_model
-from .backends.base import SelfDrafting, max_new_tokens
+from .backends.base import SelfDrafting
 from .caches import PromptMemo, ScoreMemo
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig, check_choice
-from .detokenize import IncrementalDecoder
+from .decoding import prefill_and_decode
 from .draft import DraftModel, DraftReading, DraftScorer
-from .errors import BackendTimeoutError, ConfigError, InputError, InputTypeError
+from .errors import ConfigError, InputError
 from .prompt import Passages
 from .streams import AsyncTextStream, TextStream
 from .types import (
@@ -34,10 +34,8 @@ from .types import (
     PlannedPrompt,
     PrefillPlan,
     Segment,
-    Timings,
     TokenScores,
 )
-from .wire import is_contiguous
 
 __all__ = ["LazyEngine", "Mode", "RequestOptions", "SpecPrefillEngine"]
 
@@ -56,40 +54,6 @@ class RequestOptions(TypedDict, total=False):
     selection: SelectionConfig | None
     generation: GenerationConfig | None
 PromptInput = str | Sequence[Segment]
-
-
-def _prefilled_whole(prompt: AssembledPrompt, scores: TokenScores | None) -> PlannedPrompt:
-    return PlannedPrompt(prompt, selection_lib.full_plan(prompt), scores, 0.0, None)
-
-
-def _check_deadline(deadline: float | None, timeout: float | None) -> None:
-    if deadline is not None and timeout is not None and time.perf_counter() > deadline:
-        raise BackendTimeoutError(f"no complete answer within timeout={timeout:g} s")
-
-
-def _result(planned: PlannedPrompt, decoder: IncrementalDecoder, finish: str, *, started: float,
-            prefill_start: float, first: float | None) -> GenerationResult:
-    """The answer of one ``_run``: text, tokens and the timings of each stage (perf_counter
-    values: the request's start, the prefill's start, the first token; now is the end)."""
-    end = time.perf_counter()
-    first = end if first is None else first
-    n_generated = len(decoder.token_ids)
-    timings = Timings(
-        assemble_s=planned.assemble_s,
-        draft_s=planned.scores.seconds if planned.scores is not None else None,
-        selection_s=planned.selection_s,
-        prefill_s=first - prefill_start,
-        ttft_s=first - started,
-        decode_s=end - first,
-        total_s=end - started,
-        decode_tokens_per_s=(n_generated - 1) / (end - first) if n_generated > 1 and end > first else None,
-    )
-    plan, scores = planned.plan, planned.scores
-    return GenerationResult(text=decoder.text, token_ids=decoder.token_ids, finish_reason=finish,
-                            prompt_tokens=plan.n_prompt, prefilled_tokens=plan.n_kept, plan=plan, timings=timings,
-                            prompt=planned.prompt, draft_memo_hit=scores is not None and scores.from_memo,
-                            draft_cached_tokens=0 if scores is None else scores.cached_tokens,
-                            draft_windows=0 if scores is None else scores.windows)
 
 
 class SpecPrefillEngine:
@@ -203,19 +167,8 @@ class SpecPrefillEngine:
         ``cache_salt``: the request's cache namespace; a prompt assembled before is reused only
         under the same salt.
         """
-        if isinstance(question, str):
-            instructions = self.config.instructions if instructions is None else instructions
-            segments = prompt_lib.build_segments(question, passages, instructions)
-        elif not isinstance(question, Sequence):
-            raise InputTypeError(
-                f"the question must be a str (or a list of Segment), got {type(question).__name__}"
-            )
-        else:
-            if passages or instructions is not None:
-                raise InputError("pass either segments, or a question with passages and instructions")
-            segments = tuple(cast(Sequence[Segment], question))
-            if not all(isinstance(s, Segment) for s in segments):
-                raise InputError("a prompt given as a list must hold Segment objects; pass a question str otherwise")
+        segments = prompt_lib.request_segments(question, passages, instructions,
+                                               default_instructions=self.config.instructions)
         sel = selection or self.config.selection
         window = self.backend.max_context
         prompt_lib.check_length(segments, window, self._chars_per_token)
@@ -266,9 +219,9 @@ class SpecPrefillEngine:
         ``cache_salt``: the request's cache namespace (``GenerationConfig.cache_salt``)."""
         sel = self._request_selection(mode, None, selection)
         if not self._speculates(prompt, mode, sel):
-            return _prefilled_whole(prompt, scores)
+            return selection_lib.prefilled_whole(prompt, scores)
         if scores is not None:
-            return self._select(prompt, sel, scores)
+            return selection_lib.plan_scored(prompt, sel, scores)
         return self._plan(prompt, sel, self._reading(prompt, cache_salt))
 
     # -- planning: one pipeline, each stage written once --------------------------------------
@@ -278,7 +231,8 @@ class SpecPrefillEngine:
     #   _reading            what the draft reads (DraftScorer.reading); a prompt too long for it is
     #                       refused or prefilled whole
     #   _plan               the draft's scores (DraftScorer.score: memo, batching, mapping), then
-    #   _select             scores → kept tokens → ``PrefillPlan``, timed
+    #                       selection.plan_scored: scores → kept tokens → ``PrefillPlan``, timed
+    #   decoding            prefill_and_decode: the plan on the backend, streamed, with timings
 
     def _request_selection(self, mode: str, keep_rate: float | None, selection: SelectionConfig | None
                            ) -> SelectionConfig:
@@ -293,10 +247,8 @@ class SpecPrefillEngine:
         return sel
 
     def _speculates(self, prompt: AssembledPrompt, mode: str, sel: SelectionConfig) -> bool:
-        """False when the prompt is prefilled whole: full mode, a prompt shorter than
-        ``min_prompt_tokens``, or a budget that keeps all the context."""
-        n_context = prompt.n_context
-        return mode != "full" and prompt.n_tokens >= sel.min_prompt_tokens and sel.budget(n_context) < n_context
+        """False when the prompt is prefilled whole: full mode, or ``selection.prunes`` says so."""
+        return mode != "full" and selection_lib.prunes(prompt, sel)
 
     def _require_scorer(self) -> DraftScorer:
         if self.scorer is None:
@@ -308,93 +260,15 @@ class SpecPrefillEngine:
         engine without a draft is a ``ConfigError``."""
         return self._require_scorer().reading(prompt, salt)
 
-    def _select(self, prompt: AssembledPrompt, sel: SelectionConfig, scores: TokenScores) -> PlannedPrompt:
-        """The plan from the draft's ``scores``: the best units within the budget (timed here;
-        ``assemble_s`` is left to the caller, 0.0)."""
-        began = time.perf_counter()
-        prior = selection_lib.retriever_scores(prompt.segments) if sel.retriever_weight else None
-        kept = selection_lib.select(
-            scores.scores, prompt.protected, prompt.segment_index, sel, prompt.sentence_start, prior, prompt.cut_level
-        )
-        plan = selection_lib.plan_from_indices(
-            prompt, kept, contiguous_positions=sel.positions == "contiguous"
-        )
-        return PlannedPrompt(prompt, plan, scores, 0.0, time.perf_counter() - began)
-
     def _plan(self, prompt: AssembledPrompt, sel: SelectionConfig, reading: DraftReading | None
               ) -> PlannedPrompt:
         """The plan of a prompt the draft reads as ``reading``, scored and selected; prefilled whole
         when there is nothing to read (``reading`` None)."""
         if reading is None:
-            return _prefilled_whole(prompt, None)
-        return self._select(prompt, sel, self._require_scorer().score(reading))
+            return selection_lib.prefilled_whole(prompt)
+        return selection_lib.plan_scored(prompt, sel, self._require_scorer().score(reading))
 
     # -- generation ------------------------------------------------------------------------
-
-    def _check_positions(self, plan: PrefillPlan) -> None:
-        """Refuse a plan with original (non-contiguous) positions on a backend whose
-        ``capabilities.exact_positions`` is False: it would run them at 0..k-1, silently."""
-        capabilities = getattr(self.backend, "capabilities", None)
-        if capabilities is None or capabilities.exact_positions or not plan.speculated:
-            return
-        if not is_contiguous(plan.position_ids.tolist(), plan.next_position):
-            raise ConfigError(
-                f"the {self.backend.name} backend cannot prefill tokens at their original positions "
-                "(capabilities.exact_positions is False): use SelectionConfig(positions='contiguous') or "
-                "another backend"
-            )
-
-    def _run(
-        self,
-        planned: PlannedPrompt,
-        generation: GenerationConfig | None = None,
-        *,
-        started: float | None = None,
-        stop: threading.Event | None = None,
-    ) -> Generator[str, None, GenerationResult]:
-        """Prefill and decode a planned prompt; yields text deltas, returns the result.
-
-        ``stop``: set from another thread, decoding ends after the current token
-        (finish reason "cancelled").
-        """
-        gen = generation or self.config.generation
-        started = time.perf_counter() if started is None else started
-        plan = planned.plan
-        self._check_positions(plan)
-        decoder = IncrementalDecoder(self.tokenizer, gen.stop)
-        limit = max_new_tokens(plan, gen, self.backend.max_context)
-        prefill_start = time.perf_counter()
-        first: float | None = None
-        timeout = gen.timeout
-        deadline = None if timeout is None else started + timeout
-        if deadline is not None:
-            # The backend gets the time left; the engine checks it between tokens too (a local
-            # backend cannot be interrupted inside one forward pass).
-            gen = dataclasses.replace(gen, timeout=max(deadline - prefill_start, 1e-3))
-        tokens = self.backend.stream_tokens(plan, gen)
-        try:
-            _check_deadline(deadline, timeout)  # the draft may have used it up
-            for token in tokens:
-                _check_deadline(deadline, timeout)
-                if stop is not None and stop.is_set():
-                    break
-                if first is None:
-                    first = time.perf_counter()
-                delta = decoder.push(token)
-                if delta:
-                    yield delta
-                if decoder.stopped:
-                    break
-        finally:
-            tokens.close()
-        rest = decoder.finish()
-        if rest:
-            yield rest
-        if stop is not None and stop.is_set():
-            finish = "cancelled"
-        else:
-            finish = "stop" if decoder.stopped or len(decoder.token_ids) < limit else "length"
-        return _result(planned, decoder, finish, started=started, prefill_start=prefill_start, first=first)
 
     def execute(
         self,
@@ -408,7 +282,8 @@ class SpecPrefillEngine:
         timings count from this call, its ``draft_s`` is ``scores.seconds`` when given."""
         planned = PlannedPrompt(prompt, plan, scores, 0.0, None)
         stop = threading.Event()
-        return TextStream(self._run(planned, generation, stop=stop), stop)
+        run = prefill_and_decode(self.backend, planned, generation or self.config.generation, stop=stop)
+        return TextStream(run, stop)
 
     def stream(
         self,
@@ -441,7 +316,8 @@ class SpecPrefillEngine:
         def run() -> Generator[str, None, GenerationResult]:
             assembled = time.perf_counter()
             planned = dataclasses.replace(self._plan(prompt, sel, reading), assemble_s=assembled - started)
-            return (yield from self._run(planned, generation, started=started, stop=stop))
+            return (yield from prefill_and_decode(self.backend, planned, generation or self.config.generation,
+                                                  started=started, stop=stop))
 
         stop = threading.Event()
         return TextStream(run(), stop)

@@ -11,16 +11,27 @@ tokens are always kept; the context budget is filled with the best units, whole 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 import torch
 
 from .config import SelectionConfig
 from .errors import InputError, PlanError
-from .types import RETRIEVER_SCORE_KEY, AssembledPrompt, KeptSpan, PrefillPlan, Segment, is_finite_number
+from .types import (
+    RETRIEVER_SCORE_KEY,
+    AssembledPrompt,
+    KeptSpan,
+    PlannedPrompt,
+    PrefillPlan,
+    Segment,
+    TokenScores,
+    is_finite_number,
+)
 
 __all__ = [
-    "full_plan", "plan_from_indices", "retriever_scores", "select", "unit_bounds", "unit_ranks", "unit_sums",
+    "full_plan", "plan_from_indices", "plan_scored", "prefilled_whole", "prunes", "retriever_scores", "select",
+    "unit_bounds", "unit_ranks", "unit_sums",
 ]
 
 
@@ -271,3 +282,26 @@ def plan_from_indices(
 def full_plan(prompt: AssembledPrompt) -> PrefillPlan:
     """The baseline: every prompt token at its own position."""
     return plan_from_indices(prompt, torch.arange(prompt.n_tokens, dtype=torch.int64))
+
+
+def prunes(prompt: AssembledPrompt, config: SelectionConfig) -> bool:
+    """Whether ``prompt`` is pruned at all under ``config``: False when it is shorter than
+    ``min_prompt_tokens`` or the budget keeps all its context (it is then prefilled whole)."""
+    n_context = prompt.n_context
+    return prompt.n_tokens >= config.min_prompt_tokens and config.budget(n_context) < n_context
+
+
+def prefilled_whole(prompt: AssembledPrompt, scores: TokenScores | None = None) -> PlannedPrompt:
+    """The planned prompt that prefills every token (``scores``: the draft's, when it ran)."""
+    return PlannedPrompt(prompt, full_plan(prompt), scores, 0.0, None)
+
+
+def plan_scored(prompt: AssembledPrompt, config: SelectionConfig, scores: TokenScores) -> PlannedPrompt:
+    """The plan from the draft's ``scores``: the best units within the budget, with the time the
+    selection took (``assemble_s`` is left to the caller, 0.0)."""
+    began = time.perf_counter()
+    prior = retriever_scores(prompt.segments) if config.retriever_weight else None
+    kept = select(scores.scores, prompt.protected, prompt.segment_index, config, prompt.sentence_start, prior,
+                  prompt.cut_level)
+    plan = plan_from_indices(prompt, kept, contiguous_positions=config.positions == "contiguous")
+    return PlannedPrompt(prompt, plan, scores, 0.0, time.perf_counter() - began)

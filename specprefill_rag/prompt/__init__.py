@@ -10,7 +10,15 @@
 
 from .length_guard import check_length, max_chars_per_token
 from .render import assemble, assemble_cached, cut_levels, kept_runs, sentence_breaks, special_token_ids
-from .segments import Passages, as_passages, build_segments, chat_segments, passage_segments, split_documents
+from .segments import (
+    Passages,
+    as_passages,
+    build_segments,
+    chat_segments,
+    passage_segments,
+    request_segments,
+    split_documents,
+)
 
 __all__ = [
     "Passages",
@@ -24,6 +32,7 @@ __all__ = [
     "kept_runs",
     "max_chars_per_token",
     "passage_segments",
+    "request_segments",
     "sentence_breaks",
     "special_token_ids",
     "split_documents",

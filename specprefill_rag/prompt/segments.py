@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 from ..errors import InputError, InputTypeError
 from ..types import Passage, Segment, SegmentKind
@@ -31,6 +32,7 @@ __all__ = [
     "build_segments",
     "chat_segments",
     "passage_segments",
+    "request_segments",
     "split_documents",
 ]
 
@@ -97,6 +99,23 @@ def build_segments(question: str, passages: Passages, instructions: str | None =
     if instructions and instructions.strip():
         segments.append(Segment(SegmentKind.INSTRUCTIONS, instructions.strip()))
     return (*segments, *context, Segment(SegmentKind.QUESTION, question))
+
+
+def request_segments(question: str | Sequence[Segment], passages: Passages = (), instructions: str | None = None,
+                     *, default_instructions: str = "") -> tuple[Segment, ...]:
+    """The segments of one request: a question str with its passages and ``instructions``
+    (``default_instructions`` when None) by ``build_segments``, or a list of ``Segment`` taken as
+    is (then neither passages nor instructions may be given)."""
+    if isinstance(question, str):
+        return build_segments(question, passages, default_instructions if instructions is None else instructions)
+    if not isinstance(question, Sequence):
+        raise InputTypeError(f"the question must be a str (or a list of Segment), got {type(question).__name__}")
+    if passages or instructions is not None:
+        raise InputError("pass either segments, or a question with passages and instructions")
+    segments = tuple(question)
+    if not all(isinstance(s, Segment) for s in segments):
+        raise InputError("a prompt given as a list must hold Segment objects; pass a question str otherwise")
+    return cast("tuple[Segment, ...]", segments)
 
 
 def chat_segments(
