@@ -9,6 +9,7 @@ names from ``specprefill_rag.draft``, never from a module inside it. The rooms:
 - ``capture``: the attention-registry wrapper and hooks that record query and key rows.
 - ``forward``: the prompt's forward, the KV cache, padding and the prefix store's heads.
 - ``lookahead``: the look-ahead drivers (greedy steps, siblings, verified guesses).
+- ``lookahead_spec``: ``LookaheadSpec``, one look-ahead's settings, built from a ``DraftConfig``.
 - ``early_exit``: the prompt's forward stops after the highest aggregated layer; the upper
   layers read a reading set to choose the look-ahead tokens.
 - ``cuda_graphs``, ``short_query_attention``: the look-ahead's forwards made cheap on a GPU.
@@ -21,8 +22,9 @@ names from ``specprefill_rag.draft``, never from a module inside it. The rooms:
 
 from .batching import MicroBatcher
 from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording
-from .early_exit import DecoderParts, tree_mask, upper_greedy
+from .early_exit import DecoderParts, ExitedPrompts, tree_mask, upper_greedy
 from .lookahead import reading_sets, upper_layer_logits
+from .lookahead_spec import LookaheadSpec
 from .model import DraftModel
 from .scoring import importance, layer_rows, query_weights
 from .short_query_attention import SHORT_QUERY_TOKENS, attend_short_queries, short_query_limit
@@ -36,6 +38,8 @@ __all__ = [
     "DecoderParts",
     "DraftCapture",
     "DraftModel",
+    "ExitedPrompts",
+    "LookaheadSpec",
     "MicroBatcher",
     "Recorder",
     "attend_short_queries",
