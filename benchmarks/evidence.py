@@ -398,7 +398,7 @@ def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, prompt: torch.Ten
     and rows (tests/test_lookahead.py)."""
     from transformers import DynamicCache
 
-    from specprefill_rag.draft import DecoderParts, reading_sets, upper_greedy
+    from specprefill_rag.draft import DecoderParts, ExitedPrompts, LookaheadSpec, reading_sets, upper_greedy
 
     parts = DecoderParts.of(draft.model)
     assert parts is not None
@@ -408,8 +408,9 @@ def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, prompt: torch.Ten
     everything = recorder.layers
     recorder.layers = frozenset(range(top + 1))
     try:
-        tokens, _ = upper_greedy(parts, cache, DynamicCache(config=draft.model.config), leaving, prompt,
-                                 torch.ones(1, n, dtype=torch.int64, device=draft.device), keeps, top + 1, k)
+        prompts = ExitedPrompts(prompt, torch.ones(1, n, dtype=torch.int64, device=draft.device), cache, leaving)
+        spec = LookaheadSpec(lookahead=k + 1, layers=aggregated, guesses=0)  # k steps, upper layers from top + 1
+        tokens, _ = upper_greedy(parts, prompts, DynamicCache(config=draft.model.config), keeps, spec)
     finally:
         recorder.layers = everything
     for layer in range(top + 1, draft.n_layers):

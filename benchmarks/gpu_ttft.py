@@ -346,7 +346,9 @@ def run_length(ctx: Context, target: int, args: argparse.Namespace, extras: bool
     draft = ctx.draft
 
     def capture_once() -> None:
-        draft.capture(ids, lookahead=1)
+        from specprefill_rag.draft import LookaheadSpec
+
+        draft.capture(ids, spec=LookaheadSpec(lookahead=1))
         sync(ctx.device)
 
     def full(_: Any) -> dict[str, float]:

@@ -123,9 +123,11 @@ def plain_forward_s(model: Any, ids: torch.Tensor) -> float:
 
 def capture_only_s(draft: Any, ids: torch.Tensor) -> float:
     """Seconds of a draft prefill with capture on and no look-ahead (the hooks' own cost)."""
+    from specprefill_rag.draft import LookaheadSpec
+
     _sync(draft.device)
     start = time.perf_counter()
-    draft.capture(ids, lookahead=1)
+    draft.capture(ids, spec=LookaheadSpec(lookahead=1))
     _sync(draft.device)
     return time.perf_counter() - start
 

@@ -4,6 +4,7 @@ prompt and small engine most engine tests answer. Nothing here reads files."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from specprefill_rag import (
@@ -16,6 +17,7 @@ from specprefill_rag import (
     SpecPrefillEngine,
 )
 from specprefill_rag.backends.transformers import TransformersBackend
+from specprefill_rag.draft import LookaheadSpec
 from specprefill_rag.testing import tiny_model, tiny_tokenizer
 
 CORPUS = [
@@ -44,6 +46,12 @@ def make_model(family: str, vocab_size: int, *, seed: int = 0, layers: int = 3, 
                ) -> Any:
     # Sharper attention than the default init, so scores are not nearly uniform.
     return tiny_model(family, vocab_size, seed=seed, layers=layers, eos_token_id=eos_token_id, qk_scale=8.0)
+
+
+def lookahead_spec(draft: DraftModel, lookahead: int | None = None, **changes: Any) -> LookaheadSpec:
+    """``draft``'s own look-ahead (its config's, over every layer: ``LookaheadSpec.from_config``)
+    of ``lookahead`` queries, with ``changes`` (``layers=``, ``early_exit=``, ``tokens=``, ...)."""
+    return dataclasses.replace(LookaheadSpec.from_config(draft.config, lookahead=lookahead), **changes)
 
 
 def make_engine(tokenizer: Any, *, keep_rate: float = 0.3, max_new_tokens: int = 6, draft: bool = True,

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_model
+from helpers import lookahead_spec, make_model
 
 from specprefill_rag.config import DraftConfig
-from specprefill_rag.draft import DraftModel, cuda_graphs
+from specprefill_rag.draft import DraftModel, ExitedPrompts, LookaheadSpec, cuda_graphs
 from specprefill_rag.draft.cuda_graphs import MIN_GRAPH_WIDTH, StepGraphs, graph_width
 from specprefill_rag.draft.early_exit import DecoderParts, LoopShape, StepLoop
 
@@ -104,8 +104,9 @@ def test_the_loop_keeps_every_tensor_in_place_and_leaves_the_caches_alone(tokeni
                 return out
 
             StepLoop.run = watched
-            tokens, kept = upper_greedy(parts, cache, upper, hidden, prompt, torch.ones(1, 61, dtype=torch.int64),
-                                        [keep], 3, 6)
+            prompts = ExitedPrompts(prompt, torch.ones(1, 61, dtype=torch.int64), cache, hidden)
+            spec = LookaheadSpec(7, layers=(2,), guesses=0)  # 6 steps, upper layers from 3
+            tokens, kept = upper_greedy(parts, prompts, upper, [keep], spec)
         finally:
             StepLoop.__init__, StepLoop.run = original, run
     assert len(created) == 1 and len(tensors) == 6 and tokens.shape == (1, 6) and kept.shape == (1, 6)
@@ -139,17 +140,20 @@ def test_replayed_graphs_give_the_eager_tokens_and_queries(family, tokenizer, fa
     plain = DraftModel(model, tokenizer, config)
     prompts, questions = _prompts(tokenizer)
     if stop:  # an end token the first prompt's answer writes third
-        end = plain.capture(prompts[0], 7, questions[0], stop_at_eos=False, **GREEDY).lookahead_token_ids[2]
+        end = plain.capture(prompts[0], questions[0],
+                            spec=lookahead_spec(plain, 7, stop_at_eos=False, **GREEDY)).lookahead_token_ids[2]
         plain.end_ids = frozenset({end})
-    eager = [plain.capture(p, 7, q, **GREEDY) for p, q in zip(prompts, questions, strict=True)]
-    eager_batch = plain.capture_batch(prompts, 7, questions, **GREEDY)
+    eager = [plain.capture(p, q, spec=lookahead_spec(plain, 7, **GREEDY))
+             for p, q in zip(prompts, questions, strict=True)]
+    eager_batch = plain.capture_batch(prompts, questions, spec=lookahead_spec(plain, 7, **GREEDY))
     graphed = DraftModel(model, tokenizer, config)
     graphed.end_ids = plain.end_ids
     assert graphed.capture_graphs(batches=(1, 3)) == 4  # widths 512 and 1024, batches 1 and 3
     assert graphed.capture_graphs(batches=(1, 3)) == 0  # once
-    replayed = [graphed.capture(p, 7, q, **GREEDY) for p, q in zip(prompts, questions, strict=True)]
+    replayed = [graphed.capture(p, q, spec=lookahead_spec(graphed, 7, **GREEDY))
+                for p, q in zip(prompts, questions, strict=True)]
     assert FakeGraph.replays >= 3 * (6 if guesses == 0 else 1) - (4 if stop else 0)
-    batched = graphed.capture_batch(prompts, 7, questions, **GREEDY)
+    batched = graphed.capture_batch(prompts, questions, spec=lookahead_spec(graphed, 7, **GREEDY))
     assert len(eager[0].lookahead_token_ids) == (2 if stop else 6)
     for want, got in [*zip(eager, replayed, strict=True), *zip(eager_batch, batched, strict=True)]:
         assert got.lookahead_token_ids == want.lookahead_token_ids
@@ -165,14 +169,14 @@ def test_a_request_finding_its_graph_busy_runs_eagerly(tokenizer, fake_cuda):
     draft = DraftModel(model, tokenizer, DraftConfig(layers=tuple(LAYERS), graph_max_tokens=512))
     assert draft.capture_graphs() == 1 and draft.graphs is not None
     prompts, questions = _prompts(tokenizer, (90,))
-    alone = draft.capture(prompts[0], 7, questions[0], **GREEDY)
+    alone = draft.capture(prompts[0], questions[0], spec=lookahead_spec(draft, 7, **GREEDY))
     replays = FakeGraph.replays
     shape = next(iter(draft.graphs._captured))
     with draft.graphs.claim(shape) as held:
         assert held is not None
         with draft.graphs.claim(shape) as other:
             assert other is None
-        beside = draft.capture(prompts[0], 7, questions[0], **GREEDY)
+        beside = draft.capture(prompts[0], questions[0], spec=lookahead_spec(draft, 7, **GREEDY))
     assert FakeGraph.replays == replays  # the second request did not touch the graph
     assert beside.lookahead_token_ids == alone.lookahead_token_ids
     for a, b in zip(alone.queries, beside.queries, strict=True):
@@ -184,7 +188,7 @@ def test_longer_prompts_than_captured_run_eagerly(tokenizer, fake_cuda):
                        DraftConfig(layers=tuple(LAYERS), graph_max_tokens=100))
     assert draft.capture_graphs() == 1  # width 512 only
     prompts, questions = _prompts(tokenizer, (600,))
-    draft.capture(prompts[0], 7, questions[0], **GREEDY)
+    draft.capture(prompts[0], questions[0], spec=lookahead_spec(draft, 7, **GREEDY))
     assert FakeGraph.replays == 0
 
 
@@ -235,8 +239,9 @@ def test_a_failed_capture_is_logged_and_the_draft_serves_eagerly(tokenizer, fake
         assert draft.capture_graphs() == 1  # width 512; 1024 failed, 2048 not tried
     assert "width 1024" in caplog.text and "operation not permitted" in caplog.text
     prompts, questions = _prompts(tokenizer, (600,))
-    eager = DraftModel(draft.model, tokenizer, draft.config).capture(prompts[0], 7, questions[0], **GREEDY)
-    got = draft.capture(prompts[0], 7, questions[0], **GREEDY)
+    spec = lookahead_spec(draft, 7, **GREEDY)
+    eager = DraftModel(draft.model, tokenizer, draft.config).capture(prompts[0], questions[0], spec=spec)
+    got = draft.capture(prompts[0], questions[0], spec=spec)
     assert FakeGraph.replays == 0 and got.lookahead_token_ids == eager.lookahead_token_ids
 
 

@@ -209,10 +209,6 @@ PENDING = {
     "specprefill_rag.tools.router.__init__ (9 parameters)",
     "specprefill_rag.tools.vllm_process.__init__ (9 parameters)",
     "specprefill_rag.tools.vllm_process.server_command (9 parameters)",
-    "specprefill_rag.draft.early_exit.upper_greedy (12 parameters)",
-    "specprefill_rag.draft.lookahead._greedy (11 parameters)",
-    "specprefill_rag.draft.model.capture (10 parameters)",
-    "specprefill_rag.draft.model.capture_batch (12 parameters)",
 }
 
 

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import ForwardCounter, make_model
+from helpers import ForwardCounter, lookahead_spec, make_model
 
 from specprefill_rag.config import DraftConfig
 from specprefill_rag.draft import DraftModel
@@ -32,11 +32,12 @@ def test_sibling_queries_equal_a_brute_force_reference(family, tokenizer, early_
     draft = DraftModel(make_model(family, len(tokenizer), layers=4), tokenizer)
     ids = _prompt(tokenizer)
     question = torch.arange(50, 58)
-    cap = draft.capture(ids, 5, question, layers=LAYERS, early_exit=early_exit, tokens="siblings")
+    cap = draft.capture(ids, question,
+                        spec=lookahead_spec(draft, 5, layers=LAYERS, early_exit=early_exit, tokens="siblings"))
     assert len(cap.lookahead_token_ids) == 4 and len(set(cap.lookahead_token_ids)) == 4
     assert cap.positions.tolist() == question.tolist() + [60] * 5  # every look-ahead query sees the prompt
     for j, token in enumerate(cap.lookahead_token_ids):
-        alone = draft.capture(torch.cat([ids, torch.tensor([token])]), 1, layers=LAYERS)
+        alone = draft.capture(torch.cat([ids, torch.tensor([token])]), spec=lookahead_spec(draft, 1, layers=LAYERS))
         for layer in range(len(LAYERS)):
             got = cap.queries[layer][:, cap.n_question + 1 + j]  # after the question's and the last token's
             torch.testing.assert_close(got, alone.queries[layer][:, -1], atol=1e-5, rtol=1e-4)
@@ -50,10 +51,11 @@ def test_sibling_tokens_are_the_likeliest_next_tokens(family, tokenizer):
     ids = _prompt(tokenizer)
     with torch.no_grad():
         top3 = model(input_ids=ids.reshape(1, -1)).logits[0, -1].topk(3).indices.tolist()
-    assert list(draft.capture(ids, 4, layers=LAYERS, tokens="siblings").lookahead_token_ids) == top3
-    every = draft.capture(ids, 4, layers=LAYERS, early_exit=True, tokens="siblings", upper_keep=1.0)
+    siblings = dict(layers=LAYERS, tokens="siblings")
+    assert list(draft.capture(ids, spec=lookahead_spec(draft, 4, **siblings)).lookahead_token_ids) == top3
+    every = draft.capture(ids, spec=lookahead_spec(draft, 4, early_exit=True, upper_keep=1.0, **siblings))
     assert list(every.lookahead_token_ids) == top3
-    some = draft.capture(ids, 4, layers=LAYERS, early_exit=True, tokens="siblings", upper_keep=0.2)
+    some = draft.capture(ids, spec=lookahead_spec(draft, 4, early_exit=True, upper_keep=0.2, **siblings))
     assert len(set(some.lookahead_token_ids)) == 3
 
 
@@ -125,8 +127,9 @@ def test_early_exit_keeps_the_aggregated_rows_exactly(family, tokenizer):
     forward, bit for bit; with a look-ahead of 1 (nothing read off the exit layer) so are the scores."""
     draft = DraftModel(make_model(family, len(tokenizer), layers=4), tokenizer)
     ids, question = _prompt(tokenizer), torch.arange(50, 58)
-    full = draft.capture(ids, 4, question, layers=LAYERS, tokens="siblings")
-    early = draft.capture(ids, 4, question, layers=LAYERS, early_exit=True, tokens="siblings")
+    full = draft.capture(ids, question, spec=lookahead_spec(draft, 4, layers=LAYERS, tokens="siblings"))
+    early = draft.capture(ids, question,
+                          spec=lookahead_spec(draft, 4, layers=LAYERS, early_exit=True, tokens="siblings"))
     lead = full.n_question + 1
     for a, b, qa, qb in zip(full.keys, early.keys, full.queries, early.queries, strict=True):
         assert torch.equal(a, b) and torch.equal(qa[:, :lead], qb[:, :lead])
@@ -146,9 +149,10 @@ def test_batched_siblings_equal_one_by_one(tokenizer, early_exit):
     draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, len(tokenizer), (n,), generator=gen) for n in (70, 33, 128)]
-    batched = draft.capture_batch(prompts, 4, layers=LAYERS, early_exit=early_exit, tokens="siblings")
+    spec = lookahead_spec(draft, 4, layers=LAYERS, early_exit=early_exit, tokens="siblings")
+    batched = draft.capture_batch(prompts, spec=spec)
     for ids, got in zip(prompts, batched, strict=True):
-        alone = draft.capture(ids, 4, layers=LAYERS, early_exit=early_exit, tokens="siblings")
+        alone = draft.capture(ids, spec=spec)
         assert got.lookahead_token_ids == alone.lookahead_token_ids
         for a, b in zip(got.queries, alone.queries, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -159,9 +163,10 @@ def test_siblings_need_one_position_past_the_prompt(tokenizer):
     model.config.max_position_embeddings = 62
     draft = DraftModel(model, tokenizer)
     ids = _prompt(tokenizer)  # 61 tokens
-    assert len(draft.capture(ids, 8, tokens="siblings").lookahead_token_ids) == 7  # 61 + 1 <= 62
+    siblings = draft.capture(ids, spec=lookahead_spec(draft, 8, tokens="siblings"))
+    assert len(siblings.lookahead_token_ids) == 7  # 61 + 1 <= 62
     with pytest.raises(ValueError, match="prompt of 61 tokens plus 7 look-ahead positions exceeds"):
-        draft.capture(ids, 8, tokens="greedy")
+        draft.capture(ids, spec=lookahead_spec(draft, 8, tokens="greedy"))
 
 
 @pytest.mark.parametrize(
@@ -194,18 +199,19 @@ def test_greedy_early_exit_reading_everything_is_the_full_greedy_decode(family, 
     is the full decode again: the same tokens, the same recorded queries and keys."""
     draft = DraftModel(make_model(family, len(tokenizer), layers=4), tokenizer)
     ids, question = _prompt(tokenizer), torch.arange(50, 58)
-    full = draft.capture(ids, 6, question, layers=LAYERS, tokens="greedy")
-    every = draft.capture(ids, 6, question, layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=1.0)
+    full = draft.capture(ids, question, spec=lookahead_spec(draft, 6, layers=LAYERS, tokens="greedy"))
+    early = dict(layers=LAYERS, early_exit=True)
+    every = draft.capture(ids, question, spec=lookahead_spec(draft, 6, tokens="greedy", upper_keep=1.0, **early))
     assert len(full.lookahead_token_ids) == 5 and every.lookahead_token_ids == full.lookahead_token_ids
     for a, b, qa, qb in zip(full.keys, every.keys, full.queries, every.queries, strict=True):
         assert torch.equal(a, b)
         torch.testing.assert_close(qa, qb, atol=1e-5, rtol=1e-4)
-    some = draft.capture(ids, 6, question, layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=0.2)
+    some = draft.capture(ids, question, spec=lookahead_spec(draft, 6, tokens="greedy", upper_keep=0.2, **early))
     lead = full.n_question + 1
     for qa, qb in zip(full.queries, some.queries, strict=True):  # the prompt's rows stay exact
         assert torch.equal(qa[:, :lead], qb[:, :lead])
     # Its first token is the likeliest by the upper layers over the same reading set as siblings use.
-    sibling = draft.capture(ids, 2, question, layers=LAYERS, early_exit=True, tokens="siblings", upper_keep=0.2)
+    sibling = draft.capture(ids, question, spec=lookahead_spec(draft, 2, tokens="siblings", upper_keep=0.2, **early))
     assert some.lookahead_token_ids[0] == sibling.lookahead_token_ids[0]
 
 
@@ -217,9 +223,9 @@ def test_batched_greedy_early_exit_equals_one_by_one(tokenizer, upper_keep):
     prompts = [torch.randint(0, len(tokenizer), (n,), generator=gen) for n in (70, 33, 128)]
     questions = [torch.arange(n - 9, n - 2) for n in (70, 33, 128)]
     kwargs = dict(layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=upper_keep)
-    batched = draft.capture_batch(prompts, 5, questions, **kwargs)
+    batched = draft.capture_batch(prompts, questions, spec=lookahead_spec(draft, 5, **kwargs))
     for ids, question, got in zip(prompts, questions, batched, strict=True):
-        alone = draft.capture(ids, 5, question, **kwargs)
+        alone = draft.capture(ids, question, spec=lookahead_spec(draft, 5, **kwargs))
         assert got.lookahead_token_ids == alone.lookahead_token_ids
         for a, b in zip(got.queries, alone.queries, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -231,15 +237,16 @@ def test_greedy_early_exit_needs_plain_embeddings(tokenizer):
     model = make_model("llama", len(tokenizer), layers=4)
     draft = DraftModel(model, tokenizer)
     ids, question = _prompt(tokenizer), torch.arange(50, 58)
-    full = draft.capture(ids, 4, question, layers=LAYERS, tokens="greedy")
+    full = draft.capture(ids, question, spec=lookahead_spec(draft, 4, layers=LAYERS, tokens="greedy"))
     assert draft._plain_embedding is None  # not checked without early exit
-    draft.capture(ids, 4, question, layers=LAYERS, early_exit=True, tokens="greedy")
+    draft.capture(ids, question, spec=lookahead_spec(draft, 4, layers=LAYERS, early_exit=True, tokens="greedy"))
     assert draft._plain_embedding is True
     scaled = DraftModel(model, tokenizer)
     handle = model.get_decoder().layers[0].register_forward_pre_hook(lambda module, args: (args[0] * 2.0, *args[1:]))
     try:
-        got = scaled.capture(ids, 4, question, layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=0.2)
-        reference = scaled.capture(ids, 4, question, layers=LAYERS, tokens="greedy")
+        spec = lookahead_spec(scaled, 4, layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=0.2)
+        got = scaled.capture(ids, question, spec=spec)
+        reference = scaled.capture(ids, question, spec=lookahead_spec(scaled, 4, layers=LAYERS, tokens="greedy"))
     finally:
         handle.remove()
     assert scaled._plain_embedding is False
@@ -249,7 +256,8 @@ def test_greedy_early_exit_needs_plain_embeddings(tokenizer):
 
 def _steps(draft, prompts, questions, **kwargs):
     """Each prompt's capture with one decode step per look-ahead token (the reference for guesses)."""
-    return [draft.capture(ids, 6, q, guesses=0, **kwargs) for ids, q in zip(prompts, questions, strict=True)]
+    return [draft.capture(ids, q, spec=lookahead_spec(draft, 6, guesses=0, **kwargs))
+            for ids, q in zip(prompts, questions, strict=True)]
 
 
 def _oracle(reference: torch.Tensor, right: list[int]):
@@ -284,7 +292,7 @@ def test_verified_guesses_give_the_steps_tokens_and_queries(family, tokenizer, m
         monkeypatch.setattr(lookahead, "prompt_lookup", _oracle(reference, right))
         counter = ForwardCounter(model)
         try:
-            got = draft.capture_batch(prompts, 6, questions, guesses=6, **kwargs)
+            got = draft.capture_batch(prompts, questions, spec=lookahead_spec(draft, 6, guesses=6, **kwargs))
         finally:
             counter.remove()
         (ran,) = counter.layers
@@ -334,7 +342,7 @@ def test_another_threads_early_exit_leaves_this_threads_forwards_alone(tokenizer
     ids, question = _prompt(tokenizer), torch.arange(50, 58)
     configs = [dict(tokens="greedy"), dict(tokens="greedy", early_exit=True, upper_keep=0.2),
                dict(tokens="siblings", early_exit=True, upper_keep=0.2)]
-    alone = [draft.capture(ids, 6, question, layers=LAYERS, **config) for config in configs]
+    alone = [draft.capture(ids, question, spec=lookahead_spec(draft, 6, layers=LAYERS, **config)) for config in configs]
     opened, done = threading.Event(), threading.Event()
     seen: list[object] = []
 
@@ -349,7 +357,8 @@ def test_another_threads_early_exit_leaves_this_threads_forwards_alone(tokenizer
     thread.start()
     try:
         assert opened.wait(60)
-        beside = [draft.capture(ids, 6, question, layers=LAYERS, **config) for config in configs]
+        beside = [draft.capture(ids, question, spec=lookahead_spec(draft, 6, layers=LAYERS, **config))
+                  for config in configs]
     finally:
         done.set()
         thread.join()

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import ForwardCounter, make_model
+from helpers import ForwardCounter, lookahead_spec, make_model
 
 from specprefill_rag.config import DraftConfig
 from specprefill_rag.draft import DraftModel
@@ -46,15 +46,16 @@ def test_the_lookahead_is_the_unstopped_one_cut_before_the_answers_end(family, t
     draft = DraftModel(make_model(family, len(tokenizer), layers=4), tokenizer)
     prompts, questions = _prompts(tokenizer)
     kwargs = dict(layers=LAYERS, tokens="greedy", **PATHS[path])
-    full = [draft.capture(p, 8, q, stop_at_eos=False, **kwargs) for p, q in zip(prompts, questions, strict=True)]
+    full = [draft.capture(p, q, spec=lookahead_spec(draft, 8, stop_at_eos=False, **kwargs))
+            for p, q in zip(prompts, questions, strict=True)]
     runs = [list(c.lookahead_token_ids) for c in full]
     assert all(len(r) == 7 for r in runs)
     for ends in ({runs[0][3]}, {runs[1][0], runs[2][5]}, {runs[0][6], runs[1][2]}, set()):
         draft.end_ids = frozenset(ends)
-        batched = draft.capture_batch(prompts, 8, questions, stop_at_eos=True, **kwargs)
+        batched = draft.capture_batch(prompts, questions, spec=lookahead_spec(draft, 8, stop_at_eos=True, **kwargs))
         for b, (ids, q, reference) in enumerate(zip(prompts, questions, full, strict=True)):
             cut = _cut(runs[b], ends)
-            for got in (batched[b], draft.capture(ids, 8, q, stop_at_eos=True, **kwargs)):
+            for got in (batched[b], draft.capture(ids, q, spec=lookahead_spec(draft, 8, stop_at_eos=True, **kwargs))):
                 assert list(got.lookahead_token_ids) == runs[b][:cut], (ends, b)
                 rows = reference.n_question + 1 + cut
                 assert got.positions.tolist() == reference.positions[:rows].tolist()
@@ -72,11 +73,12 @@ def test_no_forward_runs_past_the_end(tokenizer, guesses, end_at):
     draft = DraftModel(model, tokenizer)
     (ids,), (question,) = _prompts(tokenizer, (90,))
     kwargs = dict(layers=LAYERS, tokens="greedy", early_exit=True, upper_keep=0.2, guesses=guesses)
-    tokens = list(draft.capture(ids, 8, question, stop_at_eos=False, **kwargs).lookahead_token_ids)
+    tokens = list(draft.capture(ids, question,
+                                spec=lookahead_spec(draft, 8, stop_at_eos=False, **kwargs)).lookahead_token_ids)
     draft.end_ids = frozenset({tokens[end_at]})
     counter = ForwardCounter(model)
     try:
-        got = draft.capture(ids, 8, question, stop_at_eos=True, **kwargs)
+        got = draft.capture(ids, question, spec=lookahead_spec(draft, 8, stop_at_eos=True, **kwargs))
     finally:
         counter.remove()
     cut = _cut(tokens, draft.end_ids)

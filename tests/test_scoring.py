@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import make_model
+from helpers import lookahead_spec, make_model
 
 from specprefill_rag.config import DraftConfig
-from specprefill_rag.draft import DraftModel, Recorder, scoring
+from specprefill_rag.draft import DraftModel, LookaheadSpec, Recorder, scoring
 
 
 def eager_reference_rows(model, ids: torch.Tensor, lookahead_ids: tuple[int, ...]) -> list[torch.Tensor]:
@@ -110,7 +110,7 @@ def test_score_uses_chosen_layers(tokenizer):
     ids = torch.randint(0, len(tokenizer), (64,), generator=torch.Generator().manual_seed(4))
     all_layers = DraftModel(model, tokenizer, DraftConfig(lookahead=2, layers="all")).score(ids)
     # Both layer choices end at the top layer: siblings read off its input, as the capture's.
-    cap = DraftModel(model, tokenizer, DraftConfig(lookahead=2)).capture(ids, early_exit=True)
+    cap = DraftModel(model, tokenizer, DraftConfig(lookahead=2)).capture(ids, spec=LookaheadSpec(2, early_exit=True))
     upper = DraftModel(model, tokenizer, DraftConfig(lookahead=2, layers="upper_half")).score(ids)
     per_layer = torch.stack([scoring.layer_rows(cap.queries[i], cap.keys[i], cap.scaling[i], 13) for i in range(4)])
     torch.testing.assert_close(all_layers.scores, scoring.importance(per_layer))
@@ -151,7 +151,7 @@ def test_question_queries_match_eager_rows_at_their_positions(tokenizer):
     model = make_model("qwen2", len(tokenizer))
     ids = torch.randint(0, len(tokenizer), (48,), generator=torch.Generator().manual_seed(5))
     question = torch.tensor([40, 41, 44])
-    cap = DraftModel(model, tokenizer).capture(ids, lookahead=3, question=question)
+    cap = DraftModel(model, tokenizer).capture(ids, question, spec=LookaheadSpec(3))
     assert cap.n_question == 3 and cap.positions.tolist() == [40, 41, 44, 47, 47, 47]
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
@@ -187,7 +187,7 @@ def test_score_with_question_uses_both_query_groups(tokenizer):
     draft = DraftModel(model, tokenizer)
     cfg = DraftConfig(lookahead=3, lookahead_weight=0.25, layers="middle_half")
     got = draft.score(ids, question=question, config=cfg).scores
-    cap = draft.capture(ids, lookahead=3, question=question, layers=[1, 2], early_exit=True)
+    cap = draft.capture(ids, question, spec=lookahead_spec(draft, 3, layers=[1, 2], early_exit=True))
     per_layer = torch.stack(
         [scoring.layer_rows(cap.queries[i], cap.keys[i], cap.scaling[i], 13, positions=cap.positions) for i in (0, 1)]
     )
@@ -241,14 +241,15 @@ def test_capture_of_a_layer_subset_equals_the_full_capture(tokenizer):
     model = make_model("llama", len(tokenizer), layers=4)
     ids = torch.randint(0, len(tokenizer), (64,), generator=torch.Generator().manual_seed(3))
     draft = DraftModel(model, tokenizer)
-    full = draft.capture(ids, lookahead=3, tokens="greedy")
-    part = draft.capture(ids, lookahead=3, layers=[1, 2], tokens="greedy")
+    full = draft.capture(ids, spec=lookahead_spec(draft, 3, tokens="greedy"))
+    part = draft.capture(ids, spec=lookahead_spec(draft, 3, layers=[1, 2], tokens="greedy"))
     assert full.layer_ids == (0, 1, 2, 3) and part.layer_ids == (1, 2)
     for j, layer in enumerate(part.layer_ids):
         assert torch.equal(part.queries[j], full.queries[layer]) and torch.equal(part.keys[j], full.keys[layer])
     # Early exit with greedy steps: the layers above the top recorded one read a reading set;
     # reading the whole prompt, the steps are the full decode's.
-    early = draft.capture(ids, lookahead=3, layers=[0], early_exit=True, tokens="greedy", upper_keep=1.0)
+    early = draft.capture(ids,
+                          spec=lookahead_spec(draft, 3, layers=[0], early_exit=True, tokens="greedy", upper_keep=1.0))
     assert early.lookahead_token_ids == full.lookahead_token_ids
 
 

@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from helpers import PASSAGES, QUESTION, make_engine, make_model
+from helpers import PASSAGES, QUESTION, Calls, make_engine, make_model
 
 from specprefill_rag import DraftConfig, SpecPrefillEngine
 from specprefill_rag.draft import MIN_WINDOW_CONTEXT, DraftModel
@@ -130,3 +130,15 @@ def test_the_engine_plans_a_prompt_longer_than_the_drafts_window(tokenizer, capl
     assert not engine.draft_reads(prompt)
     assert "cannot be read in windows" in caplog.text and "prefilling the whole prompt" in caplog.text
     assert make_engine(tokenizer).generate(QUESTION, PASSAGES).draft_windows == 1  # its own window: one pass
+
+
+def test_the_windows_are_decided_once_per_request(tokenizer):
+    """``DraftScorer.reading`` decides the windows; the draft's run reads them as decided (before,
+    the engine decided whether windows could hold the prompt and ``score_batch`` decided again)."""
+    engine = make_engine(tokenizer)
+    prompt = engine.assemble(QUESTION, PASSAGES)
+    extra = engine.config.draft.extra_positions(engine.config.draft.lookahead)
+    engine.draft.model.config.max_position_embeddings = int(prompt.protected.sum()) + extra + 2 * MIN_WINDOW_CONTEXT
+    decided = Calls(engine.draft, "windows")
+    result = engine.generate(QUESTION, PASSAGES)
+    assert result.draft_windows >= 2 and decided.runs == 1

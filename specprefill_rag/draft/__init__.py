@@ -6,13 +6,13 @@ names from ``specprefill_rag.draft``, never from a module inside it. The rooms:
 - ``scorer``: ``DraftScorer``, what the engine calls: the draft's reading of a prompt (its own
   rendering; overflow and windows decided once), the score memo, micro-batching and the
   cross-tokenizer mapping around ``DraftModel.score_batch``.
-
 - ``model``: ``DraftModel``, the draft loaded and switched to the capturing attention;
   ``capture`` / ``capture_batch`` record one prompt or a batch, ``score`` / ``score_batch``
   turn the capture into ``TokenScores``.
 - ``capture``: the attention-registry wrapper and hooks that record query and key rows.
 - ``forward``: the prompt's forward, the KV cache, padding and the prefix store's heads.
 - ``lookahead``: the look-ahead drivers (greedy steps, siblings, verified guesses).
+- ``lookahead_spec``: ``LookaheadSpec``, one look-ahead's settings, built from a ``DraftConfig``.
 - ``early_exit``: the prompt's forward stops after the highest aggregated layer; the upper
   layers read a reading set to choose the look-ahead tokens.
 - ``cuda_graphs``, ``short_query_attention``: the look-ahead's forwards made cheap on a GPU.
@@ -25,8 +25,9 @@ names from ``specprefill_rag.draft``, never from a module inside it. The rooms:
 
 from .batching import MicroBatcher
 from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording
-from .early_exit import DecoderParts, tree_mask, upper_greedy
+from .early_exit import DecoderParts, ExitedPrompts, tree_mask, upper_greedy
 from .lookahead import reading_sets, upper_layer_logits
+from .lookahead_spec import LookaheadSpec
 from .model import DraftModel
 from .scorer import DraftReading, DraftScorer
 from .scoring import importance, layer_rows, query_weights
@@ -43,6 +44,8 @@ __all__ = [
     "DraftModel",
     "DraftReading",
     "DraftScorer",
+    "ExitedPrompts",
+    "LookaheadSpec",
     "MicroBatcher",
     "Recorder",
     "attend_short_queries",

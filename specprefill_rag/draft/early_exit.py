@@ -27,8 +27,11 @@ from typing import Any
 
 import torch
 
+from .lookahead_spec import LookaheadSpec
+
 __all__ = [
-    "DecoderParts", "FixedKV", "LoopShape", "StepLoop", "reading_set", "tree_mask", "upper_greedy", "upper_logits",
+    "DecoderParts", "ExitedPrompts", "FixedKV", "LoopShape", "StepLoop", "reading_set", "tree_mask", "upper_greedy",
+    "upper_logits",
 ]
 
 SINK_TOKENS = 4  # first prompt tokens always read (attention sinks)
@@ -105,23 +108,35 @@ def _run_layers(parts: DecoderParts, layers: range, h: torch.Tensor, mask: torch
     return h
 
 
+@dataclass(frozen=True)
+class ExitedPrompts:
+    """Right-padded prompts whose forward stopped before the first upper layer, and what it left
+    there: the lower layers' keys and values and the hidden states entering the upper ones."""
+
+    ids: torch.Tensor  # (batch, width) int64 prompt token ids, right-padded
+    mask: torch.Tensor  # (batch, width) 1 = a prompt token
+    cache: Any  # the KV cache of the layers below the first upper one (each whole prompt)
+    hidden: torch.Tensor  # (batch, width, d_model) entering the first upper layer
+
+
 @torch.inference_mode()
 def upper_greedy(
-    parts: DecoderParts, cache: Any, upper_cache: Any, hidden: torch.Tensor, prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor, keeps: list[torch.Tensor], start: int, steps: int, guesses: int = 0,
+    parts: DecoderParts, prompts: ExitedPrompts, upper_cache: Any, keeps: list[torch.Tensor], spec: LookaheadSpec,
     loops: Any = None, end_ids: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy look-ahead tokens of right-padded prompts (``prompt_ids``, ``prompt_mask`` (batch,
-    width)) whose forward stopped before layer ``start``: layers below ``start`` read each whole
-    prompt (``cache``), the layers from ``start`` on its reading set ``keeps[b]`` (sorted prompt
-    indices ending with its last token; ``hidden`` (batch, width, d_model) entering ``start``;
+    """Greedy look-ahead tokens of right-padded ``prompts`` whose forward stopped before layer
+    ``start`` (one above ``spec``'s highest recorded layer): layers below ``start`` read each
+    whole prompt (``prompts.cache``), the layers from ``start`` on its reading set ``keeps[b]``
+    (sorted prompt indices ending with its last token; ``prompts.hidden`` entering ``start``;
     their keys into ``upper_cache``). Token j sits at position n_b + j and sees what a full
     greedy decode shows it, but in the upper layers the reading set instead of the prompt.
+    ``spec.steps`` tokens per row.
 
-    ``guesses`` = 0: one step per token, no host synchronisation; the last step runs the lower
-    layers only. g > 0: each forward feeds the next token and g guesses (``prompt_lookup``) and
-    keeps those the draft's argmax confirms: the same tokens and queries (tested) in fewer
-    forwards, one host synchronisation each; rejected guesses stay in the caches, masked out.
+    ``spec.guesses`` = 0 (None, auto, counts as 0 here: the draft resolves it): one step per
+    token, no host synchronisation; the last step runs the lower layers only. g > 0: each
+    forward feeds the next token and g guesses (``prompt_lookup``) and keeps those the draft's
+    argmax confirms: the same tokens and queries (tested) in fewer forwards, one host
+    synchronisation each; rejected guesses stay in the caches, masked out.
 
     The loop runs on a ``StepLoop``: fixed-size buffers copied from the two caches once (the
     caches themselves are left as they were). ``loops`` (a ``cuda_graphs.StepGraphs``): where a
@@ -135,12 +150,13 @@ def upper_greedy(
     the layers below ``start`` recorded, in order, belong to the tokens fed (``steps`` per row,
     or the tokens before its end; ``tokens[b, :kept[b].sum()]`` are those tokens).
     """
+    start, steps, hidden = spec.top(len(parts.layers)) + 1, spec.steps, prompts.hidden
     logits, upper = _reading_pass(parts, upper_cache, hidden, keeps, start)
-    feed = 1 + max(0, min(guesses, steps - 1))  # tokens per forward
-    shape = LoopShape.of(cache, start, len(parts.layers), steps, feed, prompt_mask.shape[1], upper.shape[1])
+    feed = 1 + max(0, min(spec.guesses or 0, steps - 1))  # tokens per forward
+    shape = LoopShape.of(prompts.cache, start, len(parts.layers), steps, feed, prompts.mask.shape[1], upper.shape[1])
     with loops.claim(shape) if loops is not None else contextlib.nullcontext() as captured:
         loop = captured.loop if captured is not None else StepLoop(parts, shape, hidden.device)
-        loop.load(cache, upper_cache, prompt_ids, prompt_mask, upper, logits.argmax(-1), end_ids)
+        loop.load(prompts.cache, upper_cache, prompts.ids, prompts.mask, upper, logits.argmax(-1), end_ids)
         run = captured.run if captured is not None else loop.run
         kept = [torch.zeros(len(keeps), 0, dtype=torch.bool, device=hidden.device)]
         for step in range(steps):

@@ -24,8 +24,9 @@ from ..config import DraftConfig
 from . import scoring
 from .capture import EarlyExit, Recorder, current_recorder, recording
 from .cuda_graphs import MIN_GRAPH_WIDTH, StepGraphs
-from .early_exit import DecoderParts, LoopShape, reading_set, tree_mask, upper_greedy, upper_logits
+from .early_exit import DecoderParts, ExitedPrompts, LoopShape, reading_set, tree_mask, upper_greedy, upper_logits
 from .forward import DraftForward
+from .lookahead_spec import LookaheadSpec
 from .prefix_store import PrefixEntry
 
 __all__ = ["LookaheadDrivers", "reading_sets", "upper_layer_logits"]
@@ -36,27 +37,28 @@ logger = logging.getLogger(__name__)
 class LookaheadDrivers(DraftForward):
     """The look-ahead of a draft (``DraftModel``): siblings, greedy steps, and their CUDA graphs."""
 
-    def _siblings(
-        self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, k: int, top: int,
-        upper_keep: float | None, head: PrefixEntry | None = None,
-    ) -> torch.Tensor:
-        """Two forwards: the prompt's, then the ``k`` likeliest next tokens of each prompt together,
-        each at position n_b seeing its prompt and itself (``early_exit.tree_mask``). (batch, k).
+    def _siblings(self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
+                  spec: LookaheadSpec, head: PrefixEntry | None = None) -> torch.Tensor:
+        """Two forwards: the prompt's, then the ``spec.steps`` likeliest next tokens of each prompt
+        together, each at position n_b seeing its prompt and itself (``early_exit.tree_mask``).
+        (batch, spec.steps).
 
-        ``upper_keep``: the prompt's forward stops after layer ``top``; the layers above it read
-        that share of each prompt's tokens only, the best by the recorded rows (question and last
-        token), to find the likeliest next tokens (``early_exit.upper_logits``). None: the full
-        forward's logits. ``head``: the prompts' shared start, read from the prefix store.
+        ``spec.early_exit``: the prompt's forward stops after the highest recorded layer (top);
+        the layers above it read the ``spec.upper_keep`` share of each prompt's tokens only, the
+        best by the recorded rows (question and last token), to find the likeliest next tokens
+        (``early_exit.upper_logits``). Else: the full forward's logits. ``head``: the prompts'
+        shared start, read from the prefix store.
         """
+        k, top = spec.steps, spec.top(self.n_layers)
         cache = self._cache(head, len(last))
-        parts = DecoderParts.of(self.model) if upper_keep is not None and top < self.n_layers - 1 else None
-        if parts is None or upper_keep is None:
+        parts = DecoderParts.of(self.model) if spec.early_exit and top < self.n_layers - 1 else None
+        if parts is None:
             logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache, head=head)
         else:
             leaving = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache,
                                            leave=parts.layers[top], head=head)
             assert leaving is not None
-            logits = upper_layer_logits(self, recorder, parts, leaving, last, top, upper_keep)
+            logits = upper_layer_logits(self, recorder, parts, leaving, last, top, spec.upper_keep)
         assert logits is not None
         siblings = logits.topk(k, dim=-1).indices  # (batch, k), likeliest first
         recorder.stop_after = top
@@ -67,49 +69,50 @@ class LookaheadDrivers(DraftForward):
             )
         return siblings
 
+    def _greedy(self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
+                spec: LookaheadSpec, head: PrefixEntry | None = None) -> list[list[int]]:
+        """The reference's look-ahead: ``spec.steps`` greedy decode steps after the prompt's
+        forward, with no host synchronisation inside the loop (verified guesses, or
+        ``spec.stop_at_eos``: one per forward). Each prompt's tokens fed: ``spec.steps``, or with
+        ``spec.stop_at_eos`` those before the first of the draft's ``end_ids`` (their recorded
+        rows only: the rest are dropped).
 
-    def _greedy(
-        self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, steps: int, top: int,
-        upper_keep: float | None = None, guesses: int = 0, head: PrefixEntry | None = None,
-        loops: StepGraphs | None = None, end_ids: frozenset[int] = frozenset(),
-    ) -> list[list[int]]:
-        """The reference's look-ahead: ``steps`` greedy decode steps after the prompt's forward,
-        with no host synchronisation inside the loop (verified guesses, or ``end_ids``: one per
-        forward). Each prompt's tokens fed: ``steps``, or with ``end_ids`` those before the first
-        of them (their recorded rows only: the rest are dropped).
-
-        ``upper_keep``: the prompt's forward stops after layer ``top``, and the layers above it
-        read that share of each prompt (its reading set, as for siblings) in every step
-        (``early_exit.upper_greedy``, which verifies ``guesses`` guessed tokens per forward); the
-        recorded layers see the whole prompt. None: full forwards, one per step. ``head``: the
-        prompts' shared start, read from the prefix store. ``loops``: captured CUDA graphs of
-        the steps (``cuda_graphs``).
+        ``spec.early_exit``: the prompt's forward stops after the highest recorded layer, and the
+        layers above it read the ``spec.upper_keep`` share of each prompt (its reading set, as
+        for siblings) in every step (``early_exit.upper_greedy``, which verifies ``spec.guesses``
+        guessed tokens per forward: resolved by ``capture_batch``); the recorded layers see the
+        whole prompt. Else: full forwards, one per step. ``head``: the prompts' shared start, read
+        from the prefix store. ``spec.graphs``: replay the draft's captured CUDA graphs of the
+        steps (``cuda_graphs``).
         """
         from transformers import DynamicCache
 
+        top = spec.top(self.n_layers)
         cache = self._cache(head, len(last))
-        parts = DecoderParts.of(self.model) if upper_keep is not None and top < self.n_layers - 1 else None
-        if parts is not None and upper_keep is not None and self._embeds_plainly(parts, ids):
+        parts = DecoderParts.of(self.model) if spec.early_exit and top < self.n_layers - 1 else None
+        if parts is not None and self._embeds_plainly(parts, ids):
             leaving = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache,
                                            leave=parts.layers[top], head=head)
             assert leaving is not None
             # Only the steps' queries are recorded: the layers above ``top`` never are.
             upper = DynamicCache(config=self.model.config)
-            keeps = reading_sets(self, recorder, upper_keep)
-            found, kept = upper_greedy(parts, cache, upper, leaving, ids, mask, keeps, top + 1, steps, guesses,
-                                       loops=loops, end_ids=sorted(end_ids))
+            keeps = reading_sets(self, recorder, spec.upper_keep)
+            found, kept = upper_greedy(parts, ExitedPrompts(ids, mask, cache, leaving), upper, keeps, spec,
+                                       loops=self.graphs if spec.graphs else None,
+                                       end_ids=sorted(self._end_ids(spec)))
             recorder.keep_lookahead(kept)
             return [row[:n] for row, n in zip(found.tolist(), kept.sum(1).tolist(), strict=True)]
         logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache, head=head)
         assert logits is not None
-        return self._decode_steps(recorder, cache, logits, mask, last, steps, top, end_ids)
+        return self._decode_steps(recorder, cache, logits, mask, last, spec)
 
     def _decode_steps(self, recorder: Recorder, cache: Any, logits: torch.Tensor, mask: torch.Tensor,
-                      last: torch.Tensor, steps: int, top: int, end_ids: frozenset[int]) -> list[list[int]]:
+                      last: torch.Tensor, spec: LookaheadSpec) -> list[list[int]]:
         """Greedy decode steps over full forwards from the prompt's next-token ``logits``
-        (``_greedy`` without early exit); with ``end_ids`` a row's tokens end before the first
-        of them, its later rows are dropped and the loop ends once every row's answer has."""
-        batch = len(last)
+        (``_greedy`` without early exit); with ``spec.stop_at_eos`` a row's tokens end before the
+        first of the draft's ``end_ids``, its later rows are dropped and the loop ends once every
+        row's answer has."""
+        batch, steps, top, end_ids = len(last), spec.steps, spec.top(self.n_layers), self._end_ids(spec)
         ends = torch.tensor(sorted(end_ids), dtype=torch.int64, device=self.device)
         tokens: list[torch.Tensor] = []
         ended = torch.zeros(batch, dtype=torch.bool, device=self.device)
@@ -134,6 +137,10 @@ class LookaheadDrivers(DraftForward):
         kept = torch.stack(fed, dim=1) if fed else torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
         recorder.keep_lookahead(kept)
         return [row[:n] for row, n in zip(torch.stack(tokens, dim=1).tolist(), kept.sum(1).tolist(), strict=True)]
+
+    def _end_ids(self, spec: LookaheadSpec) -> frozenset[int]:
+        """The ids a greedy look-ahead of ``spec`` stops before: the draft's, or none."""
+        return self.end_ids if spec.stop_at_eos else frozenset()
 
     # -- CUDA graphs of the look-ahead (``cuda_graphs``) ---------------------------------------
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..config import DraftConfig, LookaheadTokens
+from ..config import DraftConfig
 from ..errors import InputError
 from ..loading import eos_ids
 from ..types import TokenScores
@@ -28,6 +28,7 @@ from . import scoring
 from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording, register
 from .forward import protected_heads
 from .lookahead import LookaheadDrivers
+from .lookahead_spec import LookaheadSpec
 from .prefix_store import PrefixStore
 from .windows import MIN_WINDOW_CONTEXT, read_windows, score_windowed
 
@@ -86,63 +87,37 @@ class DraftModel(LookaheadDrivers):
         return read_windows(n_tokens, context, self.max_context, extra_positions)
 
     def capture(
-        self,
-        token_ids: torch.Tensor,
-        lookahead: int | None = None,
-        question: torch.Tensor | None = None,
-        *,
-        layers: Sequence[int] | None = None,
-        early_exit: bool = False,
-        tokens: LookaheadTokens | None = None,
-        upper_keep: float | None = None,
-        guesses: int | None = None,
+        self, token_ids: torch.Tensor, question: torch.Tensor | None = None, *, spec: LookaheadSpec | None = None,
         head: int = 0,
-        stop_at_eos: bool | None = None,
     ) -> DraftCapture:
         """Prefill ``token_ids`` (n_prompt,) and run the look-ahead, recording post-RoPE queries
         of the ``question`` token indices (m,), of the last prompt token and of each of the
-        ``lookahead - 1`` look-ahead tokens.
+        ``spec.lookahead - 1`` look-ahead tokens.
 
-        ``tokens`` (default: the draft's ``DraftConfig.lookahead_tokens``): ``"siblings"`` = the
-        ``lookahead - 1`` likeliest next tokens, in one more forward, all at position n_prompt,
-        each attending to the prompt and itself; ``"greedy"`` = that many greedy decode steps.
-        ``layers``: record only these layers (default: all); the last look-ahead forward stops
-        after the highest of them. ``early_exit``: the prompt's forward stops there too; the
-        look-ahead tokens then come from the upper layers run over the ``upper_keep`` share of
-        the prompt (default: the draft's ``DraftConfig.upper_keep``) that the recorded rows
-        score highest (``early_exit.upper_greedy``, ``early_exit.upper_logits``), and greedy steps
-        read that share in their upper layers too. The recorded prompt tensors are exactly those
-        of the full forward. ``guesses`` (default: the draft's ``DraftConfig.lookahead_guesses``;
-        None: ``lookahead - 2`` on CUDA, else 0): with early exit, greedy tokens are verified
-        that many guesses per forward (``early_exit.upper_greedy``): the same tokens and queries
-        in fewer forwards. ``head``: the prompt's first tokens that later prompts may share (its
-        protected start): read from the draft's prefix store (``prefix_store``) when it holds them, and
-        stored once read; the prompt's forward then runs over the rest only. ``stop_at_eos``
-        (default: the draft's ``DraftConfig.lookahead_stop_at_eos``): greedy tokens stop where
-        the draft's answer ends (before its first ``end_ids`` token), so a capture may hold fewer
-        than ``lookahead - 1`` look-ahead tokens and rows.
+        ``spec`` (default: the draft's own ``DraftConfig``'s look-ahead over every layer,
+        ``LookaheadSpec.from_config``): ``spec.tokens`` ``"siblings"`` = the ``lookahead - 1``
+        likeliest next tokens, in one more forward, all at position n_prompt, each attending to
+        the prompt and itself; ``"greedy"`` = that many greedy decode steps. ``spec.layers``:
+        record only these layers (None: all); the last look-ahead forward stops after the highest
+        of them. ``spec.early_exit``: the prompt's forward stops there too; the look-ahead tokens
+        then come from the upper layers run over the ``spec.upper_keep`` share of the prompt that
+        the recorded rows score highest (``early_exit.upper_greedy``, ``early_exit.upper_logits``),
+        and greedy steps read that share in their upper layers too. The recorded prompt tensors
+        are exactly those of the full forward. ``spec.guesses`` (None: ``lookahead - 2`` on CUDA,
+        else 0): with early exit, greedy tokens are verified that many guesses per forward
+        (``early_exit.upper_greedy``): the same tokens and queries in fewer forwards. ``head``:
+        the prompt's first tokens that later prompts may share (its protected start): read from
+        the draft's prefix store (``prefix_store``) when it holds them, and stored once read; the
+        prompt's forward then runs over the rest only. ``spec.stop_at_eos``: greedy tokens stop
+        where the draft's answer ends (before its first ``end_ids`` token), so a capture may hold
+        fewer than ``lookahead - 1`` look-ahead tokens and rows.
         """
-        return self.capture_batch(
-            [token_ids], lookahead, [question], layers=layers, early_exit=early_exit, tokens=tokens,
-            upper_keep=upper_keep, guesses=guesses, heads=[head], stop_at_eos=stop_at_eos,
-        )[0]
+        return self.capture_batch([token_ids], [question], spec=spec, heads=[head])[0]
 
     @torch.inference_mode()
     def capture_batch(
-        self,
-        token_ids: Sequence[torch.Tensor],
-        lookahead: int | None = None,
-        questions: Sequence[torch.Tensor | None] | None = None,
-        *,
-        layers: Sequence[int] | None = None,
-        early_exit: bool = False,
-        tokens: LookaheadTokens | None = None,
-        upper_keep: float | None = None,
-        guesses: int | None = None,
-        heads: Sequence[int] | None = None,
-        graphs: bool = True,
-        stop_at_eos: bool | None = None,
-        namespace: str = "",
+        self, token_ids: Sequence[torch.Tensor], questions: Sequence[torch.Tensor | None] | None = None, *,
+        spec: LookaheadSpec | None = None, heads: Sequence[int] | None = None, namespace: str = "",
     ) -> list[DraftCapture]:
         """``capture`` for several prompts in one right-padded forward per step.
 
@@ -150,42 +125,35 @@ class DraftModel(LookaheadDrivers):
         of prompt b sit at positions n_b, n_b + 1, ... (greedy) or all at n_b (siblings). So
         each capture equals the prompt's own (within floating-point tolerance). ``heads``: one
         ``capture`` head per prompt; the prefix store serves the batch when all prompts begin
-        with the same tokens (``_shared_head``). ``graphs``: replay the look-ahead's CUDA
+        with the same tokens (``_shared_head``). ``spec.graphs``: replay the look-ahead's CUDA
         graphs where ``capture_graphs`` captured one for this shape (False: run it eagerly).
         ``namespace``: the requests' cache salt; the prefix store is read and written under it.
         """
-        lookahead = self.config.lookahead if lookahead is None else lookahead
-        tokens = self.config.lookahead_tokens if tokens is None else tokens
-        upper_keep = self.config.upper_keep if upper_keep is None else upper_keep
-        guesses = self._guesses(self.config.lookahead_guesses if guesses is None else guesses, lookahead)
-        stop_at_eos = self.config.lookahead_stop_at_eos if stop_at_eos is None else stop_at_eos
+        spec = LookaheadSpec.from_config(self.config) if spec is None else spec
+        spec = dataclasses.replace(spec, guesses=self._guesses(spec.guesses, spec.lookahead))
+        lookahead, tokens = spec.lookahead, spec.tokens
         questions = list(questions) if questions is not None else [None] * len(token_ids)
         if not token_ids or len(questions) != len(token_ids):
             raise InputError("pass one question (or None) per prompt, and at least one prompt")
         lengths = [int(ids.numel()) for ids in token_ids]
-        extra = self.config.extra_positions(lookahead, tokens)
-        self._check_batch(lengths, questions, lookahead, extra)
-        wanted = None if layers is None else frozenset(int(i) for i in layers)
-        top = max(wanted) if wanted else self.n_layers - 1  # the highest recorded layer
-        recorder = Recorder(lengths, [None if q is None else q.to(torch.int64).cpu() for q in questions], wanted)
+        self._check_batch(lengths, questions, lookahead, self.config.extra_positions(lookahead, tokens))
+        top = spec.top(self.n_layers)  # the highest recorded layer
+        recorder = Recorder(lengths, [None if q is None else q.to(torch.int64).cpu() for q in questions],
+                            spec.recorded())
         ids, mask = self._right_padded(token_ids, lengths)
         last = torch.tensor(lengths, device=self.device) - 1  # (batch,) each prompt's last token
         cached = self._shared_head(token_ids, lengths, recorder.questions, heads)
-        head = self._read_head(token_ids[0][:cached], self._exit_layer(lookahead, tokens, early_exit, top, ids),
+        head = self._read_head(token_ids[0][:cached], self._exit_layer(lookahead, tokens, spec.early_exit, top, ids),
                                namespace) if cached else None
         with recording(recorder):
             if lookahead == 1:
                 cache = self._cache(head, len(lengths)) if head is not None else None
-                self._prompt_forward(recorder, ids, mask, last, stop_after=top if early_exit else None, cache=cache,
-                                     head=head)
+                self._prompt_forward(recorder, ids, mask, last, stop_after=top if spec.early_exit else None,
+                                     cache=cache, head=head)
                 return recorder.captures([[] for _ in lengths], cached)
-            upper = upper_keep if early_exit else None
             if tokens == "siblings":
-                siblings = self._siblings(recorder, ids, mask, last, lookahead - 1, top, upper, head)
-                return recorder.captures(siblings.tolist(), cached)
-            found = self._greedy(recorder, ids, mask, last, lookahead - 1, top, upper, guesses, head,
-                                 self.graphs if graphs else None, self.end_ids if stop_at_eos else frozenset())
-            return recorder.captures(found, cached)
+                return recorder.captures(self._siblings(recorder, ids, mask, last, spec, head).tolist(), cached)
+            return recorder.captures(self._greedy(recorder, ids, mask, last, spec, head), cached)
 
     def score(
         self,
@@ -214,10 +182,14 @@ class DraftModel(LookaheadDrivers):
         contexts: Sequence[torch.Tensor | None] | None = None,
         config: DraftConfig | None = None,
         namespace: str = "",
+        windows: Sequence[Sequence[torch.Tensor] | None] | None = None,
     ) -> list[TokenScores]:
         """``score`` for several prompts of any lengths in one batched draft run (one padded
         prefill, one batched step per look-ahead token); each result equals the prompt's own
         ``score`` within floating-point tolerance. ``seconds`` is the whole batch's time.
+
+        ``windows``: each prompt's windows as its caller decided them (``DraftScorer.reading``:
+        None for a prompt that fits); None: decided here (``windows``), one prompt at a time.
 
         Each prompt's protected start (its tokens before the first one ``contexts`` marks
         prunable) is its head (``capture``): an application's system prompt, a chat's earlier
@@ -231,20 +203,18 @@ class DraftModel(LookaheadDrivers):
         if len(questions) != batch or len(contexts) != batch:
             raise InputError("pass one question and one context mask (or None) per prompt")
         lookaheads = [cfg.lookahead_for(0 if q is None else int(q.numel())) for q in questions]
-        windows = [self.windows(int(ids.numel()), c, cfg.extra_positions(n))
-                   for ids, c, n in zip(token_ids, contexts, lookaheads, strict=True)]
+        if windows is None:
+            windows = [self.windows(int(ids.numel()), c, cfg.extra_positions(n))
+                       for ids, c, n in zip(token_ids, contexts, lookaheads, strict=True)]
+        elif len(windows) != batch:
+            raise InputError("pass one window list (or None) per prompt")
         if any(w is not None for w in windows):
             return self._score_windowed(token_ids, questions, contexts, windows, cfg, namespace)
-        layers = cfg.layer_indices(self.n_layers)
         if cfg.prefix_cache_entries:  # 0: this call neither reads nor changes the store
             self.prefixes.resize(cfg.prefix_cache_entries, cfg.prefix_cache_bytes)
-        caps = self.capture_batch(
-            token_ids, max(lookaheads), questions, layers=layers, early_exit=cfg.early_exit,
-            tokens=cfg.lookahead_tokens, upper_keep=cfg.upper_keep,
-            guesses=self._guesses(cfg.lookahead_guesses, max(lookaheads)),
-            heads=protected_heads(contexts) if cfg.prefix_cache_entries else None, graphs=cfg.cuda_graphs,
-            stop_at_eos=cfg.lookahead_stop_at_eos, namespace=namespace,
-        )
+        spec = LookaheadSpec.from_config(cfg, lookahead=max(lookaheads), n_layers=self.n_layers)
+        caps = self.capture_batch(token_ids, questions, spec=spec, namespace=namespace,
+                                  heads=protected_heads(contexts) if cfg.prefix_cache_entries else None)
         results = [self._scores(cap, lookahead, context, cfg)
                    for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True)]
         seconds = time.perf_counter() - start
@@ -273,7 +243,7 @@ class DraftModel(LookaheadDrivers):
                            cached_tokens=cap.cached_tokens)
 
     def _score_windowed(self, token_ids: Sequence[torch.Tensor], questions: list[torch.Tensor | None],
-                        contexts: list[torch.Tensor | None], windows: list[list[torch.Tensor] | None],
+                        contexts: list[torch.Tensor | None], windows: Sequence[Sequence[torch.Tensor] | None],
                         cfg: DraftConfig, namespace: str = "") -> list[TokenScores]:
         """``score_batch`` when some prompts exceed the window (``windows.score_windowed``)."""
         return score_windowed(self.score_batch, token_ids, questions, contexts, windows, cfg, namespace)

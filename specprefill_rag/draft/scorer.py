@@ -118,16 +118,22 @@ class DraftScorer:
         if config.on_overflow == "raise":
             raise InputError(f"{reason}: shorten the context or use a draft with a longer window")
         if config.on_overflow == "windows":
-            read = reading.read
             try:
-                windows = self.model.windows(read.n_tokens, ~read.protected, self._extra_positions(reading, config))
+                windowed = self._with_windows(reading, config)
             except InputError as error:
                 reason = f"{reason}, and it cannot be read in windows: {error}"
             else:
-                logger.info("%s: the draft reads it in %d windows", reason, len(windows or ()))
-                return dataclasses.replace(reading, windows=tuple(windows or ()))
+                logger.info("%s: the draft reads it in %d windows", reason, len(windowed.windows or ()))
+                return windowed
         logger.warning("%s: prefilling the whole prompt (DraftConfig.on_overflow)", reason)
         return None
+
+    def _with_windows(self, reading: DraftReading, config: DraftConfig) -> DraftReading:
+        """``reading`` with its windows decided (``DraftModel.windows``: None when it fits in one
+        pass); ``InputError`` when it cannot be read in windows."""
+        read = reading.read
+        windows = self.model.windows(read.n_tokens, ~read.protected, self._extra_positions(reading, config))
+        return dataclasses.replace(reading, windows=None if windows is None else tuple(windows))
 
     @staticmethod
     def _extra_positions(reading: DraftReading, config: DraftConfig) -> int:
@@ -156,7 +162,8 @@ class DraftScorer:
                    ) -> list[TokenScores]:
         """The scores of several prompts in one batched draft run, past the memo and the batcher
         (each result equals the prompt's own within floating-point tolerance)."""
-        return self._score_readings([self.render(p) for p in prompts], config or self.config)
+        config = config or self.config
+        return self._score_readings([self._with_windows(self.render(p), config) for p in prompts], config)
 
     def _memo_key(self, reading: DraftReading, config: DraftConfig) -> bytes:
         """What the draft's scores of ``reading`` depend on: the draft's token ids, question and
@@ -187,6 +194,7 @@ class DraftScorer:
             contexts=[~d.protected for d in read],
             config=config,
             namespace=salts.pop() or "",
+            windows=[reading.windows for reading in readings],  # decided once, by ``reading``
         )
         if not self.maps_tokens:
             return scored

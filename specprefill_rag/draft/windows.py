@@ -47,7 +47,7 @@ def read_windows(n_tokens: int, context: torch.Tensor | None, max_context: int, 
 
 
 def score_windowed(score_batch: BatchScorer, token_ids: Sequence[torch.Tensor], questions: list[torch.Tensor | None],
-                   contexts: list[torch.Tensor | None], windows: list[list[torch.Tensor] | None],
+                   contexts: list[torch.Tensor | None], windows: Sequence[Sequence[torch.Tensor] | None],
                    cfg: DraftConfig, namespace: str = "") -> list[TokenScores]:
     """``score_batch`` (a ``DraftModel``'s) when some prompts exceed the window: those that fit are
     scored together, each other one window at a time (``windows``: each prompt's, or None when it
@@ -57,7 +57,8 @@ def score_windowed(score_batch: BatchScorer, token_ids: Sequence[torch.Tensor], 
     results: dict[int, TokenScores] = {}
     if fit:
         scored = score_batch([token_ids[b] for b in fit], questions=[questions[b] for b in fit],
-                             contexts=[contexts[b] for b in fit], config=cfg, namespace=namespace)
+                             contexts=[contexts[b] for b in fit], config=cfg, namespace=namespace,
+                             windows=[None] * len(fit))
         results.update(zip(fit, scored, strict=True))
     for b, parts in enumerate(windows):
         if parts is None:
@@ -69,7 +70,7 @@ def score_windowed(score_batch: BatchScorer, token_ids: Sequence[torch.Tensor], 
         for index in parts:
             local = None if question is None else torch.searchsorted(index, question[torch.isin(question, index)])
             (part,) = score_batch([token_ids[b][index]], questions=[local], contexts=[context.cpu()[index]],
-                                  config=cfg, namespace=namespace)
+                                  config=cfg, namespace=namespace, windows=[None])  # a window fits by construction
             scores[index] = torch.maximum(scores[index], part.scores)
             read.append(part)
         results[b] = TokenScores(scores=scores, lookahead_token_ids=read[0].lookahead_token_ids, seconds=0.0,
