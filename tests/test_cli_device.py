@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from specprefill_rag import loading
-from specprefill_rag.loading import devices
 from specprefill_rag.engine import SpecPrefillEngine
+from specprefill_rag.loading import devices
 from specprefill_rag.tools import cli, vllm_process
 
 

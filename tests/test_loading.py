@@ -20,19 +20,20 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from specprefill_rag import loading  # noqa: E402
-from specprefill_rag.loading import cache as model_cache  # noqa: E402
-from specprefill_rag.loading import convert, devices  # noqa: E402
-from specprefill_rag.loading import wheels as wheel_files  # noqa: E402
 from specprefill_rag.draft import DraftModel  # noqa: E402
 from specprefill_rag.errors import ConfigError, ModelNotFoundError  # noqa: E402
 from specprefill_rag.loading import (  # noqa: E402
     PACKAGED_MODELS,
     PackagedModel,
     cache_dir,
+    convert,
+    devices,
     load_model,
     load_tokenizer,
     resolve_model_dir,
 )
+from specprefill_rag.loading import cache as model_cache  # noqa: E402
+from specprefill_rag.loading import wheels as wheel_files  # noqa: E402
 from specprefill_rag.testing import CHATML
 
 
