@@ -104,9 +104,10 @@ def test_a_cpu_vllm_server_runs_at_the_cpus_best_precision(monkeypatch: pytest.M
     assert vllm_process.server_command("/m", cpu=False, dtype="float16")[-2:] == ["--dtype", "float16"]
     monkeypatch.setattr(vllm_process, "on_cpu", lambda: True)
     monkeypatch.setattr(loading, "resolve_model_dir", lambda name, **_: name)
-    server = vllm_process.VLLMServer("m", port=1)
+    launch = vllm_process.LaunchOptions(port=1)
+    server = vllm_process.VLLMServer("m", launch=launch)
     assert server.dtype == want and server.command[server.command.index("--dtype") + 1] == want
-    server = vllm_process.VLLMServer("m", port=1, dtype="float32")  # equality tests against fp32 references
+    server = vllm_process.VLLMServer("m", launch=launch, dtype="float32")  # equality tests against fp32 references
     assert server.dtype == "float32" and server.command.count("--dtype") == 1
 
 

@@ -147,15 +147,16 @@ def _serve_stack(args: argparse.Namespace) -> int:
     from ..config import SpecPrefillConfig
     from ..engine import SpecPrefillEngine
     from ..errors import ServerStartError
-    from .vllm_process import VLLMServer
+    from .vllm_process import LaunchOptions, VLLMServer
 
     if not args.draft:
         print("error: the gateway needs a draft model: add --draft DRAFT", file=sys.stderr)
         return 2
     _require_gateway()
     config = _gateway_config(args, SpecPrefillConfig())
-    server = VLLMServer(args.model, host=args.host, port=args.port, max_model_len=args.max_model_len,
-                        extra_args=shlex.split(args.vllm_args), log_path=args.vllm_log, dtype=args.dtype)
+    launch = LaunchOptions(host=args.host, port=args.port, log_path=args.vllm_log)
+    server = VLLMServer(args.model, launch=launch, max_model_len=args.max_model_len,
+                        extra_args=shlex.split(args.vllm_args), dtype=args.dtype)
     # uvicorn re-raises SIGINT/SIGTERM after its own shutdown; as exceptions they still stop vLLM below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     print(f"Starting vLLM on {server.url} (the first start takes minutes) ...", flush=True)
