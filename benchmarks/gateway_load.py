@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from urllib.parse import urlparse
 
     from specprefill_rag.loading import load_tokenizer, resolve_model_dir
-    from specprefill_rag.tools.vllm_process import VLLMServer
+    from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
 
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -229,9 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     server = None
     if args.vllm_url is None:
-        server = VLLMServer(args.main, port=free_port(), max_model_len=4096, log_path=logs / "vllm.log",
-                            extra_args=["--max-num-seqs", str(args.clients), "--no-enable-prefix-caching"],
-                            dtype=args.dtype)
+        server = VLLMServer(args.main, launch=LaunchOptions(port=free_port(), log_path=logs / "vllm.log"),
+                            max_model_len=4096, dtype=args.dtype,
+                            extra_args=["--max-num-seqs", str(args.clients), "--no-enable-prefix-caching"])
         print("starting vLLM ...", flush=True)
         server.start(timeout=READY_TIMEOUT_S)
     url = server.url if server else args.vllm_url

@@ -357,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from specprefill_rag.loading import load_tokenizer, resolve_model_dir
-    from specprefill_rag.tools.vllm_process import VLLMServer
+    from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
 
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -379,9 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.vllm_url is None:
         logs = ROOT / "benchmarks" / ".cache" / "prefix_cache"
         logs.mkdir(parents=True, exist_ok=True)
-        server = VLLMServer(args.main, port=free_port(), max_model_len=4096, log_path=logs / "vllm.log",
-                            extra_args=["--enable-prefix-caching"], dtype=args.dtype,
-                            env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+        launch = LaunchOptions(port=free_port(), log_path=logs / "vllm.log",
+                               env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+        server = VLLMServer(args.main, launch=launch, max_model_len=4096, extra_args=["--enable-prefix-caching"],
+                            dtype=args.dtype)
         print("starting vLLM ...", flush=True)
         server.start(timeout=READY_TIMEOUT_S)
     url = server.url if server else args.vllm_url.rstrip("/")

@@ -16,7 +16,7 @@ import pytest
 
 from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig
 from specprefill_rag.engine import SpecPrefillEngine
-from specprefill_rag.tools.vllm_process import VLLMServer
+from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
 from tests.test_gateway import GatewayProcess, free_port  # the gateway's own test helpers
 
 MODEL = "smollm2-135m-instruct"
@@ -38,8 +38,8 @@ def vllm_server(tmp_path_factory) -> Iterator[VLLMServer]:
     if not python:
         pytest.skip("set SPECPREFILL_VLLM_PYTHON to the interpreter of the environment with vLLM (make test does)")
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    server = VLLMServer(MODEL, port=free_port(), max_model_len=4096, log_path=log, python=python,
-                        extra_args=["--max-num-seqs", "8"])
+    server = VLLMServer(MODEL, launch=LaunchOptions(port=free_port(), log_path=log, python=python),
+                        max_model_len=4096, extra_args=["--max-num-seqs", "8"])
     try:
         server.start(timeout=START_TIMEOUT_S)
         yield server

@@ -11,6 +11,7 @@ import pytest
 
 from specprefill_rag import loading
 from specprefill_rag.engine import SpecPrefillEngine
+from specprefill_rag.loading import devices
 from specprefill_rag.tools import cli, vllm_process
 
 
@@ -93,7 +94,7 @@ def test_serve_gives_vllm_the_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_cpu_vllm_server_runs_at_the_cpus_best_precision(monkeypatch: pytest.MonkeyPatch, native_bf16: bool,
                                                            want: str) -> None:
     """``VLLMServer`` / ``serve`` ask vLLM for the precision ``"auto"`` gives the draft on that CPU."""
-    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: native_bf16)
+    monkeypatch.setattr(devices, "cpu_runs_bf16", lambda: native_bf16)
     assert vllm_process.server_dtype("auto", cpu=True) == want
     assert vllm_process.server_dtype("auto", cpu=False) is None  # a GPU: vLLM's own auto (bf16 / fp16)
     assert vllm_process.server_dtype("fp32", cpu=True) == "float32"  # asked for: given, as vLLM spells it
@@ -103,9 +104,10 @@ def test_a_cpu_vllm_server_runs_at_the_cpus_best_precision(monkeypatch: pytest.M
     assert vllm_process.server_command("/m", cpu=False, dtype="float16")[-2:] == ["--dtype", "float16"]
     monkeypatch.setattr(vllm_process, "on_cpu", lambda: True)
     monkeypatch.setattr(loading, "resolve_model_dir", lambda name, **_: name)
-    server = vllm_process.VLLMServer("m", port=1)
+    launch = vllm_process.LaunchOptions(port=1)
+    server = vllm_process.VLLMServer("m", launch=launch)
     assert server.dtype == want and server.command[server.command.index("--dtype") + 1] == want
-    server = vllm_process.VLLMServer("m", port=1, dtype="float32")  # equality tests against fp32 references
+    server = vllm_process.VLLMServer("m", launch=launch, dtype="float32")  # equality tests against fp32 references
     assert server.dtype == "float32" and server.command.count("--dtype") == 1
 
 
@@ -187,7 +189,7 @@ def test_the_demo_says_when_its_baseline_is_not_at_its_best(monkeypatch: pytest.
 
     import torch
 
-    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: native_bf16)
+    monkeypatch.setattr(devices, "cpu_runs_bf16", lambda: native_bf16)
     fp32 = SimpleNamespace(dtype=torch.float32, device=torch.device("cpu"))
     note = cli._baseline_note(fp32)
     assert ("fp32 where this CPU runs bf16 faster" in note) is native_bf16 and bool(note) is native_bf16

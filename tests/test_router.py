@@ -39,7 +39,7 @@ from specprefill_rag.backends import create_backend  # noqa: E402
 from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig  # noqa: E402
 from specprefill_rag.errors import BackendError  # noqa: E402
 from specprefill_rag.tools.router import VLLMRouter  # noqa: E402
-from specprefill_rag.tools.vllm_process import VLLMServer  # noqa: E402
+from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer  # noqa: E402
 from specprefill_rag.wire import PROOF_FIELD, plan_proof  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -55,8 +55,8 @@ def replicas(tmp_path_factory):
     # float32, not the CPU's bf16 default: 32 concurrent answers must equal the same requests sent
     # alone, the equality these tests were written and run for (a precaution: a batch rounds unlike a
     # single request, and bf16 leaves less room for it).
-    servers = {name: VLLMServer(MODEL, port=free_port(), max_model_len=MAX_MODEL_LEN, log_path=tmp / f"{name}.log",
-                                extra_args=["--max-num-seqs", "8"], env=env, dtype="float32")
+    servers = {name: VLLMServer(MODEL, launch=LaunchOptions(port=free_port(), log_path=tmp / f"{name}.log", env=env),
+                                max_model_len=MAX_MODEL_LEN, extra_args=["--max-num-seqs", "8"], dtype="float32")
                for name, env in envs.items()}
     try:
         with ThreadPoolExecutor(len(servers)) as pool:  # their start-ups overlap
@@ -75,8 +75,9 @@ def routers(replicas, tmp_path_factory):
     started = {}
     try:
         for name, (first, second, policy) in fleets.items():
-            started[name] = VLLMRouter([replicas[first].url, replicas[second].url], port=free_port(), policy=policy,
-                                       log_path=tmp / f"{name}.log").start(timeout=120)
+            started[name] = VLLMRouter([replicas[first].url, replicas[second].url], policy=policy,
+                                       launch=LaunchOptions(port=free_port(), log_path=tmp / f"{name}.log"),
+                                       ).start(timeout=120)
         yield started
     finally:
         for router in started.values():
@@ -200,7 +201,8 @@ def test_killed_replica_mid_stream_is_an_error_and_a_restarted_one_rejoins(repli
     plan = make_plan(counting, sparse(counting.numel(), seed=0))  # the model counts on: a long answer
     whole = list(alone.stream_tokens(plan, long))
     assert len(whole) >= 100, "the answer must outlast the kill"
-    router = VLLMRouter([replicas["a"].url, replicas["b"].url], port=free_port(), log_path=tmp_path / "router.log",
+    router = VLLMRouter([replicas["a"].url, replicas["b"].url],
+                        launch=LaunchOptions(port=free_port(), log_path=tmp_path / "router.log"),
                         extra_args=["--health-check-interval-secs", "1"]).start(timeout=120)
     try:
         backend = create_backend("vllm_server", MODEL, base_url=router.url, read_timeout=60)

@@ -6,6 +6,7 @@ import pytest
 
 from specprefill_rag.errors import ConfigError
 from specprefill_rag.tools.router import ROUTER_POLICIES, VLLMRouter, router_command
+from specprefill_rag.tools.vllm_process import LaunchOptions
 
 
 def test_command_names_the_workers_policy_and_metrics_port():
@@ -20,7 +21,8 @@ def test_command_names_the_workers_policy_and_metrics_port():
 
 def test_each_router_gets_its_own_metrics_port():
     """vllm-router panics at start when its metrics port is taken: two on one host need two."""
-    first, second = VLLMRouter(["http://a:1"], port=1), VLLMRouter(["http://a:1"], port=2)
+    first = VLLMRouter(["http://a:1"], launch=LaunchOptions(port=1))
+    second = VLLMRouter(["http://a:1"], launch=LaunchOptions(port=2))
     assert first.prometheus_port != second.prometheus_port
     assert first.metrics_url == f"http://127.0.0.1:{first.prometheus_port}/metrics"
 

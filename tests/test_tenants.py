@@ -250,7 +250,7 @@ def test_api_keys_options_are_checked():
 
 
 def test_the_keys_file_maps_tenants_to_keys(tmp_path):
-    from specprefill_rag.tools.cli import _read_api_keys
+    from specprefill_rag.tools.cli_serve import _read_api_keys
 
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({"alpha": ["k1", "k2"], "beta": "k3"}))

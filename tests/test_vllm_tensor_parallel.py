@@ -21,7 +21,7 @@ from test_vllm_server import free_port, steps_of  # noqa: E402
 from specprefill_rag.backends import create_backend  # noqa: E402
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
 from specprefill_rag.config import GenerationConfig  # noqa: E402
-from specprefill_rag.tools.vllm_process import VLLMServer  # noqa: E402
+from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer  # noqa: E402
 from specprefill_rag.types import PrefillPlan  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -38,8 +38,8 @@ def server(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     # float32, not the CPU's bf16 default: the plan's tokens are compared with a float32 transformers
     # reference, and equality needs equal precision on both sides.
-    srv = VLLMServer(MODEL, port=free_port(), max_model_len=1024, log_path=log, env=env, dtype="float32",
-                     extra_args=["--tensor-parallel-size", "2", "--max-num-seqs", "4"])
+    srv = VLLMServer(MODEL, launch=LaunchOptions(port=free_port(), log_path=log, env=env), max_model_len=1024,
+                     dtype="float32", extra_args=["--tensor-parallel-size", "2", "--max-num-seqs", "4"])
     try:
         srv.start(timeout=600)
         yield srv

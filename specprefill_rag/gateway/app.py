@@ -22,6 +22,9 @@ drain: ``/ready`` turns 503 and new generation requests get 503 with ``Retry-Aft
 requests in flight finish; the process exits once none is left or after ``drain_timeout`` seconds
 (a second signal shuts down at once). Gateways share nothing, so N of them behind one load
 balancer answer alike.
+
+The request's life (slots, engine stream, events) is ``runs``; the checks before its body is read
+are ``admission``; this module holds the gateway's state, its routes and serving it.
 """
 
 from __future__ import annotations
@@ -29,199 +32,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
 
 from ..engine import Mode, SpecPrefillEngine
 from ..errors import ConfigError, InputError
-from ..streams import AsyncTextStream
-from ..types import GenerationResult
 from . import GatewayOptions
+from .admission import check_media_type, tenant_salt, too_large
 from .metrics import GatewayMetrics
 from .protocol import GatewayRequest, parse_chat, parse_completion
 from .responses import RETRY_AFTER_S, APIError, StreamChunks, error_body, new_id, now, response, to_api_error
+from .runs import ClientGone, EventStream, Run, sse, sse_error, unless_disconnected
 
 __all__ = ["Gateway", "create_app", "run_app", "tenant_salt"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client closed the connection before the answer was complete."""
-
-
-def _too_large(size: int | None, limit: int) -> APIError:
-    """413 for a body of ``size`` bytes (None: more than ``limit``, read up to there)."""
-    what = f"has {size} bytes, over" if size is not None else "has more bytes than"
-    return APIError(413, f"the request body {what} this gateway's limit of {limit} bytes (--max-body-bytes)",
-                    code="request_too_large")
-
-
-def _check_media_type(content_type: str | None) -> None:
-    """415 for a body declared as anything but JSON, as FastAPI (and so vLLM) refuses it: a web
-    page can post a form or text/plain to a gateway on 127.0.0.1 without asking, JSON it cannot.
-    A body with no Content-Type is read as JSON."""
-    if content_type is None:
-        return
-    media = content_type.partition(";")[0].strip().lower()
-    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
-        return
-    raise APIError(415, f"the request body must be JSON (Content-Type: application/json), not {media[:80]!r}",
-                   code="unsupported_media_type")
-
-
-def tenant_salt(tenant: str, salt: str | None) -> str:
-    """The cache salt of a request of ``tenant`` that sent ``salt`` (None: none): a digest of
-    both, so no tenant, whatever salt it sends, reaches another tenant's namespace."""
-    return "tenant-" + hashlib.sha256(json.dumps([tenant, salt]).encode()).hexdigest()[:32]
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has closed the connection (the body is already read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """``work``'s result, or ``ClientGone`` (``work`` cancelled) when the client leaves first."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        gone.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    raise ClientGone
-
-
-class _Run:
-    """One admitted request: its queue slot (taken before its body is read), its share of the
-    bodies in flight (until parsed), its generation slot and its engine stream."""
-
-    def __init__(self, gateway: Gateway, endpoint: str, body_bytes: int) -> None:
-        self.gateway, self.endpoint = gateway, endpoint
-        self.request: GatewayRequest | None = None  # once the body is parsed
-        self.body_bytes = body_bytes  # of ``max_body_bytes_in_flight``, held until parsed
-        self.stream: AsyncTextStream | None = None
-        self.running = False
-        self.closed = False
-        gateway.admitted += 1
-        gateway.body_bytes += body_bytes
-        gateway.metrics.in_flight.inc()
-
-    def parsed(self, request: GatewayRequest) -> None:
-        """The body became ``request``: its bytes no longer count as in flight."""
-        self.request = request
-        self.release_body()
-
-    def release_body(self) -> None:
-        self.gateway.body_bytes -= self.body_bytes
-        self.body_bytes = 0
-
-    @property
-    def result(self) -> GenerationResult | None:
-        return self.stream.result if self.stream is not None else None
-
-    async def start(self) -> str | None:
-        """Wait for a generation slot, start the engine stream; the first text delta (None: no text)."""
-        await self.gateway.slots.acquire()
-        self.running = True
-        self.gateway.running += 1
-        self.gateway.metrics.running.inc()
-        req = self.request
-        assert req is not None
-        self.stream = await self.gateway.engine.astream(
-            list(req.segments), mode=req.mode, keep_rate=req.keep_rate, generation=req.generation
-        )
-        return await self.next()
-
-    async def next(self) -> str | None:
-        assert self.stream is not None
-        try:
-            return await self.stream.__anext__()
-        except StopAsyncIteration:
-            return None
-
-    async def collect(self) -> str:
-        parts = []
-        delta = await self.start()
-        while delta is not None:
-            parts.append(delta)
-            delta = await self.next()
-        return "".join(parts)
-
-    async def close(self, status: int) -> None:
-        """Stop generating (if still running), free both slots, count the request. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        with anyio.CancelScope(shield=True):  # also runs while the request's task is being cancelled
-            if self.stream is not None:
-                try:
-                    await self.stream.aclose()
-                except Exception:  # closing a failed stream: the failure was reported already
-                    logger.debug("closing the engine stream failed", exc_info=True)
-        gateway = self.gateway
-        if self.running:
-            gateway.slots.release()
-            gateway.running -= 1
-            gateway.metrics.running.dec()
-        self.release_body()
-        gateway.admitted -= 1
-        gateway.metrics.in_flight.dec()
-        mode = self.request.mode if self.request is not None else "none"
-        gateway.metrics.finished(self.endpoint, mode, status, self.result if status == 200 else None)
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events of one run. Whatever ends the response (the last event, the client
-    going away, even before the first event was sent), the generator is closed and the run's
-    slots are freed at once: Starlette cancels a response without closing its iterator."""
-
-    def __init__(self, events: AsyncGenerator[bytes, None], run: _Run) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._events = events
-        self._run = run
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._events.aclose()
-                await self._run.close(499)  # a no-op when the events closed it
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    """One event, encoded here: text that UTF-8 cannot carry fails in the events' own ``try``."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
-
-
-def _sse_error(error: APIError) -> bytes:
-    return f"data: {json.dumps(error.body())}\n\n".encode()  # ASCII: always encodable
 
 
 class Gateway:
@@ -274,15 +109,15 @@ class Gateway:
                            code="invalid_api_key")
         return found
 
-    def _admit(self, request: Request, endpoint: str) -> _Run:
+    def _admit(self, request: Request, endpoint: str) -> Run:
         """Admission, before a byte of the body is read: the declared size (413), the media type
         (415), draining (503), the queue (429) and the bodies in flight (429). A refusal is counted."""
         limit = self.max_body_bytes
         declared = request.headers.get("content-length", "")
         try:
             if declared.isdigit() and int(declared) > limit:
-                raise _too_large(int(declared), limit)
-            _check_media_type(request.headers.get("content-type"))
+                raise too_large(int(declared), limit)
+            check_media_type(request.headers.get("content-type"))
             if self.draining:
                 raise APIError(503, "the gateway is shutting down: retry, the load balancer sends you to another one",
                                type="service_unavailable", code="draining",
@@ -302,7 +137,7 @@ class Gateway:
         except APIError as error:
             self.metrics.finished(endpoint, "none", error.status)
             raise
-        return _Run(self, endpoint, size)
+        return Run(self, endpoint, size)
 
     async def _body(self, request: Request) -> bytes:
         """The request body, refused with 413 once the bytes read pass ``max_body_bytes`` (reading
@@ -313,7 +148,7 @@ class Gateway:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise _too_large(None, limit)
+                    raise too_large(None, limit)
                 chunks.append(chunk)
         except ClientDisconnect:
             raise ClientGone from None
@@ -357,9 +192,9 @@ class Gateway:
             req = run.request
             assert req is not None
             if req.stream:  # wait for the first text: until then a failure is still an HTTP status
-                first = await _unless_disconnected(request, run.start())
+                first = await unless_disconnected(request, run.start())
             else:
-                await _unless_disconnected(request, run.collect())
+                await unless_disconnected(request, run.collect())
                 result = run.result
                 assert result is not None
                 # Rendered here, so that text UTF-8 cannot carry is this request's error, counted as such.
@@ -376,12 +211,12 @@ class Gateway:
             await run.close(499)
             raise
         if req.stream:
-            return _EventStream(self._events(run, first), run)
+            return EventStream(self._events(run, first), run)
         await run.close(200)
         assert answer is not None
         return answer
 
-    async def _events(self, run: _Run, first: str | None) -> AsyncGenerator[bytes, None]:
+    async def _events(self, run: Run, first: str | None) -> AsyncGenerator[bytes, None]:
         """The stream's events; whatever fails after the first token (the engine, or encoding an
         event) ends it with an error event, counted with the error's status, then ``[DONE]``."""
         req = run.request
@@ -390,19 +225,19 @@ class Gateway:
         status = 499  # unless the stream ends or fails: the client went away (cancelled, closed)
         try:
             for chunk in chunks.first():
-                yield _sse(chunk)
+                yield sse(chunk)
             delta = first
             while delta is not None:
-                yield _sse(chunks.delta(delta))
+                yield sse(chunks.delta(delta))
                 delta = await run.next()
             result = run.result
             assert result is not None
-            tail = [_sse(chunks.last(result))] + ([_sse(chunks.usage(result))] if req.include_usage else [])
+            tail = [sse(chunks.last(result))] + ([sse(chunks.usage(result))] if req.include_usage else [])
             status = 200
         except Exception as exc:  # after the first token: an error event ends the stream
             error = to_api_error(exc)
             status = error.status
-            tail = [_sse_error(error)]
+            tail = [sse_error(error)]
         finally:
             # Free the slots before the last event: a client may send its next request at once.
             await run.close(status)

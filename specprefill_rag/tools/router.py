@@ -1,6 +1,6 @@
 """Several vLLM replicas behind vLLM's own router (``vllm-router``, the ``[router]`` extra).
 
-``VLLMRouter(worker_urls, port=..., policy=...)`` runs ``python -m vllm_router.launch_router``
+``VLLMRouter(worker_urls, launch=LaunchOptions(port=...), policy=...)`` runs ``python -m vllm_router.launch_router``
 (a prebuilt Rust binary from PyPI) in front of vLLM servers that each run the plugin, started by
 ``VLLMServer`` / ``specprefill-rag serve MODEL`` or by anything else. The router forwards
 ``vllm_xargs`` and ``cache_salt`` untouched and streams the replicas' answers through unchanged,
@@ -16,11 +16,10 @@ import importlib.util
 import os
 import socket
 import sys
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 from ..errors import ConfigError, ServerStartError
-from .vllm_process import ManagedProcess
+from .vllm_process import DEFAULT_LAUNCH, LaunchOptions, ManagedProcess
 
 __all__ = ["ROUTER_POLICIES", "VLLMRouter", "router_command"]
 
@@ -53,8 +52,9 @@ class VLLMRouter(ManagedProcess):
     """``vllm-router`` as a subprocess on loopback: ready once it answers ``/health`` and routes
     ``/v1/models`` to a replica. Stopped by PID (SIGTERM, then SIGKILL) like ``VLLMServer``.
 
-    ``prometheus_port`` (the router's own metrics; None: a free port, so that several routers
-    can run on one host) is ``metrics_url``'s port."""
+    ``launch``: its address, interpreter, environment and log. ``prometheus_port`` (the router's
+    own metrics; None: a free port, so that several routers can run on one host) is
+    ``metrics_url``'s port."""
 
     what = "vllm-router"
 
@@ -62,23 +62,19 @@ class VLLMRouter(ManagedProcess):
         self,
         worker_urls: Sequence[str],
         *,
-        host: str = "127.0.0.1",
-        port: int = 8000,
+        launch: LaunchOptions = DEFAULT_LAUNCH,
         policy: str = "round_robin",
         prometheus_port: int | None = None,
         extra_args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        log_path: str | os.PathLike[str] | None = None,
-        python: str | None = None,
     ) -> None:
         self.worker_urls = tuple(worker_urls)
-        self.host, self.port, self.policy, self.python = host, port, policy, python
-        self.prometheus_port = _free_port(host) if prometheus_port is None else prometheus_port
-        self.command = router_command(self.worker_urls, host=host, port=port, policy=policy,
-                                      prometheus_port=self.prometheus_port, extra_args=extra_args, python=python)
-        self.env = dict(os.environ if env is None else env)
-        self.log_path = Path(log_path) if log_path else None
-        self._init_process()
+        self.policy, self.python = policy, launch.python
+        self.prometheus_port = _free_port(launch.host) if prometheus_port is None else prometheus_port
+        self.command = router_command(self.worker_urls, host=launch.host, port=launch.port, policy=policy,
+                                      prometheus_port=self.prometheus_port, extra_args=extra_args,
+                                      python=launch.python)
+        self.env = dict(os.environ if launch.env is None else launch.env)
+        self._init_process(launch)
 
     @property
     def metrics_url(self) -> str:

@@ -21,15 +21,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, Any, Self
 
 from ..backends.vllm_offline import CPU_ENGINE_ARGS, CPU_KV_CACHE_GIB, on_cpu, require_vllm
-from ..errors import ServerStartError, UnsupportedVLLMError
+from ..errors import ConfigError, ServerStartError, UnsupportedVLLMError
+from ..types import is_int
 
 __all__ = [
-    "ManagedProcess", "VLLMServer", "cpu_binding", "numa_nodes", "parallel_ranks", "plugin_installed", "serve",
-    "server_command", "server_dtype", "server_env",
+    "LaunchOptions", "ManagedProcess", "VLLMServer", "cpu_binding", "numa_nodes", "parallel_ranks", "plugin_installed",
+    "serve", "server_command", "server_dtype", "server_env",
 ]
 
 logger = logging.getLogger(__name__)
@@ -92,24 +95,47 @@ def server_dtype(dtype: str = "auto", *, cpu: bool | None = None) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Where and how a managed server process runs: the address it listens on, the interpreter
+    it is started with, its environment and its log (``VLLMServer``, ``VLLMRouter``, ``server_command``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    python: str | None = None  # the interpreter of the environment to run in (None: this one)
+    env: Mapping[str, str] | None = None  # the environment to start from (None: this process's)
+    log_path: str | os.PathLike[str] | None = None  # where stdout and stderr go (None: discarded)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"host must be a non-empty string, got {self.host!r}")
+        if not is_int(self.port) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be an int from 0 to 65535, got {self.port!r}")
+        if self.env is not None:
+            object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+        if self.log_path is not None:
+            object.__setattr__(self, "log_path", Path(self.log_path))
+
+
+DEFAULT_LAUNCH = LaunchOptions()
+
+
 def server_command(
     model_dir: str | os.PathLike[str],
     *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    launch: LaunchOptions = DEFAULT_LAUNCH,
     served_model_name: str | None = None,
     max_model_len: int | None = None,
     extra_args: Sequence[str] = (),
     cpu: bool | None = None,
-    python: str | None = None,
     dtype: str | None = None,
 ) -> list[str]:
-    """The command line that starts vLLM's OpenAI server on ``model_dir`` (with the interpreter
-    ``python``; default: this one). ``dtype``: vLLM's ``--dtype`` (``server_dtype`` resolves
-    ``"auto"``); None: on CPU the float32 of ``CPU_ENGINE_ARGS``, on a GPU vLLM's own choice.
-    A ``--dtype`` in ``extra_args`` comes later and wins."""
-    cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(model_dir),
-           "--host", host, "--port", str(port)]
+    """The command line that starts vLLM's OpenAI server on ``model_dir`` (at ``launch.host`` and
+    ``launch.port``, with the interpreter ``launch.python``; default: this one). ``dtype``: vLLM's
+    ``--dtype`` (``server_dtype`` resolves ``"auto"``); None: on CPU the float32 of
+    ``CPU_ENGINE_ARGS``, on a GPU vLLM's own choice. A ``--dtype`` in ``extra_args`` comes later and wins."""
+    cmd = [launch.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+           os.fspath(model_dir), "--host", launch.host, "--port", str(launch.port)]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     if max_model_len:
@@ -181,9 +207,10 @@ def server_env(
 class ManagedProcess:
     """A server subprocess on loopback (its own process group): start, wait until ready, stop by PID.
 
-    Subclasses set ``command``, ``env``, ``host``, ``port``, ``log_path`` and ``what`` (for
-    messages) and may override ``_ready`` (default: ``GET /v1/models`` answers a model list) and
-    ``_preflight``. Use as a context manager; ``url`` is the base URL clients connect to.
+    Subclasses set ``command``, ``env`` and ``what`` (for messages), call ``_init_process`` with
+    their ``LaunchOptions`` (``host``, ``port``, ``log_path``) and may override ``_ready``
+    (default: ``GET /v1/models`` answers a model list) and ``_preflight``. Use as a context
+    manager; ``url`` is the base URL clients connect to.
     """
 
     what = "server"
@@ -193,7 +220,10 @@ class ManagedProcess:
     port: int
     log_path: Path | None
 
-    def _init_process(self) -> None:
+    def _init_process(self, launch: LaunchOptions) -> None:
+        self.launch = launch
+        self.host, self.port = launch.host, launch.port
+        self.log_path = Path(launch.log_path) if launch.log_path else None
         self.process: subprocess.Popen[bytes] | None = None
         self.started_s: float | None = None  # seconds from launch to ready
         self._log: IO[bytes] | None = None
@@ -278,9 +308,10 @@ class ManagedProcess:
 class VLLMServer(ManagedProcess):
     """A vLLM server subprocess on loopback: start, wait until ready, stop by PID.
 
-    Use as a context manager; ``url`` is the base URL for ``VLLMServerBackend``. ``python`` is
-    the interpreter of the environment vLLM and specprefill-rag are installed in, when that is not
-    this one (e.g. a client environment without vLLM starting a server from the vLLM one).
+    Use as a context manager; ``url`` is the base URL for ``VLLMServerBackend``. ``launch``: its
+    address, environment and log; ``launch.python`` is the interpreter of the environment vLLM and
+    specprefill-rag are installed in, when that is not this one (e.g. a client environment without
+    vLLM starting a server from the vLLM one).
     ``dtype``: the main model's (``server_dtype``; ``"auto"`` is bfloat16 on a CPU with native
     bf16); ``self.dtype`` is what vLLM was asked for (None: vLLM's own choice on a GPU). Tests
     that compare the server's tokens with a float32 transformers reference pass ``"float32"``.
@@ -292,26 +323,20 @@ class VLLMServer(ManagedProcess):
         self,
         model: str | os.PathLike[str],
         *,
-        host: str = "127.0.0.1",
-        port: int = 8000,
+        launch: LaunchOptions = DEFAULT_LAUNCH,
         max_model_len: int | None = None,
         extra_args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        log_path: str | os.PathLike[str] | None = None,
-        python: str | None = None,
         dtype: str = "auto",
     ) -> None:
         from ..loading import resolve_model_dir
 
         self.model_dir = resolve_model_dir(model)
-        self.host, self.port = host, port
-        self.python = python
+        self.python = launch.python
         self.dtype = server_dtype(dtype)
-        self.command = server_command(self.model_dir, host=host, port=port, max_model_len=max_model_len,
-                                      extra_args=extra_args, python=python, dtype=self.dtype)
-        self.env = server_env(env, extra_args=extra_args)
-        self.log_path = Path(log_path) if log_path else None
-        self._init_process()
+        self.command = server_command(self.model_dir, launch=launch, max_model_len=max_model_len,
+                                      extra_args=extra_args, dtype=self.dtype)
+        self.env = server_env(launch.env, extra_args=extra_args)
+        self._init_process(launch)
 
     def _preflight(self) -> None:
         _require_plugin(self.python)
@@ -323,6 +348,7 @@ def serve(model: str, *, host: str, port: int, max_model_len: int | None, extra_
     from ..loading import resolve_model_dir
 
     _require_plugin()
-    cmd = server_command(resolve_model_dir(model), host=host, port=port, served_model_name=model,
-                         max_model_len=max_model_len, extra_args=extra_args, dtype=server_dtype(dtype))
+    cmd = server_command(resolve_model_dir(model), launch=LaunchOptions(host=host, port=port),
+                         served_model_name=model, max_model_len=max_model_len, extra_args=extra_args,
+                         dtype=server_dtype(dtype))
     return subprocess.call(cmd, env=server_env(extra_args=extra_args))

@@ -1,0 +1,174 @@
+"""The life of one admitted request: its slots, its engine stream, its server-sent events, and
+noticing a client that went away.
+
+A ``Run`` holds a queue slot from admission (before its body is read), its share of the bodies in
+flight until parsed, then a generation slot while the engine streams; ``close`` frees them all,
+whatever ended the request, and counts it. ``EventStream`` makes sure a streamed answer closes its
+run even when Starlette cancels the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..streams import AsyncTextStream
+from ..types import GenerationResult
+from .protocol import GatewayRequest
+from .responses import APIError
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+__all__ = ["ClientGone", "EventStream", "Run", "sse", "sse_error", "unless_disconnected"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was complete."""
+
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (the body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or ``ClientGone`` (``work`` cancelled) when the client leaves first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone
+
+
+class Run:
+    """One admitted request: its queue slot (taken before its body is read), its share of the
+    bodies in flight (until parsed), its generation slot and its engine stream."""
+
+    def __init__(self, gateway: Gateway, endpoint: str, body_bytes: int) -> None:
+        self.gateway, self.endpoint = gateway, endpoint
+        self.request: GatewayRequest | None = None  # once the body is parsed
+        self.body_bytes = body_bytes  # of ``max_body_bytes_in_flight``, held until parsed
+        self.stream: AsyncTextStream | None = None
+        self.running = False
+        self.closed = False
+        gateway.admitted += 1
+        gateway.body_bytes += body_bytes
+        gateway.metrics.in_flight.inc()
+
+    def parsed(self, request: GatewayRequest) -> None:
+        """The body became ``request``: its bytes no longer count as in flight."""
+        self.request = request
+        self.release_body()
+
+    def release_body(self) -> None:
+        self.gateway.body_bytes -= self.body_bytes
+        self.body_bytes = 0
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self.stream.result if self.stream is not None else None
+
+    async def start(self) -> str | None:
+        """Wait for a generation slot, start the engine stream; the first text delta (None: no text)."""
+        await self.gateway.slots.acquire()
+        self.running = True
+        self.gateway.running += 1
+        self.gateway.metrics.running.inc()
+        req = self.request
+        assert req is not None
+        self.stream = await self.gateway.engine.astream(
+            list(req.segments), mode=req.mode, keep_rate=req.keep_rate, generation=req.generation
+        )
+        return await self.next()
+
+    async def next(self) -> str | None:
+        assert self.stream is not None
+        try:
+            return await self.stream.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    async def collect(self) -> str:
+        parts = []
+        delta = await self.start()
+        while delta is not None:
+            parts.append(delta)
+            delta = await self.next()
+        return "".join(parts)
+
+    async def close(self, status: int) -> None:
+        """Stop generating (if still running), free both slots, count the request. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):  # also runs while the request's task is being cancelled
+            if self.stream is not None:
+                try:
+                    await self.stream.aclose()
+                except Exception:  # closing a failed stream: the failure was reported already
+                    logger.debug("closing the engine stream failed", exc_info=True)
+        gateway = self.gateway
+        if self.running:
+            gateway.slots.release()
+            gateway.running -= 1
+            gateway.metrics.running.dec()
+        self.release_body()
+        gateway.admitted -= 1
+        gateway.metrics.in_flight.dec()
+        mode = self.request.mode if self.request is not None else "none"
+        gateway.metrics.finished(self.endpoint, mode, status, self.result if status == 200 else None)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events of one run. Whatever ends the response (the last event, the client
+    going away, even before the first event was sent), the generator is closed and the run's
+    slots are freed at once: Starlette cancels a response without closing its iterator."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None], run: Run) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+        self._run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()
+                await self._run.close(499)  # a no-op when the events closed it
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One event, encoded here: text that UTF-8 cannot carry fails in the events' own ``try``."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def sse_error(error: APIError) -> bytes:
+    return f"data: {json.dumps(error.body())}\n\n".encode()  # ASCII: always encodable

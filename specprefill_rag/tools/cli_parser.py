@@ -1,0 +1,191 @@
+"""The ``specprefill-rag`` command line's arguments: one parser, a subparser per command.
+
+The commands themselves are in ``cli`` (demo, ask, bench, prepare) and ``cli_serve`` (serve,
+gateway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, get_args
+
+from ..config import LookaheadTokens
+from ..loading import DEFAULT_DRAFT, DEFAULT_MAIN
+
+__all__ = ["DESCRIPTION", "build_parser"]
+
+DESCRIPTION = """``specprefill-rag`` command line: demo, ask, serve, gateway, bench, prepare.
+
+The CLI is the one place that prints; the library logs.
+"""
+
+
+def _device_args(parser: Any, *, whose: str) -> None:
+    """--device / --dtype for the models this process loads (``whose``), read by ``loading``."""
+    parser.add_argument(
+        "--device", default="auto",
+        help=f"where to run {whose}: auto (the first CUDA GPU torch sees, else the CPU), cpu, cuda, cuda:1, ... "
+        "(%(default)s)",
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help=f"dtype of {whose}: auto (the fastest the device offers, one for every model: bfloat16 on a GPU "
+        "and on a CPU that multiplies bf16 natively, else float32) (%(default)s)",
+    )
+
+
+def _lookahead_args(parser: Any) -> None:
+    parser.add_argument(
+        "--lookahead-tokens", default=None, choices=list(get_args(LookaheadTokens)),
+        help="the draft's L - 1 look-ahead tokens: greedy (L - 1 sequential decode steps) or siblings (the "
+        "likeliest next tokens in one forward: cheaper, as good with the Qwen 0.5B draft, worse with drafts "
+        "whose answers open with a preamble, such as SmolLM2; docs/configuration.md) (default: the library's "
+        "DraftConfig)",
+    )
+    parser.add_argument(
+        "--lookahead-stop-at-eos", default=None, action=argparse.BooleanOptionalAction,
+        help="greedy look-ahead: stop where the draft's answer ends (its first end-of-turn token), or always "
+        "write L - 1 tokens (default: the library's DraftConfig.lookahead_stop_at_eos)",
+    )
+
+
+def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: int, max_new_tokens: int) -> None:
+    add = parser.add_argument
+    add("--main", default=DEFAULT_MAIN, help="main model: packaged short name, HF directory or .gguf (%(default)s)")
+    add("--draft", default=DEFAULT_DRAFT, help="draft model; another tokenizer is mapped (%(default)s)")
+    add(
+        "--keep-rate", type=float, default=keep_rate,
+        help="fraction of the context (retrieved passages) prefilled; the question and instructions "
+        "always are (%(default)s)",
+    )
+    add("--top-k", type=int, default=top_k, help="passages retrieved (default: %(default)s)")
+    add("--max-new-tokens", type=int, default=max_new_tokens, help="answer length limit (default: %(default)s)")
+    parser.add_argument(
+        "--lookahead", type=int, default=None, help="draft look-ahead queries L (default: the library's DraftConfig)"
+    )
+    _lookahead_args(parser)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _device_args(parser, whose="the draft and the main model")
+
+
+def _gateway_args(group: Any) -> None:
+    add = group.add_argument
+    add("--api-key", default=os.environ.get("SPECPREFILL_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECPREFILL_API_KEY; unset: open)")
+    add("--api-keys-file", default=os.environ.get("SPECPREFILL_API_KEYS_FILE"),
+        help="a JSON object of tenant name -> API key (or list of keys): each tenant's requests share cached "
+        "work only with the same tenant's (default: $SPECPREFILL_API_KEYS_FILE; unset: none)")
+    add("--keep-rate", type=float, default=None, help="default share of the context prefilled (default: the engine's)")
+    add("--max-new-tokens", type=int, default=None,
+        help="answer length when a request sets no max_tokens (default: the engine's)")
+    add("--max-queue", type=int, default=64, help="requests in flight (running or waiting) before HTTP 429 "
+        "(%(default)s)")
+    add("--max-concurrency", type=int, default=None,
+        help="requests generating at once (default: max(4, --draft-batch))")
+    _lookahead_args(group)
+    add("--draft-batch", type=int, default=None,
+        help="concurrent requests scored in one draft batch, DraftConfig.max_batch (default: the engine's; "
+        "worth raising on a GPU)")
+    add("--draft-memo", type=int, default=None,
+        help="prompts whose draft scores are kept, so an identical request (a retry) skips the draft, "
+        "DraftConfig.memo_entries (default: the engine's, 32; 0: off)")
+    add("--draft-prefix-cache", type=int, default=None,
+        help="prompt heads (system prompt, a chat's earlier turns) whose draft keys and values are kept, so a "
+        "request that begins with one is read from where it ends, DraftConfig.prefix_cache_entries "
+        "(default: the engine's, 8; 0: off)")
+    add("--model-name", default=None, help="model id shown to clients (default: the main model's name)")
+    add("--max-body-bytes", type=int, default=8 << 20,
+        help="request bodies larger than this are refused with HTTP 413 before they are read whole "
+        "(%(default)s = 8 MiB)")
+    add("--max-body-bytes-in-flight", type=int, default=None,
+        help="request bodies being read or parsed at once, together, before HTTP 429 (default: 4 x --max-body-bytes)")
+    add("--drain-timeout", type=float, default=30.0,
+        help="seconds SIGTERM lets in-flight requests finish while new ones get 503 and /ready says 503 "
+        "(%(default)s)")
+    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (%(default)s)")
+
+
+def _add_serve(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="start vLLM's OpenAI server with the SpecPrefill plugin (docs/vllm.md); with --gateway-port, "
+        "the OpenAI-compatible SpecPrefill gateway in front of it too (docs/gateway.md)",
+    )
+    serve.add_argument("model", help="main model: packaged short name, HF directory or .gguf")
+    serve.add_argument("--host", default="127.0.0.1", help="address vLLM listens on (%(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="vLLM's port (%(default)s)")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    serve.add_argument("--vllm-args", default="", help='more vLLM server arguments, e.g. "--max-num-seqs 8"')
+    stack = serve.add_argument_group("whole stack: vLLM, then the gateway in front of it (needs --gateway-port)")
+    stack.add_argument("--gateway-port", type=int, default=None, help="port of the gateway (default: no gateway)")
+    stack.add_argument("--gateway-host", default="127.0.0.1", help="address the gateway listens on (%(default)s)")
+    stack.add_argument("--draft", default=None, help="draft model, run beside the gateway (required with a gateway)")
+    stack.add_argument("--vllm-log", default=None, help="write vLLM's output to this file (default: discarded)")
+    _device_args(stack, whose="the draft (--dtype: vLLM's main model too, unless --vllm-args names one; vLLM "
+                 "places the main model: share one GPU with --vllm-args '--gpu-memory-utilization 0.8')")
+    _gateway_args(stack)
+
+
+def _add_gateway(sub: Any) -> None:
+    gateway = sub.add_parser(
+        "gateway", help="an OpenAI-compatible HTTP server answering with SpecPrefill (docs/gateway.md)"
+    )
+    gateway.add_argument(
+        "--engine", default=None, metavar="MODULE:FUNCTION",
+        help="import path of a zero-argument function returning a SpecPrefillEngine (instead of --main/--draft)",
+    )
+    gateway.add_argument("--main", default=DEFAULT_MAIN, help="main model (%(default)s)")
+    gateway.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (%(default)s)")
+    gateway.add_argument("--no-draft", action="store_true", help="no draft model: serve full prefill only")
+    gateway.add_argument("--backend", default="transformers", help="main-model backend: transformers, vllm_server, "
+                         "vllm_offline (%(default)s)")
+    gateway.add_argument("--vllm-url", default="http://127.0.0.1:8000",
+                         help="the vLLM server, for --backend vllm_server (%(default)s)")
+    gateway.add_argument("--served-model-name", default=None,
+                         help="the model's name on the vLLM server (default: asked at start)")
+    gateway.add_argument("--max-model-len", type=int, default=None,
+                         help="the vLLM server's context window (default: asked at start; with --served-model-name "
+                         "too, the gateway starts without reaching vLLM)")
+    gateway.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
+    gateway.add_argument("--port", type=int, default=8080, help="port (%(default)s)")
+    gateway.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _device_args(gateway, whose="the draft, and the main model under --backend transformers")
+    _gateway_args(gateway)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specprefill-rag", description=DESCRIPTION)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log library progress")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="answer a question over the bundled documents, full prefill vs SpecPrefill")
+    demo.add_argument("--question", default=None, help="question (default: the bundled demo question)")
+    demo.add_argument("--docs", default=None, help="directory or file of .md/.txt documents (default: bundled)")
+    _engine_args(demo, keep_rate=0.1, top_k=12, max_new_tokens=40)
+
+    ask = sub.add_parser("ask", help="answer one question over your documents with SpecPrefill")
+    ask.add_argument("question")
+    ask.add_argument("--docs", required=True, help="directory or file of .md/.txt documents")
+    ask.add_argument("--full", action="store_true", help="full prefill instead of SpecPrefill")
+    _engine_args(ask, keep_rate=0.2, top_k=8, max_new_tokens=128)
+
+    _add_serve(sub)
+    _add_gateway(sub)
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks from a source checkout: ttft | quality | evidence | guesses | lookahead_cost | windows "
+        "| gateway_load | prefix_cache | plugin_step | report (`bench SUITE --help`: options)",
+        add_help=False,
+    )
+    bench.add_argument(
+        "suite", choices=["ttft", "quality", "evidence", "guesses", "lookahead_cost", "windows", "gateway_load",
+                  "prefix_cache", "plugin_step", "report"]
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to benchmarks/<suite>.py")
+
+    prepare = sub.add_parser("prepare", help="fetch and convert packaged models into the cache")
+    prepare.add_argument("models", nargs="*", default=[DEFAULT_DRAFT, DEFAULT_MAIN])
+    return parser
