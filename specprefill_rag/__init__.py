@@ -9,7 +9,7 @@ rest (``prompt``, ``draft``, ``selection``, ``backends.base``, ...).
 """
 
 from .backends import Backend, BackendCapabilities, available_backends, create_backend, register_backend
-from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig
+from .config import DraftConfig, DraftRuntime, GenerationConfig, ScoringConfig, SelectionConfig, SpecPrefillConfig
 from .draft import DraftModel
 from .engine import RequestOptions, SpecPrefillEngine
 from .errors import (
@@ -54,6 +54,7 @@ __all__ = [
     "ConfigTypeError",
     "DraftConfig",
     "DraftModel",
+    "DraftRuntime",
     "GenerationConfig",
     "GenerationResult",
     "InputError",
@@ -66,6 +67,7 @@ __all__ = [
     "PlannedPrompt",
     "PrefillPlan",
     "RequestOptions",
+    "ScoringConfig",
     "Segment",
     "SegmentKind",
     "SelectionConfig",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
@@ -22,16 +22,19 @@ SelectionUnit = Literal["sentence", "chunk"]
 TokenizerMapping = Literal["auto", "same", "offsets"]
 OverflowPolicy = Literal["windows", "full", "raise"]
 LookaheadTokens = Literal["siblings", "greedy"]
+_Part = TypeVar("_Part")
 
 __all__ = [
     "GREEDY_BELOW",
     "DraftConfig",
+    "DraftRuntime",
     "GenerationConfig",
     "LayerChoice",
     "LookaheadTokens",
     "OverflowPolicy",
     "PositionMode",
     "SelectionConfig",
+    "ScoringConfig",
     "SelectionUnit",
     "SpecPrefillConfig",
     "TokenizerMapping",
@@ -76,8 +79,9 @@ def _check_types(obj: object, ints: tuple[str, ...] = (), numbers: tuple[str, ..
 
 
 @dataclass(frozen=True)
-class DraftConfig:
-    """How the draft model scores prompt tokens.
+class ScoringConfig:
+    """The draft's scoring rule: how it turns a prompt into per-token importance. Two equal
+    rules give the same scores for the same prompt; the score memo keys on this.
 
     Queries come in two groups: the question's own tokens (their attention over the context
     finds the passages that match what is asked) and the look-ahead (the last prompt token plus
@@ -133,57 +137,10 @@ class DraftConfig:
     # with the Qwen 0.5B draft on RAG prompts, evidence unchanged (paired, HotpotQA n=200).
     # False: always L - 1 tokens (the reference).
     lookahead_stop_at_eos: bool = True
-    # Concurrent requests' scoring runs as one padded draft batch of up to max_batch prompts,
-    # formed within batch_window_s of the first one's arrival. 1: each request scores alone.
-    # Worth it on a GPU (one pass for many prompts); on a CPU the draft is compute-bound.
-    max_batch: int = 1
-    batch_window_s: float = 0.002  # seconds
-    # A prompt that fits the main model but not the draft's window (look-ahead included):
-    # "windows" reads it in windows that each hold the protected tokens (instructions, question)
-    # and a run of the context (``DraftModel.windows``), falling back to "full" when the protected
-    # part alone fills the window; "full" prefills it whole and logs a warning; "raise" refuses it
-    # with InputError.
-    on_overflow: OverflowPolicy = "windows"
-    # The engine keeps the scores of its last memo_entries prompts (at most memo_bytes of score
-    # tensors together), keyed by what the draft reads and the scoring fields of this config:
-    # an identical request (a retry, "regenerate") skips the draft. 0: no memo.
-    memo_entries: int = 32
-    memo_bytes: int = 64 * 2**20
-    # The draft keeps its keys and values of the protected start of its last prefix_cache_entries
-    # prompts (at most prefix_cache_bytes together; ``draft.prefix_store``): a prompt that begins with one
-    # (the same system prompt, a chat's earlier turns) is read from where it ends. About 20 KB
-    # per token with the Qwen 0.5B draft in float32. Scores equal a full read's within
-    # floating-point tolerance. 0: every prompt is read whole.
-    prefix_cache_entries: int = 8
-    prefix_cache_bytes: int = 512 * 2**20
-    # CUDA graphs of the greedy look-ahead's forwards (``draft.cuda_graphs``), captured by the engine's
-    # warm-up for padded prompt widths 512, 1024, … up to graph_max_tokens (and the draft's
-    # window) and replayed per request: one launch per forward instead of one per kernel. A
-    # prompt wider than that, or a batch size not captured, runs the same loop eagerly. Static
-    # buffers cost about (draft layers × 2 × kv_heads × head_dim × dtype bytes) per token per
-    # width (~32 KB/token for a 1B Llama in bf16: ~2 GB for all widths up to 32k).
-    # Only a CUDA draft captures graphs; False: never (every forward eager).
-    cuda_graphs: bool = True
-    graph_max_tokens: int = 32768
 
     def __post_init__(self) -> None:
-        _check_types(
-            self, ints=("lookahead", "pool_kernel", "max_batch", "lookahead_guesses", "memo_entries", "memo_bytes",
-                        "prefix_cache_entries", "prefix_cache_bytes", "graph_max_tokens"),
-            numbers=("lookahead_weight", "batch_window_s", "upper_keep"),
-        )
-        _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
-        _check(self.memo_entries >= 0, f"memo_entries must be >= 0, got {self.memo_entries}")
-        _check(self.memo_bytes >= 0, f"memo_bytes must be >= 0, got {self.memo_bytes}")
-        _check(self.prefix_cache_entries >= 0, f"prefix_cache_entries must be >= 0, got {self.prefix_cache_entries}")
-        _check(self.prefix_cache_bytes >= 0, f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
-        _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
-        _check(self.graph_max_tokens >= 1, f"graph_max_tokens must be >= 1, got {self.graph_max_tokens}")
-        _check(
-            math.isfinite(self.batch_window_s) and self.batch_window_s >= 0,
-            f"batch_window_s must be >= 0 seconds, got {self.batch_window_s}",
-        )
-        check_choice("on_overflow", self.on_overflow, OverflowPolicy)
+        _check_types(self, ints=("lookahead", "pool_kernel", "lookahead_guesses"),
+                     numbers=("lookahead_weight", "upper_keep"))
         _check(self.lookahead >= 1, f"lookahead must be >= 1, got {self.lookahead}")
         _check(
             0.0 <= self.lookahead_weight <= 1.0,
@@ -218,17 +175,6 @@ class DraftConfig:
         """Look-ahead length to run for a prompt with ``n_question`` question tokens: 1 (no
         decoding) when the look-ahead gets no vote and the question can carry the score."""
         return 1 if n_question and self.lookahead_weight == 0.0 else self.lookahead
-
-    def scoring(self) -> DraftConfig:
-        """This config with the fields that never change a score (batching, overflow, memo size,
-        graphs) at fixed values: what the engine's memo keys on."""
-        return dataclasses.replace(self, max_batch=1, batch_window_s=0.0, on_overflow="full", memo_entries=0,
-                                   memo_bytes=0, prefix_cache_entries=0, prefix_cache_bytes=0, cuda_graphs=True,
-                                   graph_max_tokens=1)
-
-    def graphs_on(self, device_type: str) -> bool:
-        """Whether a draft on ``device_type`` captures its look-ahead as CUDA graphs."""
-        return device_type == "cuda" and self.cuda_graphs
 
     def guesses_on(self, device_type: str, lookahead: int | None = None, dtype: Any = None) -> int:
         """Guesses verified per greedy forward by a draft on ``device_type`` ("cuda", "cpu", ...)
@@ -265,6 +211,95 @@ class DraftConfig:
         if bad:
             raise ConfigError(f"draft has {n_layers} layers; layer indices {bad} do not exist")
         return sorted(set(self.layers))
+
+
+@dataclass(frozen=True)
+class DraftRuntime:
+    """How the draft runs, never what it scores: batching, overflow, the caches and CUDA graphs.
+    Two configs that differ only here give the same scores (within floating-point tolerance)."""
+
+    # Concurrent requests' scoring runs as one padded draft batch of up to max_batch prompts,
+    # formed within batch_window_s of the first one's arrival. 1: each request scores alone.
+    # Worth it on a GPU (one pass for many prompts); on a CPU the draft is compute-bound.
+    max_batch: int = 1
+    batch_window_s: float = 0.002  # seconds
+    # A prompt that fits the main model but not the draft's window (look-ahead included):
+    # "windows" reads it in windows that each hold the protected tokens (instructions, question)
+    # and a run of the context (``DraftModel.windows``), falling back to "full" when the protected
+    # part alone fills the window; "full" prefills it whole and logs a warning; "raise" refuses it
+    # with InputError.
+    on_overflow: OverflowPolicy = "windows"
+    # The engine keeps the scores of its last memo_entries prompts (at most memo_bytes of score
+    # tensors together), keyed by what the draft reads and the scoring fields of this config:
+    # an identical request (a retry, "regenerate") skips the draft. 0: no memo.
+    memo_entries: int = 32
+    memo_bytes: int = 64 * 2**20
+    # The draft keeps its keys and values of the protected start of its last prefix_cache_entries
+    # prompts (at most prefix_cache_bytes together; ``draft.prefix_store``): a prompt that begins with one
+    # (the same system prompt, a chat's earlier turns) is read from where it ends. About 20 KB
+    # per token with the Qwen 0.5B draft in float32. Scores equal a full read's within
+    # floating-point tolerance. 0: every prompt is read whole.
+    prefix_cache_entries: int = 8
+    prefix_cache_bytes: int = 512 * 2**20
+    # CUDA graphs of the greedy look-ahead's forwards (``draft.cuda_graphs``), captured by the engine's
+    # warm-up for padded prompt widths 512, 1024, … up to graph_max_tokens (and the draft's
+    # window) and replayed per request: one launch per forward instead of one per kernel. A
+    # prompt wider than that, or a batch size not captured, runs the same loop eagerly. Static
+    # buffers cost about (draft layers × 2 × kv_heads × head_dim × dtype bytes) per token per
+    # width (~32 KB/token for a 1B Llama in bf16: ~2 GB for all widths up to 32k).
+    # Only a CUDA draft captures graphs; False: never (every forward eager).
+    cuda_graphs: bool = True
+    graph_max_tokens: int = 32768
+
+    def __post_init__(self) -> None:
+        _check_types(
+            self, ints=("max_batch", "memo_entries", "memo_bytes", "prefix_cache_entries", "prefix_cache_bytes",
+                        "graph_max_tokens"),
+            numbers=("batch_window_s",),
+        )
+        _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
+        _check(self.memo_entries >= 0, f"memo_entries must be >= 0, got {self.memo_entries}")
+        _check(self.memo_bytes >= 0, f"memo_bytes must be >= 0, got {self.memo_bytes}")
+        _check(self.prefix_cache_entries >= 0, f"prefix_cache_entries must be >= 0, got {self.prefix_cache_entries}")
+        _check(self.prefix_cache_bytes >= 0, f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        _check(self.graph_max_tokens >= 1, f"graph_max_tokens must be >= 1, got {self.graph_max_tokens}")
+        _check(
+            math.isfinite(self.batch_window_s) and self.batch_window_s >= 0,
+            f"batch_window_s must be >= 0 seconds, got {self.batch_window_s}",
+        )
+        check_choice("on_overflow", self.on_overflow, OverflowPolicy)
+
+    def graphs_on(self, device_type: str) -> bool:
+        """Whether a draft on ``device_type`` captures its look-ahead as CUDA graphs."""
+        return device_type == "cuda" and self.cuda_graphs
+
+
+def _part(config: object, part: type[_Part]) -> _Part:
+    """The fields of ``part`` (a dataclass ``config`` inherits from) read off ``config``."""
+    return part(**{f.name: getattr(config, f.name) for f in dataclasses.fields(part)})  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class DraftConfig(ScoringConfig, DraftRuntime):
+    """Everything about the draft, in one flat set of keywords: the scoring rule
+    (``ScoringConfig``: what the scores are, what the memo keys on, ``rule``) and how the draft
+    runs (``DraftRuntime``: batching, overflow, caches, CUDA graphs, ``runtime``). Each part
+    documents and validates its own fields."""
+
+    def __post_init__(self) -> None:
+        DraftRuntime.__post_init__(self)
+        ScoringConfig.__post_init__(self)
+
+    @property
+    def rule(self) -> ScoringConfig:
+        """The scoring rule alone: what the engine's score memo keys on."""
+        return _part(self, ScoringConfig)
+
+    @property
+    def runtime(self) -> DraftRuntime:
+        """The run-time settings alone."""
+        return _part(self, DraftRuntime)
 
 
 @dataclass(frozen=True)

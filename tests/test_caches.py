@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assembly, draft_runs
 
-from specprefill_rag import DraftConfig, Passage
+from specprefill_rag import ConfigError, DraftConfig, DraftRuntime, Passage, ScoringConfig
 from specprefill_rag.caches import ScoreMemo, digest
 from specprefill_rag.testing import tiny_engine
 from specprefill_rag.types import TokenScores
@@ -168,3 +168,20 @@ def test_zero_memo_entries_assemble_every_time_and_the_window_still_refuses(monk
     for _ in range(2):  # remembered or not, a prompt over the window is refused
         with pytest.raises(InputError, match="window"):
             engine.assemble("How wide?", long)
+
+
+def test_the_draft_config_is_a_scoring_rule_and_run_time_settings():
+    """``DraftConfig``'s fields are exactly the rule's and the run-time settings', no field in
+    both; the memo keys on the rule, so run-time fields never split it and each rule field does."""
+    rule = {f.name for f in dataclasses.fields(ScoringConfig)}
+    runtime = {f.name for f in dataclasses.fields(DraftRuntime)}
+    assert not rule & runtime and {f.name for f in dataclasses.fields(DraftConfig)} == rule | runtime
+    config = DraftConfig(lookahead=4, max_batch=3, on_overflow="raise")
+    assert config.rule == ScoringConfig(lookahead=4)
+    assert config.runtime == DraftRuntime(max_batch=3, on_overflow="raise")
+    assert dataclasses.replace(config, max_batch=1, memo_entries=0, cuda_graphs=False).rule == config.rule
+    assert dataclasses.replace(config, pool_kernel=3).rule != config.rule
+    with pytest.raises(ConfigError, match="max_batch must be >= 1"):
+        DraftConfig(max_batch=0)
+    with pytest.raises(ConfigError, match="pool_kernel must be a positive odd number"):
+        ScoringConfig(pool_kernel=2)

@@ -270,7 +270,7 @@ def test_graph_fields_are_checked(kwargs, message):
 
     with pytest.raises(ConfigError, match=message):
         DraftConfig(**kwargs)
-    assert DraftConfig().scoring() == DraftConfig(cuda_graphs=False, graph_max_tokens=64).scoring()
+    assert DraftConfig().rule == DraftConfig(cuda_graphs=False, graph_max_tokens=64).rule
     assert MIN_GRAPH_WIDTH == 512
 
 

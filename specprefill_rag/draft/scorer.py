@@ -171,7 +171,7 @@ class DraftScorer:
         fields of ``config``, and the request's cache salt (namespaces share nothing)."""
         read = reading.read
         main = reading.prompt.token_ids if self.maps_tokens else None
-        return digest([read.token_ids, reading.question(), read.protected, main], (config.scoring(), reading.salt))
+        return digest([read.token_ids, reading.question(), read.protected, main], (config.rule, reading.salt))
 
     @staticmethod
     def map_onto_main(scores: torch.Tensor, reading: DraftReading) -> torch.Tensor:
