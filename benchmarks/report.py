@@ -24,6 +24,7 @@ from typing import Any
 if __package__ in (None, ""):  # `python benchmarks/report.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import figures
 from benchmarks.common import RESULTS_DIR, ROOT
 from specprefill_rag.durable import write_atomic
 
@@ -361,42 +362,6 @@ def _memory_line(mem: dict[str, Any], targets: dict[str, float], command: str | 
     return line
 
 
-def plot_ttft(datasets: list[tuple[str, dict[str, Any]]], path: Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        (label, d, run)
-        for label, d in datasets
-        for run in d.get("runs", [])
-        if run.get("status") != "skipped" and run.get("lengths")
-    ]
-    if not panels:
-        return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (label, data, run) in zip(axes[0], panels, strict=True):
-        keeps = sorted({c["keep_rate"] for row in run["lengths"] for c in row["cells"]})
-        for i, k in enumerate(keeps):
-            xs = [row["n_tokens"] for row in run["lengths"]]
-            cells = [next(c for c in row["cells"] if c["keep_rate"] == k) for row in run["lengths"]]
-            color = f"C{i}"
-            ax.plot(xs, [c["speedup"] for c in cells], "o-", color=color, label=f"keep {k:.0%} measured")
-            ax.plot(xs, [c["ideal"] for c in cells], "--", color=color, alpha=0.6, label=f"keep {k:.0%} ideal 1/(r+k)")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("TTFT speedup vs full prefill (×)")
-        unfair = unfair_baseline(data, run)
-        ax.set_title(f"{label} [{run['backend']}]" + (f"\nnot headlined: {unfair}" if unfair else ""), fontsize=9)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 # -- quality ---------------------------------------------------------------------------------
 
 
@@ -517,7 +482,12 @@ def plot_quality(data: dict[str, Any], path: Path) -> bool:
     tasks = sorted({e["task"] for e in data["summary"]})
     if not tasks:
         return False
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.8), squeeze=False)
+    cols = min(2, len(tasks))  # a grid two panels wide: readable at page width
+    fig, grid = plt.subplots(-(-len(tasks) // cols), cols, figsize=(4.2 * cols, 3.2 * -(-len(tasks) // cols) + 0.9),
+                             squeeze=False)
+    axes = [list(grid.flat)[: len(tasks)]]
+    for ax in list(grid.flat)[len(tasks):]:
+        ax.set_visible(False)
     for ax, task in zip(axes[0], tasks, strict=True):
         rows = [e for e in data["summary"] if e["task"] == task]
         metric = rows[0]["metric"]
@@ -545,7 +515,7 @@ def plot_quality(data: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel(f"{METRIC_NAMES.get(metric, metric)} (95% CI)")
         ax.set_ylim(-0.05, 1.05)
         ax.set_title(f"{task} (n={full['n'] if full else '?'})", fontsize=9)
-    _legend_below(fig, axes[0])
+    _legend_below(fig, axes[0], ncol=2, bottom=0.9 / (3.2 * grid.shape[0] + 0.9))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -1173,16 +1143,10 @@ def _ttft_part(ttfts: list[tuple[str, dict[str, Any]]], gpu: dict[str, Any] | No
         lines += ttft_section(ttft, f"Time to first token: {pair(ttft)} (CPU, `benchmarks/results/{stem}.json`)")
     if not ttfts:
         lines += ["## Time to first token", "", "Not measured yet: run `make bench-ttft`.", ""]
-    pairs = [pair(d) for _, d in ttfts]
-    datasets = [(f"CPU, {pair(d)}" + (f" ({stem})" if pairs.count(pair(d)) > 1 else ""), d) for stem, d in ttfts]
-    datasets += [("GPU", gpu)] if gpu else []
-    if plot_ttft(datasets, images / "bench_ttft_speedup.png"):
-        lines += [
-            f"![TTFT speedup vs prompt length]({Path('images') / 'bench_ttft_speedup.png'})",
-            "",
-            "Solid: measured speedup; dashed: the ideal 1/(r + k) with r measured in the same run.",
-            "",
-        ]
+    shown = figures.speedup_vs_length(ttfts, gpu, images / "bench_speedup_vs_length.png", unfair=unfair_baseline)
+    if shown:
+        lines += [f"![TTFT speedup vs prompt length]({Path('images') / 'bench_speedup_vs_length.png'})", "",
+                  figures.speedup_caption(shown), ""]
     if gpu:
         lines += ttft_section(label_eager_variants(gpu), "Time to first token at real model sizes (GPU, random "
                               "weights)", unit="ms")
@@ -1252,12 +1216,18 @@ def _evidence_part(results: Path, images: Path) -> list[str]:
     return lines
 
 
-def _quality_part(quality: dict[str, Any] | None, images: Path) -> list[str]:
+def _quality_part(quality: dict[str, Any] | None, images: Path,
+                  by_length: Sequence[tuple[str, dict[str, Any]]] = ()) -> list[str]:
     if not quality:
         return ["## Answer quality", "", "Not measured yet: run `make bench-quality`.", ""]
     lines = quality_section(quality)
     if plot_quality(quality, images / "bench_quality.png"):
         lines += [f"![Quality vs keep rate]({Path('images') / 'bench_quality.png'})", ""]
+    title = f"SpecPrefill answer quality vs prompt length (CPU)\n{pair(quality)}"
+    shown = figures.quality_vs_length(by_length, images / "bench_quality_vs_length.png", title=title)
+    if shown:
+        lines += [f"![Quality vs prompt length]({Path('images') / 'bench_quality_vs_length.png'})", "",
+                  figures.quality_caption(shown, [stem for stem, _ in by_length]), ""]
     return lines + QUALITY_NOTES
 
 
@@ -1287,7 +1257,9 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
     lines += _ttft_part(ttfts, load(results, "gpu_ttft"), images, load(results, "gpu_attention"))
     lines += _length_part(results, images)
     lines += _evidence_part(results, images)
-    lines += _quality_part(quality, images)
+    same_draft = [(n, d) for n, d in qualities if (n == primary or n in dict(long_quality))
+                  and d["models"]["draft"] == (quality or {}).get("models", {}).get("draft")]
+    lines += _quality_part(quality, images, same_draft)
     if other_quality:
         lines += cross_draft_section(quality, other_quality)
     if long_quality:

@@ -243,7 +243,7 @@ def build_app(models: Models) -> gr.Blocks:
                     )
                     backend = gr.Radio(list(BACKENDS), value=args.backend_label, label="Main model backend")
                     url = gr.Textbox(value=args.server_url, label="vLLM server URL (vLLM backend only)")
-                    top_k = gr.Slider(1, 16, value=args.top_k, step=1, label="Passages retrieved")
+                    top_k = gr.Slider(1, max(16, args.top_k), value=args.top_k, step=1, label="Passages retrieved")
         kept = gr.HighlightedText(
             label="Retrieved context: kept vs dropped tokens", elem_id="kept", color_map=KEPT_COLORS,
             show_legend=True, show_inline_category=False,
