@@ -362,7 +362,7 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
             "vs full **1.00**") in text.split("## Answer quality")[0]  # and in the headline
     assert "## Other drafts" in text and "quality_long_bf16" not in text[text.index("## Other drafts"):
                                                                          text.index("## Answer quality at length")]
-    for image in ("bench_ttft_speedup.png", "bench_quality.png", "bench_evidence.png"):
+    for image in ("bench_quality.png", "bench_evidence.png"):
         assert (tmp_path / "images" / image).stat().st_size > 0
         assert f"images/{image}" in text
 
