@@ -132,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     heads, kv_heads, dim = (8, 2, 16) if args.tiny else (32, 8, 64)
     lengths = (256, 1024) if args.tiny else (4096, 8192, 16384, 32768)
     rows = [length_row(n, heads, kv_heads, dim, "cuda" if cuda else "cpu") for n in lengths]
-    payload = {"benchmark": "gpu_attention", "command": "python -m benchmarks.suites.gpu_attention" + (" --tiny" * args.tiny),
+    command = "python -m benchmarks.suites.gpu_attention" + (" --tiny" * args.tiny)
+    payload = {"benchmark": "gpu_attention", "command": command,
                "machine": machine_info(), "shapes": {"heads": heads, "kv_heads": kv_heads, "head_dim": dim,
                                                      "queries": GUESSED, "dtype": "bfloat16"}, "rows": rows}
     path = write_results("gpu_attention_tiny" if args.tiny else "gpu_attention", payload, args.out)

@@ -375,7 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.lib.machine import machine_info
     from benchmarks.lib.results import write_results
 
-    command = " ".join(["python -m benchmarks.suites.plugin_step", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    args_given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m benchmarks.suites.plugin_step", *map(shlex.quote, args_given)])
     payload = {"command": command, "device": str(device), "machine": machine_info(),
                "definition": "ratio = wrapper overhead per step / (wrapper overhead at 0 planned rows + emulated "
                              "vLLM _prepare_inputs at 0 planned rows), same code path",
