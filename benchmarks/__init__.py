@@ -1,6 +1,8 @@
-"""Benchmarks (not part of the installed library): TTFT, answer quality, the GPU script, the report.
+"""Benchmarks (not part of the installed library): ``suites/`` what a user runs, ``lib/`` what
+the suites share, ``report.py`` the renderer of docs/benchmarks.md, ``results/`` what it reads.
 
-Run them as `specprefill-rag bench ttft|quality|report` or `python -m benchmarks.<name>`; see docs/benchmarks.md.
+Run a suite as ``specprefill-rag bench SUITE`` or ``python -m benchmarks.suites.SUITE``, the
+report as ``specprefill-rag bench report`` or ``python -m benchmarks.report``; see benchmarks/README.md.
 """
 
 __all__: list[str] = []

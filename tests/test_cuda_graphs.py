@@ -6,7 +6,7 @@ keep every tensor it reads or writes in place, the same size from one forward to
 tests check that on the CPU, and run the whole graph path (capture at warm-up, claim, replay,
 recorded rows handed to the recorder, fallback) with a stand-in for ``torch.cuda.CUDAGraph``
 that replays by running the captured forward again into the captured output tensors: what a
-replay does. Only the CUDA capture itself needs a GPU (``benchmarks/gpu_ttft.py``).
+replay does. Only the CUDA capture itself needs a GPU (``benchmarks/suites/gpu_ttft.py``).
 """
 
 from __future__ import annotations
@@ -275,14 +275,14 @@ def test_graph_fields_are_checked(kwargs, message):
 
 
 def test_the_gpu_bench_captures_the_graphs_of_every_variant_it_labels_graphed(tokenizer, fake_cuda):
-    """``benchmarks/gpu_ttft.py`` times look-ahead variants labelled "CUDA graphs"; one with another
+    """``benchmarks/suites/gpu_ttft.py`` times look-ahead variants labelled "CUDA graphs"; one with another
     loop shape than the default's (one token per forward) must have its graphs captured too, or
     it runs eagerly under that label."""
     import argparse
     import dataclasses
 
-    from benchmarks import gpu_ttft
-    from benchmarks.common import lookahead_variants
+    from benchmarks.lib.lookahead import lookahead_variants
+    from benchmarks.suites import gpu_ttft
 
     draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer,
                        DraftConfig(layers=tuple(LAYERS), lookahead=7))

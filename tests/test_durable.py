@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import common, evidence
+from benchmarks.lib import results
+from benchmarks.suites import evidence
 from specprefill_rag import durable
 from specprefill_rag.durable import atomic_open, write_atomic
 
@@ -79,14 +80,14 @@ def test_a_serialisation_that_fails_midway_leaves_the_previous_file(tmp_path: Pa
 
 
 def test_a_failed_rename_leaves_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = common.write_results("r", {"rows": [1, 2]}, tmp_path / "r.json")
+    path = results.write_results("r", {"rows": [1, 2]}, tmp_path / "r.json")
 
     def fail(src: str, dst: str) -> None:
         raise OSError("simulated: the rename never happened")
 
     monkeypatch.setattr(durable.os, "replace", fail)
     with pytest.raises(OSError, match="simulated"):
-        common.write_results("r", {"rows": [1, 2, 3]}, path)
+        results.write_results("r", {"rows": [1, 2, 3]}, path)
     assert json.loads(path.read_text())["rows"] == [1, 2]
     assert _leftovers(tmp_path) == []
 
@@ -94,10 +95,10 @@ def test_a_failed_rename_leaves_the_previous_file(tmp_path: Path, monkeypatch: p
 def test_write_results_cut_short_by_a_full_disk_leaves_the_previous_file(tmp_path: Path) -> None:
     """Writing in place (truncate, then write) would leave the first 4 KiB of the new payload."""
     path = tmp_path / "quality.json"
-    common.write_results("quality", {"rows": list(range(10))}, path)
+    results.write_results("quality", {"rows": list(range(10))}, path)
     before = path.read_text()
     child = _child("""
-        from benchmarks.common import write_results
+        from benchmarks.lib.results import write_results
         try:
             write_results("quality", {"rows": list(range(100_000))}, sys.argv[1])
         except OSError as error:
@@ -136,40 +137,40 @@ def test_a_torn_last_line_is_skipped_on_reading_and_cut_before_the_next_append(
 ) -> None:
     path = tmp_path / "evidence.jsonl"
     for i in range(3):
-        common.append_jsonl(path, {"id": i})
+        results.append_jsonl(path, {"id": i})
     with open(path, "ab") as handle:
         handle.write(b'{"id": 3, "results": {"library def')  # a crash mid-append
-    assert common.read_jsonl(path) == [{"id": 0}, {"id": 1}, {"id": 2}]
+    assert results.read_jsonl(path) == [{"id": 0}, {"id": 1}, {"id": 2}]
     assert evidence.load_rows(path) == [{"id": 0}, {"id": 1}, {"id": 2}]
     assert "torn last line" in capsys.readouterr().err
-    common.append_jsonl(path, {"id": 3})
+    results.append_jsonl(path, {"id": 3})
     assert path.read_text() == "".join(json.dumps({"id": i}) + "\n" for i in range(4))
-    assert common.read_jsonl(path) == [{"id": i} for i in range(4)]
+    assert results.read_jsonl(path) == [{"id": i} for i in range(4)]
 
 
 def test_an_unterminated_last_line_that_parses_is_kept(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_text('{"id": 0}\n{"id": 1}')
-    assert common.read_jsonl(path) == [{"id": 0}, {"id": 1}]
-    common.append_jsonl(path, {"id": 2})
-    assert common.read_jsonl(path) == [{"id": 0}, {"id": 1}, {"id": 2}]
+    assert results.read_jsonl(path) == [{"id": 0}, {"id": 1}]
+    results.append_jsonl(path, {"id": 2})
+    assert results.read_jsonl(path) == [{"id": 0}, {"id": 1}, {"id": 2}]
 
 
 def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_text('{"id": 0}\n{"id": \n{"id": 2}\n')
     with pytest.raises(ValueError, match=r"rows.jsonl, line 2: not a JSON record"):
-        common.read_jsonl(path)
+        results.read_jsonl(path)
 
 
 def test_an_append_cut_short_by_a_full_disk_is_repaired_on_resume(tmp_path: Path) -> None:
     path = tmp_path / "evidence.jsonl"
     rows = [{"task": "needle", "id": f"n{i}"} for i in range(5)]
     for row in rows:
-        common.append_jsonl(path, row)
+        results.append_jsonl(path, row)
     child = _child("""
         from pathlib import Path
-        from benchmarks.common import append_jsonl
+        from benchmarks.lib.results import append_jsonl
         try:
             append_jsonl(Path(sys.argv[1]), {"task": "needle", "id": "big", "results": ["x" * 9000]})
         except OSError as error:
@@ -179,7 +180,7 @@ def test_an_append_cut_short_by_a_full_disk_is_repaired_on_resume(tmp_path: Path
     assert child.returncode != 0 and "File too large" in stderr, stderr
     assert not path.read_bytes().endswith(b"\n")  # torn: 100 bytes of the big row
     assert evidence.load_rows(path) == rows  # the resume reads every earlier row
-    common.append_jsonl(path, {"task": "needle", "id": "big"})
+    results.append_jsonl(path, {"task": "needle", "id": "big"})
     assert evidence.load_rows(path) == [*rows, {"task": "needle", "id": "big"}]
     assert path.read_text().count("\n") == 6
 

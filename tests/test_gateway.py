@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +25,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -36,40 +33,23 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
+from helpers import free_port  # noqa: E402
+from servers import (  # noqa: E402
+    KEY,
+    PASSAGES,
+    QUESTION,
+    ROOT,
+    START_TIMEOUT_S,
+    GatewayProcess,
+    chat_request,
+    expected,
+    get,
+)
+
 from specprefill_rag.config import GenerationConfig  # noqa: E402
 from specprefill_rag.gateway.messages import to_segments  # noqa: E402
-from specprefill_rag.prompt import chat_segments  # noqa: E402
 from specprefill_rag.testing import tiny_engine, tiny_tokenizer  # noqa: E402
 from specprefill_rag.types import Passage  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-KEY = "test-key"
-START_TIMEOUT_S = 120.0
-
-PASSAGES = [
-    "The quick brown fox jumps over the lazy dog near the river bank. The sky is blue. The grass is green.",
-    "The passkey is 48213. Remember it. The sun is yellow. Here we go. There and back again.",
-    "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho.",
-    "Context: passages retrieved for the question. The quick brown fox jumps over the lazy dog.",
-]
-QUESTION = "What is the passkey?"
-SYSTEM = "Answer the question using the context. Be concise."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", path, headers=headers or {})
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
 
 
 def post(port: int, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
@@ -80,57 +60,6 @@ def post(port: int, path: str, body: bytes, headers: dict[str, str] | None = Non
         return response.status, json.loads(response.read())
     finally:
         conn.close()
-
-
-class GatewayProcess:
-    """``specprefill-rag gateway ...`` in a subprocess on a free loopback port; stopped by PID."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.port = free_port()
-        self.log_path = log
-        self._log = open(log, "wb")  # noqa: SIM115
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-        env.pop("SPECPREFILL_API_KEY", None)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "specprefill_rag.tools.cli", "gateway", "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning", *args],
-            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-        )
-
-    def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"the gateway exited with code {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if get(self.port, "/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"the gateway was not ready within {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def health(self) -> dict:
-        return json.loads(get(self.port, "/health")[1])
-
-    def metrics(self) -> str:
-        return get(self.port, "/metrics")[1]
-
-    def client(self, api_key: str = KEY, timeout: float = 60.0) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key, max_retries=0,
-                             timeout=timeout)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        self._log.close()
 
 
 # -- a fake vLLM upstream ------------------------------------------------------------------------
@@ -265,21 +194,6 @@ def fake_vllm(upstream_port) -> Iterator[FakeVLLM]:
     finally:
         server.shutdown()
         server.server_close()
-
-
-def expected(engine, question: str, passages: list[str], max_tokens: int, system: str | None = SYSTEM) -> object:
-    turns = ([("system", system)] if system else []) + [("user", question)]
-    return engine.generate(chat_segments(turns, passages), generation=GenerationConfig(max_new_tokens=max_tokens))
-
-
-def chat_request(question: str = QUESTION, passages: list[str] = PASSAGES, **kwargs) -> dict:
-    request = dict(
-        model="anything",
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-        max_tokens=8,
-        extra_body={"specprefill": {"passages": passages}},
-    )
-    return {**request, **kwargs}
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_ttft.py`` as a dry run on the CPU: the results file a GPU run will write.
+"""``benchmarks/suites/gpu_ttft.py`` as a dry run on the CPU: the results file a GPU run will write.
 
 The GPU run is one call of a lent machine with a few minutes on it, so the script must not fail
 there for want of a key: both pairs, every length, every phase, the precision of both models,
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import gpu_ttft
+from benchmarks.suites import gpu_ttft
 from specprefill_rag import DraftConfig
 
 PHASES = {"draft_prefill_s", "lookahead_s", "scoring_s", "draft_other_s", "draft_s", "selection_s",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import quality
+from benchmarks.suites import quality
 from specprefill_rag import GenerationConfig, Passage, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]

@@ -5,7 +5,7 @@
 - The wrapped ``_prepare_inputs`` on a simulated runner over many steps: chunked prefill under a
   token budget, decode, arrivals, finished requests, reused ids, preemption and recompute, rows
   reordered, contiguous and ill-fitting plans, requests without plans.
-- The micro-benchmark's tiny run (``benchmarks/plugin_step.py``) runs and writes its rows.
+- The micro-benchmark's tiny run (``benchmarks/suites/plugin_step.py``) runs and writes its rows.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def test_steady_decode_reuses_the_last_step():
 
 
 def test_benchmark_tiny_run_writes_rows(tmp_path):
-    from benchmarks import plugin_step
+    from benchmarks.suites import plugin_step
 
     out = tmp_path / "plugin_step.json"
     assert plugin_step.main(["--tiny", "--out", str(out)]) == 0

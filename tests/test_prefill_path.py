@@ -4,7 +4,7 @@ what it computes, and that it never waits for the device.
 On a GPU the main model's pruned prefill cost 46–54 ms whether it prefilled 512 or 1,728 tokens
 (issue 47, item 3). What a forward does beyond its kernels is visible on the CPU: the SDPA call
 it makes (spied), the logits (against a reference), and every operation that would make the
-host wait for a GPU (counted). ``benchmarks/gpu_ttft.py --profile`` measures the rest on a GPU.
+host wait for a GPU (counted). ``benchmarks/suites/gpu_ttft.py --profile`` measures the rest on a GPU.
 """
 
 from __future__ import annotations

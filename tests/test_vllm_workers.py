@@ -25,31 +25,11 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
-from helpers import post_json
+from helpers import PATCHED, Workers, post_json
 
 from specprefill_rag.vllm_plugin import admission, workers
 from specprefill_rag.vllm_plugin import runner as plugin_runner
 from specprefill_rag.wire import PROOF_FIELD, plan_to_xargs
-
-PATCHED = {"patched": True, "runner": "GPUModelRunner"}
-
-
-class Workers(SimpleNamespace):
-    """A stub engine client whose workers answer ``collective_rpc`` with ``answers`` (or raise ``error``)."""
-
-    def __init__(self, answers: list[Any] | None = None, error: Exception | None = None, **fields: Any) -> None:
-        super().__init__(**fields)
-        self.answers = [PATCHED] if answers is None else answers
-        self.error = error
-        self.calls: list[str] = []
-
-    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
-                             kwargs: dict | None = None) -> list[Any]:
-        self.calls.append(method)
-        await asyncio.sleep(0.01)
-        if self.error is not None:
-            raise self.error
-        return self.answers
 
 
 class Clock:
@@ -266,7 +246,7 @@ def broken_worker_server(request, tmp_path_factory):
 @pytest.mark.timeout(900)
 def test_server_whose_worker_cannot_rewrite_refuses_plans(broken_worker_server):
     """Before the worker check, such a server answered a plan with HTTP 200 and a valid proof."""
-    from test_vllm_offline import make_plan, prompt_ids, sparse
+    from helpers import make_plan, prompt_ids, sparse
 
     from specprefill_rag.backends import create_backend
     from specprefill_rag.backends.transformers import TransformersBackend

@@ -170,7 +170,8 @@ def _ask(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """Run ``python -m benchmarks.<suite>`` in the source checkout this package is installed from.
+    """Run ``python -m benchmarks.suites.<suite>`` (``benchmarks.report`` for ``report``) in the
+    source checkout this package is installed from.
 
     A child process in the checkout's root, so this process's import path is never changed.
     """
@@ -178,14 +179,15 @@ def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    if not (root / "benchmarks" / f"{args.suite}.py").is_file():
+    module = "benchmarks.report" if args.suite == "report" else f"benchmarks.suites.{args.suite}"
+    if not (root / Path(*module.split("."))).with_suffix(".py").is_file():
         print(
             "error: the benchmarks live in the source tree (benchmarks/): clone the repository and "
             "`pip install -e '.[bench]'` there",
             file=sys.stderr,
         )
         return 2
-    return subprocess.call([sys.executable, "-m", f"benchmarks.{args.suite}", *args.bench_args], cwd=root)
+    return subprocess.call([sys.executable, "-m", module, *args.bench_args], cwd=root)
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -18,14 +18,11 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python benchmarks/windows.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import evidence
-from benchmarks.common import append_jsonl, bootstrap_ci, share_ci
+from benchmarks.lib.metrics import bootstrap_ci, share_ci
+from benchmarks.lib.results import append_jsonl
+from benchmarks.suites import evidence
 from specprefill_rag import DraftConfig, DraftModel, SelectionConfig
 from specprefill_rag.loading import SMALL_MODEL, load_tokenizer
 

@@ -25,17 +25,16 @@ import dataclasses
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python benchmarks/lookahead_cost.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import evidence, guesses
-from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, append_jsonl, bootstrap_ci, cold, lookahead_label
-from benchmarks.ttft import plain_forward_s
+from benchmarks.lib.lookahead import lookahead_label
+from benchmarks.lib.machine import cold
+from benchmarks.lib.metrics import bootstrap_ci
+from benchmarks.lib.results import append_jsonl
+from benchmarks.suites import evidence, guesses
+from benchmarks.suites.ttft import plain_forward_s
 from specprefill_rag import DraftConfig, DraftModel
-from specprefill_rag.loading import load_model, load_tokenizer
+from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, load_model, load_tokenizer
 
 
 def configs(device: str = "cpu", dtype: Any = None) -> dict[str, DraftConfig]:
@@ -131,7 +130,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _models(args: argparse.Namespace) -> tuple[Any, dict[str, Any], Any]:
     """(tokenizer, {dtype: draft}, main model or None)."""
     if args.tiny:
-        from benchmarks import quality
+        from benchmarks.suites import quality
 
         engine = quality.build_engine(
             argparse.Namespace(tiny=True, main=args.main, draft=args.draft, lookahead=None, max_new_tokens=8)

@@ -20,7 +20,7 @@ the peak of what the run allocated (glibc malloc statistics sampled every millis
 RSS is recorded beside it, and used where glibc is missing).
 
     specprefill-rag bench ttft --lengths 1024 2048 --keep-rates 0.1 0.3 --reps 1
-    python -m benchmarks.ttft --tiny --lengths 256 --reps 1          # smoke run, random models
+    python -m benchmarks.suites.ttft --tiny --lengths 256 --reps 1          # smoke run, random models
 """
 
 from __future__ import annotations
@@ -43,30 +43,20 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-if __package__ in (None, ""):  # `python benchmarks/ttft.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import (
-    DEFAULT_DRAFT,
-    DEFAULT_MAIN,
-    RESULTS_DIR,
+from benchmarks.lib.datasets import essay_text
+from benchmarks.lib.lookahead import compared_lookahead, lookahead_label, lookahead_variants, summarise_length
+from benchmarks.lib.machine import (
     add_dtype_arg,
     best_dtype,
     cold,
     command_line,
-    compared_lookahead,
-    essay_text,
-    lookahead_label,
-    lookahead_variants,
     machine_info,
     model_dtypes,
     resolved_dtype,
-    result_name,
-    summarise_length,
-    tiny_engine,
-    write_results,
 )
-from specprefill_rag.loading import DTYPES, resolve_device, resolve_dtype
+from benchmarks.lib.results import RESULTS_DIR, ROOT, result_name, write_results
+from benchmarks.lib.tiny import tiny_engine
+from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, DTYPES, resolve_device, resolve_dtype
 
 QUESTION = "According to these essays, what should the founders of a startup do first, and why?"
 PASSAGE_TOKENS = 256  # tokens per synthetic passage
@@ -267,7 +257,7 @@ def measure_memory(draft_name: str, length: int, tiny: bool, device: str, dtype:
         cmd = [
             sys.executable,
             "-m",
-            "benchmarks.ttft",
+            "benchmarks.suites.ttft",
             "--_memory-child",
             kind,
             "--draft",
@@ -283,7 +273,7 @@ def measure_memory(draft_name: str, length: int, tiny: bool, device: str, dtype:
             cmd,
             capture_output=True,
             text=True,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=ROOT,  # the checkout: the child runs as a module
             env={**os.environ, "TQDM_DISABLE": "1"},
         )
         if proc.returncode != 0:
@@ -312,7 +302,7 @@ def build_draft_config(args: argparse.Namespace) -> Any:
 
 def with_draft_config(engine: Any, draft: Any) -> Any:
     """An engine on the same backend and draft model, scoring with ``draft`` (a look-ahead variant),
-    every request scored whole (``common.cold``)."""
+    every request scored whole (``machine.cold``)."""
     from specprefill_rag import SpecPrefillEngine
 
     return SpecPrefillEngine(engine.backend, engine.draft, dataclasses.replace(engine.config, draft=cold(draft)))
@@ -525,8 +515,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lookahead", type=int, default=None, help="look-ahead L (default: the library's)")
     p.add_argument(
         "--compared-keep-rates", type=float, nargs="*", default=[0.1],
-        help="keep rates also run with the compared look-ahead (benchmarks/common.compared_lookahead: greedy 8 over "
-        "full forwards beside the early-exit default), side by side",
+        help="keep rates also run with the compared look-ahead (benchmarks/lib/lookahead.compared_lookahead: "
+        "greedy 8 over full forwards beside the early-exit default), side by side",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_dtype_arg(p)

@@ -38,21 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python benchmarks/gateway_load.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import (
-    DEFAULT_DRAFT,
-    DEFAULT_MAIN,
-    ROOT,
-    add_dtype_arg,
-    command_line,
-    machine_info,
-    resolved_dtype,
-    served_dtype,
-    write_results,
-)
-from specprefill_rag.loading import DTYPES
+from benchmarks.lib.machine import add_dtype_arg, command_line, machine_info, resolved_dtype, served_dtype
+from benchmarks.lib.results import ROOT, write_results
+from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, DTYPES
 
 SYSTEM = "Answer the question using the context. Be concise."
 READY_TIMEOUT_S = 900.0
@@ -281,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def served_dtypes(args: argparse.Namespace, server: Any) -> dict[str, str]:
     """Each side's precision: the draft's as the gateway resolves ``--dtype``; vLLM's main model's
-    as the server started here logs it (``common.served_dtype``), or ``--server-dtype`` for one
+    as the server started here logs it (``machine.served_dtype``), or ``--server-dtype`` for one
     started elsewhere (unrecorded without it)."""
     dtypes = {"draft": resolved_dtype(args.dtype)}
     main = served_dtype(server) if server is not None else args.server_dtype

@@ -8,7 +8,7 @@ Where Triton and a GPU are at hand, the positions come from V2's own kernel
 use; elsewhere that formula fills them. Then: the slot mapping must see the contiguous
 positions, the model the plan's (``runner.remap_positions``), over three steps whose rows V2
 would reorder (prefill chunks, decodes). ``tests/test_runner_v2.py`` runs it on the CPU;
-``benchmarks/gpu_ttft.py`` on its GPU when vLLM is installed there.
+``benchmarks/suites/gpu_ttft.py`` on its GPU when vLLM is installed there.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def check(cls: Any, device: torch.device, kernel: bool = False) -> dict[str, Any
 
 
 def gpu_check() -> dict[str, Any]:
-    """``check`` on the GPU with V2's own kernel, for ``benchmarks/gpu_ttft.py``: "skipped" with
+    """``check`` on the GPU with V2's own kernel, for ``benchmarks/suites/gpu_ttft.py``: "skipped" with
     the reason where vLLM, its V2 runner or Triton is missing, "failed" with the error."""
     try:
         from vllm.v1.worker.gpu import model_runner

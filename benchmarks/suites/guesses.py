@@ -22,16 +22,13 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python benchmarks/guesses.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import evidence
-from benchmarks.common import DEFAULT_DRAFT, DEFAULT_MAIN, append_jsonl, bootstrap_ci
+from benchmarks.lib.metrics import bootstrap_ci
+from benchmarks.lib.results import append_jsonl
+from benchmarks.suites import evidence
 from specprefill_rag import DraftConfig, DraftModel
-from specprefill_rag.loading import load_tokenizer
+from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, load_tokenizer
 from specprefill_rag.types import SegmentKind
 
 

@@ -48,25 +48,11 @@ from typing import Any
 
 import torch
 
-if __package__ in (None, ""):  # `python benchmarks/evidence.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import long_context, quality
-from benchmarks.common import (
-    DEFAULT_DRAFT,
-    DEFAULT_MAIN,
-    RESULTS_DIR,
-    ROOT,
-    append_jsonl,
-    bootstrap_ci,
-    cold,
-    dtype_name,
-    model_dtype_name,
-    prompt_digest,
-    read_jsonl,
-    same_example,
-    share_ci,
-)
+from benchmarks.lib import long_context
+from benchmarks.lib.machine import cold, dtype_name, model_dtype_name
+from benchmarks.lib.metrics import bootstrap_ci, share_ci
+from benchmarks.lib.results import RESULTS_DIR, ROOT, append_jsonl, prompt_digest, read_jsonl, same_example
+from benchmarks.suites import quality
 from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig
 from specprefill_rag import draft as draft_lib
 from specprefill_rag import prompt as prompt_lib
@@ -74,7 +60,7 @@ from specprefill_rag import selection as selection_lib
 from specprefill_rag.config import LayerChoice
 from specprefill_rag.durable import atomic_open, write_atomic
 from specprefill_rag.errors import InputError
-from specprefill_rag.loading import DTYPES, load_tokenizer, resolve_dtype
+from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, DTYPES, load_tokenizer, resolve_dtype
 from specprefill_rag.types import AssembledPrompt, SegmentKind
 
 # v3: keyed by the prompt's token ids too (v2 keyed by the question alone, so a padding built
@@ -301,7 +287,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     "greedyupper<share>" (its greedy steps); the early-exit ones for ``LENS_LAYERS``, or for the
     layers a "@<layers>" tag names (``block_layers``). Every look-ahead forward runs on the
     prompt's cache cropped back to the prompt. Rows (per layer): question, last token, then the
-    blocks. ``tests/test_benchmarks.py`` checks the variants against ``DraftModel.score``."""
+    blocks. ``tests/test_bench_evidence.py`` checks the variants against ``DraftModel.score``."""
     from transformers import DynamicCache
 
     from specprefill_rag.draft import DecoderParts, Recorder, recording, tree_mask, upper_layer_logits
@@ -641,7 +627,7 @@ def _needle_depths(n: int, lengths: int) -> list[float]:
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
-    """A results file's rows (``common.read_jsonl``: a torn last line is skipped)."""
+    """A results file's rows (``results.read_jsonl``: a torn last line is skipped)."""
     return read_jsonl(path)
 
 

@@ -7,10 +7,10 @@ it: transformers' SDPA path (what the draft used before 2026-12-04), the library
 ``draft.attend_short_queries`` with its values product in one piece and in blocks of 256 /
 512 / 2048 keys, the logits in bf16 (timing only: the library keeps them in float32), and the
 two products alone; each output's largest difference from float32 SDPA. The whole scoring
-through either path is ``benchmarks/gpu_ttft.py``'s attention table.
+through either path is ``benchmarks/suites/gpu_ttft.py``'s attention table.
 
-    python benchmarks/gpu_attention.py            # one GPU, ~15 s; writes benchmarks/results/gpu_attention.json
-    python benchmarks/gpu_attention.py --tiny     # CPU dry run (plain timing, small shapes)
+    python -m benchmarks.suites.gpu_attention            # one GPU, ~15 s; writes benchmarks/results/gpu_attention.json
+    python -m benchmarks.suites.gpu_attention --tiny     # CPU dry run (plain timing, small shapes)
 """
 
 from __future__ import annotations
@@ -20,15 +20,12 @@ import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-if __package__ in (None, ""):  # `python benchmarks/gpu_attention.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import machine_info, write_results
+from benchmarks.lib.machine import machine_info
+from benchmarks.lib.results import write_results
 
 GUESSED = 7  # tokens per look-ahead forward (1 + 6 guesses)
 EXTRA = 49  # the loop's own columns after the prompt (7 forwards of 7)
@@ -135,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     heads, kv_heads, dim = (8, 2, 16) if args.tiny else (32, 8, 64)
     lengths = (256, 1024) if args.tiny else (4096, 8192, 16384, 32768)
     rows = [length_row(n, heads, kv_heads, dim, "cuda" if cuda else "cpu") for n in lengths]
-    payload = {"benchmark": "gpu_attention", "command": "python benchmarks/gpu_attention.py" + (" --tiny" * args.tiny),
+    command = "python -m benchmarks.suites.gpu_attention" + (" --tiny" * args.tiny)
+    payload = {"benchmark": "gpu_attention", "command": command,
                "machine": machine_info(), "shapes": {"heads": heads, "kv_heads": kv_heads, "head_dim": dim,
                                                      "queries": GUESSED, "dtype": "bfloat16"}, "rows": rows}
     path = write_results("gpu_attention_tiny" if args.tiny else "gpu_attention", payload, args.out)

@@ -6,8 +6,8 @@ so the summaries report quality per task and length:
 
     hotpotqa_long   a HotpotQA question's 10 paragraphs among other questions' paragraphs up to the
                     length, shuffled (LongBench's construction); evidence: its supporting sentences
-    squad_long      a SQuAD v2 answer paragraph among other paragraphs (``quality.load_squad``)
-    needle_long     the needle at the length, over depths (``quality.needle_examples``)
+    squad_long      a SQuAD v2 answer paragraph among other paragraphs (``datasets.load_squad``)
+    needle_long     the needle at the length, over depths (``datasets.needle_examples``)
     multikey        a RULER-style multi-key needle: several needles whose keys differ in one digit
                     pair ("saffron-47", "saffron-74", ...), spread through the essays; one is asked
     near_miss_long  the near-miss cases (an answer passage, distractors of the same entity type and
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from benchmarks import quality
+from benchmarks.lib import datasets
 
 TASKS = ("hotpotqa_long", "squad_long", "needle_long", "multikey", "near_miss_long")
 MULTIKEY_NEEDLES = 4  # needles per multi-key example, one asked
@@ -36,8 +36,8 @@ def task_name(task: str, length: int) -> str:
     return f"{task.removesuffix('_long')}_{length // 1024}k"
 
 
-def pad_example(ex: quality.Example, pad: Sequence[str], target: int, count_tokens: Any, rng: random.Random,
-                task: str) -> quality.Example:
+def pad_example(ex: datasets.Example, pad: Sequence[str], target: int, count_tokens: Any, rng: random.Random,
+                task: str) -> datasets.Example:
     """``ex`` with texts of ``pad`` added (in order) until its passages hold about ``target``
     tokens, all passages shuffled; evidence and key spans follow their passages."""
     texts = [text for _, text in ex.passages]
@@ -60,14 +60,14 @@ def pad_example(ex: quality.Example, pad: Sequence[str], target: int, count_toke
     )
 
 
-def _hotpot_pool(seed: int, asked: int) -> tuple[list[quality.Example], list[str]]:
+def _hotpot_pool(seed: int, asked: int) -> tuple[list[datasets.Example], list[str]]:
     """(``asked`` questions, paragraphs of ``_PAD_QUESTIONS`` other questions), one seeded sample."""
-    sample = quality.load_hotpotqa(asked + _PAD_QUESTIONS, seed)
+    sample = datasets.load_hotpotqa(asked + _PAD_QUESTIONS, seed)
     pad = [text for ex in sample[asked:] for _, text in ex.passages]
     return sample[:asked], list(dict.fromkeys(pad))
 
 
-def hotpotqa_long(n: int, lengths: Sequence[int], seed: int, count_tokens: Any) -> list[quality.Example]:
+def hotpotqa_long(n: int, lengths: Sequence[int], seed: int, count_tokens: Any) -> list[datasets.Example]:
     questions, pad = _hotpot_pool(seed, n)
     out = []
     for length in lengths:
@@ -80,12 +80,12 @@ def hotpotqa_long(n: int, lengths: Sequence[int], seed: int, count_tokens: Any) 
     return out
 
 
-def near_miss_long(lengths: Sequence[int], seed: int, count_tokens: Any) -> list[quality.Example]:
+def near_miss_long(lengths: Sequence[int], seed: int, count_tokens: Any) -> list[datasets.Example]:
     _, pad = _hotpot_pool(seed + 1, 0)
     out = []
     for length in lengths:
         rng = random.Random(f"{seed}-near-miss-{length}")
-        for ex in quality.load_near_miss():
+        for ex in datasets.load_near_miss():
             others = list(pad)
             rng.shuffle(others)
             out.append(pad_example(ex, others, length, count_tokens, rng, task_name("near_miss_long", length)))
@@ -95,18 +95,18 @@ def near_miss_long(lengths: Sequence[int], seed: int, count_tokens: Any) -> list
 def _multikey_keys(rng: random.Random) -> list[str]:
     """``MULTIKEY_NEEDLES`` keys of one stem that differ only in their two digits: swapped, or
     one digit off ("saffron-47", "saffron-74", "saffron-48", "saffron-57"), all distinct."""
-    stem = rng.choice(quality.NEEDLE_KEYS)
+    stem = rng.choice(datasets.NEEDLE_KEYS)
     a, b = rng.sample(range(1, 9), 2)  # a != b, and a + 1, b + 1 stay single digits
     return [f"{stem}-{d}" for d in (f"{a}{b}", f"{b}{a}", f"{a}{b + 1}", f"{a + 1}{b}")]
 
 
 def multikey(lengths: Sequence[int], depths: Sequence[float], seed: int, count_tokens: Any
-             ) -> list[quality.Example]:
+             ) -> list[datasets.Example]:
     """One example per (length, depth): the asked needle at ``depth``, the others spread evenly
     through the rest of the essay haystack; each value a distinct 7-digit number."""
     rng = random.Random(f"{seed}-multikey")
     out = []
-    for base in quality.needle_examples(lengths, depths, seed, count_tokens):
+    for base in datasets.needle_examples(lengths, depths, seed, count_tokens):
         length, depth = base.meta["length"], base.meta["depth"]
         home, _, _ = base.evidence[0]
         keys = _multikey_keys(rng)
@@ -114,7 +114,7 @@ def multikey(lengths: Sequence[int], depths: Sequence[float], seed: int, count_t
         asked = rng.randrange(len(keys))
         passages = [text for _, text in base.passages]
         old_needle = passages[home][base.evidence[0][1]: base.evidence[0][2]]
-        needles = [quality.NEEDLE.format(key=k, value=v) for k, v in zip(keys, values, strict=True)]
+        needles = [datasets.NEEDLE.format(key=k, value=v) for k, v in zip(keys, values, strict=True)]
         passages[home] = passages[home].replace(old_needle, needles[asked])
         others = [i for i in range(len(keys)) if i != asked]
         slots = [round((j + 0.5) * len(passages) / len(others)) % len(passages) for j in range(len(others))]
@@ -123,9 +123,9 @@ def multikey(lengths: Sequence[int], depths: Sequence[float], seed: int, count_t
             passages[slot] = f"{passages[slot]} {needles[i]}"
         at = passages[home].index(needles[asked])
         at_value = at + needles[asked].index(values[asked])
-        out.append(quality.Example(
+        out.append(datasets.Example(
             task_name("multikey", length), f"multikey-{length}-{depth:g}",
-            quality.NEEDLE_QUESTION.format(key=keys[asked]),
+            datasets.NEEDLE_QUESTION.format(key=keys[asked]),
             tuple((f"s{i}", p) for i, p in enumerate(passages)), (values[asked],),
             {"length": length, "depth": depth, "keys": keys, "asked": asked,
              "distractor_answers": [v for i, v in enumerate(values) if i != asked]},
@@ -143,19 +143,19 @@ def add_arguments(parser: Any) -> None:
 
 
 def long_examples(tasks: Sequence[str], lengths: Sequence[int], n: int, depths: Sequence[float], seed: int,
-                  count_tokens: Any) -> list[quality.Example]:
+                  count_tokens: Any) -> list[datasets.Example]:
     """The long tasks named in ``tasks`` (others are ignored) at every length: ``n`` questions
     each for HotpotQA and SQuAD, the needles over ``depths``, every near-miss case."""
-    out: list[quality.Example] = []
+    out: list[datasets.Example] = []
     if "hotpotqa_long" in tasks:
         out += hotpotqa_long(n, lengths, seed, count_tokens)
     if "squad_long" in tasks:
         for length in lengths:
             out += [replace(ex, task=task_name("squad_long", length))
-                    for ex in quality.load_squad(n, seed, length, count_tokens)]
+                    for ex in datasets.load_squad(n, seed, length, count_tokens)]
     if "needle_long" in tasks:
         out += [replace(ex, task=task_name("needle_long", ex.meta["length"]))
-                for ex in quality.needle_examples(lengths, depths, seed, count_tokens)]
+                for ex in datasets.needle_examples(lengths, depths, seed, count_tokens)]
     if "multikey" in tasks:
         out += multikey(lengths, depths, seed, count_tokens)
     if "near_miss_long" in tasks:

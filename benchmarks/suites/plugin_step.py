@@ -23,9 +23,9 @@ timer after every step: blocking copies count, queued kernels do not):
 ``ratio`` = overhead / (current overhead of decode-0 + vllm_prepare of decode-0): the wrapper's
 cost against an unplanned step's own input preparation. Target: ≤ 0.10 at 256 planned rows.
 
-    python -m benchmarks.plugin_step                     # table + benchmarks/results/plugin_step.json
-    python -m benchmarks.plugin_step --device cuda
-    python -m benchmarks.plugin_step --tiny --out /tmp/x.json
+    python -m benchmarks.suites.plugin_step                     # table + benchmarks/results/plugin_step.json
+    python -m benchmarks.suites.plugin_step --device cuda
+    python -m benchmarks.suites.plugin_step --tiny --out /tmp/x.json
 """
 
 from __future__ import annotations
@@ -38,15 +38,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
-
-if __package__ in (None, ""):  # `python benchmarks/plugin_step.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specprefill_rag.errors import PlanError
 from specprefill_rag.vllm_plugin import runner as plugin_runner
@@ -346,7 +342,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.plugin_step", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suites.plugin_step", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="torch device of the positions buffer (%(default)s)")
     parser.add_argument("--batch", type=int, default=256, help="requests per step (%(default)s)")
@@ -376,9 +372,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in rows:
             r["ratio" if path == "current" else f"{path}_ratio"] = r[f"{path}_overhead_us"] / denominator
     print(table(rows))
-    from benchmarks.common import machine_info, write_results
+    from benchmarks.lib.machine import machine_info
+    from benchmarks.lib.results import write_results
 
-    command = " ".join(["python -m benchmarks.plugin_step", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    args_given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m benchmarks.suites.plugin_step", *map(shlex.quote, args_given)])
     payload = {"command": command, "device": str(device), "machine": machine_info(),
                "definition": "ratio = wrapper overhead per step / (wrapper overhead at 0 planned rows + emulated "
                              "vLLM _prepare_inputs at 0 planned rows), same code path",

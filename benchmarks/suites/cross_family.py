@@ -10,7 +10,7 @@ plan, and its TTFT is draft + selection + main prefill to the first token. Every
 one precision, ``--dtype`` (auto: the fastest the device offers); the file records each one's.
 Run:
 
-    .venv/bin/python -m benchmarks.cross_family            # table on stdout, JSON in benchmarks/results/
+    .venv/bin/python -m benchmarks.suites.cross_family            # table on stdout, JSON in benchmarks/results/
 """
 
 from __future__ import annotations
@@ -20,26 +20,16 @@ import dataclasses
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-if __package__ in (None, ""):  # `python benchmarks/cross_family.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import (  # noqa: E402
-    add_dtype_arg,
-    cold,
-    command_line,
-    machine_info,
-    model_dtype_name,
-    write_results,
-)
-from specprefill_rag import (  # noqa: E402
+from benchmarks.lib.machine import add_dtype_arg, cold, command_line, machine_info, model_dtype_name
+from benchmarks.lib.results import write_results
+from specprefill_rag import (
     DraftConfig,
     DraftModel,
     GenerationConfig,
@@ -48,8 +38,8 @@ from specprefill_rag import (  # noqa: E402
     SpecPrefillConfig,
     SpecPrefillEngine,
 )
-from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
-from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, load_model  # noqa: E402
+from specprefill_rag.backends.transformers import TransformersBackend
+from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, load_model
 
 PASSKEY = "68413"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

@@ -11,7 +11,7 @@ timings mean anything; the cost of scoring and of a prefill does not depend on t
   window is 32,768 and the look-ahead and the answer need positions after the prompt.
 
 Both run the library's own path: ``DraftModel.score`` with whatever ``DraftConfig()`` holds at
-run time (its fields are in the results; nothing reused between repetitions: ``common.cold``),
+run time (its fields are in the results; nothing reused between repetitions: ``machine.cold``),
 ``selection.select``, and ``TransformersBackend.prefill`` plus the first token for the main
 model, pruned and full. Per length (2k … 32k) and repetition, in a rotated order: full prefill,
 SpecPrefill at each keep rate (default 10%), a plain draft forward. Each phase is timed apart:
@@ -29,15 +29,15 @@ plain draft forward at 4k: top operations by GPU time and by kernel launches, ke
 synchronisations, and how much of the wall time the GPU was busy.
 
 The first pair also measures what earlier runs did (``--no-extras`` leaves it out): SpecPrefill
-with the compared look-ahead (``common.compared_lookahead``), the scoring cost of each look-ahead
-variant (``common.lookahead_variants``), the capture hooks alone, 8 concurrent requests in one
+with the compared look-ahead (``lookahead.compared_lookahead``), the scoring cost of each look-ahead
+variant (``lookahead.lookahead_variants``), the capture hooks alone, 8 concurrent requests in one
 batched draft pass, the look-ahead's attention through SDPA and through the short path
 (``attention_rows``) and the draft's peak memory; and where vLLM is installed, the plugin's
 position rewrite in vLLM's V2 runner (``runner_v2_check.gpu_check``).
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \\
-    python benchmarks/gpu_ttft.py --profile --out $OUT/gpu_ttft.json   # H100/H200: <= 6 min
-    python benchmarks/gpu_ttft.py --tiny                # both pairs, tiny shapes, CPU: seconds
+    python -m benchmarks.suites.gpu_ttft --profile --out $OUT/gpu_ttft.json   # H100/H200: <= 6 min
+    python -m benchmarks.suites.gpu_ttft --tiny                # both pairs, tiny shapes, CPU: seconds
 """
 
 from __future__ import annotations
@@ -62,20 +62,10 @@ from typing import Any
 
 import torch
 
-if __package__ in (None, ""):  # `python benchmarks/gpu_ttft.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import runner_v2_check
-from benchmarks.common import (
-    cold,
-    compared_lookahead,
-    dtype_name,
-    lookahead_label,
-    lookahead_variants,
-    machine_info,
-    summarise_length,
-    write_results,
-)
+from benchmarks.lib import runner_v2_check
+from benchmarks.lib.lookahead import compared_lookahead, lookahead_label, lookahead_variants, summarise_length
+from benchmarks.lib.machine import cold, dtype_name, machine_info
+from benchmarks.lib.results import write_results
 
 # Published shapes (config.json of meta-llama/Llama-3.2-1B and Llama-3.1-8B).
 LLAMA_3_2_1B: dict[str, Any] = dict(
@@ -140,7 +130,7 @@ QUESTION_TOKENS = 64  # protected tail (question + generation prompt)
 PASSAGE_TOKENS = 512  # passage size; chunks never cross a passage boundary
 HEADROOM = 256  # positions left after the prompt (look-ahead, answer) where a window caps a length
 PROFILE_TOKENS = 4096  # the length --profile looks at (the nearest measured one otherwise)
-COMPARED_KEEP = (0.1,)  # keep rates also run with the compared look-ahead (common.compared_lookahead)
+COMPARED_KEEP = (0.1,)  # keep rates also run with the compared look-ahead (lookahead.compared_lookahead)
 QWEN_SHARE = 0.5  # of the time budget, the part by which the Qwen pair (run first) must be done
 
 
@@ -892,7 +882,7 @@ def new_payload(args: argparse.Namespace, device: str, dtype: torch.dtype, argv:
     first = args.pairs[0]
     return {
         "benchmark": "ttft",
-        "command": " ".join(["python benchmarks/gpu_ttft.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m benchmarks.suites.gpu_ttft", *(sys.argv[1:] if argv is None else argv)]),
         "tiny": args.tiny,
         "reduced": False,
         "machine": machine,

@@ -45,26 +45,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python benchmarks/prefix_cache.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import quality
-from benchmarks.common import (
-    DEFAULT_DRAFT,
-    DEFAULT_MAIN,
-    RESULTS_DIR,
-    ROOT,
-    add_dtype_arg,
-    append_jsonl,
-    bootstrap_ci,
-    model_dtype_name,
-    paired_ratio_ci,
-    resolved_dtype,
-    served_dtype,
-)
-from benchmarks.evidence import load_rows
-from benchmarks.gateway_load import free_port
-from specprefill_rag.loading import DTYPES
+from benchmarks.lib.machine import add_dtype_arg, model_dtype_name, resolved_dtype, served_dtype
+from benchmarks.lib.metrics import bootstrap_ci, paired_ratio_ci
+from benchmarks.lib.results import RESULTS_DIR, ROOT, append_jsonl
+from benchmarks.suites import quality
+from benchmarks.suites.evidence import load_rows
+from benchmarks.suites.gateway_load import free_port
+from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, DTYPES
 
 READY_TIMEOUT_S = 900.0
 INSTRUCTIONS = (
