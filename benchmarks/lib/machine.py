@@ -30,6 +30,15 @@ __all__ = [
 ]
 
 
+def offline(threads: int | None = None) -> None:
+    """Set the process up as every bench runs: the model hub offline, tokenizers single-threaded
+    (the benches fork), and ``threads`` torch CPU threads (None or 0: torch's choice)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if threads:
+        torch.set_num_threads(threads)
+
+
 def cold(draft: Any) -> Any:
     """``draft`` (a DraftConfig) with nothing reused between requests: no score memo, no prefix
     store. What the timing benchmarks measure, whose repetitions send the same prompt again."""

@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import pickle
 import random
 import sys
@@ -49,7 +48,7 @@ from typing import Any
 import torch
 
 from benchmarks.lib import long_context
-from benchmarks.lib.machine import cold, dtype_name, model_dtype_name
+from benchmarks.lib.machine import cold, dtype_name, model_dtype_name, offline
 from benchmarks.lib.metrics import bootstrap_ci, share_ci
 from benchmarks.lib.results import RESULTS_DIR, ROOT, append_jsonl, prompt_digest, read_jsonl, same_example
 from benchmarks.suites import quality
@@ -792,10 +791,7 @@ def add_task_args(p: argparse.ArgumentParser, *, tasks: Sequence[str], n: int, n
 def open_results(args: argparse.Namespace, name: str) -> tuple[Path, list[dict[str, Any]]]:
     """A resumable bench's results file (``--out``, else ``name`` in the results folder) and its
     rows so far, with the process set up as every bench runs: offline, ``--threads``."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    offline(args.threads)
     path = Path(args.out) if args.out else RESULTS_DIR / name
     return path, load_rows(path)
 
@@ -852,8 +848,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     for tag in args.candidate_layers:
         VARIANTS.update((v.name, v) for v in exit_candidates(tag))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    offline()
     path = Path(args.out) if args.out else RESULTS_DIR / ("evidence_tiny.jsonl" if args.tiny else "evidence.jsonl")
     if args.summary:
         rows = load_rows(path)
@@ -864,8 +859,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         print_summary(summarize(top_variants(rows, args.top) if args.top is not None else rows, args.seed))
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    offline(args.threads)
     variants = [VARIANTS[n] for n in args.variants] if args.variants else list(VARIANTS.values())
     variants += [v for tag in args.candidate_layers for v in exit_candidates(tag) if v not in variants]
     if args.tiny:

@@ -33,7 +33,6 @@ import argparse
 import collections
 import dataclasses
 import json
-import os
 import re
 import string
 import sys
@@ -48,7 +47,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.lib import long_context
 from benchmarks.lib.datasets import Example, load_hotpotqa, load_near_miss, load_squad, needle_examples
-from benchmarks.lib.machine import add_dtype_arg, cold, command_line, machine_info, model_dtypes
+from benchmarks.lib.machine import add_dtype_arg, cold, command_line, machine_info, model_dtypes, offline
 from benchmarks.lib.metrics import bootstrap_ci, paired_ratio_ci, share_ci
 from benchmarks.lib.results import RESULTS_DIR, prompt_digest, result_name, same_example, write_results
 from benchmarks.lib.tiny import tiny_engine
@@ -656,10 +655,7 @@ def print_summary(entries: list[dict[str, Any]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    offline(args.threads)
     started = time.perf_counter()
     engine = build_engine(args)
     print(f"models ready in {time.perf_counter() - started:.1f} s", flush=True)

@@ -52,6 +52,7 @@ from benchmarks.lib.machine import (
     command_line,
     machine_info,
     model_dtypes,
+    offline,
     resolved_dtype,
 )
 from benchmarks.lib.results import RESULTS_DIR, ROOT, result_name, write_results
@@ -547,10 +548,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    offline(args.threads)
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child, args.draft, args.lengths[-1], args.tiny, args.device,
                                       args.dtype)))
