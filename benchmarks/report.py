@@ -45,7 +45,6 @@ CURRENT = (
     "gateway_load.json",
     "gpu_attention.json",
     "gpu_ttft.json",
-    "notes.md",
     "prefix_cache.jsonl",
     "prefix_cache_bf16-draft_chat-long.jsonl",
     "prefix_cache_chat-long.jsonl",
@@ -1290,9 +1289,6 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
     ]
     images.mkdir(parents=True, exist_ok=True)
     lines = HEADER + headline(ttfts, quality, other_quality + long_quality)
-    notes = results / "notes.md"
-    if notes.exists():
-        lines += ["## Notes on these runs", "", notes.read_text().strip(), ""]
     lines += _ttft_part(ttfts, load(results, "gpu_ttft"), images, load(results, "gpu_attention"))
     lines += _length_part(results, images)
     lines += _evidence_part(results, images)
