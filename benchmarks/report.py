@@ -10,7 +10,9 @@ gateway_load.json, and for the evidence-vs-length table the evidence files in
 ``LENGTH_SOURCES`` and windows.jsonl; the ``*_tiny.json`` files of ``--tiny`` smoke runs are
 skipped. ``CURRENT`` pins that list: results/ holds these files (and what later runs add),
 results/archive/ the runs the docs cite but the page does not render. Writes docs/benchmarks.md
-and docs/images/bench_*.png. The page is generated: edit this file, not it.
+and docs/images/bench_*.png, and the README's results table between its markers: both open with
+the cells pinned in ``HEADLINE_ROWS``. The page is generated: edit this file, not it; what the
+runs taught is docs/findings.md (its dated notes docs/lab-notes.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +48,6 @@ CURRENT = (
     "gateway_load.json",
     "gpu_attention.json",
     "gpu_ttft.json",
-    "notes.md",
     "prefix_cache.jsonl",
     "prefix_cache_bf16-draft_chat-long.jsonl",
     "prefix_cache_chat-long.jsonl",
@@ -849,71 +851,152 @@ def _length_part(results: Path, images: Path) -> list[str]:
     return lines
 
 
-# -- headline --------------------------------------------------------------------------------
+# -- headline: one table of pinned rows, on the page and in the README ----------------------
 
 
-def headline(
-    ttfts: list[tuple[str, dict[str, Any]]],
-    quality: dict[str, Any] | None,
-    other_quality: Sequence[tuple[str, dict[str, Any]]] = (),
-) -> list[str]:
-    out = ["## Headline", ""]
-    for stem, ttft in ttfts:
-        settings = ttft.get("settings", {})
-        lookahead = f", look-ahead {settings['lookahead']}" if settings.get("lookahead") else ""
-        source = f" (`{stem}`{lookahead}, {_run_dtypes(ttft)})"
-        for run in ttft.get("runs", []):
-            if run.get("status") == "skipped" or unfair_baseline(ttft, run):
-                continue  # an unfair or unverified baseline is shown in its section, never headlined
-            for row in run["lengths"]:
-                for c in row["cells"]:
-                    if c["keep_rate"] in (0.1, 0.3) and row["n_tokens"] >= 2048:
-                        out.append(
-                            f"- {pair(ttft)}, {run['backend']}, {row['n_tokens']} tokens, keep {c['keep_rate']:.0%}: "
-                            f"speedup **{c['speedup']:.2f}×**, ideal {c['ideal']:.2f}×, efficiency "
-                            f"**{c['efficiency']:.2f}**{source}"
-                        )
-    if quality:
-        by = {(e["task"], e["method"], e["keep_rate"]): e for e in quality["summary"]}
-        for e in sorted(quality["summary"], key=lambda e: (e["task"], e["keep_rate"] or 0.0)):
-            if e["method"] == "specprefill" and e["keep_rate"] in (0.1, 0.3):
-                m = e["metric"]
-                peers = []
-                for method, label in (("reference", "reference scoring"), ("llmlingua", "LongLLMLingua")):
-                    peer = by.get((e["task"], method, e["keep_rate"]))
-                    if peer:
-                        n = "" if peer["n"] == e["n"] else f" (n={peer['n']})"
-                        peers.append(f"{label}{n}: {_ci(peer.get('retention_vs_full'), peer.get('retention_ci'))}")
-                if by.get((e["task"], "llmlingua", e["keep_rate"])) and _vs_lingua(e):
-                    peers.append(_vs_lingua(e))
-                line = (
-                    f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}: SpecPrefill {METRIC_NAMES.get(m, m)} "
-                    f"{_ci(e.get(m), e.get(f'{m}_ci'))}, retention vs full "
-                    f"{_ci(e.get('retention_vs_full'), e.get('retention_ci'), bold=True)}"
-                )
-                if not _nan(e.get("distractor")):
-                    line += f", distractor answers {_ci(e['distractor'], e.get('distractor_ci'))}"
-                out.append(line + (f" ({'; '.join(peers)})" if peers else ""))
-    default_draft = (quality or {}).get("models", {}).get("draft", "")
-    for _, other in other_quality:
-        label = run_label(other, default_draft)
-        for e in other["summary"]:
-            if e["method"] == "specprefill" and e["keep_rate"] in (0.1, 0.3):
-                m = e["metric"]
-                lingua = f" ({_vs_lingua(e)})" if _vs_lingua(e) else ""
-                out.append(
-                    f"- {e['task']} (n={e['n']}), keep {e['keep_rate']:.0%}, {label}: "
-                    f"SpecPrefill {METRIC_NAMES.get(m, m)} {_ci(e.get(m), e.get(f'{m}_ci'))}, retention vs full "
-                    f"{_ci(e.get('retention_vs_full'), e.get('retention_ci'), bold=True)}{lingua}"
-                )
-    return out + [""]
+@dataclass(frozen=True)
+class HeadlineRow:
+    """One row of the headline table: a TTFT cell named by its file of results/, prompt length and
+    keep rate, and the answer quality at that keep rate from a quality file's task (or none)."""
+
+    ttft: str  # a TTFT file of results/, e.g. "ttft_fair.json"
+    n_tokens: int  # the prompt length of the cell, tokens
+    keep: float  # keep rate of the cell, 0–1
+    quality: str | None = None  # a quality file of results/, e.g. "quality_long_bf16.json"; None: "—"
+    task: str | None = None  # its task, e.g. "hotpotqa_4k"
+    readme: bool = False  # also a row of the README's results table (at most 4 rows)
+    backend: str = "transformers"  # the run of the TTFT file
+
+    def __post_init__(self) -> None:
+        if self.n_tokens <= 0 or not 0 < self.keep < 1:
+            raise ValueError(f"{self}: n_tokens must be > 0 and keep in (0, 1)")
+        if (self.quality is None) != (self.task is None):
+            raise ValueError(f"{self}: name both a quality file and its task, or neither")
 
 
-def _vs_lingua(e: dict[str, Any]) -> str:
-    """A summary entry's paired difference to LongLLMLingua, as the headline words it ('' if none)."""
-    if e.get("vs_llmlingua") is None:
-        return ""
-    return f"SpecPrefill − LongLLMLingua, paired: {_ci(e['vs_llmlingua'], e.get('vs_llmlingua_ci'), sign=True)}"
+# The page's headline and the README's results table, in this order: each row names the file it
+# comes from, so what they claim is one list (a test holds the README equal to its render).
+HEADLINE_ROWS = (
+    HeadlineRow("ttft_fair.json", 2048, 0.1, "quality.json", "hotpotqa", readme=True),
+    HeadlineRow("ttft_fair.json", 2048, 0.3, "quality.json", "hotpotqa"),
+    HeadlineRow("ttft_fair.json", 4096, 0.1, "quality_long_bf16.json", "hotpotqa_4k", readme=True),
+    HeadlineRow("ttft_fair.json", 4096, 0.3, "quality_long_bf16.json", "hotpotqa_4k"),
+    HeadlineRow("gpu_ttft.json", 8192, 0.1, readme=True),
+    HeadlineRow("gpu_ttft.json", 32768, 0.1, readme=True),
+)
+README = ROOT / "README.md"
+README_MARKERS = ("<!-- results:start -->", "<!-- results:end -->")
+
+
+def _machine(data: dict[str, Any], run: dict[str, Any]) -> str:
+    """'2-core CPU, draft → main, both bf16': where and what a TTFT run measured."""
+    m = data.get("machine", {})
+    where = m.get("gpu") or (f"{m['cpu_count']}-core CPU" if m.get("cpu_count") else "CPU")
+    dtypes = run_precisions(data, run)
+    main, draft = _short(dtypes.get("main", "?")), _short(dtypes.get("draft", "?"))
+    return f"{where}, {pair(data)}, " + (f"both {main}" if main == draft else f"draft {draft}, main {main}")
+
+
+def _headline_cell(data: dict[str, Any], row: HeadlineRow) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The run and the cell ``row`` names; raises where the file has none, or where its baseline is
+    not the main model at the machine's best (``unfair_baseline``): a headline never shows that."""
+    runs = [r for r in data.get("runs", []) if r.get("backend") == row.backend and r.get("status") != "skipped"]
+    if not runs:
+        raise ValueError(f"{row}: {row.ttft} has no measured {row.backend} run")
+    run = runs[0]
+    unfair = unfair_baseline(data, run)
+    if unfair:
+        raise ValueError(f"{row}: {row.ttft} has an {unfair}; a headline shows only a speedup over the main "
+                         "model at the machine's best precision")
+    cells = [c for length in run.get("lengths", []) if length["n_tokens"] == row.n_tokens for c in length["cells"]]
+    for cell in cells:
+        if cell["keep_rate"] == row.keep:
+            return run, cell
+    raise ValueError(f"{row}: {row.ttft} has no cell at {row.n_tokens} tokens, keep {row.keep:.0%}")
+
+
+def _quality_cell(data: dict[str, Any], row: HeadlineRow) -> str:
+    """'1.00 [0.78, 1.29], n=60 (hotpotqa_4k F1, ~4.3k tokens, `quality_long_bf16.json`)': SpecPrefill's
+    retention vs the full prompt on the row's task and keep rate, its summary recomputed from the rows."""
+    from benchmarks.suites.quality import summarize
+
+    rows = [r for r in data.get("rows", []) if r["task"] == row.task]
+    summary = summarize(rows, data.get("settings", {}).get("seed", 0))
+    found = [e for e in summary if e["method"] == "specprefill" and e["keep_rate"] == row.keep]
+    if not found or _nan(found[0].get("retention_vs_full")):
+        raise ValueError(f"{row}: {row.quality} has no SpecPrefill retention for {row.task} at keep {row.keep:.0%}")
+    e = found[0]
+    prompts = sorted(r["n_prompt"] for r in rows if r["method"] == "full" and r.get("n_prompt"))
+    length = f", ~{prompts[len(prompts) // 2] / 1000:.1f}k tokens" if prompts else ""
+    metric = METRIC_NAMES.get(e["metric"], e["metric"])
+    return (f"{_ci(e['retention_vs_full'], e.get('retention_ci'))}, n={e['n']} "
+            f"({row.task} {metric}{length}, `{row.quality}`)")
+
+
+def headline_table(results: Path, rows: Sequence[HeadlineRow] = HEADLINE_ROWS) -> list[str]:
+    """The markdown table of ``rows`` from the files of ``results``: the page's headline and (the
+    rows marked ``readme``) the README's results. A row whose TTFT file is not in ``results`` is
+    left out; anything else a row names and the files lack raises, as an unfair baseline does."""
+    files: dict[str, dict[str, Any]] = {}
+
+    def read(name: str) -> dict[str, Any] | None:
+        if name not in files and (results / name).is_file():
+            files[name] = json.loads((results / name).read_text())
+        return files.get(name)
+
+    out = ["| machine and models | prompt tokens | keep | TTFT speedup (ideal 1/(r+k)) "
+           "| quality kept vs full [95% CI] |", "|---|---|---|---|---|"]
+    for row in rows:
+        ttft = read(row.ttft)
+        if ttft is None:
+            continue
+        run, cell = _headline_cell(ttft, row)
+        quality = "—"
+        if row.quality is not None:
+            data = read(row.quality)
+            if data is None:
+                raise ValueError(f"{row}: {row.quality} is not in {results}")
+            quality = _quality_cell(data, row)
+        out.append(f"| {_machine(ttft, run)} (`{row.ttft}`) | {row.n_tokens:,} | {row.keep:.0%} "
+                   f"| **{cell['speedup']:.2f}×** ({cell['ideal']:.2f}×) | {quality} |")
+    return out if len(out) > 2 else ["Not measured yet: none of the headline's files is in results/."]
+
+
+HEADLINE_KEY = (
+    "TTFT speedup: full prefill's time to first token over SpecPrefill's, measured side by side in one run "
+    "(medians), the main model at the machine's best precision; in brackets the ideal 1/(r + k), r the draft's "
+    "cost relative to the full prefill, k the share prefilled. Quality kept: SpecPrefill's answer score over "
+    "the full prompt's on the same examples, with its bootstrap 95% interval, n examples, and the task, its "
+    "median prompt length and file; — where the models have random weights. Each file has its own section below."
+)
+
+
+def headline(results: Path, rows: Sequence[HeadlineRow] = HEADLINE_ROWS) -> list[str]:
+    """The page's opening section: the pinned table, its key, and where the prose lives."""
+    return ["## Headline", "", *headline_table(results, rows), "", HEADLINE_KEY, "",
+            "What the runs taught: [findings.md](findings.md); the dated lab notes behind it: "
+            "[lab-notes.md](lab-notes.md).", ""]
+
+
+def readme_results(results: Path, rows: Sequence[HeadlineRow] = HEADLINE_ROWS) -> list[str]:
+    """The README's results table: the headline's rows marked ``readme``."""
+    return headline_table(results, [row for row in rows if row.readme])
+
+
+def between_markers(text: str) -> str:
+    """What ``text`` holds between the README's results markers (raises where they are missing)."""
+    start, end = README_MARKERS
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise ValueError(f"expected one {start} before one {end}")
+    return text[text.index(start) + len(start):text.index(end)]
+
+
+def write_readme(results: Path, readme: Path, rows: Sequence[HeadlineRow] = HEADLINE_ROWS) -> Path:
+    """Replace the table between ``README_MARKERS`` in ``readme`` with ``readme_results``."""
+    text = readme.read_text(encoding="utf-8")
+    block = "\n" + "\n".join(readme_results(results, rows)) + "\n"
+    write_atomic(readme, text.replace(README_MARKERS[0] + between_markers(text), README_MARKERS[0] + block, 1))
+    return readme
 
 
 def run_label(data: dict[str, Any], default_draft: str) -> str:
@@ -1089,11 +1172,15 @@ def _chat_part(results: Path) -> list[str]:
     return out
 
 
-HEADER = [
+TITLE = [
     "# Benchmarks",
     "",
     "<!-- Generated by `specprefill-rag bench report` (benchmarks/report.py) from benchmarks/results/*.json."
     " Do not edit by hand. -->",
+    "",
+]
+HEADER = [
+    "## How these runs are made",
     "",
     "Everything on this page is measured side by side in one run: full prefill and SpecPrefill through the same "
     "backend, interleaved (the order rotates per repetition), so the noise of a shared machine hits both sides. "
@@ -1270,8 +1357,10 @@ def _quality_part(quality: dict[str, Any] | None, images: Path,
     return lines + QUALITY_NOTES
 
 
-def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) -> Path:
-    """Write ``doc`` (and its plots into ``images``) from the result files in ``results``."""
+def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES, readme: Path | None = None,
+           rows: Sequence[HeadlineRow] = HEADLINE_ROWS) -> Path:
+    """Write ``doc`` (and its plots into ``images``) from the result files in ``results``, and the
+    results table of ``readme`` where one is given, both headed by ``rows``."""
     from benchmarks.suites.quality import summarize
 
     ttfts = load_all(results, "ttft")
@@ -1289,10 +1378,7 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
         (n, d) for n, d in qualities if not n.startswith(("quality_quick", "quality_long")) and n != primary
     ]
     images.mkdir(parents=True, exist_ok=True)
-    lines = HEADER + headline(ttfts, quality, other_quality + long_quality)
-    notes = results / "notes.md"
-    if notes.exists():
-        lines += ["## Notes on these runs", "", notes.read_text().strip(), ""]
+    lines = TITLE + headline(results, rows) + HEADER
     lines += _ttft_part(ttfts, load(results, "gpu_ttft"), images, load(results, "gpu_attention"))
     lines += _length_part(results, images)
     lines += _evidence_part(results, images)
@@ -1308,6 +1394,8 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES) 
         lines += gateway_section(gateway_load)
     lines += prefix_cache_section(results)
     write_atomic(doc, "\n".join(lines + INSTALL))
+    if readme is not None:
+        write_readme(results, readme, rows)
     return doc
 
 
@@ -1316,9 +1404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--results", default=str(RESULTS_DIR))
     p.add_argument("--doc", default=str(DOC))
     p.add_argument("--images", default=str(IMAGES))
+    p.add_argument("--readme", default=str(README), help="whose results table to rewrite between its markers")
     args = p.parse_args(argv)
-    path = render(Path(args.results), Path(args.doc), Path(args.images))
-    print(f"wrote {path}")
+    path = render(Path(args.results), Path(args.doc), Path(args.images), Path(args.readme))
+    print(f"wrote {path} and the results table of {args.readme}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """``bench report``: the page and plots rendered from results files, the evidence and length
-sections, and which TTFT files it headlines (only a speedup over the main model at its best)."""
+sections, and the headline: the pinned rows, only a speedup over the main model at its best, the
+same table in the README as the current result files give."""
 
 from __future__ import annotations
 
@@ -96,9 +97,10 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
     assert "served-draft → m" in text and "smoke" not in text
     assert "## Other drafts and draft settings" in text
     assert "| needle | 30% | 1 | 1.00 (n=1) | **0.00** | 1.00 (n=1) | – |" in text
-    # The quality table and the headline show bootstrap CIs: accuracy 0.50 over examples a (1) and b (0).
+    # The quality table shows bootstrap CIs: accuracy 0.50 over examples a (1) and b (0).
     assert "| needle | SpecPrefill | 30% | 2 | accuracy | 0.50 [0.00, 1.00] |" in text
-    assert "SpecPrefill accuracy 0.50 [0.00, 1.00], retention vs full **1.00**" in text
+    # None of the pinned headline files is here: the page says so, and pastes no notes.
+    assert "## Headline\n\nNot measured yet" in text and "Notes on these runs" not in text
     # Evidence recall comes before answer quality, the library default in bold, best recall first.
     assert text.index("## Evidence recall (draft only)") < text.index("## Answer quality")
     # Every example kept its evidence: the exact binomial bound (3 of 3), not a zero-width bootstrap.
@@ -112,8 +114,6 @@ def test_report_renders_tables_and_plots(tmp_path: Path) -> None:
     assert "| needle_8k | SpecPrefill | 30% | 2 | accuracy | 0.50 [0.00, 1.00] |" in long_part
     assert "seed 0, keep rates [0.3], greedy" in long_part  # the rows' rates, not the last command's
     assert "| needle_8k | LongLLMLingua (same draft LM) | 30% | 2 | accuracy | 0.00 [0.00, 0.84] |" in long_part
-    assert ("needle_8k (n=2), keep 30%, draft bf16, main bf16: SpecPrefill accuracy 0.50 [0.00, 1.00], retention "
-            "vs full **1.00**") in text.split("## Answer quality")[0]  # and in the headline
     assert "## Other drafts" in text and "quality_long_bf16" not in text[text.index("## Other drafts"):
                                                                          text.index("## Answer quality at length")]
     for image in ("bench_quality.png", "bench_evidence.png"):
@@ -262,21 +262,69 @@ FP32 = {"main": "float32", "draft": "float32"}
     (_ttft_file(None, settings={"dtype": "bfloat16", "device": "cuda"}), None),  # gpu_ttft.json's kind
 ])
 def test_the_report_headlines_only_a_speedup_over_the_main_model_at_its_best(
-        data: dict[str, object], label: str | None) -> None:
+        tmp_path: Path, data: dict[str, object], label: str | None) -> None:
     (run,) = data["runs"]  # type: ignore[misc]
     assert report.unfair_baseline(data, run) == label
-    headline = "\n".join(report.headline([("ttft", data)], None))
+    (tmp_path / "ttft_x.json").write_text(json.dumps(data))
+    row = report.HeadlineRow("ttft_x.json", 2048, 0.1)
     section = "\n".join(report.ttft_section(data, "TTFT"))
     assert "| 2048 | 10% | 10.0 s | 4.00 s | **2.50×** |" in section  # shown either way
     if label is None:
-        assert "- d → m, transformers, 2048 tokens, keep 10%: speedup **2.50×**" in headline
+        (line,) = report.headline_table(tmp_path, [row])[2:]
+        assert "d → m" in line and "| 2,048 | 10% | **2.50×** (" in line
         assert "Not headlined" not in section
     else:
-        assert "speedup" not in headline  # never in the Headline section
+        with pytest.raises(ValueError, match="a headline shows only a speedup over the main model"):
+            report.headline_table(tmp_path, [row])  # a pinned row naming it fails loudly
         assert f"### Backend `transformers` — {label}" in section and f"**Not headlined: {label}.**" in section
 
 
-def test_the_rendered_page_headlines_the_fair_file_and_labels_the_unfair_one(tmp_path: Path) -> None:
+def _quality_file(task: str, scores: list[tuple[float, float]], keep: float = 0.1) -> dict[str, object]:
+    """A quality result file: per example (full prompt's F1, SpecPrefill's F1 at ``keep``)."""
+    rows = []
+    for i, (full, spec) in enumerate(scores):
+        for method, keep_rate, f1 in (("full", None, full), ("specprefill", keep, spec)):
+            rows.append({"task": task, "id": f"q{i}", "method": method, "keep_rate": keep_rate, "f1": f1,
+                         "prefilled": 100, "n_prompt": 1000 + i, "prediction": "x", "answers": ["y"]})
+    return {"models": {"main": "m", "draft": "d"}, "machine": {}, "settings": {"seed": 0},
+            "summary": quality.summarize(rows), "rows": rows}
+
+
+FAIR = {"settings": {"best_dtype": "bfloat16"}, "machine": {"cpu_native_bf16": True, "cpu_count": 2}}
+
+
+def test_the_headline_table_is_exactly_the_pinned_rows_with_the_files_numbers(tmp_path: Path) -> None:
+    fair = _ttft_file(BF16, **FAIR)  # type: ignore[arg-type]
+    (cell,) = fair["runs"][0]["lengths"][0]["cells"]  # type: ignore[index]
+    (tmp_path / "ttft_x.json").write_text(json.dumps(fair))
+    quality_file = _quality_file("hotpotqa_4k", [(1.0, 1.0), (0.5, 0.4), (0.8, 0.8)])
+    (tmp_path / "quality_x.json").write_text(json.dumps(quality_file))
+    (spec,) = [e for e in quality.summarize(quality_file["rows"])  # type: ignore[arg-type]
+               if e["method"] == "specprefill"]
+    rows = [report.HeadlineRow("ttft_x.json", 2048, 0.1, "quality_x.json", "hotpotqa_4k", readme=True),
+            report.HeadlineRow("ttft_x.json", 2048, 0.1),
+            report.HeadlineRow("ttft_absent.json", 2048, 0.1, readme=True)]  # not in results/: left out
+    table = report.headline_table(tmp_path, rows)
+    machine = "| 2-core CPU, d → m, both bf16 (`ttft_x.json`) | 2,048 | 10% "
+    speedup = f"| **{cell['speedup']:.2f}×** ({cell['ideal']:.2f}×) |"
+    retention = report._ci(spec["retention_vs_full"], spec["retention_ci"])
+    assert table[2:] == [
+        f"{machine}{speedup} {retention}, n=3 (hotpotqa_4k F1, ~1.0k tokens, `quality_x.json`) |",
+        f"{machine}{speedup} — |",
+    ]
+    assert "**2.50×**" in table[2] and retention.startswith("0.96 [")
+    assert report.readme_results(tmp_path, rows) == table[:3]  # the README: the rows marked for it
+    # A row naming a cell, task or file that is not there fails loudly.
+    for bad, match in ((report.HeadlineRow("ttft_x.json", 4096, 0.1), "no cell at 4096 tokens"),
+                       (report.HeadlineRow("ttft_x.json", 2048, 0.1, "quality_x.json", "squad"), "no SpecPrefill"),
+                       (report.HeadlineRow("ttft_x.json", 2048, 0.1, "nope.json", "squad"), "nope.json is not in")):
+        with pytest.raises(ValueError, match=match):
+            report.headline_table(tmp_path, [bad])
+    with pytest.raises(ValueError, match="both a quality file and its task"):
+        report.HeadlineRow("ttft_x.json", 2048, 0.1, "quality_x.json")
+
+
+def test_the_rendered_page_opens_with_the_pinned_rows_and_refuses_an_unfair_one(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     results = tmp_path / "results"
     results.mkdir()
@@ -284,10 +332,30 @@ def test_the_rendered_page_headlines_the_fair_file_and_labels_the_unfair_one(tmp
     unfair = _ttft_file(MIXED, settings={"best_dtype": "bfloat16"}, machine={"cpu_native_bf16": True})
     (results / "ttft.json").write_text(json.dumps(fair))
     (results / "ttft_bf16-draft.json").write_text(json.dumps(unfair))
-    text = report.render(results, tmp_path / "benchmarks.md", tmp_path / "images").read_text()
-    head = text[text.index("## Headline"):text.index("## Time to first token")]
-    assert head.count("speedup **2.50×**") == 1 and "(`ttft`, look-ahead 8, draft bf16, main bf16)" in head
-    assert "ttft_bf16-draft" not in head and "unfair" not in head
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{report.README_MARKERS[0]}\nold\n{report.README_MARKERS[1]}\n\nafter\n")
+    rows = [report.HeadlineRow("ttft.json", 2048, 0.1, readme=True)]
+    text = report.render(results, tmp_path / "benchmarks.md", tmp_path / "images", readme, rows).read_text()
+    head = text[text.index("## Headline"):text.index("## How these runs are made")]
+    assert head.count("**2.50×**") == 1 and "(`ttft.json`)" in head and "unfair" not in head
+    assert "[findings.md](findings.md)" in head and "[lab-notes.md](lab-notes.md)" in head
+    assert text.index("## Headline") < text.index("## Time to first token")
+    assert readme.read_text() == ("# x\n\n" + report.README_MARKERS[0] + "\n"
+                                  + "\n".join(report.headline_table(results, rows)) + "\n"
+                                  + report.README_MARKERS[1] + "\n\nafter\n")
     unfair_part = text[text.index("`benchmarks/results/ttft_bf16-draft.json`"):]
     assert "### Backend `transformers` — unfair baseline (main fp32, draft bf16)" in unfair_part
     assert "| 2048 | 10% | 10.0 s | 4.00 s | **2.50×** |" in unfair_part  # shown, labelled
+    with pytest.raises(ValueError, match="unfair baseline"):
+        report.render(results, tmp_path / "b.md", tmp_path / "images", None,
+                      [report.HeadlineRow("ttft_bf16-draft.json", 2048, 0.1)])
+
+
+def test_the_readme_results_table_is_what_the_current_files_give() -> None:
+    """The README's table is generated (``bench report``): it equals the render of the pinned
+    rows from the repository's result files, so it cannot drift from them."""
+    text = report.README.read_text(encoding="utf-8")
+    assert report.between_markers(text) == "\n" + "\n".join(report.readme_results(report.RESULTS_DIR)) + "\n"
+    named = {name for row in report.HEADLINE_ROWS for name in (row.ttft, row.quality) if name}
+    assert named <= set(report.CURRENT)  # and tests/test_layout.py: every CURRENT file is there
+    assert 0 < sum(row.readme for row in report.HEADLINE_ROWS) <= 4 and len(report.HEADLINE_ROWS) <= 8

@@ -60,11 +60,15 @@ def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
 
     assert data["settings"]["best_dtype"] == best_dtype("cpu") and data["settings"]["dtype_asked"] == "auto"
     assert data["machine"]["cpu_native_bf16"] is cpu_runs_bf16()
-    long = [{**ok, "lengths": [{**row, "n_tokens": 2048}]}]  # the headline lists 2k tokens and more
+    pinned = report.HeadlineRow(out.name, row["n_tokens"], 0.3)  # a headline row naming this file's cell
     for best, headlined in (("float32", True), ("bfloat16", False)):  # the tiny models run in fp32
-        shown = {**data, "runs": long, "settings": {**data["settings"], "best_dtype": best}}
-        lines = "\n".join(report.headline([("ttft", shown)], None))
-        assert ("(`ttft`, look-ahead 8, draft fp32, main fp32)" in lines) is headlined
+        out.write_text(json.dumps({**data, "settings": {**data["settings"], "best_dtype": best}}))
+        if headlined:
+            assert "both fp32 (`ttft.json`)" in report.headline_table(tmp_path, [pinned])[2]
+        else:
+            with pytest.raises(ValueError, match="unfair baseline"):
+                report.headline_table(tmp_path, [pinned])
+    out.write_text(json.dumps(data))
     # --memory-only re-measures memory into the same file and leaves the runs alone.
     assert ttft.main(["--tiny", "--lengths", "192", "--memory-only", "--out", str(out)]) == 0
     again = json.loads(out.read_text())
