@@ -9,15 +9,21 @@ are stopped by PID.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig
 from specprefill_rag.engine import SpecPrefillEngine
 from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
-from tests.test_gateway import GatewayProcess, free_port  # the gateway's own test helpers
+
+# The gateway's own test helpers, imported as the core suite imports them (tests/ on the path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import free_port  # noqa: E402
+from servers import GatewayProcess  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 KEY = "client-test-key"

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 from conftest import KEY, MAX_NEW_TOKENS
+from servers import metric  # tests/servers.py (client_tests/conftest.py puts tests/ on the path)
 
 from specprefill_rag.gateway.messages import to_segments
 from specprefill_rag.tools.retrieval import demo_documents, demo_questions, split_passages
-from tests.test_gateway import metric
 
 pytestmark = pytest.mark.timeout(1200)
 URL = "http://127.0.0.1:{}/v1"

@@ -198,3 +198,16 @@ def chat_request(question: str = QUESTION, passages: list[str] = PASSAGES, **kwa
         extra_body={"specprefill": {"passages": passages}},
     )
     return {**request, **kwargs}
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one Prometheus sample (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        sample, _, rest = key.partition("{")
+        if sample == name and ",".join(sorted(rest.rstrip("}").split(","))) == want:
+            return float(value)
+    return 0.0

@@ -44,6 +44,7 @@ from servers import (  # noqa: E402
     chat_request,
     expected,
     get,
+    metric,
 )
 
 from specprefill_rag.config import GenerationConfig  # noqa: E402
@@ -194,19 +195,6 @@ def fake_vllm(upstream_port) -> Iterator[FakeVLLM]:
     finally:
         server.shutdown()
         server.server_close()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one Prometheus sample (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        key, value = line.rsplit(" ", 1)
-        sample, _, rest = key.partition("{")
-        if sample == name and ",".join(sorted(rest.rstrip("}").split(","))) == want:
-            return float(value)
-    return 0.0
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:

@@ -42,7 +42,8 @@ def is_test_module(name: str) -> bool:
 
 
 def test_no_test_module_imports_another() -> None:
-    found = [(path.name, name) for path in sorted(TESTS.rglob("*.py"))
+    """Nor does the client side's suite (client_tests/, its own venv) import one of tests/."""
+    found = [(path.name, name) for path in sorted([*TESTS.rglob("*.py"), *(REPO / "client_tests").rglob("*.py")])
              for name in imported_modules(path) if is_test_module(name)]
     assert not found, f"move what they share into tests/helpers.py or tests/servers.py: {found}"
 
