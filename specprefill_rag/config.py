@@ -250,6 +250,12 @@ class DraftRuntime:
     # Only a CUDA draft captures graphs; False: never (every forward eager).
     cuda_graphs: bool = True
     graph_max_tokens: int = 32768
+    # Prefill a prompt whole when pruning would not pay right now: the draft tokens queued ahead of
+    # it plus its own, at the draft's measured seconds per token, would take at least the
+    # main-model prefill pruning saves, at the main model's (``payoff.PrefillCosts``: running
+    # measurements of the engine's own requests; the first requests prune). For servers under load.
+    # The answer's ``path`` says "draft_slower". False: every prompt the draft can read is pruned.
+    skip_when_slower: bool = False
 
     def __post_init__(self) -> None:
         _check_types(
@@ -263,6 +269,8 @@ class DraftRuntime:
         _check(self.prefix_cache_entries >= 0, f"prefix_cache_entries must be >= 0, got {self.prefix_cache_entries}")
         _check(self.prefix_cache_bytes >= 0, f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        _check(isinstance(self.skip_when_slower, bool),
+               f"skip_when_slower must be True or False, got {self.skip_when_slower!r}")
         _check(self.graph_max_tokens >= 1, f"graph_max_tokens must be >= 1, got {self.graph_max_tokens}")
         _check(
             math.isfinite(self.batch_window_s) and self.batch_window_s >= 0,

@@ -21,16 +21,18 @@ from . import prompt as prompt_lib
 from . import selection as selection_lib
 from .backends import Backend, create_backend, loads_torch_model
 from .backends.base import SelfDrafting
-from .caches import PromptMemo, ScoreMemo
+from .caches import PromptMemo
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig, check_choice
 from .decoding import prefill_and_decode
 from .draft import DraftModel, DraftReading, DraftScorer
 from .errors import ConfigError, InputError
+from .payoff import PrefillCosts, unpruned
 from .prompt import Passages
 from .streams import AsyncTextStream, TextStream
 from .types import (
     AssembledPrompt,
     GenerationResult,
+    PathChoice,
     PlannedPrompt,
     PrefillPlan,
     Segment,
@@ -72,7 +74,8 @@ class SpecPrefillEngine:
         self.draft = draft
         self.tokenizer = backend.tokenizer
         config = config or SpecPrefillConfig()
-        self.scorer = None if draft is None else DraftScorer(draft, self.tokenizer, config.draft)
+        self.costs = PrefillCosts()  # the draft's and the main model's running costs (payoff)
+        self.scorer = None if draft is None else DraftScorer(draft, self.tokenizer, config.draft, self.costs)
         self.config = config
         # Characters one main token covers at most (None: no bound): refuses a prompt by its length.
         self._chars_per_token = prompt_lib.max_chars_per_token(self.tokenizer)
@@ -95,11 +98,6 @@ class SpecPrefillEngine:
     def maps_tokens(self) -> bool:
         """Whether the draft has its own tokenizer (its scores are mapped onto the main tokens)."""
         return self.scorer is not None and self.scorer.maps_tokens
-
-    @property
-    def memo(self) -> ScoreMemo | None:
-        """The draft's score memo (``DraftScorer.memo``); None without a draft."""
-        return None if self.scorer is None else self.scorer.memo
 
     @classmethod
     def from_pretrained(
@@ -218,18 +216,18 @@ class SpecPrefillEngine:
         given, are reused: e.g. one draft run across keep rates) and the selection's time.
         ``cache_salt``: the request's cache namespace (``GenerationConfig.cache_salt``)."""
         sel = self._request_selection(mode, None, selection)
-        if not self._speculates(prompt, mode, sel):
-            return selection_lib.prefilled_whole(prompt, scores)
-        if scores is not None:
-            return selection_lib.plan_scored(prompt, sel, scores)
-        return self._plan(prompt, sel, self._reading(prompt, cache_salt))
+        if scores is None:
+            return self._plan(prompt, sel, *self._choose(prompt, mode, sel, cache_salt))
+        whole = unpruned(prompt, mode, sel)
+        if whole is not None:
+            return selection_lib.prefilled_whole(prompt, whole, scores)
+        return selection_lib.plan_scored(prompt, sel, scores)
 
     # -- planning: one pipeline, each stage written once --------------------------------------
     #   _request_selection  a request's options, checked: mode, keep rate, selection
     #   assemble            question and passages (or segments) → the main model's prompt
-    #   _speculates         whether the prompt is pruned at all (else it is prefilled whole)
-    #   _reading            what the draft reads (DraftScorer.reading); a prompt too long for it is
-    #                       refused or prefilled whole
+    #   _choose             the path: pruned, with what the draft reads (DraftScorer.choose), or
+    #                       prefilled whole and why (payoff: cannot help, cannot read, would not pay)
     #   _plan               the draft's scores (DraftScorer.score: memo, batching, mapping), then
     #                       selection.plan_scored: scores → kept tokens → ``PrefillPlan``, timed
     #   decoding            prefill_and_decode: the plan on the backend, streamed, with timings
@@ -246,26 +244,27 @@ class SpecPrefillEngine:
             sel = dataclasses.replace(sel, keep_rate=keep_rate, token_budget=None)  # validates
         return sel
 
-    def _speculates(self, prompt: AssembledPrompt, mode: str, sel: SelectionConfig) -> bool:
-        """False when the prompt is prefilled whole: full mode, or ``selection.prunes`` says so."""
-        return mode != "full" and selection_lib.prunes(prompt, sel)
-
     def _require_scorer(self) -> DraftScorer:
         if self.scorer is None:
             raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
         return self.scorer
 
-    def _reading(self, prompt: AssembledPrompt, salt: str | None) -> DraftReading | None:
-        """What the draft reads of ``prompt`` (``DraftScorer.reading``); SpecPrefill asked of an
-        engine without a draft is a ``ConfigError``."""
-        return self._require_scorer().reading(prompt, salt)
+    def _choose(self, prompt: AssembledPrompt, mode: str, sel: SelectionConfig, salt: str | None
+                ) -> tuple[DraftReading | None, PathChoice | None]:
+        """What the draft reads of ``prompt``, or None and why it is prefilled whole (``payoff``);
+        SpecPrefill asked of an engine without a draft is a ``ConfigError``."""
+        if (whole := unpruned(prompt, mode, sel)) is not None:
+            return None, whole
+        n_context = prompt.n_context
+        return self._require_scorer().choose(prompt, n_context - sel.budget(n_context), salt)
 
-    def _plan(self, prompt: AssembledPrompt, sel: SelectionConfig, reading: DraftReading | None
-              ) -> PlannedPrompt:
+    def _plan(self, prompt: AssembledPrompt, sel: SelectionConfig, reading: DraftReading | None,
+              whole: PathChoice | None) -> PlannedPrompt:
         """The plan of a prompt the draft reads as ``reading``, scored and selected; prefilled whole
-        when there is nothing to read (``reading`` None)."""
+        for the reason ``whole`` gives when there is nothing to read (``reading`` None)."""
         if reading is None:
-            return selection_lib.prefilled_whole(prompt)
+            assert whole is not None
+            return selection_lib.prefilled_whole(prompt, whole)
         return selection_lib.plan_scored(prompt, sel, self._require_scorer().score(reading))
 
     # -- generation ------------------------------------------------------------------------
@@ -311,13 +310,15 @@ class SpecPrefillEngine:
         sel = self._request_selection(mode, keep_rate, selection)
         salt = (generation or self.config.generation).cache_salt
         prompt = self.assemble(question, passages, instructions=instructions, selection=sel, cache_salt=salt)
-        reading = self._reading(prompt, salt) if self._speculates(prompt, mode, sel) else None
+        reading, whole = self._choose(prompt, mode, sel, salt)
 
         def run() -> Generator[str, None, GenerationResult]:
             assembled = time.perf_counter()
-            planned = dataclasses.replace(self._plan(prompt, sel, reading), assemble_s=assembled - started)
-            return (yield from prefill_and_decode(self.backend, planned, generation or self.config.generation,
-                                                  started=started, stop=stop))
+            planned = dataclasses.replace(self._plan(prompt, sel, reading, whole), assemble_s=assembled - started)
+            result = yield from prefill_and_decode(self.backend, planned, generation or self.config.generation,
+                                                   started=started, stop=stop)
+            self.costs.observe_prefill(result.prefilled_tokens, result.timings.prefill_s)
+            return result
 
         stop = threading.Event()
         return TextStream(run(), stop)

@@ -22,6 +22,7 @@ from .types import (
     RETRIEVER_SCORE_KEY,
     AssembledPrompt,
     KeptSpan,
+    PathChoice,
     PlannedPrompt,
     PrefillPlan,
     Segment,
@@ -30,7 +31,7 @@ from .types import (
 )
 
 __all__ = [
-    "full_plan", "plan_from_indices", "plan_scored", "prefilled_whole", "prunes", "retriever_scores", "select",
+    "full_plan", "plan_from_indices", "plan_scored", "prefilled_whole", "retriever_scores", "select",
     "unit_bounds", "unit_ranks", "unit_sums",
 ]
 
@@ -284,16 +285,10 @@ def full_plan(prompt: AssembledPrompt) -> PrefillPlan:
     return plan_from_indices(prompt, torch.arange(prompt.n_tokens, dtype=torch.int64))
 
 
-def prunes(prompt: AssembledPrompt, config: SelectionConfig) -> bool:
-    """Whether ``prompt`` is pruned at all under ``config``: False when it is shorter than
-    ``min_prompt_tokens`` or the budget keeps all its context (it is then prefilled whole)."""
-    n_context = prompt.n_context
-    return prompt.n_tokens >= config.min_prompt_tokens and config.budget(n_context) < n_context
-
-
-def prefilled_whole(prompt: AssembledPrompt, scores: TokenScores | None = None) -> PlannedPrompt:
-    """The planned prompt that prefills every token (``scores``: the draft's, when it ran)."""
-    return PlannedPrompt(prompt, full_plan(prompt), scores, 0.0, None)
+def prefilled_whole(prompt: AssembledPrompt, path: PathChoice, scores: TokenScores | None = None) -> PlannedPrompt:
+    """The planned prompt that prefills every token, for the reason ``path`` gives (``scores``:
+    the draft's, when it ran)."""
+    return PlannedPrompt(prompt, full_plan(prompt), scores, 0.0, None, path)
 
 
 def plan_scored(prompt: AssembledPrompt, config: SelectionConfig, scores: TokenScores) -> PlannedPrompt:
@@ -304,4 +299,5 @@ def plan_scored(prompt: AssembledPrompt, config: SelectionConfig, scores: TokenS
     kept = select(scores.scores, prompt.protected, prompt.segment_index, config, prompt.sentence_start, prior,
                   prompt.cut_level)
     plan = plan_from_indices(prompt, kept, contiguous_positions=config.positions == "contiguous")
-    return PlannedPrompt(prompt, plan, scores, 0.0, time.perf_counter() - began)
+    path = PathChoice("pruned", f"the draft's scores chose {plan.n_kept} of the prompt's {plan.n_prompt} tokens")
+    return PlannedPrompt(prompt, plan, scores, 0.0, time.perf_counter() - began, path)

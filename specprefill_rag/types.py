@@ -29,6 +29,8 @@ __all__ = [
     "HeadReduction",
     "KeptSpan",
     "Passage",
+    "PathChoice",
+    "PathCode",
     "PlannedPrompt",
     "PrefillPlan",
     "Segment",
@@ -235,6 +237,19 @@ class PrefillPlan:
         return self.n_kept / self.n_prompt if self.n_prompt else 1.0
 
 
+# Which path a request took: pruned by the draft's scores, or prefilled whole and why.
+PathCode = Literal["pruned", "full_mode", "short_prompt", "keeps_everything", "draft_cannot_read", "draft_slower",
+                   "planned"]
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """Which path one request took and why: ``code`` (what ``/metrics`` counts) and a sentence."""
+
+    code: PathCode
+    reason: str
+
+
 @dataclass(frozen=True)
 class PlannedPrompt:
     """A prompt with its plan, the draft scores the plan was made from and the time spent."""
@@ -244,6 +259,7 @@ class PlannedPrompt:
     scores: TokenScores | None  # None when the draft did not run
     assemble_s: float  # seconds; 0.0 when the prompt was assembled elsewhere
     selection_s: float | None  # seconds choosing the kept tokens; None when nothing was selected
+    path: PathChoice = PathChoice("planned", "a plan given to execute")
 
 
 @dataclass(frozen=True)
@@ -275,6 +291,7 @@ class GenerationResult:
     draft_memo_hit: bool = False  # the draft's scores came from the engine's memo: the draft did not run
     draft_cached_tokens: int = 0  # the prompt's first draft tokens read from the draft's prefix store
     draft_windows: int = 0  # passes the draft's scores came from (>1: read in windows); 0: no draft scores
+    path: PathChoice = PathChoice("planned", "a plan given to execute")  # pruned or whole, and why
 
     @property
     def keep_ratio(self) -> float:
@@ -296,6 +313,8 @@ class GenerationResult:
             "draft_memo_hit": self.draft_memo_hit,
             "draft_cached_tokens": self.draft_cached_tokens,
             "draft_windows": self.draft_windows,
+            "path": self.path.code,
+            "path_reason": self.path.reason,
             "prompt_tokens": self.prompt_tokens,
             "prefilled_tokens": self.prefilled_tokens,
             "generated_tokens": self.generated_tokens,

@@ -91,7 +91,8 @@ def test_settings_that_never_change_a_score_share_the_memo_and_zero_entries_turn
     off = tiny_engine(dataclasses.replace(engine.config, draft=DraftConfig(lookahead=2, memo_entries=0)))
     runs = draft_runs(off)
     results = [off.generate("How wide is river 3?", PASSAGES) for _ in range(2)]
-    assert runs.runs == 2 and not any(r.draft_memo_hit for r in results) and len(off.memo) == 0
+    assert runs.runs == 2 and not any(r.draft_memo_hit for r in results)
+    assert off.scorer is not None and len(off.scorer.memo) == 0
 
 
 def test_cross_family_scores_are_remembered_per_main_prompt(monkeypatch):

@@ -156,6 +156,14 @@ def test_draft_prefix_cache_reaches_the_gateways_draft_config(built: list[dict[s
     assert built[-1]["config"].draft.prefix_cache_entries == 0 and built[-1]["config"].draft.memo_entries == 32
 
 
+def test_skip_draft_when_slower_reaches_the_gateways_draft_config(built: list[dict[str, Any]]) -> None:
+    with pytest.raises(_Built):
+        cli.main(["gateway", "--skip-draft-when-slower"])
+    assert built[-1]["config"].draft.skip_when_slower is True
+    with pytest.raises(_Built):
+        cli.main(["gateway"])
+    assert built[-1]["config"].draft.skip_when_slower is False  # the library's default
+
 
 def test_the_loaded_line_names_each_torch_models_device_and_dtype() -> None:
     from types import SimpleNamespace

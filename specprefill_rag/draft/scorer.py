@@ -24,7 +24,8 @@ from .. import prompt as prompt_lib
 from ..caches import PromptMemo, ScoreMemo, digest
 from ..config import DraftConfig
 from ..errors import InputError
-from ..types import AssembledPrompt, SegmentKind, TokenScores
+from ..payoff import PrefillCosts
+from ..types import AssembledPrompt, PathChoice, SegmentKind, TokenScores
 from .batching import MicroBatcher
 from .model import DraftModel
 from .token_mapping import map_scores, needs_mapping
@@ -57,11 +58,14 @@ class DraftScorer:
     ``main_tokenizer``: the main model's, onto whose tokens the scores are mapped when the
     draft's tokenizer differs (``DraftConfig.tokenizer_mapping``, docs/cross-family.md).
     ``config``: the engine's draft settings; ``score_many`` takes another for one call.
+    ``costs``: the engine's running costs, which the draft's runs and queue feed (``payoff``).
     """
 
-    def __init__(self, model: DraftModel, main_tokenizer: Any, config: DraftConfig) -> None:
+    def __init__(self, model: DraftModel, main_tokenizer: Any, config: DraftConfig,
+                 costs: PrefillCosts | None = None) -> None:
         self.model = model
         self.config = config
+        self.costs = costs or PrefillCosts()
         # True: the draft has its own tokenizer (scores mapped by offsets).
         self.maps_tokens = needs_mapping(model.tokenizer, main_tokenizer, config.tokenizer_mapping)
         # Concurrent requests (threads, async tasks) share draft passes (DraftConfig.max_batch).
@@ -135,6 +139,25 @@ class DraftScorer:
         windows = self.model.windows(read.n_tokens, ~read.protected, self._extra_positions(reading, config))
         return dataclasses.replace(reading, windows=None if windows is None else tuple(windows))
 
+    def choose(self, prompt: AssembledPrompt, saved_tokens: int, salt: str | None = None
+               ) -> tuple[DraftReading | None, PathChoice | None]:
+        """What the draft reads of ``prompt`` (``reading``), or None with the reason it is
+        prefilled whole: the draft cannot read it, or (``DraftConfig.skip_when_slower``) its queue
+        and scoring would take longer than the prefill of the ``saved_tokens`` pruning saves. An
+        identical request's scores in the memo always pay (the draft does not run)."""
+        reading = self.reading(prompt, salt)
+        if reading is None:
+            return None, PathChoice("draft_cannot_read", "the prompt does not fit the draft's window and "
+                                    f"on_overflow={self.config.on_overflow!r} prefills it whole")
+        if not self.config.skip_when_slower or self._remembered(reading):
+            return reading, None
+        slower = self.costs.slower(reading.read.n_tokens, saved_tokens)
+        return (None, slower) if slower is not None else (reading, None)
+
+    def _remembered(self, reading: DraftReading) -> bool:
+        config = self.config
+        return bool(config.memo_entries) and self.memo.get(self._memo_key(reading, config)) is not None
+
     @staticmethod
     def _extra_positions(reading: DraftReading, config: DraftConfig) -> int:
         """The positions the look-ahead adds to the draft's reading of the prompt."""
@@ -150,10 +173,11 @@ class DraftScorer:
         key = self._memo_key(reading, config) if config.memo_entries else None
         if key is not None and (remembered := self.memo.get(key)) is not None:
             return remembered
-        if config.max_batch > 1:
-            scores = self._batcher.submit((config, reading.salt), reading)
-        else:
-            scores = self._score_readings([reading], config)[0]
+        with self.costs.queued(reading.read.n_tokens):
+            if config.max_batch > 1:
+                scores = self._batcher.submit((config, reading.salt), reading)
+            else:
+                scores = self._score_readings([reading], config)[0]
         if key is not None:
             self.memo.put(key, scores)
         return scores
@@ -196,6 +220,7 @@ class DraftScorer:
             namespace=salts.pop() or "",
             windows=[reading.windows for reading in readings],  # decided once, by ``reading``
         )
+        self.costs.observe_draft(sum(d.n_tokens for d in read), scored[0].seconds)
         if not self.maps_tokens:
             return scored
         mapped = [self.map_onto_main(s.scores, r) for s, r in zip(scored, readings, strict=True)]

@@ -40,6 +40,9 @@ class GatewayMetrics:
                                     ["mode"], buckets=_RATIOS, registry=r)
         self.tokens = Counter("specprefill_gateway_tokens", "Tokens by kind: prompt, prefilled, generated",
                               ["kind"], registry=r)
+        self.paths = Counter("specprefill_gateway_paths", "Answered requests by the path they took: pruned, or "
+                             "prefilled whole and why (GenerationResult.path: full_mode, short_prompt, "
+                             "keeps_everything, draft_cannot_read, draft_slower)", ["path"], registry=r)
         self.memo_hits = Counter("specprefill_gateway_draft_memo_hits", "Pruned prompts whose draft scores came "
                                  "from the engine's memo (an identical request before): the draft did not run",
                                  registry=r)
@@ -50,6 +53,7 @@ class GatewayMetrics:
         if result is None:
             return
         ran = "specprefill" if result.plan.speculated else "full"
+        self.paths.labels(result.path.code).inc()
         timings = result.timings
         self.ttft.labels(ran).observe(timings.ttft_s)
         self.prefill.labels(ran).observe(timings.prefill_s)

@@ -90,6 +90,10 @@ def _gateway_args(group: Any) -> None:
     add("--draft-memo", type=int, default=None,
         help="prompts whose draft scores are kept, so an identical request (a retry) skips the draft, "
         "DraftConfig.memo_entries (default: the engine's, 32; 0: off)")
+    add("--skip-draft-when-slower", default=None, action=argparse.BooleanOptionalAction,
+        help="prefill a prompt whole when the draft's queue and scoring would take longer than the prefill "
+        "pruning saves, from the engine's running measurements, DraftConfig.skip_when_slower (default: the "
+        "engine's, off)")
     add("--draft-prefix-cache", type=int, default=None,
         help="prompt heads (system prompt, a chat's earlier turns) whose draft keys and values are kept, so a "
         "request that begins with one is read from where it ends, DraftConfig.prefix_cache_entries "
