@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 BENCHMARKS = REPO / "benchmarks"
 BENCH_SUITES = ("ttft", "quality", "evidence", "guesses", "lookahead_cost", "windows", "gateway_load",
-                "prefix_cache", "plugin_step", "report")  # the names `specprefill-rag bench` takes
+                "prefix_cache", "plugin_step", "serving", "report")  # the names `specprefill-rag bench` takes
 
 
 def imported_modules(path: Path) -> list[str]:

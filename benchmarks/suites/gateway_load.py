@@ -109,7 +109,7 @@ def prompts(tokenizer: Any, n: int, top_k: int) -> list[dict[str, Any]]:
 class Gateway:
     """``specprefill-rag gateway`` in a subprocess (this interpreter), stopped when done."""
 
-    def __init__(self, args: argparse.Namespace, vllm_url: str, log: Path) -> None:
+    def __init__(self, args: argparse.Namespace, vllm_url: str, log: Path, extra: Sequence[str] = ()) -> None:
         self.port = free_port()
         self._log = open(log, "wb")  # noqa: SIM115
         command = [sys.executable, "-m", "specprefill_rag.tools.cli", "gateway", "--backend", "vllm_server",
@@ -119,6 +119,7 @@ class Gateway:
                    "--dtype", args.dtype, "--draft-memo", "0"]  # rounds repeat their prompts: every request is scored
         if args.gateway_threads:
             command += ["--threads", str(args.gateway_threads)]
+        command += list(extra)
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         deadline = time.monotonic() + READY_TIMEOUT_S

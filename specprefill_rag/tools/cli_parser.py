@@ -181,12 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks from a source checkout: ttft | quality | evidence | guesses | lookahead_cost | windows "
-        "| gateway_load | prefix_cache | plugin_step (benchmarks/suites/) | report (`bench SUITE --help`: options)",
+        "| gateway_load | serving | prefix_cache | plugin_step (benchmarks/suites/) | report (`bench SUITE --help`: "
+        "options)",
         add_help=False,
     )
     bench.add_argument(
         "suite", choices=["ttft", "quality", "evidence", "guesses", "lookahead_cost", "windows", "gateway_load",
-                  "prefix_cache", "plugin_step", "report"]
+                  "prefix_cache", "plugin_step", "serving", "report"]
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to the suite")
 

@@ -1,0 +1,227 @@
+"""Goodput: the request rate a server sustains under a TTFT SLO, SpecPrefill through the gateway
+against the same prompts sent straight to vLLM (full prefill), under open-loop arrivals.
+
+As vLLM's own serving benchmark does with ``--request-rate``, requests arrive as a Poisson
+process (exponential gaps, a fixed seed) whatever the server's state: a slow server builds a
+queue instead of slowing the client down. For each rate of the ladder (``--rates``, requests per
+second) and each side, ``--requests`` RAG prompts (a demo question and its top-k retrieved demo
+passages, ``gateway_load``'s prompts) are sent at their arrival times:
+
+    direct   POST vLLM /v1/completions, the prompt's token ids, streamed (full prefill)
+    gateway  POST gateway /v1/chat/completions with the same question and passages, streamed
+
+The sides alternate per rate (direct first at even steps). Per rate and side: TTFT p50/p95/p99,
+end-to-end latency, answered requests per second. The SLO is ``--slo-multiple`` times one
+request's full-prefill TTFT measured alone at the start (median of 3, stated in the file); the
+goodput of a side is the highest rate of the ladder at which it, and every lower rate, keeps p95
+TTFT within the SLO. vLLM's main model and the gateway's draft run in one precision (``--dtype``).
+
+    specprefill-rag bench serving                       # → benchmarks/results/serving.json
+    specprefill-rag bench serving --rates 0.05 0.1 --requests 4 --main smollm2-135m-instruct \\
+        --draft smollm2-135m-instruct --out /tmp/s.json    # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from benchmarks.lib.machine import add_dtype_arg, command_line, machine_info
+from benchmarks.lib.results import ROOT, write_results
+from benchmarks.suites.gateway_load import SYSTEM, Gateway, free_port, percentile, prompts, served_dtypes, stream
+from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, DTYPES
+
+READY_TIMEOUT_S = 900.0
+Send = Callable[[int], dict[str, Any]]  # request i → {"status", "ttft_s", ...}
+
+
+def arrival_times(rate: float, n: int, seed: int) -> list[float]:
+    """Seconds from the start at which ``n`` requests arrive as a Poisson process of ``rate`` per
+    second (exponential gaps; the first arrives at 0)."""
+    if rate <= 0 or n < 1:
+        raise ValueError(f"need a positive rate and at least one request, got rate={rate}, n={n}")
+    rng = random.Random(seed)
+    times = [0.0]
+    for _ in range(n - 1):
+        times.append(times[-1] + rng.expovariate(rate))
+    return times
+
+
+def open_loop(send: Send, times: Sequence[float]) -> list[dict[str, Any]]:
+    """Send request i at ``times[i]`` seconds from now, each in its own thread, whether or not the
+    earlier ones were answered; each row adds when it was sent (``sent_s``, from the start) and its
+    end-to-end latency (``e2e_s``)."""
+    rows: list[dict[str, Any]] = [{} for _ in times]
+    start = time.perf_counter()
+
+    def one(i: int) -> None:
+        began = time.perf_counter()
+        try:
+            row = send(i)
+        except OSError as error:  # the server dropped the connection: counted, not raised
+            row = {"status": None, "ttft_s": None, "error": str(error)}
+        rows[i] = {**row, "sent_s": began - start, "e2e_s": time.perf_counter() - began}
+
+    threads = []
+    for i, at in enumerate(times):
+        time.sleep(max(0.0, at - (time.perf_counter() - start)))
+        thread = threading.Thread(target=one, args=(i,), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    return rows
+
+
+def rate_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One side at one rate: TTFT percentiles and mean end-to-end latency of the answered
+    requests, and answered requests per second over the span from the first send to the last
+    answer."""
+    answered = [r for r in rows if r.get("status") == 200 and r.get("ttft_s") is not None]
+    ttfts = [r["ttft_s"] for r in answered]
+    span = max((r["sent_s"] + r["e2e_s"] for r in rows), default=0.0) - min((r["sent_s"] for r in rows), default=0.0)
+    return {
+        "requests": len(rows), "answered": len(answered),
+        "p50_ttft_s": percentile(ttfts, 0.5), "p95_ttft_s": percentile(ttfts, 0.95),
+        "p99_ttft_s": percentile(ttfts, 0.99),
+        "mean_e2e_s": statistics.fmean(r["e2e_s"] for r in answered) if answered else float("nan"),
+        "answered_per_s": len(answered) / span if span > 0 else float("nan"),
+    }
+
+
+def goodput(per_rate: dict[float, dict[str, Any]], slo_s: float) -> float | None:
+    """The highest rate at which this side, and every lower rate of the ladder, answered every
+    request with p95 TTFT within ``slo_s``; None when even the lowest rate misses."""
+    best = None
+    for rate in sorted(per_rate):
+        s = per_rate[rate]
+        if s["answered"] < s["requests"] or not s["p95_ttft_s"] <= slo_s:
+            break
+        best = rate
+    return best
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specprefill-rag bench serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--main", default=DEFAULT_MAIN)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.025, 0.05, 0.1, 0.15, 0.2],
+                   help="request rates of the ladder, per second (%(default)s)")
+    p.add_argument("--requests", type=int, default=16, help="requests per rate and side (%(default)s)")
+    p.add_argument("--slo-multiple", type=float, default=3.0,
+                   help="the p95 TTFT SLO as a multiple of one full-prefill request's TTFT alone (%(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times (%(default)s)")
+    p.add_argument("--top-k", type=int, default=8, help="retrieved demo passages per prompt (%(default)s)")
+    p.add_argument("--keep-rate", type=float, default=0.1, help="the gateway's keep rate (%(default)s)")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--clients", type=int, default=16,
+                   help="requests the gateway and vLLM run at once (the gateway's --max-concurrency, vLLM's "
+                   "--max-num-seqs) (%(default)s)")
+    p.add_argument("--skip-draft-when-slower", action="store_true",
+                   help="run the gateway with --skip-draft-when-slower (DraftConfig.skip_when_slower)")
+    p.add_argument("--vllm-url", default=None, help="an existing vLLM server with the plugin (default: start one)")
+    add_dtype_arg(p, whose="vLLM's main model (a server started here) and the gateway's draft")
+    p.add_argument("--server-dtype", default=None, choices=DTYPES,
+                   help="with --vllm-url: the dtype that server runs the main model in, recorded as the main model's")
+    p.add_argument("--gateway-threads", type=int, default=None, help="torch threads of the gateway process")
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/serving.json)")
+    return p.parse_args(argv)
+
+
+def _senders(items: list[dict[str, Any]], vllm: tuple[int, str], gateway_port: int, max_tokens: int
+             ) -> dict[str, Send]:
+    """Request i of each side (i indexes ``items`` cyclically)."""
+    def direct(i: int) -> dict[str, Any]:
+        item = items[i % len(items)]
+        body = {"model": vllm[1], "prompt": item["ids"], "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        return {"prompt_tokens": len(item["ids"]), **stream(vllm[0], "/v1/completions", body)}
+
+    def gateway(i: int) -> dict[str, Any]:
+        item = items[i % len(items)]
+        body = {"model": "x", "messages": [{"role": "system", "content": SYSTEM},
+                                            {"role": "user", "content": item["question"]}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "specprefill": {"passages": item["passages"]}}
+        return {"prompt_tokens": len(item["ids"]), **stream(gateway_port, "/v1/chat/completions", body)}
+
+    return {"direct": direct, "gateway": gateway}
+
+
+def ladder(senders: dict[str, Send], rates: Sequence[float], n: int, seed: int) -> dict[str, Any]:
+    """Both sides at every rate (alternating which goes first): rows and summaries."""
+    rows: list[dict[str, Any]] = []
+    per_rate: dict[str, dict[float, dict[str, Any]]] = {side: {} for side in senders}
+    for step, rate in enumerate(rates):
+        times = arrival_times(rate, n, seed + step)
+        order = list(senders) if step % 2 == 0 else list(senders)[::-1]
+        for side in order:
+            done = open_loop(senders[side], times)
+            rows += [{"side": side, "rate": rate, **row} for row in done]
+            s = per_rate[side][rate] = rate_summary(done)
+            print(f"{rate:g}/s {side:8s} p50 {s['p50_ttft_s']:.2f} s  p95 {s['p95_ttft_s']:.2f} s  "
+                  f"answered {s['answered']}/{s['requests']}", flush=True)
+    return {"rows": rows, "per_rate": per_rate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from urllib.parse import urlparse
+
+    from benchmarks.suites.gateway_load import _get
+    from specprefill_rag.loading import load_tokenizer, resolve_model_dir
+    from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
+
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logs = ROOT / "benchmarks" / ".cache" / "serving"
+    logs.mkdir(parents=True, exist_ok=True)
+    server = None
+    if args.vllm_url is None:
+        server = VLLMServer(args.main, launch=LaunchOptions(port=free_port(), log_path=logs / "vllm.log"),
+                            max_model_len=4096, dtype=args.dtype,
+                            extra_args=["--max-num-seqs", str(args.clients), "--no-enable-prefix-caching"])
+        print("starting vLLM ...", flush=True)
+        server.start(timeout=READY_TIMEOUT_S)
+    url = server.url if server else args.vllm_url
+    gateway = None
+    try:
+        extra = ["--skip-draft-when-slower"] if args.skip_draft_when_slower else []
+        gateway = Gateway(args, url, logs / "gateway.log", extra)
+        items = prompts(load_tokenizer(resolve_model_dir(args.main)), args.requests, args.top_k)
+        vllm = (urlparse(url).port or 80, json.loads(_get(url, "/v1/models"))["data"][0]["id"])
+        senders = _senders(items, vllm, gateway.port, args.max_tokens)
+        alone = sorted(senders["direct"](i)["ttft_s"] for i in range(3))[1]  # the SLO's unit, median of 3
+        slo_s = args.slo_multiple * alone
+        print(f"full prefill alone: TTFT {alone:.2f} s; SLO p95 TTFT <= {slo_s:.2f} s", flush=True)
+        result = ladder(senders, args.rates, args.requests, args.seed)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if server is not None:
+            server.stop()
+    per_rate = result["per_rate"]
+    summary = {"alone_ttft_s": alone, "slo_s": slo_s,
+               "goodput_per_s": {side: goodput(per_rate[side], slo_s) for side in per_rate},
+               "per_rate": {side: {str(r): v for r, v in per_rate[side].items()} for side in per_rate}}
+    payload = {
+        "benchmark": "serving", "command": command_line(argv, "serving"), "machine": machine_info(),
+        "models": {"main": args.main, "draft": args.draft}, "dtypes": served_dtypes(args, server),
+        "settings": {k: getattr(args, k) for k in ("rates", "requests", "slo_multiple", "seed", "top_k", "keep_rate",
+                                                    "max_tokens", "clients", "skip_draft_when_slower", "dtype")},
+        "summary": summary, "rows": result["rows"],
+    }
+    path = write_results("serving", payload, args.out)
+    print(json.dumps(summary["goodput_per_s"]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

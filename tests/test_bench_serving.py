@@ -1,0 +1,99 @@
+"""``bench serving``: open-loop Poisson arrivals, per-rate TTFT percentiles and the goodput under
+a TTFT SLO (pure parts and the arrival loop with a fake server; no model runs)."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import pytest
+
+from benchmarks.suites import serving
+
+
+def test_arrivals_are_a_seeded_poisson_process():
+    times = serving.arrival_times(0.5, 4000, seed=3)
+    assert times == serving.arrival_times(0.5, 4000, seed=3) and times != serving.arrival_times(0.5, 4000, seed=4)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert times[0] == 0.0 and min(gaps) > 0
+    assert statistics.fmean(gaps) == pytest.approx(2.0, rel=0.06)  # 1 / rate
+    assert statistics.stdev(gaps) == pytest.approx(2.0, rel=0.1)  # exponential: sd = mean
+    with pytest.raises(ValueError, match="positive rate"):
+        serving.arrival_times(0, 3, seed=0)
+
+
+def test_the_loop_is_open_requests_go_out_on_time_whatever_the_server_does():
+    """A server that takes 0.3 s per request does not delay the next sends (a closed loop would)."""
+    in_flight, most = 0, 0
+    lock = threading.Lock()
+
+    def slow(i: int) -> dict:
+        nonlocal in_flight, most
+        with lock:
+            in_flight += 1
+            most = max(most, in_flight)
+        time.sleep(0.3)
+        with lock:
+            in_flight -= 1
+        return {"status": 200, "ttft_s": 0.1 * (i + 1)}
+
+    times = [0.0, 0.05, 0.1, 0.15]
+    began = time.perf_counter()
+    rows = serving.open_loop(slow, times)
+    assert time.perf_counter() - began < 0.9  # 4 × 0.3 s one after the other would take 1.2 s
+    assert most >= 3 and [r["ttft_s"] for r in rows] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    for row, at in zip(rows, times, strict=True):
+        assert row["sent_s"] == pytest.approx(at, abs=0.04) and row["e2e_s"] >= 0.3
+
+
+def test_a_dropped_connection_is_counted_not_raised():
+    def broken(i: int) -> dict:
+        if i == 1:
+            raise ConnectionResetError("reset by peer")
+        return {"status": 200, "ttft_s": 0.01}
+
+    rows = serving.open_loop(broken, [0.0, 0.0])
+    assert rows[1]["status"] is None and "reset" in rows[1]["error"]
+    summary = serving.rate_summary(rows)
+    assert summary["requests"] == 2 and summary["answered"] == 1
+
+
+def _rows(ttfts: list[float], status: int = 200) -> list[dict]:
+    return [{"status": status, "ttft_s": t, "sent_s": float(i), "e2e_s": t + 1.0} for i, t in enumerate(ttfts)]
+
+
+def test_rate_summary_percentiles_latency_and_throughput():
+    s = serving.rate_summary(_rows([1.0, 2.0, 3.0, 4.0, 5.0]))
+    assert (s["p50_ttft_s"], s["p95_ttft_s"]) == (3.0, pytest.approx(4.8)) and s["p99_ttft_s"] == pytest.approx(4.96)
+    assert s["mean_e2e_s"] == 4.0 and s["answered_per_s"] == pytest.approx(5 / 10.0)  # sends 0..4, last ends at 10
+
+
+def test_goodput_is_the_highest_rate_within_the_slo_with_every_lower_rate():
+    ok, slow = serving.rate_summary(_rows([1.0] * 4)), serving.rate_summary(_rows([9.0] * 4))
+    refused = serving.rate_summary([*_rows([1.0] * 3), {"status": 429, "ttft_s": None, "sent_s": 3.0, "e2e_s": 0.1}])
+    assert serving.goodput({0.1: ok, 0.2: ok, 0.4: slow}, slo_s=2.0) == 0.2
+    assert serving.goodput({0.1: ok, 0.2: slow, 0.4: ok}, slo_s=2.0) == 0.1  # a miss ends the ladder
+    assert serving.goodput({0.1: refused, 0.2: ok}, slo_s=2.0) is None  # an unanswered request misses
+    assert serving.goodput({0.1: slow}, slo_s=2.0) is None
+
+
+def test_the_ladder_alternates_sides_and_summarises_each():
+    order: list[str] = []
+
+    def side(name: str):
+        def send(i: int) -> dict:
+            order.append(name)
+            return {"status": 200, "ttft_s": 0.5 if name == "direct" else 0.2}
+        return send
+
+    result = serving.ladder({"direct": side("direct"), "gateway": side("gateway")}, [50.0, 100.0], 2, seed=0)
+    assert order == ["direct", "direct", "gateway", "gateway", "gateway", "gateway", "direct", "direct"]
+    assert result["per_rate"]["gateway"][100.0]["p95_ttft_s"] == pytest.approx(0.2)
+    assert len(result["rows"]) == 8 and {r["side"] for r in result["rows"]} == {"direct", "gateway"}
+
+
+def test_options_and_defaults():
+    args = serving.parse_args([])
+    assert args.rates == sorted(args.rates) and args.keep_rate == 0.1 and not args.skip_draft_when_slower
+    assert serving.parse_args(["--rates", "0.1", "0.2", "--skip-draft-when-slower"]).rates == [0.1, 0.2]
