@@ -33,8 +33,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -206,15 +208,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@dataclass
+class Stack:
+    """What a load benchmark runs against: vLLM (``server``, None for ``--vllm-url``), its port and
+    served model id (``vllm``), and a gateway in front of it."""
+
+    server: Any
+    vllm: tuple[int, str]
+    gateway: Gateway
+
+
+@contextmanager
+def serving_stack(args: argparse.Namespace, name: str, extra: Sequence[str] = ()) -> Iterator[Stack]:
+    """vLLM with the plugin (started here unless ``--vllm-url``; prefix caching off, so that every
+    prefill is cold) and ``specprefill-rag gateway`` in front of it (``extra``: more gateway flags),
+    stopped at exit; their logs in benchmarks/.cache/``name``/."""
     from urllib.parse import urlparse
 
-    from specprefill_rag.loading import load_tokenizer, resolve_model_dir
     from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
 
-    args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    logs = ROOT / "benchmarks" / ".cache" / "gateway_load"
+    logs = ROOT / "benchmarks" / ".cache" / name
     logs.mkdir(parents=True, exist_ok=True)
     server = None
     if args.vllm_url is None:
@@ -226,18 +240,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = server.url if server else args.vllm_url
     gateway = None
     try:
-        gateway = Gateway(args, url, logs / "gateway.log")
-        items = prompts(load_tokenizer(resolve_model_dir(args.main)), args.clients, args.top_k)
+        gateway = Gateway(args, url, logs / "gateway.log", extra)
         models = json.loads(_get(url, "/v1/models"))["data"][0]["id"]
-        vllm = (urlparse(url).port or 80, models)
+        yield Stack(server, (urlparse(url).port or 80, models), gateway)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if server is not None:
+            server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from specprefill_rag.loading import load_tokenizer, resolve_model_dir
+
+    args = parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    with serving_stack(args, "gateway_load") as stack:
+        items = prompts(load_tokenizer(resolve_model_dir(args.main)), args.clients, args.top_k)
+        vllm, port = stack.vllm, stack.gateway.port
         print(f"{args.clients} clients, prompts of {min(len(i['ids']) for i in items)}–"
               f"{max(len(i['ids']) for i in items)} tokens", flush=True)
-        alone = {i: run_round("gateway", [item], vllm, gateway.port, args.max_tokens)[0]["text"]
+        alone = {i: run_round("gateway", [item], vllm, port, args.max_tokens)[0]["text"]
                  for i, item in enumerate(items)}  # each prompt alone: the reference for mixed outputs
-        rows: list[dict[str, Any]] = []
         for r in range(args.rounds):
             for mode in ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct"):
-                done = run_round(mode, items, vllm, gateway.port, args.max_tokens)
+                done = run_round(mode, items, vllm, port, args.max_tokens)
                 for i, row in enumerate(done):
                     row["round"], row["client"] = r, i
                     if mode == "gateway" and row["status"] == 200:
@@ -246,11 +273,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 s = summarise(done)[mode]
                 print(f"round {r} {mode:8s} p50 {s['p50_ttft_s']:.2f} s  p95 {s['p95_ttft_s']:.2f} s  "
                       f"answered {s['answered']}/{s['requests']}", flush=True)
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        if server is not None:
-            server.stop()
     summary = summarise(rows)
     gateway_rows = [r for r in rows if r["mode"] == "gateway" and r["status"] == 200]
     summary["gateway_same_as_alone"] = sum(r.get("same_as_alone", False) for r in gateway_rows)
@@ -258,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload = {
         "benchmark": "gateway_load", "command": command_line(argv, "gateway_load"), "machine": machine_info(),
         "models": {"main": args.main, "draft": args.draft},
-        "dtypes": served_dtypes(args, server),
+        "dtypes": served_dtypes(args, stack.server),
         "settings": {k: getattr(args, k) for k in ("clients", "rounds", "top_k", "keep_rate", "max_tokens", "dtype")},
         "summary": summary, "rows": rows,
     }

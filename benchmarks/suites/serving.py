@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import threading
@@ -34,11 +33,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.lib.machine import add_dtype_arg, command_line, machine_info
-from benchmarks.lib.results import ROOT, write_results
-from benchmarks.suites.gateway_load import SYSTEM, Gateway, free_port, percentile, prompts, served_dtypes, stream
+from benchmarks.lib.results import write_results
+from benchmarks.suites.gateway_load import SYSTEM, percentile, prompts, served_dtypes, serving_stack, stream
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, DTYPES
 
-READY_TIMEOUT_S = 900.0
 Send = Callable[[int], dict[str, Any]]  # request i → {"status", "ttft_s", ...}
 
 
@@ -172,47 +170,24 @@ def ladder(senders: dict[str, Send], rates: Sequence[float], n: int, seed: int) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from urllib.parse import urlparse
-
-    from benchmarks.suites.gateway_load import _get
     from specprefill_rag.loading import load_tokenizer, resolve_model_dir
-    from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
 
     args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    logs = ROOT / "benchmarks" / ".cache" / "serving"
-    logs.mkdir(parents=True, exist_ok=True)
-    server = None
-    if args.vllm_url is None:
-        server = VLLMServer(args.main, launch=LaunchOptions(port=free_port(), log_path=logs / "vllm.log"),
-                            max_model_len=4096, dtype=args.dtype,
-                            extra_args=["--max-num-seqs", str(args.clients), "--no-enable-prefix-caching"])
-        print("starting vLLM ...", flush=True)
-        server.start(timeout=READY_TIMEOUT_S)
-    url = server.url if server else args.vllm_url
-    gateway = None
-    try:
-        extra = ["--skip-draft-when-slower"] if args.skip_draft_when_slower else []
-        gateway = Gateway(args, url, logs / "gateway.log", extra)
+    extra = ["--skip-draft-when-slower"] if args.skip_draft_when_slower else []
+    with serving_stack(args, "serving", extra) as stack:
         items = prompts(load_tokenizer(resolve_model_dir(args.main)), args.requests, args.top_k)
-        vllm = (urlparse(url).port or 80, json.loads(_get(url, "/v1/models"))["data"][0]["id"])
-        senders = _senders(items, vllm, gateway.port, args.max_tokens)
+        senders = _senders(items, stack.vllm, stack.gateway.port, args.max_tokens)
         alone = sorted(senders["direct"](i)["ttft_s"] for i in range(3))[1]  # the SLO's unit, median of 3
         slo_s = args.slo_multiple * alone
         print(f"full prefill alone: TTFT {alone:.2f} s; SLO p95 TTFT <= {slo_s:.2f} s", flush=True)
         result = ladder(senders, args.rates, args.requests, args.seed)
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        if server is not None:
-            server.stop()
     per_rate = result["per_rate"]
     summary = {"alone_ttft_s": alone, "slo_s": slo_s,
                "goodput_per_s": {side: goodput(per_rate[side], slo_s) for side in per_rate},
                "per_rate": {side: {str(r): v for r, v in per_rate[side].items()} for side in per_rate}}
     payload = {
         "benchmark": "serving", "command": command_line(argv, "serving"), "machine": machine_info(),
-        "models": {"main": args.main, "draft": args.draft}, "dtypes": served_dtypes(args, server),
+        "models": {"main": args.main, "draft": args.draft}, "dtypes": served_dtypes(args, stack.server),
         "settings": {k: getattr(args, k) for k in ("rates", "requests", "slo_multiple", "seed", "top_k", "keep_rate",
                                                     "max_tokens", "clients", "skip_draft_when_slower", "dtype")},
         "summary": summary, "rows": result["rows"],
