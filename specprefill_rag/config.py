@@ -223,6 +223,10 @@ class DraftRuntime:
     # Worth it on a GPU (one pass for many prompts); on a CPU the draft is compute-bound.
     max_batch: int = 1
     batch_window_s: float = 0.002  # seconds
+    # A batch of prompts of different lengths runs as padded passes of near-equal lengths
+    # (``draft.batching.length_buckets``): a prompt shares a pass while padding stays at most
+    # this share of it. 1.0: one padded pass for the whole batch; 0.0: equal lengths only.
+    batch_pad_limit: float = 0.25
     # A prompt that fits the main model but not the draft's window (look-ahead included):
     # "windows" reads it in windows that each hold the protected tokens (instructions, question)
     # and a run of the context (``DraftModel.windows``), falling back to "full" when the protected
@@ -261,7 +265,7 @@ class DraftRuntime:
         _check_types(
             self, ints=("max_batch", "memo_entries", "memo_bytes", "prefix_cache_entries", "prefix_cache_bytes",
                         "graph_max_tokens"),
-            numbers=("batch_window_s",),
+            numbers=("batch_window_s", "batch_pad_limit"),
         )
         _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
         _check(self.memo_entries >= 0, f"memo_entries must be >= 0, got {self.memo_entries}")
@@ -276,6 +280,7 @@ class DraftRuntime:
             math.isfinite(self.batch_window_s) and self.batch_window_s >= 0,
             f"batch_window_s must be >= 0 seconds, got {self.batch_window_s}",
         )
+        _check(0 <= self.batch_pad_limit <= 1, f"batch_pad_limit must be within [0, 1], got {self.batch_pad_limit}")
         check_choice("on_overflow", self.on_overflow, OverflowPolicy)
 
     def graphs_on(self, device_type: str) -> bool:

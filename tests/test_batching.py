@@ -93,3 +93,57 @@ def test_batching_settings_are_validated():
         DraftConfig(max_batch=0)
     with pytest.raises(ConfigError, match="batch_window_s must be >= 0"):
         DraftConfig(batch_window_s=-1.0)
+    with pytest.raises(ConfigError, match=r"batch_pad_limit must be within \[0, 1\]"):
+        DraftConfig(batch_pad_limit=1.5)
+
+
+def test_length_buckets_group_near_equal_lengths():
+    from specprefill_rag.draft import length_buckets
+
+    lengths = [2000, 500, 1900, 480, 1000]
+    assert length_buckets(lengths, 0.1) == [[0, 2], [4], [1, 3]]
+    assert length_buckets(lengths, 1.0) == [[0, 1, 2, 3, 4]]
+    assert length_buckets([7, 5, 7, 5], 0.0) == [[0, 2], [1, 3]]
+    assert length_buckets([], 0.25) == []
+
+
+def test_length_buckets_cover_every_prompt_once_within_the_padding_limit():
+    import random
+
+    from specprefill_rag.draft import length_buckets, padding_share
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 4000) for _ in range(rng.randint(1, 16))]
+        limit = rng.choice([0.0, 0.1, 0.25, 0.5])
+        groups = length_buckets(lengths, limit)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert all(len(g) == 1 or padding_share([lengths[i] for i in g]) <= limit for g in groups)
+
+
+def test_bucketed_batches_give_each_prompt_its_own_scores_bit_for_bit():
+    """Prompts of four lengths scored together run as one padded pass per bucket, and each gets
+    exactly the scores it gets alone (float64 on the CPU: a padded pass and a lone one agree to
+    the bit, so any mix-up between prompts or buckets shows)."""
+    engine = make_engine(make_tokenizer())
+    engine.draft.model.double()
+    prompts = [engine.assemble(QUESTION, PASSAGES[:k]) for k in (4, 1, 3, 4, 2)]
+    lengths = [p.n_tokens for p in prompts]
+    assert len(set(lengths)) == 4
+    alone = [engine.score(p).scores for p in prompts]
+    passes: list[list[int]] = []
+    real = engine.draft.score_batch
+
+    def spy(ids, **kwargs):
+        passes.append(sorted(int(i.numel()) for i in ids))
+        return real(ids, **kwargs)
+
+    engine.draft.score_batch = spy  # type: ignore[method-assign]
+    try:
+        tight = dataclasses.replace(engine.config.draft, batch_pad_limit=0.02, memo_entries=0)
+        together = engine.score_many(prompts, draft=tight)
+    finally:
+        del engine.draft.score_batch
+    assert sorted(map(sorted, passes)) == sorted([[lengths[0], lengths[3]], [lengths[1]], [lengths[2]], [lengths[4]]])
+    for mine, own in zip(together, alone, strict=True):
+        assert torch.equal(mine.scores, own)

@@ -165,6 +165,12 @@ def test_skip_draft_when_slower_reaches_the_gateways_draft_config(built: list[di
     assert built[-1]["config"].draft.skip_when_slower is False  # the library's default
 
 
+def test_draft_batch_pad_limit_reaches_the_gateways_draft_config(built: list[dict[str, Any]]) -> None:
+    with pytest.raises(_Built):
+        cli.main(["gateway", "--draft-batch", "8", "--draft-batch-pad-limit", "0.1"])
+    assert built[-1]["config"].draft.batch_pad_limit == 0.1 and built[-1]["config"].draft.max_batch == 8
+
+
 def test_the_loaded_line_names_each_torch_models_device_and_dtype() -> None:
     from types import SimpleNamespace
 

@@ -23,7 +23,7 @@ names from ``specprefill_rag.draft``, never from a module inside it. The rooms:
 - ``batching``: concurrent score requests run as one batch.
 """
 
-from .batching import MicroBatcher
+from .batching import MicroBatcher, length_buckets, padding_share
 from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording
 from .early_exit import DecoderParts, ExitedPrompts, tree_mask, upper_greedy
 from .lookahead import reading_sets, upper_layer_logits
@@ -51,8 +51,10 @@ __all__ = [
     "attend_short_queries",
     "importance",
     "layer_rows",
+    "length_buckets",
     "map_scores",
     "needs_mapping",
+    "padding_share",
     "query_weights",
     "reading_sets",
     "recording",

@@ -4,6 +4,10 @@ The first request to arrive leads: it waits up to ``window_s`` for others (or un
 ``max_batch`` are waiting), runs one batched draft pass for the group, and hands each request
 its own scores. No background thread: the callers' own threads do the work, so an idle engine
 costs nothing. Requests with different draft settings never share a batch.
+
+A batch of prompts of different lengths runs as right-padded passes, and padding is compute
+thrown away: ``length_buckets`` splits a batch into groups of near-equal lengths
+(``DraftConfig.batch_pad_limit``), one padded pass each.
 """
 
 from __future__ import annotations
@@ -14,10 +18,33 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
-__all__ = ["MicroBatcher"]
+__all__ = ["MicroBatcher", "length_buckets", "padding_share"]
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+
+def padding_share(lengths: Sequence[int]) -> float:
+    """The share of a right-padded pass over ``lengths`` that is padding (0: equal lengths)."""
+    if not lengths:
+        return 0.0
+    longest = max(lengths)
+    return 1.0 - sum(lengths) / (longest * len(lengths)) if longest else 0.0
+
+
+def length_buckets(lengths: Sequence[int], pad_limit: float) -> list[list[int]]:
+    """The indices of ``lengths`` grouped into padded passes: sorted longest first, a prompt joins
+    the current group while padding the group to its longest prompt leaves at most ``pad_limit``
+    of the pass as padding, else it opens the next group. Groups are longest first; indices in a
+    group ascend. ``pad_limit`` 1: one pass for all; 0: only equal lengths share a pass."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and padding_share([lengths[j] for j in groups[-1]] + [lengths[i]]) <= pad_limit:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(group) for group in groups]
 
 
 class MicroBatcher(Generic[In, Out]):

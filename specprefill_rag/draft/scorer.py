@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -26,7 +26,7 @@ from ..config import DraftConfig
 from ..errors import InputError
 from ..payoff import PrefillCosts
 from ..types import AssembledPrompt, PathChoice, SegmentKind, TokenScores
-from .batching import MicroBatcher
+from .batching import MicroBatcher, length_buckets
 from .model import DraftModel
 from .token_mapping import map_scores, needs_mapping
 
@@ -45,6 +45,8 @@ class DraftReading:
     read: AssembledPrompt
     salt: str | None = None  # the request's cache namespace (``GenerationConfig.cache_salt``)
     windows: tuple[torch.Tensor, ...] | None = None
+    # The score memo's key under the engine's config, once ``DraftScorer.choose`` computed it.
+    memo_key: bytes | None = None
 
     def question(self) -> torch.Tensor:
         """The draft-side indices of the question's tokens."""
@@ -149,14 +151,14 @@ class DraftScorer:
         if reading is None:
             return None, PathChoice("draft_cannot_read", "the prompt does not fit the draft's window and "
                                     f"on_overflow={self.config.on_overflow!r} prefills it whole")
-        if not self.config.skip_when_slower or self._remembered(reading):
+        if not self.config.skip_when_slower:
             return reading, None
+        if self.config.memo_entries:
+            reading = dataclasses.replace(reading, memo_key=self._memo_key(reading, self.config))
+            if self.memo.get(reading.memo_key) is not None:
+                return reading, None
         slower = self.costs.slower(reading.read.n_tokens, saved_tokens)
         return (None, slower) if slower is not None else (reading, None)
-
-    def _remembered(self, reading: DraftReading) -> bool:
-        config = self.config
-        return bool(config.memo_entries) and self.memo.get(self._memo_key(reading, config)) is not None
 
     @staticmethod
     def _extra_positions(reading: DraftReading, config: DraftConfig) -> int:
@@ -170,7 +172,7 @@ class DraftScorer:
         identical request was scored (the same draft reading, the same scoring rule, the same cache
         salt), else scored — batched with concurrent requests — and remembered."""
         config = self.config
-        key = self._memo_key(reading, config) if config.memo_entries else None
+        key = (reading.memo_key or self._memo_key(reading, config)) if config.memo_entries else None
         if key is not None and (remembered := self.memo.get(key)) is not None:
             return remembered
         with self.costs.queued(reading.read.n_tokens):
@@ -204,6 +206,17 @@ class DraftScorer:
         return map_scores(scores, reading.read, reading.prompt)
 
     def _score_readings(self, readings: Sequence[DraftReading], config: DraftConfig) -> list[TokenScores]:
+        """The draft's scores of each reading, in order: one padded pass per group of near-equal
+        lengths (``length_buckets``, ``DraftConfig.batch_pad_limit``)."""
+        if len(readings) == 1:
+            return self._score_pass(readings, config)
+        scores: list[TokenScores | None] = [None] * len(readings)
+        for group in length_buckets([r.read.n_tokens for r in readings], config.batch_pad_limit):
+            for i, result in zip(group, self._score_pass([readings[i] for i in group], config), strict=True):
+                scores[i] = result
+        return cast(list[TokenScores], scores)  # every index is in exactly one group
+
+    def _score_pass(self, readings: Sequence[DraftReading], config: DraftConfig) -> list[TokenScores]:
         """The draft's scores of each reading (one batched run), mapped onto the main tokens when
         the draft has its own tokenizer. The readings share one cache salt (a batch never mixes
         namespaces): the draft's prefix store is read and written under it."""

@@ -87,6 +87,9 @@ def _gateway_args(group: Any) -> None:
     add("--draft-batch", type=int, default=None,
         help="concurrent requests scored in one draft batch, DraftConfig.max_batch (default: the engine's; "
         "worth raising on a GPU)")
+    add("--draft-batch-pad-limit", type=float, default=None,
+        help="most share of a padded draft pass that may be padding: a batch splits into passes of near-equal "
+        "prompt lengths, DraftConfig.batch_pad_limit (default: the engine's, 0.25; 1: one pass)")
     add("--draft-memo", type=int, default=None,
         help="prompts whose draft scores are kept, so an identical request (a retry) skips the draft, "
         "DraftConfig.memo_entries (default: the engine's, 32; 0: off)")
@@ -181,13 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks from a source checkout: ttft | quality | evidence | guesses | lookahead_cost | windows "
-        "| gateway_load | serving | prefix_cache | plugin_step (benchmarks/suites/) | report (`bench SUITE --help`: "
+        "| gateway_load | serving | draft_batch | prefix_cache | plugin_step (benchmarks/suites/) | report (`bench SUITE --help`: "
         "options)",
         add_help=False,
     )
     bench.add_argument(
         "suite", choices=["ttft", "quality", "evidence", "guesses", "lookahead_cost", "windows", "gateway_load",
-                  "prefix_cache", "plugin_step", "serving", "report"]
+                  "prefix_cache", "plugin_step", "serving", "draft_batch", "report"]
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to the suite")
 
