@@ -275,3 +275,40 @@ def quality_caption(series: Sequence[Series], sources: Sequence[str]) -> str:
             "CIs, at the mean prompt length of each task set; a task's longer sets pad its prompts with other "
             "examples' passages. Few lengths are measured per task — " + "; ".join(parts) + " (tokens; keep rates). "
             f"From {', '.join(f'`{s}`' for s in sources)}; intervals past {Y_RANGE[0]}–{Y_RANGE[1]} are cut.")
+
+
+# -- serving: p95 TTFT against the request rate ---------------------------------------------
+
+SIDE_LABELS = {"direct": "vLLM alone (full prefill)", "gateway": "gateway (SpecPrefill)",
+               "gateway_skip": "gateway, --skip-draft-when-slower"}
+
+
+def serving_vs_rate(data: dict[str, Any], out: Path) -> list[Series]:
+    """p95 TTFT of each side of a ``bench serving`` file against the request rate, the SLO dashed;
+    the series drawn. A rate where a side left requests unanswered is drawn at the top of the axis."""
+    per_rate, slo = data["summary"]["per_rate"], data["summary"]["slo_s"]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.2, 4.6), dpi=DPI)
+    series = []
+    for side, rates in per_rate.items():
+        xs = sorted(float(r) for r in rates)
+        ys = [rates[_rate_key(rates, x)]["p95_ttft_s"] for x in xs]
+        n = [rates[_rate_key(rates, x)]["answered"] for x in xs]
+        ax.plot(xs, ys, marker="o", label=SIDE_LABELS.get(side, side))
+        series.append(Series(SIDE_LABELS.get(side, side), "measured", x=tuple(xs), y=tuple(ys), n=tuple(n)))
+    ax.axhline(slo, linestyle="--", color="gray", label=f"SLO: p95 TTFT ≤ {slo:.1f} s")
+    series.append(Series("SLO", "reference", y=(slo,)))
+    ax.set_xlabel("request rate (requests/s, Poisson arrivals)")
+    ax.set_ylabel("p95 TTFT (s)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return series
+
+
+def _rate_key(rates: dict[str, Any], x: float) -> str:
+    return next(k for k in rates if float(k) == x)

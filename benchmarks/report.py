@@ -1119,6 +1119,53 @@ def gateway_section(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def serving_section(data: dict[str, Any], images: Path) -> list[str]:
+    """``bench serving``: p95 TTFT per request rate for each side, the goodput under the SLO."""
+    s, settings = data["summary"], data["settings"]
+    figures.serving_vs_rate(data, images / "bench_serving_p95.png")
+    sides = list(s["per_rate"])
+    lines = [
+        "## Request rate under a TTFT SLO (open-loop arrivals)",
+        "",
+        f"`bench serving`: requests arrive as a Poisson process at each rate of the ladder, whatever the server's "
+        f"state (as `vllm bench serve --request-rate` sends them), {settings['requests']} per rate and side: the "
+        f"same RAG prompts (a demo question and its top-{settings['top_k']} retrieved demo passages) straight to "
+        f"vLLM (full prefill) and through the gateway (keep rate {settings['keep_rate']}); {settings['max_tokens']} "
+        f"new tokens. SLO: p95 TTFT ≤ {settings['slo_multiple']:g}× one full-prefill request's TTFT alone "
+        f"({_s(s['alone_ttft_s'])} → {_s(s['slo_s'])}). One request alone through the gateway: "
+        f"{_s(s['alone_gateway_ttft_s'])} ({s['alone_speedup']:.2f}× sooner).",
+        "",
+        "![p95 TTFT against the request rate](images/bench_serving_p95.png)",
+        "",
+        "| rate (req/s) | side | answered | p50 TTFT | p95 TTFT | p99 TTFT | answered/s | paths |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for rate in sorted({float(r) for side in sides for r in s["per_rate"][side]}):
+        for side in sides:
+            cell = next((v for r, v in s["per_rate"][side].items() if float(r) == rate), None)
+            if cell is None:
+                continue
+            counts = next((v for r, v in (s.get("paths") or {}).get(side, {}).items() if float(r) == rate), {})
+            path = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "–"
+            lines.append(f"| {rate:g} | {figures.SIDE_LABELS.get(side, side)} | {cell['answered']}/{cell['requests']} "
+                         f"| {_s(cell['p50_ttft_s'])} | {_s(cell['p95_ttft_s'])} | {_s(cell['p99_ttft_s'])} "
+                         f"| {cell['answered_per_s']:.3f} | {path} |")
+    good = s["goodput_per_s"]
+    lines += ["", "Goodput (the highest rate at which p95 TTFT and every lower rate's stay within the SLO): "
+              + ", ".join(f"{figures.SIDE_LABELS.get(k, k)} {'none' if v is None else f'{v:g}/s'}"
+                          for k, v in good.items()) + "."]
+    client = s.get("vllm_client")
+    if client:
+        lines += ["", f"vLLM's own client (`vllm.benchmarks.serve`, openai-chat, LlamaIndex's QA prompt) at "
+                  f"{client['rate']:g}/s: " + "; ".join(
+                      f"{side}: p50 {_s(v.get('p50_ttft_s'))}, p95 {_s(v.get('p95_ttft_s'))}, "
+                      f"{v.get('completed')} completed" if "error" not in v else f"{side}: failed ({v['error'][:80]})"
+                      for side, v in client.items() if side != "rate") + "."]
+    precisions = ", ".join(dtype_parts(data.get("dtypes") or {})) or "precisions not recorded"
+    lines += ["", f"Precisions: {precisions}.", "", *meta_lines(data), ""]
+    return lines
+
+
 def prefix_cache_section(results: Path) -> list[str]:
     """``bench prefix_cache``: SpecPrefill with vLLM's prefix cache (a shared system prompt, a retry)."""
     from benchmarks.suites import evidence, prefix_cache
@@ -1392,6 +1439,9 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES, 
     gateway_load = load(results, "gateway_load")
     if gateway_load:
         lines += gateway_section(gateway_load)
+    serving = load(results, "serving")
+    if serving:
+        lines += serving_section(serving, images)
     lines += prefix_cache_section(results)
     write_atomic(doc, "\n".join(lines + INSTALL))
     if readme is not None:

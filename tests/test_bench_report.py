@@ -359,3 +359,34 @@ def test_the_readme_results_table_is_what_the_current_files_give() -> None:
     named = {name for row in report.HEADLINE_ROWS for name in (row.ttft, row.quality) if name}
     assert named <= set(report.CURRENT)  # and tests/test_layout.py: every CURRENT file is there
     assert 0 < sum(row.readme for row in report.HEADLINE_ROWS) <= 4 and len(report.HEADLINE_ROWS) <= 8
+
+
+def test_the_serving_section_tables_every_rate_and_side_and_draws_p95_against_rate(tmp_path: Path) -> None:
+    from benchmarks import report
+
+    def cell(p95: float, answered: int = 4) -> dict:
+        return {"requests": 4, "answered": answered, "p50_ttft_s": p95 / 2, "p95_ttft_s": p95, "p99_ttft_s": p95,
+                "mean_e2e_s": p95, "answered_per_s": 0.05}
+
+    data = {
+        "benchmark": "serving", "created_utc": "2026-12-06 01:00:00", "command": "bench serving",
+        "machine": {"cpu": "test"}, "models": {"main": "m", "draft": "d"},
+        "dtypes": {"main": "bfloat16", "draft": "bfloat16"},
+        "settings": {"requests": 4, "top_k": 8, "keep_rate": 0.1, "max_tokens": 8, "slo_multiple": 3.0},
+        "summary": {"alone_ttft_s": 9.0, "alone_gateway_ttft_s": 4.0, "alone_speedup": 2.25, "slo_s": 27.0,
+                    "goodput_per_s": {"direct": 0.05, "gateway": 0.1},
+                    "paths": {"gateway": {"0.1": {"pruned": 3, "draft_slower": 1}}},
+                    "vllm_client": {"rate": 0.1, "direct": {"p50_ttft_s": 20.0, "p95_ttft_s": 40.0, "completed": 4},
+                                    "gateway": {"error": "exit 1: boom"}},
+                    "per_rate": {"direct": {"0.05": cell(20.0), "0.1": cell(60.0, 3)},
+                                 "gateway": {"0.05": cell(8.0), "0.1": cell(12.0)}}},
+    }
+    lines = report.serving_section(data, tmp_path)
+    text = "\n".join(lines)
+    assert (tmp_path / "bench_serving_p95.png").stat().st_size > 10_000
+    rows = [line for line in lines if line.startswith("| 0.")]
+    assert len(rows) == 4 and rows[1].startswith("| 0.05 | gateway (SpecPrefill) | 4/4 | 4.00 s | 8.00 s")
+    assert "| 0.1 | vLLM alone (full prefill) | 3/4 |" in rows[2] and "draft_slower 1, pruned 3" in rows[3]
+    assert "vLLM alone (full prefill) 0.05/s, gateway (SpecPrefill) 0.1/s" in text
+    assert "9.00 s → 27.0 s" in text or "9.00 s → 27.00 s" in text
+    assert "gateway: failed (exit 1: boom)" in text and "direct: p50 20.0" in text

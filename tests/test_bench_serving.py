@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -95,5 +96,39 @@ def test_the_ladder_alternates_sides_and_summarises_each():
 
 def test_options_and_defaults():
     args = serving.parse_args([])
-    assert args.rates == sorted(args.rates) and args.keep_rate == 0.1 and not args.skip_draft_when_slower
-    assert serving.parse_args(["--rates", "0.1", "0.2", "--skip-draft-when-slower"]).rates == [0.1, 0.2]
+    assert args.rates == sorted(args.rates) and args.keep_rate == 0.1
+    assert args.sides == ["direct", "gateway", "gateway_skip"]
+    assert serving.parse_args(["--rates", "0.1", "0.2", "--sides", "direct", "gateway"]).sides == ["direct", "gateway"]
+
+
+def test_three_sides_rotate_and_paths_are_counted_per_side_and_rate():
+    order = []
+
+    def side(name):
+        def send(i):
+            order.append(name)
+            return {"status": 200, "ttft_s": 0.1, "path": None if name == "direct" else "pruned"}
+        return send
+
+    result = serving.ladder({n: side(n) for n in ("direct", "gateway", "gateway_skip")}, [50.0, 100.0, 150.0], 1, 0)
+    assert order == ["direct", "gateway", "gateway_skip", "gateway", "gateway_skip", "direct",
+                     "gateway_skip", "direct", "gateway"]
+    counts = serving.paths(result["rows"])
+    assert set(counts) == {"gateway", "gateway_skip"} and counts["gateway"]["100.0"] == {"pruned": 1}
+
+
+def test_vllm_clients_prompt_is_one_the_gateway_splits_into_the_passages():
+    """vLLM's client sends the LlamaIndex QA prompt in one user message; the gateway must find the
+    same passages and question in it, or the two sides would not be the same requests."""
+    from benchmarks.lib.vllm_client import client_command, llamaindex_prompt, summary
+    from specprefill_rag.gateway.messages import recognise
+
+    passages = ["The passkey is 48213.", "The sky is blue.\nIt is often clear.", "Alpha beta."]
+    found = recognise(llamaindex_prompt("what is the passkey?", passages), "user")
+    assert found is not None and found.shape == "llamaindex_qa"
+    assert found.rest == "what is the passkey?" and [p.text.strip() for p in found.passages] == passages
+    command = client_command({"base_url": "http://127.0.0.1:1", "model": "x", "tokenizer": "/t", "max_tokens": 8,
+                              "seed": 0}, Path("/d/p.jsonl"), 0.1, 5, Path("/d/out.json"))
+    assert "--skip-chat-template" in command and command[command.index("--request-rate") + 1] == "0.1"
+    assert command[command.index("--backend") + 1] == "openai-chat"
+    assert summary({"completed": 5, "median_ttft_ms": 1500.0, "p95_ttft_ms": 3000.0})["p95_ttft_s"] == 3.0

@@ -21,8 +21,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 BENCHMARKS = REPO / "benchmarks"
+# The names `specprefill-rag bench` takes.
 BENCH_SUITES = ("ttft", "quality", "evidence", "guesses", "lookahead_cost", "windows", "gateway_load",
-                "prefix_cache", "plugin_step", "serving", "report")  # the names `specprefill-rag bench` takes
+                "prefix_cache", "plugin_step", "serving", "draft_batch", "report")
 
 
 def imported_modules(path: Path) -> list[str]:

@@ -67,11 +67,13 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def stream(port: int, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
            ) -> dict[str, Any]:
-    """POST an SSE request; returns status, TTFT (first chunk with text) and the whole text."""
+    """POST an SSE request; returns status, TTFT (first chunk with text), the whole text and, from
+    the gateway, the path the request took (``specprefill.path``: None from vLLM)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=READY_TIMEOUT_S)
     began = time.perf_counter()
     ttft: float | None = None
     text = ""
+    path = None
     try:
         conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
@@ -81,12 +83,14 @@ def stream(port: int, path: str, body: dict[str, Any], headers: dict[str, str] |
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            for choice in json.loads(line[6:]).get("choices", []):
+            chunk = json.loads(line[6:])
+            path = (chunk.get("specprefill") or {}).get("path", path)
+            for choice in chunk.get("choices", []):
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 if piece and ttft is None:
                     ttft = time.perf_counter() - began
                 text += piece
-        return {"status": 200, "ttft_s": ttft, "text": text}
+        return {"status": 200, "ttft_s": ttft, "text": text, "path": path}
     finally:
         conn.close()
 

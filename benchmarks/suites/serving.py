@@ -7,14 +7,18 @@ queue instead of slowing the client down. For each rate of the ladder (``--rates
 second) and each side, ``--requests`` RAG prompts (a demo question and its top-k retrieved demo
 passages, ``gateway_load``'s prompts) are sent at their arrival times:
 
-    direct   POST vLLM /v1/completions, the prompt's token ids, streamed (full prefill)
-    gateway  POST gateway /v1/chat/completions with the same question and passages, streamed
+    direct        POST vLLM /v1/completions, the prompt's token ids, streamed (full prefill)
+    gateway       POST gateway /v1/chat/completions with the same question and passages, streamed
+    gateway_skip  the same to a second gateway run with ``--skip-draft-when-slower``, which
+                  prefills a prompt whole when the draft's queue would cost more than pruning saves
 
-The sides alternate per rate (direct first at even steps). Per rate and side: TTFT p50/p95/p99,
+``--sides`` picks them; the order rotates per rate. Per rate and side: TTFT p50/p95/p99,
 end-to-end latency, answered requests per second. The SLO is ``--slo-multiple`` times one
 request's full-prefill TTFT measured alone at the start (median of 3, stated in the file); the
 goodput of a side is the highest rate of the ladder at which it, and every lower rate, keeps p95
 TTFT within the SLO. vLLM's main model and the gateway's draft run in one precision (``--dtype``).
+One request alone through the gateway is timed too (median of 3): the single-request speedup the
+loaded rates are held against. Each gateway row records the path its request took.
 
     specprefill-rag bench serving                       # → benchmarks/results/serving.json
     specprefill-rag bench serving --rates 0.05 0.1 --requests 4 --main smollm2-135m-instruct \\
@@ -34,10 +38,20 @@ from typing import Any
 
 from benchmarks.lib.machine import add_dtype_arg, command_line, machine_info
 from benchmarks.lib.results import write_results
-from benchmarks.suites.gateway_load import SYSTEM, percentile, prompts, served_dtypes, serving_stack, stream
+from benchmarks.suites.gateway_load import (
+    ROOT,
+    SYSTEM,
+    Gateway,
+    percentile,
+    prompts,
+    served_dtypes,
+    serving_stack,
+    stream,
+)
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, DTYPES
 
 Send = Callable[[int], dict[str, Any]]  # request i → {"status", "ttft_s", ...}
+SIDES = ("direct", "gateway", "gateway_skip")
 
 
 def arrival_times(rate: float, n: int, seed: int) -> list[float]:
@@ -123,8 +137,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=16,
                    help="requests the gateway and vLLM run at once (the gateway's --max-concurrency, vLLM's "
                    "--max-num-seqs) (%(default)s)")
-    p.add_argument("--skip-draft-when-slower", action="store_true",
-                   help="run the gateway with --skip-draft-when-slower (DraftConfig.skip_when_slower)")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES),
+                   help="what each rate is sent to (default: all three)")
+    p.add_argument("--vllm-client-rate", type=float, default=None,
+                   help="also send the ladder's prompts at this rate through vLLM's own benchmark client "
+                   "(vllm.benchmarks.serve, openai-chat) to vLLM and to the gateway (default: skip)")
     p.add_argument("--vllm-url", default=None, help="an existing vLLM server with the plugin (default: start one)")
     add_dtype_arg(p, whose="vLLM's main model (a server started here) and the gateway's draft")
     p.add_argument("--server-dtype", default=None, choices=DTYPES,
@@ -134,37 +151,40 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _senders(items: list[dict[str, Any]], vllm: tuple[int, str], gateway_port: int, max_tokens: int
+def _senders(items: list[dict[str, Any]], vllm: tuple[int, str], gateways: dict[str, int], max_tokens: int
              ) -> dict[str, Send]:
-    """Request i of each side (i indexes ``items`` cyclically)."""
+    """Request i of each side (i indexes ``items`` cyclically): "direct" to vLLM, and one per
+    gateway of ``gateways`` (side → port)."""
     def direct(i: int) -> dict[str, Any]:
         item = items[i % len(items)]
         body = {"model": vllm[1], "prompt": item["ids"], "max_tokens": max_tokens, "temperature": 0, "stream": True}
         return {"prompt_tokens": len(item["ids"]), **stream(vllm[0], "/v1/completions", body)}
 
-    def gateway(i: int) -> dict[str, Any]:
-        item = items[i % len(items)]
-        body = {"model": "x", "messages": [{"role": "system", "content": SYSTEM},
-                                            {"role": "user", "content": item["question"]}],
-                "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "specprefill": {"passages": item["passages"]}}
-        return {"prompt_tokens": len(item["ids"]), **stream(gateway_port, "/v1/chat/completions", body)}
+    def gateway(port: int) -> Send:
+        def send(i: int) -> dict[str, Any]:
+            item = items[i % len(items)]
+            body = {"model": "x", "messages": [{"role": "system", "content": SYSTEM},
+                                                {"role": "user", "content": item["question"]}],
+                    "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                    "specprefill": {"passages": item["passages"]}}
+            return {"prompt_tokens": len(item["ids"]), **stream(port, "/v1/chat/completions", body)}
+        return send
 
-    return {"direct": direct, "gateway": gateway}
+    return {"direct": direct, **{side: gateway(port) for side, port in gateways.items()}}
 
 
 def ladder(senders: dict[str, Send], rates: Sequence[float], n: int, seed: int) -> dict[str, Any]:
-    """Both sides at every rate (alternating which goes first): rows and summaries."""
+    """Every side at every rate (the order rotating per rate): rows and summaries."""
     rows: list[dict[str, Any]] = []
     per_rate: dict[str, dict[float, dict[str, Any]]] = {side: {} for side in senders}
     for step, rate in enumerate(rates):
         times = arrival_times(rate, n, seed + step)
-        order = list(senders) if step % 2 == 0 else list(senders)[::-1]
+        order = list(senders)[step % len(senders):] + list(senders)[:step % len(senders)]
         for side in order:
             done = open_loop(senders[side], times)
             rows += [{"side": side, "rate": rate, **row} for row in done]
             s = per_rate[side][rate] = rate_summary(done)
-            print(f"{rate:g}/s {side:8s} p50 {s['p50_ttft_s']:.2f} s  p95 {s['p95_ttft_s']:.2f} s  "
+            print(f"{rate:g}/s {side:12s} p50 {s['p50_ttft_s']:.2f} s  p95 {s['p95_ttft_s']:.2f} s  "
                   f"answered {s['answered']}/{s['requests']}", flush=True)
     return {"rows": rows, "per_rate": per_rate}
 
@@ -173,29 +193,67 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specprefill_rag.loading import load_tokenizer, resolve_model_dir
 
     args = parse_args(argv)
-    extra = ["--skip-draft-when-slower"] if args.skip_draft_when_slower else []
-    with serving_stack(args, "serving", extra) as stack:
-        items = prompts(load_tokenizer(resolve_model_dir(args.main)), args.requests, args.top_k)
-        senders = _senders(items, stack.vllm, stack.gateway.port, args.max_tokens)
-        alone = sorted(senders["direct"](i)["ttft_s"] for i in range(3))[1]  # the SLO's unit, median of 3
-        slo_s = args.slo_multiple * alone
-        print(f"full prefill alone: TTFT {alone:.2f} s; SLO p95 TTFT <= {slo_s:.2f} s", flush=True)
-        result = ladder(senders, args.rates, args.requests, args.seed)
+    with serving_stack(args, "serving") as stack:
+        skip = None
+        if "gateway_skip" in args.sides:
+            skip = Gateway(args, f"http://127.0.0.1:{stack.vllm[0]}", ROOT / "benchmarks" / ".cache" / "serving"
+                           / "gateway_skip.log", ["--skip-draft-when-slower"])
+        try:
+            items = prompts(load_tokenizer(resolve_model_dir(args.main)), args.requests, args.top_k)
+            ports = {"gateway": stack.gateway.port, **({"gateway_skip": skip.port} if skip else {})}
+            senders = _senders(items, stack.vllm, ports, args.max_tokens)
+            alone = {side: sorted(senders[side](i)["ttft_s"] for i in range(3))[1]  # median of 3
+                     for side in ("direct", "gateway")}
+            slo_s = args.slo_multiple * alone["direct"]
+            print(f"alone: full prefill TTFT {alone['direct']:.2f} s, gateway {alone['gateway']:.2f} s "
+                  f"({alone['direct'] / alone['gateway']:.2f}x); SLO p95 TTFT <= {slo_s:.2f} s", flush=True)
+            result = ladder({side: senders[side] for side in args.sides}, args.rates, args.requests, args.seed)
+            if args.vllm_client_rate:
+                result["vllm_client"] = standard_client(args, stack, items)
+        finally:
+            if skip is not None:
+                skip.stop()
     per_rate = result["per_rate"]
-    summary = {"alone_ttft_s": alone, "slo_s": slo_s,
+    summary = {"alone_ttft_s": alone["direct"], "alone_gateway_ttft_s": alone["gateway"],
+               "alone_speedup": alone["direct"] / alone["gateway"], "slo_s": slo_s,
                "goodput_per_s": {side: goodput(per_rate[side], slo_s) for side in per_rate},
+               "paths": paths(result["rows"]), "vllm_client": result.get("vllm_client"),
                "per_rate": {side: {str(r): v for r, v in per_rate[side].items()} for side in per_rate}}
     payload = {
         "benchmark": "serving", "command": command_line(argv, "serving"), "machine": machine_info(),
         "models": {"main": args.main, "draft": args.draft}, "dtypes": served_dtypes(args, stack.server),
         "settings": {k: getattr(args, k) for k in ("rates", "requests", "slo_multiple", "seed", "top_k", "keep_rate",
-                                                    "max_tokens", "clients", "skip_draft_when_slower", "dtype")},
+                                                    "max_tokens", "clients", "sides", "dtype")},
         "summary": summary, "rows": result["rows"],
     }
     path = write_results("serving", payload, args.out)
     print(json.dumps(summary["goodput_per_s"]))
     print(f"wrote {path}")
     return 0
+
+
+def standard_client(args: argparse.Namespace, stack: Any, items: list[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's own benchmark client at ``--vllm-client-rate``, to vLLM and to the gateway."""
+    from benchmarks.lib.vllm_client import run_client
+    from specprefill_rag.loading import resolve_model_dir
+
+    rate, out = args.vllm_client_rate, {}
+    for side, port, model in (("direct", stack.vllm[0], stack.vllm[1]), ("gateway", stack.gateway.port, "x")):
+        target = {"base_url": f"http://127.0.0.1:{port}", "model": model, "max_tokens": args.max_tokens,
+                  "tokenizer": str(resolve_model_dir(args.main)), "seed": args.seed}
+        out[side] = run_client(target, items, rate, ROOT / "benchmarks" / ".cache" / "serving" / side)
+        print(f"vLLM's client at {rate:g}/s, {side}: {out[side]}", flush=True)
+    return {"rate": rate, **out}
+
+
+def paths(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, int]]]:
+    """Per gateway side and rate, how many requests took each path (``specprefill.path``)."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for row in rows:
+        if row.get("path") is not None:
+            counts = out.setdefault(row["side"], {}).setdefault(str(row["rate"]), {})
+            counts[row["path"]] = counts.get(row["path"], 0) + 1
+    return out
 
 
 if __name__ == "__main__":

@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks from a source checkout: ttft | quality | evidence | guesses | lookahead_cost | windows "
-        "| gateway_load | serving | draft_batch | prefix_cache | plugin_step (benchmarks/suites/) | report (`bench SUITE --help`: "
-        "options)",
+        "| gateway_load | serving | draft_batch | prefix_cache | plugin_step (benchmarks/suites/) | report "
+        "(`bench SUITE --help`: options)",
         add_help=False,
     )
     bench.add_argument(
