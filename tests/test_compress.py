@@ -48,6 +48,11 @@ def test_one_result_per_passage_with_its_id_and_metadata(compressed):
     assert compressed.passages[0].metadata == {"source": "a.txt", "score": 0.4}
     empty = compressed.passages[1]
     assert (empty.text, empty.spans, empty.n_tokens, empty.kept_nothing, empty.keep_ratio) == ("", (), 0, True, 1.0)
+    assert compressed.passages[2].to_metadata() == {
+        "specprefill_keep_ratio": compressed.passages[2].keep_ratio,
+        "specprefill_spans": [list(span) for span in compressed.passages[2].spans],
+        "specprefill_score": compressed.passages[2].score,
+    }
     assert compressed.path.code == "pruned"
     assert 0.0 < compressed.keep_ratio < 1.0 and compressed.seconds > 0
 
