@@ -141,3 +141,10 @@ def test_bad_input_is_a_clear_error():
         _postprocessor().postprocess_nodes([_nodes()[0], TextNode(text="x")], query_str=QUESTION)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="pass engine="):
         SpecPrefillNodePostprocessor()
+
+
+def test_the_package_exports_the_postprocessor():
+    import llama_index.postprocessor.specprefill as package
+
+    assert package.__all__ == ["SpecPrefillNodePostprocessor"]
+    assert SpecPrefillNodePostprocessor.class_name() == "SpecPrefillNodePostprocessor"
