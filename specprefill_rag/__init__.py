@@ -9,6 +9,7 @@ rest (``prompt``, ``draft``, ``selection``, ``backends.base``, ...).
 """
 
 from .backends import Backend, BackendCapabilities, available_backends, create_backend, register_backend
+from .compress import CompressedPassage, Compression
 from .config import DraftConfig, DraftRuntime, GenerationConfig, ScoringConfig, SelectionConfig, SpecPrefillConfig
 from .draft import DraftModel
 from .engine import RequestOptions, SpecPrefillEngine
@@ -51,6 +52,8 @@ __all__ = [
     "BackendCapabilities",
     "BackendError",
     "BackendTimeoutError",
+    "CompressedPassage",
+    "Compression",
     "ConfigError",
     "ConfigTypeError",
     "DraftConfig",

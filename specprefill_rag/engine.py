@@ -3,6 +3,17 @@
 The same engine runs the full-prefill baseline (``mode="full"``), so SpecPrefill and full
 prefill can be compared side by side on one backend. Every entry point has a streaming and
 an async form; all return or end in a typed ``GenerationResult``.
+
+Planning is one pipeline, each stage written once:
+
+- ``_request_selection``: a request's options, checked (mode, keep rate, selection);
+- ``assemble``: question and passages (or segments) → the main model's prompt;
+- ``_choose``: the path: pruned, with what the draft reads (``DraftScorer.choose``), or prefilled
+  whole and why (``payoff``: cannot help, cannot read, would not pay);
+- ``_plan``: the draft's scores (``DraftScorer.score``: memo, batching, mapping), then
+  ``selection.plan_scored``: scores → kept tokens → ``PrefillPlan``, timed;
+- decoding: ``prefill_and_decode``, the plan on the backend, streamed, with timings; or, in
+  portable mode (``compress``), the plan back to the passages' kept text for any LLM.
 """
 
 from __future__ import annotations
@@ -17,11 +28,13 @@ from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 
+from . import compress as compress_lib
 from . import prompt as prompt_lib
 from . import selection as selection_lib
 from .backends import Backend, create_backend, loads_torch_model
 from .backends.base import SelfDrafting
 from .caches import PromptMemo
+from .compress import Compression
 from .config import DraftConfig, GenerationConfig, SelectionConfig, SpecPrefillConfig, check_choice
 from .decoding import prefill_and_decode
 from .draft import DraftModel, DraftReading, DraftScorer
@@ -223,15 +236,6 @@ class SpecPrefillEngine:
             return selection_lib.prefilled_whole(prompt, whole, scores)
         return selection_lib.plan_scored(prompt, sel, scores)
 
-    # -- planning: one pipeline, each stage written once --------------------------------------
-    #   _request_selection  a request's options, checked: mode, keep rate, selection
-    #   assemble            question and passages (or segments) → the main model's prompt
-    #   _choose             the path: pruned, with what the draft reads (DraftScorer.choose), or
-    #                       prefilled whole and why (payoff: cannot help, cannot read, would not pay)
-    #   _plan               the draft's scores (DraftScorer.score: memo, batching, mapping), then
-    #                       selection.plan_scored: scores → kept tokens → ``PrefillPlan``, timed
-    #   decoding            prefill_and_decode: the plan on the backend, streamed, with timings
-
     def _request_selection(self, mode: str, keep_rate: float | None, selection: SelectionConfig | None
                            ) -> SelectionConfig:
         """The selection settings of one request (``selection``, else the engine's, with ``keep_rate``
@@ -249,14 +253,14 @@ class SpecPrefillEngine:
             raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
         return self.scorer
 
-    def _choose(self, prompt: AssembledPrompt, mode: str, sel: SelectionConfig, salt: str | None
-                ) -> tuple[DraftReading | None, PathChoice | None]:
-        """What the draft reads of ``prompt``, or None and why it is prefilled whole (``payoff``);
-        SpecPrefill asked of an engine without a draft is a ``ConfigError``."""
+    def _choose(self, prompt: AssembledPrompt, mode: str, sel: SelectionConfig, salt: str | None,
+                weigh_cost: bool = True) -> tuple[DraftReading | None, PathChoice | None]:
+        """What the draft reads of ``prompt``, or None and why it is prefilled whole (``payoff``;
+        ``weigh_cost``: ``DraftScorer.choose``'s); no draft for SpecPrefill is a ``ConfigError``."""
         if (whole := unpruned(prompt, mode, sel)) is not None:
             return None, whole
         n_context = prompt.n_context
-        return self._require_scorer().choose(prompt, n_context - sel.budget(n_context), salt)
+        return self._require_scorer().choose(prompt, n_context - sel.budget(n_context), salt, weigh_cost=weigh_cost)
 
     def _plan(self, prompt: AssembledPrompt, sel: SelectionConfig, reading: DraftReading | None,
               whole: PathChoice | None) -> PlannedPrompt:
@@ -266,6 +270,18 @@ class SpecPrefillEngine:
             assert whole is not None
             return selection_lib.prefilled_whole(prompt, whole)
         return selection_lib.plan_scored(prompt, sel, self._require_scorer().score(reading))
+
+    def compress(self, question: str, passages: Passages, *, keep_rate: float | None = None,
+                 selection: SelectionConfig | None = None, instructions: str | None = None,
+                 marker: str = compress_lib.DEFAULT_MARKER, cache_salt: str | None = None) -> Compression:
+        """Portable mode (``compress.Compression``): what SpecPrefill would prefill of each passage, as text for
+        any LLM, planned as ``plan`` plans but never kept whole for this engine's own cost; errors as ``stream``."""
+        started = time.perf_counter()
+        items = compress_lib.check_request(question, passages, marker)
+        sel = self._request_selection("specprefill", keep_rate, selection)
+        prompt = self.assemble(question, items, instructions=instructions, selection=sel, cache_salt=cache_salt)
+        planned = self._plan(prompt, sel, *self._choose(prompt, "specprefill", sel, cache_salt, weigh_cost=False))
+        return compress_lib.compression(planned, items, marker, time.perf_counter() - started)
 
     # -- generation ------------------------------------------------------------------------
 

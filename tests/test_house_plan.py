@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 FLOORS: list[set[str]] = [
     {"errors", "types", "durable", "loading", "caches", "detokenize"},
     {"prompt", "config", "streams", "wire"},  # prompt: segments, render, length guard (a package)
-    {"draft", "selection", "payoff"},  # draft: the wing (``specprefill_rag/draft/``), one entry
+    {"draft", "selection", "payoff", "compress"},  # draft: the wing (``specprefill_rag/draft/``), one entry
     {"vllm_plugin"},
     {"backends"},
     {"engine", "decoding", ""},  # "": the package's __init__, the public face over the engine

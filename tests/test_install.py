@@ -22,7 +22,8 @@ from specprefill_rag import MissingDependencyError
 from specprefill_rag.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-INTEGRATIONS = ("integrations/llama-index-llms-specprefill", "integrations/langchain-specprefill")
+INTEGRATIONS = ("integrations/llama-index-llms-specprefill", "integrations/llama-index-postprocessor-specprefill",
+                "integrations/langchain-specprefill")
 
 
 def _hide(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
@@ -96,7 +97,7 @@ def _run(cmd: list[str], *, env: dict[str, str] | None = None, check: bool = Tru
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The core wheel and both integrations' wheels, built from a copy of this checkout's sources:
+    """The core wheel and the integrations' wheels, built from a copy of this checkout's sources:
     setuptools builds in the source tree (``build/``), and a module deleted here would live on in
     a ``build/`` left in the checkout and ship in the next wheel."""
     out, src = tmp_path_factory.mktemp("wheels"), tmp_path_factory.mktemp("sources")
@@ -108,7 +109,8 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
           str(src), *(str(src / path) for path in INTEGRATIONS)])
     found = {path.name.split("-")[0]: path for path in out.glob("*.whl")}
-    assert set(found) == {"specprefill_rag", "llama_index_llms_specprefill", "langchain_specprefill"}, found
+    assert set(found) == {"specprefill_rag", "llama_index_llms_specprefill", "llama_index_postprocessor_specprefill",
+                          "langchain_specprefill"}, found
     return found
 
 
@@ -140,8 +142,10 @@ def test_the_wheels_install_and_run_as_the_readme_says(wheels: dict[str, Path], 
     _run([*pip, "specprefill-rag[gateway]"], env=env)
     assert "usage: specprefill-rag gateway" in _run([cli_path, "gateway", "--help"], env=env).stdout
 
-    _run([*pip, "llama-index-llms-specprefill", "langchain-specprefill"], env=env)
+    _run([*pip, "llama-index-llms-specprefill", "llama-index-postprocessor-specprefill", "langchain-specprefill"],
+         env=env)
     code = ("from llama_index.llms.specprefill import SpecPrefillLLM; "
+            "from llama_index.postprocessor.specprefill import SpecPrefillNodePostprocessor; "
             "from langchain_specprefill import ChatSpecPrefill; import specprefill_rag; "
             "print(specprefill_rag.__file__)")
     where = _run([python, "-c", code], env=env).stdout.strip()

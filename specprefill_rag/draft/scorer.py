@@ -141,17 +141,19 @@ class DraftScorer:
         windows = self.model.windows(read.n_tokens, ~read.protected, self._extra_positions(reading, config))
         return dataclasses.replace(reading, windows=None if windows is None else tuple(windows))
 
-    def choose(self, prompt: AssembledPrompt, saved_tokens: int, salt: str | None = None
-               ) -> tuple[DraftReading | None, PathChoice | None]:
+    def choose(self, prompt: AssembledPrompt, saved_tokens: int, salt: str | None = None, *,
+               weigh_cost: bool = True) -> tuple[DraftReading | None, PathChoice | None]:
         """What the draft reads of ``prompt`` (``reading``), or None with the reason it is
-        prefilled whole: the draft cannot read it, or (``DraftConfig.skip_when_slower``) its queue
-        and scoring would take longer than the prefill of the ``saved_tokens`` pruning saves. An
-        identical request's scores in the memo always pay (the draft does not run)."""
+        prefilled whole: the draft cannot read it, or (``DraftConfig.skip_when_slower``, when
+        ``weigh_cost``) its queue and scoring would take longer than the prefill of the
+        ``saved_tokens`` pruning saves. An identical request's scores in the memo always pay (the
+        draft does not run). Portable mode passes ``weigh_cost=False``: what it saves is another
+        LLM's prefill, not this engine's."""
         reading = self.reading(prompt, salt)
         if reading is None:
             return None, PathChoice("draft_cannot_read", "the prompt does not fit the draft's window and "
                                     f"on_overflow={self.config.on_overflow!r} prefills it whole")
-        if not self.config.skip_when_slower:
+        if not (weigh_cost and self.config.skip_when_slower):
             return reading, None
         if self.config.memo_entries:
             reading = dataclasses.replace(reading, memo_key=self._memo_key(reading, self.config))

@@ -1,12 +1,14 @@
-"""LangChain integration for specprefill-rag: a chat model and a RAG runnable."""
+"""LangChain integration for specprefill-rag: a chat model, a RAG runnable and a document compressor."""
 
 from .chat_models import ChatSpecPrefill, messages_to_segments
+from .document_compressors import SpecPrefillCompressor
 from .rag import create_specprefill_rag_chain
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ChatSpecPrefill",
+    "SpecPrefillCompressor",
     "__version__",
     "create_specprefill_rag_chain",
     "messages_to_segments",

@@ -8,7 +8,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from langchain_core.callbacks import CallbackManagerForRetrieverRun  # noqa: E402
+from langchain_core.documents import Document  # noqa: E402
 from langchain_core.embeddings import Embeddings  # noqa: E402
+from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from specprefill_rag import (  # noqa: E402
     SpecPrefillEngine,
     testing,
@@ -44,3 +47,33 @@ class MiniLMEmbeddings(Embeddings):
 
     def embed_query(self, text: str) -> list[float]:
         return self.embed_documents([text])[0]
+
+
+
+QUESTION = "Which city hosts the lantern festival?"
+CORPUS = [
+    "The river runs north. Boats carry grain to the mills. The mills grind it at night.",
+    "Lanterns fill the sky in Hoian every spring! Visitors come from far away. Street food is sold until dawn.",
+    "Cats sleep most of the day. Dogs bark at the postman. Birds sing before sunrise; owls sing at night.",
+    "The festival began centuries ago. Its lanterns are made of silk and bamboo. The city glows for a week.",
+    "Trains leave the station every hour. The last one departs at midnight. Tickets are sold on board.",
+]
+
+
+def corpus_documents() -> list[Document]:
+    """The corpus as Documents, each with an id and its own metadata."""
+    return [Document(text, id=f"doc-{i}", metadata={"source": f"{i}.txt", "rank": i}) for i, text in enumerate(CORPUS)]
+
+
+class KeywordRetriever(BaseRetriever):
+    """Ranks ``CORPUS`` by words shared with the query (ties in corpus order); ``k`` documents,
+    also per call: what a compression retriever wraps in the tests."""
+
+    k: int = 4
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None
+    ) -> list[Document]:
+        words = set(query.lower().split())
+        ranked = sorted(corpus_documents(), key=lambda d: -len(words & set(d.page_content.lower().split())))
+        return ranked[: k or self.k]

@@ -23,7 +23,8 @@ DOCS = [
 
 
 def test_public_api():
-    assert set(langchain_specprefill.__all__) >= {"ChatSpecPrefill", "create_specprefill_rag_chain"}
+    expected = {"ChatSpecPrefill", "SpecPrefillCompressor", "create_specprefill_rag_chain"}
+    assert set(langchain_specprefill.__all__) >= expected
     for name in langchain_specprefill.__all__:
         assert hasattr(langchain_specprefill, name)
 
