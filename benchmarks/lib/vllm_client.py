@@ -4,7 +4,8 @@ pointed at any OpenAI-compatible server: a standard client's TTFT percentiles to
 The RAG prompts go out as LlamaIndex's default QA prompt in one user message (the ``custom``
 dataset, one JSON line per prompt, ``--skip-chat-template``: the server applies its own), so the
 gateway recognises the passages in them as it would a LlamaIndex application's, and vLLM alone
-reads the same text whole. Runs in a subprocess of this interpreter (vLLM must import in it).
+reads the same text whole. Runs in a subprocess of this interpreter (vLLM must import in it, and
+pandas, which vLLM's custom dataset reads with: ``pip install pandas``; not part of ``make setup``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def run_client(target: dict[str, Any], items: Sequence[dict[str, Any]], rate: fl
                timeout_s: float = 3600) -> dict[str, Any]:
     """``len(items)`` prompts (question, passages) at Poisson ``rate`` per second through vLLM's
     client to ``target``; its summary (``summary``), or ``{"error": ...}`` when it failed."""
+    import importlib.util
+
+    if importlib.util.find_spec("pandas") is None:  # vLLM's custom dataset reads its JSON lines with pandas
+        return {"error": "vLLM's client needs pandas for a custom dataset: pip install pandas"}
     workdir.mkdir(parents=True, exist_ok=True)
     dataset = workdir / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": llamaindex_prompt(i["question"], i["passages"])}) + "\n"

@@ -73,7 +73,7 @@ def stream(port: int, path: str, body: dict[str, Any], headers: dict[str, str] |
     began = time.perf_counter()
     ttft: float | None = None
     text = ""
-    path = None
+    taken = None  # the gateway's specprefill.path
     try:
         conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
@@ -84,13 +84,13 @@ def stream(port: int, path: str, body: dict[str, Any], headers: dict[str, str] |
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            path = (chunk.get("specprefill") or {}).get("path", path)
+            taken = (chunk.get("specprefill") or {}).get("path", taken)
             for choice in chunk.get("choices", []):
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 if piece and ttft is None:
                     ttft = time.perf_counter() - began
                 text += piece
-        return {"status": 200, "ttft_s": ttft, "text": text, "path": path}
+        return {"status": 200, "ttft_s": ttft, "text": text, "path": taken}
     finally:
         conn.close()
 

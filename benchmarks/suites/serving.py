@@ -202,8 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             items = prompts(load_tokenizer(resolve_model_dir(args.main)), args.requests, args.top_k)
             ports = {"gateway": stack.gateway.port, **({"gateway_skip": skip.port} if skip else {})}
             senders = _senders(items, stack.vllm, ports, args.max_tokens)
-            alone = {side: sorted(senders[side](i)["ttft_s"] for i in range(3))[1]  # median of 3
-                     for side in ("direct", "gateway")}
+            alone = {side: alone_ttft(senders[side]) for side in ("direct", "gateway")}
             slo_s = args.slo_multiple * alone["direct"]
             print(f"alone: full prefill TTFT {alone['direct']:.2f} s, gateway {alone['gateway']:.2f} s "
                   f"({alone['direct'] / alone['gateway']:.2f}x); SLO p95 TTFT <= {slo_s:.2f} s", flush=True)
@@ -244,6 +243,17 @@ def standard_client(args: argparse.Namespace, stack: Any, items: list[dict[str, 
         out[side] = run_client(target, items, rate, ROOT / "benchmarks" / ".cache" / "serving" / side)
         print(f"vLLM's client at {rate:g}/s, {side}: {out[side]}", flush=True)
     return {"rate": rate, **out}
+
+
+def alone_ttft(send: Send) -> float:
+    """The median TTFT of requests 0, 1 and 2 sent one at a time; a failed one raises."""
+    ttfts = []
+    for i in range(3):
+        row = send(i)
+        if row.get("status") != 200 or row.get("ttft_s") is None:
+            raise RuntimeError(f"request {i} sent alone failed: {row}")
+        ttfts.append(row["ttft_s"])
+    return sorted(ttfts)[1]
 
 
 def paths(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, int]]]:
