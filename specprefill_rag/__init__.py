@@ -25,6 +25,7 @@ from .errors import (
     ServerError,
     ServerStartError,
     SpecPrefillError,
+    ToolCallError,
     UnsupportedVLLMError,
 )
 from .streams import AsyncTextStream, TextStream
@@ -40,6 +41,7 @@ from .types import (
     SegmentKind,
     Timings,
     TokenScores,
+    ToolCall,
 )
 
 __version__ = "0.1.0"
@@ -81,6 +83,8 @@ __all__ = [
     "TextStream",
     "Timings",
     "TokenScores",
+    "ToolCall",
+    "ToolCallError",
     "UnsupportedVLLMError",
     "__version__",
     "available_backends",
