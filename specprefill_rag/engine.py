@@ -12,13 +12,14 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 
 from . import prompt as prompt_lib
 from . import selection as selection_lib
+from . import toolcalls
 from .backends import Backend, create_backend, loads_torch_model
 from .backends.base import SelfDrafting
 from .caches import PromptMemo
@@ -226,10 +227,8 @@ class SpecPrefillEngine:
     # -- planning: one pipeline, each stage written once --------------------------------------
     #   _request_selection  a request's options, checked: mode, keep rate, selection
     #   assemble            question and passages (or segments) → the main model's prompt
-    #   _choose             the path: pruned, with what the draft reads (DraftScorer.choose), or
-    #                       prefilled whole and why (payoff: cannot help, cannot read, would not pay)
-    #   _plan               the draft's scores (DraftScorer.score: memo, batching, mapping), then
-    #                       selection.plan_scored: scores → kept tokens → ``PrefillPlan``, timed
+    #   _choose             the path: pruned, with what the draft reads (DraftScorer.choose), or whole and why
+    #   _plan               the draft's scores (DraftScorer.score), then selection.plan_scored: → ``PrefillPlan``
     #   decoding            prefill_and_decode: the plan on the backend, streamed, with timings
 
     def _request_selection(self, mode: str, keep_rate: float | None, selection: SelectionConfig | None
@@ -308,20 +307,25 @@ class SpecPrefillEngine:
         """
         started = time.perf_counter()
         sel = self._request_selection(mode, keep_rate, selection)
-        salt = (generation or self.config.generation).cache_salt
-        prompt = self.assemble(question, passages, instructions=instructions, selection=sel, cache_salt=salt)
-        reading, whole = self._choose(prompt, mode, sel, salt)
+        gen = generation or self.config.generation
+        prompt = self.assemble(question, passages, instructions=instructions, selection=sel, cache_salt=gen.cache_salt)
+        read_calls = toolcalls.answer_reader(prompt.segments, self.tokenizer, gen.tool_choice)
+        reading, whole = self._choose(prompt, mode, sel, gen.cache_salt)
 
         def run() -> Generator[str, None, GenerationResult]:
             assembled = time.perf_counter()
             planned = dataclasses.replace(self._plan(prompt, sel, reading, whole), assemble_s=assembled - started)
-            result = yield from prefill_and_decode(self.backend, planned, generation or self.config.generation,
-                                                   started=started, stop=stop)
+            result = yield from prefill_and_decode(self.backend, planned, gen, started=started, stop=stop)
             self.costs.observe_prefill(result.prefilled_tokens, result.timings.prefill_s)
-            return result
+            return result if read_calls is None else read_calls(result)
 
         stop = threading.Event()
         return TextStream(run(), stop)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = (),
+             passages: Passages = (), **options: Unpack[RequestOptions]) -> GenerationResult:
+        """``generate`` for OpenAI-style ``messages`` offering ``tools`` (docs/tools.md)."""
+        return self.generate(list(prompt_lib.message_segments(messages, tools, passages)), **options)
 
     def generate(
         self, question: PromptInput, passages: Passages = (), **options: Unpack[RequestOptions]

@@ -272,7 +272,7 @@ class ToolCall:
 
     name: str
     arguments: Mapping[str, Any]  # a JSON object
-    id: str  # unique within the answer ("call-<n>" when the model gives none)
+    id: str  # unique: "call_<24 hex digits>" (the model writes none; a tool message answers it by this id)
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "arguments": dict(self.arguments)}
