@@ -90,6 +90,8 @@ EXPECTED_TOP_LEVEL = [
     "TextStream",
     "Timings",
     "TokenScores",
+    "ToolCall",
+    "ToolCallError",
     "UnsupportedVLLMError",
     "__version__",
     "available_backends",
