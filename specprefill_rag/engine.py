@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any, Literal, TypedDict, Unpack
 
 import torch
