@@ -263,17 +263,17 @@ def layout(tokenizer: Any, segments: Sequence[Segment], markup: Sequence[str] = 
     pieces: list[str] = []
     spans: list[tuple[int, int, int]] = []
     at = length = 0
-    for start, end, message, index in anchors:
+    for start, end, owner, index in anchors:
         pieces.append(text[at:start])
         length += start - at
-        if message is None:  # a tool schema's or call's JSON, rendered by the template
+        if owner is None:  # a tool schema's or call's JSON, rendered by the template
             spans.append((index, length, length + end - start))
             pieces.append(text[start:end])
             length += end - start
         else:
-            spans.extend((i, length + a, length + b) for i, a, b in message.spans)
-            pieces.append(message.content)
-            length += len(message.content)
+            spans.extend((i, length + a, length + b) for i, a, b in owner.spans)
+            pieces.append(owner.content)
+            length += len(owner.content)
         at = end
     pieces.append(text[at:])
     return "".join(pieces), spans, with_template

@@ -129,7 +129,7 @@ def _json_items(text: str) -> list[tuple[int, int]] | None:
     except (json.JSONDecodeError, RecursionError):
         return None
     decoder = json.JSONDecoder()
-    items = []
+    items: list[tuple[int, int]] = []
     at = text.index("[") + 1
     while True:
         while at < len(text) and text[at] in " \t\r\n,":
@@ -167,7 +167,8 @@ def split_tool_result(text: str) -> tuple[list[tuple[str, str, bool]], str]:
         atomic = [_FENCE in text[a:b] for a, b in bounds]
     else:
         atomic = [True] * len(bounds)
-    items, at = [], 0
+    items: list[tuple[str, str, bool]] = []
+    at = 0
     for (a, b), whole in zip(bounds, atomic, strict=True):
         items.append((text[at:a], text[a:b], whole))
         at = b

@@ -29,6 +29,7 @@ from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
@@ -247,8 +248,8 @@ class ChatSpecPrefill(BaseChatModel):
             total_tokens=result.prompt_tokens + result.generated_tokens,
         )
         metadata = {"model_name": self.model_name, **result.to_dict()}  # counts, keep ratio, timings, spans
-        calls = [{"name": c.name, "args": json.dumps(dict(c.arguments)), "id": c.id, "index": n,
-                  "type": "tool_call_chunk"} for n, c in enumerate(result.tool_calls)]
+        calls = [tool_call_chunk(name=c.name, args=json.dumps(dict(c.arguments)), id=c.id, index=n)
+                 for n, c in enumerate(result.tool_calls)]
         message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last",
                                  tool_call_chunks=calls)
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
