@@ -1145,7 +1145,8 @@ def serving_section(data: dict[str, Any], images: Path) -> list[str]:
             cell = next((v for r, v in s["per_rate"][side].items() if float(r) == rate), None)
             if cell is None:
                 continue
-            counts = next((v for r, v in (s.get("paths") or {}).get(side, {}).items() if float(r) == rate), {})
+            counts: dict[str, int] = next(
+                (v for r, v in (s.get("paths") or {}).get(side, {}).items() if float(r) == rate), {})
             path = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "–"
             lines.append(f"| {rate:g} | {figures.SIDE_LABELS.get(side, side)} | {cell['answered']}/{cell['requests']} "
                          f"| {_s(cell['p50_ttft_s'])} | {_s(cell['p95_ttft_s'])} | {_s(cell['p99_ttft_s'])} "

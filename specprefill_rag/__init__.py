@@ -26,6 +26,7 @@ from .errors import (
     ServerError,
     ServerStartError,
     SpecPrefillError,
+    ToolCallError,
     UnsupportedVLLMError,
 )
 from .streams import AsyncTextStream, TextStream
@@ -41,6 +42,7 @@ from .types import (
     SegmentKind,
     Timings,
     TokenScores,
+    ToolCall,
 )
 
 __version__ = "0.1.0"
@@ -84,6 +86,8 @@ __all__ = [
     "TextStream",
     "Timings",
     "TokenScores",
+    "ToolCall",
+    "ToolCallError",
     "UnsupportedVLLMError",
     "__version__",
     "available_backends",

@@ -138,6 +138,8 @@ class PromptMemo(Bounded[bytes, AssembledPrompt]):
             text = segment.text.encode("utf-8", "surrogatepass")
             h.update(f"{segment.kind.value}|{segment.role}|{len(text)}|".encode())
             h.update(text)
+            if segment.kind.value.startswith("tool") or "message" in segment.metadata:  # names, glue, grouping
+                h.update(repr(sorted(segment.metadata.items())).encode("utf-8", "surrogatepass"))
         return h.digest()
 
     def get(self, key: bytes, segments: Sequence[Segment]) -> AssembledPrompt | None:

@@ -429,8 +429,14 @@ class GenerationConfig:
     # requests of the same salt. A vLLM backend forwards it; the engine keys its own caches (the
     # draft's score memo, prompt memo, prefix store and batches) on it. None: the shared namespace.
     cache_salt: str | None = None
+    # When the prompt offers tools: "auto" (the model may call them), "required" (at least one call),
+    # "none" (no call), or a tool's name (calls to that tool only, at least one). Checked on the
+    # answer (``toolcalls``): decoding is not constrained yet, so a breach is a ToolCallError.
+    tool_choice: str = "auto"
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.tool_choice, str) and self.tool_choice != "",
+               f"tool_choice must be 'auto', 'required', 'none' or a tool's name, got {self.tool_choice!r:.80}")
         _check_types(self, ints=("max_new_tokens", "top_k", "seed"), numbers=("temperature", "top_p", "timeout"))
         _check(
             self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),

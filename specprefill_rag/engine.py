@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any, Literal, TypedDict, Unpack
 
 import torch
@@ -31,6 +31,7 @@ import torch
 from . import compress as compress_lib
 from . import prompt as prompt_lib
 from . import selection as selection_lib
+from . import toolcalls
 from .backends import Backend, create_backend, loads_torch_model
 from .backends.base import SelfDrafting
 from .caches import PromptMemo
@@ -69,6 +70,20 @@ class RequestOptions(TypedDict, total=False):
     selection: SelectionConfig | None
     generation: GenerationConfig | None
 PromptInput = str | Sequence[Segment]
+
+
+def _torch_options(backend: str, dtype: str | torch.dtype, device: str | torch.device) -> dict[str, Any]:
+    """``dtype`` and ``device`` for a backend that loads a torch model in this process, else none."""
+    return {"dtype": dtype, "device": device} if loads_torch_model(backend) else {}
+
+
+def load_draft(main_backend: Backend, main: str, draft: str | None, config: DraftConfig,
+               dtype: str | torch.dtype, device: str | torch.device) -> DraftModel | None:
+    """The draft ``from_pretrained`` names: the main model's own weights when ``draft`` is ``main``
+    on a ``SelfDrafting`` backend (the capture is inert outside scoring), else loaded; None without one."""
+    if draft and draft == main and isinstance(main_backend, SelfDrafting):
+        return main_backend.as_draft(config)
+    return DraftModel.from_pretrained(draft, config, dtype=dtype, device=device) if draft else None
 
 
 class SpecPrefillEngine:
@@ -136,16 +151,8 @@ class SpecPrefillEngine:
         A ``draft`` equal to ``main`` on a ``SelfDrafting`` backend shares the main model's weights.
         """
         config = config or SpecPrefillConfig()
-        torch_options = {"dtype": dtype, "device": device} if loads_torch_model(backend) else {}
-        main_backend = create_backend(backend, main, **torch_options, **backend_kwargs)
-        if draft and draft == main and isinstance(main_backend, SelfDrafting):
-            # Self-drafting: one set of weights serves both roles (the capture is inert outside scoring).
-            draft_model: DraftModel | None = main_backend.as_draft(config.draft)
-        elif draft:
-            draft_model = DraftModel.from_pretrained(draft, config.draft, dtype=dtype, device=device)
-        else:
-            draft_model = None
-        return cls(main_backend, draft_model, config)
+        main_backend = create_backend(backend, main, **_torch_options(backend, dtype, device), **backend_kwargs)
+        return cls(main_backend, load_draft(main_backend, main, draft, config.draft, dtype, device), config)
 
     def warm_up(self) -> None:
         """One tiny answer through the draft and the main model, so that the first real request
@@ -324,20 +331,25 @@ class SpecPrefillEngine:
         """
         started = time.perf_counter()
         sel = self._request_selection(mode, keep_rate, selection)
-        salt = (generation or self.config.generation).cache_salt
-        prompt = self.assemble(question, passages, instructions=instructions, selection=sel, cache_salt=salt)
-        reading, whole = self._choose(prompt, mode, sel, salt)
+        gen = generation or self.config.generation
+        prompt = self.assemble(question, passages, instructions=instructions, selection=sel, cache_salt=gen.cache_salt)
+        read_calls = toolcalls.answer_reader(prompt.segments, self.tokenizer, gen.tool_choice)
+        reading, whole = self._choose(prompt, mode, sel, gen.cache_salt)
 
         def run() -> Generator[str, None, GenerationResult]:
             assembled = time.perf_counter()
             planned = dataclasses.replace(self._plan(prompt, sel, reading, whole), assemble_s=assembled - started)
-            result = yield from prefill_and_decode(self.backend, planned, generation or self.config.generation,
-                                                   started=started, stop=stop)
+            result = yield from prefill_and_decode(self.backend, planned, gen, started=started, stop=stop)
             self.costs.observe_prefill(result.prefilled_tokens, result.timings.prefill_s)
-            return result
+            return result if read_calls is None else read_calls(result)
 
         stop = threading.Event()
         return TextStream(run(), stop)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = (),
+             passages: Passages = (), **options: Unpack[RequestOptions]) -> GenerationResult:
+        """``generate`` for OpenAI-style ``messages`` offering ``tools`` (docs/tools.md)."""
+        return self.generate(list(prompt_lib.message_segments(messages, tools, passages)), **options)
 
     def generate(
         self, question: PromptInput, passages: Passages = (), **options: Unpack[RequestOptions]

@@ -38,6 +38,7 @@ __all__ = [
     "ServerError",
     "ServerStartError",
     "SpecPrefillError",
+    "ToolCallError",
     "UnsupportedVLLMError",
 ]
 
@@ -64,6 +65,12 @@ class InputError(SpecPrefillError, ValueError):
 
 class InputTypeError(InputError, TypeError):
     """Passages or messages of a type the engine does not take."""
+
+
+class ToolCallError(SpecPrefillError, ValueError):
+    """The model's output holds a tool call that does not parse or does not fit the offered tools
+    (unknown name, arguments not a JSON object, a required key missing, a wrong type), or breaks
+    the request's ``tool_choice``. No call of such an answer is reported: never a half-parsed one."""
 
 
 class MissingDependencyError(SpecPrefillError, ImportError):

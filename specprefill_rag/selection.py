@@ -80,7 +80,7 @@ LONG_RUN = 4  # a unit without a word start is cut anyway after this many times 
 
 def _cut_point(levels: list[int], start: int, end: int, max_tokens: int) -> int | None:
     """Where to cut the unit [start, end) that reached its limit: a token index in (start, end],
-    or None to let it grow (no word start in it yet)."""
+    or None to let it grow (no word start in it yet; or inside an atomic item, cut level -1)."""
     word = None
     for j in range(end, start, -1):
         if levels[j] >= 2 and j - start >= max_tokens // 2:
@@ -89,7 +89,7 @@ def _cut_point(levels: list[int], start: int, end: int, max_tokens: int) -> int 
             word = j
     if word is not None:
         return word
-    return end if end - start >= LONG_RUN * max_tokens else None
+    return end if end - start >= LONG_RUN * max_tokens and levels[end] >= 0 else None
 
 
 def unit_sums(scores: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
@@ -188,7 +188,10 @@ def select(
     if config.unit == "sentence" and sentence_start is not None:
         bounds = unit_bounds(segment_index, prunable, config.max_sentence_tokens, sentence_start, cut_level)
     else:
-        bounds = unit_bounds(segment_index, prunable, config.chunk_size)  # the paper's fixed chunks
+        # the paper's fixed chunks, never cut inside an atomic item (a tool result's JSON item)
+        guard = None if cut_level is None or not bool((cut_level < 0).any()) \
+            else torch.where(cut_level < 0, -1, 2).to(torch.int8)
+        bounds = unit_bounds(segment_index, prunable, config.chunk_size, cuts=guard)
     if budget > 0 and len(bounds):
         ranks = unit_ranks(
             scores, bounds, segment_index, config.passage_weight, passage_prior, config.retriever_weight

@@ -21,13 +21,32 @@ from .draft import DraftModel
 from .engine import SpecPrefillEngine
 
 __all__ = [
-    "CHATML", "INST_TEMPLATE", "LoopTicks", "counting_loop_ticks", "recording_score_maps", "small_real_engine",
-    "tiny_engine", "tiny_inst_tokenizer", "tiny_model", "tiny_tokenizer",
+    "CHATML", "CHATML_TOOLS", "INST_TEMPLATE", "LoopTicks", "ScriptedBackend", "counting_loop_ticks",
+    "recording_score_maps", "small_real_engine", "tiny_engine", "tiny_inst_tokenizer", "tiny_model", "tiny_tokenizer",
 ]
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# ChatML with tools the way Qwen2.5's template writes them: schemas in the system message,
+# <tool_call> JSON blocks in assistant turns, tool results in <tool_response> of a user turn.
+CHATML_TOOLS = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% else %}You are a helpful assistant.{% endif %}\n\n# Tools\n<tools>{% for tool in tools %}\n"
+    "{{ tool | tojson }}{% endfor %}\n</tools>\nCall a function as <tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{%- endif %}{%- for m in messages %}"
+    "{%- if m.role == 'user' or (m.role == 'assistant' and not m.tool_calls) %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant{% if m.content %}\n{{ m.content }}{% endif %}"
+    "{%- for call in m.tool_calls %}{% set call = call.function %}\n<tool_call>\n{\"name\": \"{{ call.name }}\", "
+    "\"arguments\": {{ call.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}{% if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "<|im_start|>user{% endif %}\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- endif %}{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # Llama-2-style markers: a draft with this template renders the same segments at other places.
 INST_TEMPLATE = (
@@ -41,8 +60,10 @@ _CORPUS = (
 )
 
 
-def tiny_tokenizer(corpus: Sequence[str] = _CORPUS, *, vocab_size: int = 300) -> Any:
-    """A fast byte-level BPE tokenizer trained on ``corpus``, with a ChatML chat template."""
+def tiny_tokenizer(corpus: Sequence[str] = _CORPUS, *, vocab_size: int = 300, tools: bool = False) -> Any:
+    """A fast byte-level BPE tokenizer trained on ``corpus``, with a ChatML chat template;
+    ``tools=True``: the template renders tools (``CHATML_TOOLS``) and, as Qwen's tokenizer,
+    ``<tool_call>`` / ``</tool_call>`` are added tokens that are not special."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -58,7 +79,11 @@ def tiny_tokenizer(corpus: Sequence[str] = _CORPUS, *, vocab_size: int = 300) ->
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
     )
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = CHATML_TOOLS if tools else CHATML
+    if tools:
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
     return tokenizer
 
 
@@ -126,6 +151,7 @@ def tiny_engine(
     max_position_embeddings: int = 2048,
     name: str = "tiny-llama",
     cross_family: bool = False,
+    tools: bool = False,
 ) -> SpecPrefillEngine:
     """A 2-layer random Llama serving as its own draft, on the transformers backend.
 
@@ -141,7 +167,7 @@ def tiny_engine(
         selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=32, chunk_size=8),
         generation=GenerationConfig(max_new_tokens=4),
     )
-    tokenizer = tiny_tokenizer()
+    tokenizer = tiny_tokenizer(tools=tools)
     model = tiny_model(
         "llama", len(tokenizer), layers=2, hidden_size=32, max_position_embeddings=max_position_embeddings
     )
@@ -154,6 +180,22 @@ def tiny_engine(
         max_position_embeddings=max_position_embeddings,
     )
     return SpecPrefillEngine(backend, DraftModel(draft, draft_tokenizer), config)
+
+
+class ScriptedBackend:
+    """A backend that answers every plan with the same ``text`` (its tokens, up to
+    ``max_new_tokens``): a test forces what the model "writes", e.g. a tool call. It records the
+    last plan it was given (``plan``)."""
+
+    def __init__(self, inner: Any, text: str) -> None:
+        self.inner, self.text = inner, text
+        self.name, self.capabilities = inner.name, inner.capabilities
+        self.tokenizer, self.max_context, self.model_name = inner.tokenizer, inner.max_context, inner.model_name
+        self.plan: Any = None
+
+    def stream_tokens(self, plan: Any, generation: GenerationConfig) -> Iterator[int]:
+        self.plan = plan
+        yield from self.tokenizer.encode(self.text, add_special_tokens=False)[:generation.max_new_tokens]
 
 
 class LoopTicks:

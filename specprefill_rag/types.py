@@ -37,6 +37,7 @@ __all__ = [
     "SegmentKind",
     "Timings",
     "TokenScores",
+    "ToolCall",
     "is_finite_number",
     "is_int",
     "is_number",
@@ -105,6 +106,9 @@ class SegmentKind(enum.StrEnum):
     CONTEXT = "context"  # free-form context without passage structure: prunable
     HISTORY = "history"  # an earlier chat turn, rendered as its own message (Segment.role)
     QUESTION = "question"  # the user query: always protected
+    TOOL_SCHEMA = "tool_schema"  # one tool offered to the model (its JSON schema): always protected
+    TOOL_CALL = "tool_call"  # the arguments of a tool call an assistant turn made: always protected
+    TOOL_RESULT = "tool_result"  # one document or whole item of a tool's output: prunable
 
 
 # The Passage.metadata key of the retriever's score (higher = more relevant, e.g. a cosine
@@ -143,9 +147,9 @@ class Segment:
 
     @property
     def prunable(self) -> bool:
-        """Selection may drop its tokens: passages, context and history (unless
+        """Selection may drop its tokens: passages, context, tool results and history (unless
         ``SelectionConfig.protect_history``)."""
-        return self.kind in (SegmentKind.PASSAGE, SegmentKind.CONTEXT, SegmentKind.HISTORY)
+        return self.kind in (SegmentKind.PASSAGE, SegmentKind.CONTEXT, SegmentKind.HISTORY, SegmentKind.TOOL_RESULT)
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,18 @@ class PlannedPrompt:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One tool call the model wrote, parsed and validated against the tool's schema."""
+
+    name: str
+    arguments: Mapping[str, Any]  # a JSON object
+    id: str  # unique: "call_<24 hex digits>" (the model writes none; a tool message answers it by this id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "arguments": dict(self.arguments)}
+
+
+@dataclass(frozen=True)
 class Timings:
     """Wall-clock breakdown of one request, in seconds (``None`` where a stage did not run)."""
 
@@ -292,6 +308,10 @@ class GenerationResult:
     draft_cached_tokens: int = 0  # the prompt's first draft tokens read from the draft's prefix store
     draft_windows: int = 0  # passes the draft's scores came from (>1: read in windows); 0: no draft scores
     path: PathChoice = PathChoice("planned", "a plan given to execute")  # pruned or whole, and why
+    # When the prompt offered tools: the calls the model wrote (parsed from ``text`` only, never
+    # from the prompt) and ``content``, the text outside them. Without tools: () and None.
+    tool_calls: tuple[ToolCall, ...] = ()
+    content: str | None = None
 
     @property
     def keep_ratio(self) -> float:
@@ -306,8 +326,10 @@ class GenerationResult:
         return len(self.token_ids)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly facts of this answer (no tensors): counts, keep ratio, timings, spans."""
-        return {
+        """JSON-friendly facts of this answer (no tensors): counts, keep ratio, timings, spans (and the
+        tool calls, when the prompt offered tools)."""
+        calls = {} if self.content is None else {"tool_calls": [call.to_dict() for call in self.tool_calls]}
+        return calls | {
             "finish_reason": self.finish_reason,
             "speculated": self.plan.speculated,
             "draft_memo_hit": self.draft_memo_hit,

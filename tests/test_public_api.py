@@ -93,6 +93,8 @@ EXPECTED_TOP_LEVEL = [
     "TextStream",
     "Timings",
     "TokenScores",
+    "ToolCall",
+    "ToolCallError",
     "UnsupportedVLLMError",
     "__version__",
     "available_backends",

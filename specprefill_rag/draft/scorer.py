@@ -156,8 +156,9 @@ class DraftScorer:
         if not (weigh_cost and self.config.skip_when_slower):
             return reading, None
         if self.config.memo_entries:
-            reading = dataclasses.replace(reading, memo_key=self._memo_key(reading, self.config))
-            if self.memo.get(reading.memo_key) is not None:
+            key = self._memo_key(reading, self.config)
+            reading = dataclasses.replace(reading, memo_key=key)
+            if self.memo.get(key) is not None:
                 return reading, None
         slower = self.costs.slower(reading.read.n_tokens, saved_tokens)
         return (None, slower) if slower is not None else (reading, None)

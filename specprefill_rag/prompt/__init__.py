@@ -5,11 +5,21 @@
 - ``render``: segments → chat-templated text → token ids, with the segment map, the protected
   mask and character offsets (``assemble``; ``assemble_cached`` for a retry; ``render.render``,
   the chat-templated text alone).
+- ``tool_segments`` / ``layout``: agent chats (tool schemas, tool calls, tool results split per
+  document) → segments; segments → chat messages → the templated text with spans by construction.
 - ``length_guard``: a prompt refused by its length before it is tokenized (``check_length``).
 """
 
 from .length_guard import check_length, max_chars_per_token
-from .render import assemble, assemble_cached, cut_levels, kept_runs, sentence_breaks, special_token_ids
+from .render import (
+    assemble,
+    assemble_cached,
+    cut_levels,
+    kept_runs,
+    markup_tokens,
+    sentence_breaks,
+    special_token_ids,
+)
 from .segments import (
     Passages,
     as_passages,
@@ -19,6 +29,7 @@ from .segments import (
     request_segments,
     split_documents,
 )
+from .tool_segments import has_tool_messages, message_segments, split_tool_result, tool_schema
 
 __all__ = [
     "Passages",
@@ -29,11 +40,16 @@ __all__ = [
     "chat_segments",
     "check_length",
     "cut_levels",
+    "has_tool_messages",
     "kept_runs",
+    "markup_tokens",
+    "message_segments",
     "max_chars_per_token",
     "passage_segments",
     "request_segments",
     "sentence_breaks",
     "special_token_ids",
     "split_documents",
+    "split_tool_result",
+    "tool_schema",
 ]

@@ -1,20 +1,11 @@
 """Segments → chat-templated text → token ids with segment map, protected mask and offsets.
 
-The user message is laid out as::
-
-    Context:
-    [1]
-    <passage 1>
-
-    [2]
-    <passage 2>
-
-    Question: <question>
-
-Passage headers, separators and the chat template's own text are *template* tokens
-(segment index -1) and are always kept; so are the question, the instructions (by default)
-and the last few tokens. Only passage/context text is prunable. The segments themselves are
-built by ``segments`` (from a question and passages, or from chat messages).
+The chat messages and their text are ``layout``'s (the user message's "Context: [1] ...
+Question: ..." layout, tool messages, tool schemas). Passage headers, separators and the chat
+template's own text are *template* tokens (segment index -1) and are always kept; so are the
+question, the instructions (by default), tool schemas and calls, and the last few tokens. Only
+passage, context and tool-result text is prunable (a tool result's atomic item whole or not at
+all). The segments themselves are built by ``segments`` and ``tool_segments``.
 """
 
 from __future__ import annotations
@@ -30,12 +21,14 @@ import torch
 from ..caches import PromptMemo
 from ..errors import InputError
 from ..types import AssembledPrompt, PrefillPlan, Segment, SegmentKind, lone_surrogate
+from . import layout as layout_lib
 
 __all__ = [
     "assemble",
     "assemble_cached",
     "cut_levels",
     "kept_runs",
+    "markup_tokens",
     "render",
     "sentence_breaks",
     "special_token_ids",
@@ -46,122 +39,16 @@ __all__ = [
 _SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)|\n+")
 
 
-def _user_content(segments: Sequence[Segment]) -> tuple[str, list[tuple[int, int, int]]]:
-    """User message text and (segment index, start, end) character spans inside it."""
-    parts: list[str] = []
-    spans: list[tuple[int, int, int]] = []
-    length = 0
-
-    def add(text: str, segment: int | None = None) -> None:
-        nonlocal length
-        if segment is not None:
-            spans.append((segment, length, length + len(text)))
-        parts.append(text)
-        length += len(text)
-
-    context = [i for i, s in enumerate(segments) if s.prunable and s.kind is not SegmentKind.HISTORY]
-    if context:
-        add("Context:\n")
-        for number, i in enumerate(context, start=1):
-            if segments[i].kind is SegmentKind.PASSAGE:
-                add(f"[{number}]\n")
-            add(segments[i].text, i)
-            add("\n\n")
-    for i, s in enumerate(segments):
-        if s.kind is SegmentKind.QUESTION:
-            add("Question: ")
-            add(s.text, i)
-    return "".join(parts).rstrip("\n"), spans
-
-
-def _system_content(segments: Sequence[Segment]) -> tuple[str, list[tuple[int, int, int]]]:
-    """System message text (the instructions, joined by blank lines) and their character spans."""
-    parts: list[str] = []
-    spans: list[tuple[int, int, int]] = []
-    length = 0
-    for i, s in enumerate(segments):
-        if s.kind is SegmentKind.INSTRUCTIONS:
-            if parts:
-                parts.append("\n\n")
-                length += 2
-            spans.append((i, length, length + len(s.text)))
-            parts.append(s.text)
-            length += len(s.text)
-    return "".join(parts), spans
-
-
-def _messages(segments: Sequence[Segment]) -> list[tuple[str, str, list[tuple[int, int, int]]]]:
-    """(role, content, spans) of each chat message, in order: the system message (the instructions),
-    one message per history segment, then the last user message (context and question)."""
-    out = []
-    system, system_spans = _system_content(segments)
-    if system:
-        out.append(("system", system, system_spans))
-    for i, s in enumerate(segments):
-        if s.kind is SegmentKind.HISTORY:
-            out.append((str(s.role), s.text, [(i, 0, len(s.text))]))
-    user, user_spans = _user_content(segments)
-    out.append(("user", user, user_spans))
-    return out
-
-
-def _plain_layout(roles: Sequence[str], markers: Sequence[str]) -> str:
-    """The layout without a chat template: the system text, "User: ..." / "Assistant: ..." turns,
-    the last user message, then "Answer:"."""
-    parts = []
-    for n, (role, marker) in enumerate(zip(roles, markers, strict=True)):
-        if n == len(roles) - 1:
-            parts.append(f"{marker}\nAnswer:")
-        elif role == "system":
-            parts.append(f"{marker}\n\n")
-        else:
-            parts.append(f"{role.capitalize()}: {marker}\n\n")
-    return "".join(parts)
-
-
-def _chat_layout(tokenizer: Any, roles: Sequence[str], markers: Sequence[str]) -> str:
-    messages = [{"role": role, "content": marker} for role, marker in zip(roles, markers, strict=True)]
-    try:
-        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    except Exception as error:  # jinja's TemplateError: e.g. "roles must alternate user/assistant"
-        if type(error).__module__.split(".")[0] != "jinja2":
-            raise
-        raise InputError(f"the model's chat template refused the conversation ({', '.join(roles)}): {error}") from None
-
-
 def render(tokenizer: Any, segments: Sequence[Segment]) -> tuple[str, list[tuple[int, int, int]], bool]:
     """Full prompt text, segment character spans in it, and whether a chat template was used.
 
     Spans come from construction, never from searching the rendered text (client text may
     repeat the template's own strings): the template is rendered with a placeholder for each
-    message's content, and the content is put in its place. Messages: the instructions as the
-    system message, each history segment as a message of its role, the rest as the last user
-    message.
+    message's content, and the content is put in its place (``layout``). Messages: the
+    instructions as the system message, each history segment as a message of its role (with its
+    tool calls), each tool message, and the last user message (context and question).
     """
-    messages = _messages(segments)
-    roles = [role for role, _, _ in messages]
-    contents = [(content, spans) for _, content, spans in messages]
-    markers = [f"\x00specprefill-content-{n}\x00" for n in range(len(contents))]
-    chat = bool(getattr(tokenizer, "chat_template", None))
-    layout = _chat_layout(tokenizer, roles, markers) if chat else _plain_layout(roles, markers)
-    pieces: list[str] = []
-    spans: list[tuple[int, int, int]] = []
-    at = length = 0
-    for marker, (content, content_spans) in zip(markers, contents, strict=True):
-        found = layout.find(marker, at)
-        if found < 0 or marker in layout[found + len(marker):]:
-            raise ValueError(
-                "the chat template does not place each message's content once and verbatim; "
-                "cannot locate the segments"
-            )
-        pieces.append(layout[at:found])
-        length += found - at
-        spans.extend((i, length + a, length + b) for i, a, b in content_spans)
-        pieces.append(content)
-        length += len(content)
-        at = found + len(marker)
-    pieces.append(layout[at:])
-    return "".join(pieces), spans, chat
+    return layout_lib.layout(tokenizer, segments, tuple(markup_tokens(tokenizer)))
 
 
 def sentence_breaks(text: str, start: int = 0, end: int | None = None) -> list[int]:
@@ -245,13 +132,44 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids | set(getattr(tokenizer, "all_special_ids", ()) or ()))
 
 
+def markup_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's added tokens that are not special (Qwen's ``<tool_call>``): text → id. The
+    template writes them as markup; client text must not become them (``split_special_tokens``
+    does not split them)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = special_token_ids(tokenizer)
+    return {str(t.content): int(i) for i, t in decoder.items() if int(i) not in special and str(t.content).strip()}
+
+
+def _tokenize_untrusted(tokenizer: Any, text: str, markup: dict[str, int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ids and offsets of client text with special tokens split, and every markup token's string
+    cut after its first character, so that neither a special nor a markup token comes out."""
+    cuts = sorted({m + 1 for token in markup for m in _find_all(text, token)})
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    for a, b in itertools.pairwise([0, *cuts, len(text)]):
+        part = tokenizer(text[a:b], add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+        ids.extend(part["input_ids"])
+        offsets.extend((a + s, a + e) if e > s else (a, a) for s, e in part["offset_mapping"])
+    return ids, offsets
+
+
+def _find_all(text: str, token: str) -> list[int]:
+    found, at = [], text.find(token)
+    while at >= 0:
+        found.append(at)
+        at = text.find(token, at + 1)
+    return found
+
+
 def _encode(
     tokenizer: Any, text: str, spans: Sequence[tuple[int, int, int]], *, add_special_tokens: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids (n,) and character offsets (n, 2) of ``text``; segment text is plain text.
 
-    Passages, questions and chat messages are untrusted: "<|im_start|>system" written inside
-    one must not become the real role marker. Only the chat template may produce special
+    Passages, questions, chat messages and tool schemas, calls and results are untrusted:
+    "<|im_start|>system" written inside one must not become the real role marker, nor
+    "<tool_call>" Qwen's markup token. Only the chat template may produce special or markup
     tokens. A prompt whose segments hold no special-token string is tokenized in one piece
     (the model's own tokenization); otherwise template and segment text are tokenized
     separately, the segments with ``split_special_tokens=True``.
@@ -259,7 +177,8 @@ def _encode(
     encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     ids = torch.tensor(encoded["input_ids"], dtype=torch.int64)
     offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.int64).reshape(-1, 2)
-    special = torch.tensor(sorted(special_token_ids(tokenizer)), dtype=torch.int64)
+    markup = markup_tokens(tokenizer)
+    special = torch.tensor(sorted(special_token_ids(tokenizer) | set(markup.values())), dtype=torch.int64)
     suspects = torch.isin(ids, special)
     if suspects.any():
         # Characters inside any segment, as a prefix sum: token [s, e) touches a segment
@@ -285,6 +204,11 @@ def _encode(
     all_ids: list[int] = []
     all_offsets: list[tuple[int, int]] = []
     for n, (a, b, untrusted) in enumerate(pieces):
+        if untrusted and markup and not (add_special_tokens and n == 0):
+            part_ids, part_offsets = _tokenize_untrusted(tokenizer, text[a:b], markup)
+            all_ids.extend(part_ids)
+            all_offsets.extend((a + s, a + e) for s, e in part_offsets)
+            continue
         part = tokenizer(
             text[a:b],
             add_special_tokens=add_special_tokens and n == 0,
@@ -342,7 +266,7 @@ def assemble(
 ) -> AssembledPrompt:
     """Render ``segments`` with the tokenizer's chat template and tokenize with bookkeeping.
 
-    Needs a fast tokenizer (character offsets). Template tokens, the question, the
+    Needs a fast tokenizer (character offsets). Template tokens, the question, tool schemas and calls, the
     instructions (unless ``protect_instructions`` is False), earlier chat turns (unless
     ``protect_history`` is False) and the last ``protect_tail_tokens`` tokens are marked protected.
     """
@@ -368,12 +292,15 @@ def assemble(
     # belongs to the segment by its visible text (pure white space keeps its own start).
     visible = _visible_starts(text, starts, ends)
     segment_index = _segment_of(visible, starts, ends, spans)
-    kinds = {SegmentKind.QUESTION} | ({SegmentKind.INSTRUCTIONS} if protect_instructions else set()) \
+    kinds = {SegmentKind.QUESTION, SegmentKind.TOOL_SCHEMA, SegmentKind.TOOL_CALL} \
+        | ({SegmentKind.INSTRUCTIONS} if protect_instructions else set()) \
         | ({SegmentKind.HISTORY} if protect_history else set())
     keep = torch.tensor([s.kind in kinds for s in segments] + [True], dtype=torch.bool)  # [-1]: template text
     protected = keep[segment_index]
     if protect_tail_tokens:
         protected[-protect_tail_tokens:] = True
+    sentence_start, cut_level = _atomic(segments, segment_index, _sentence_starts(text, starts, spans, segments),
+                                        cut_levels(text, offsets))
     return AssembledPrompt(
         text=text,
         token_ids=token_ids,
@@ -382,9 +309,24 @@ def assemble(
         offsets=offsets,
         segments=segments,
         segment_spans=tuple(spans),
-        sentence_start=_sentence_starts(text, starts, spans, segments),
-        cut_level=cut_levels(text, offsets),
+        sentence_start=sentence_start,
+        cut_level=cut_level,
     )
+
+
+def _atomic(segments: Sequence[Segment], segment_index: torch.Tensor, sentence_start: torch.Tensor,
+            cut_level: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sentence starts and cut levels with each atomic segment (``metadata["atomic"]``: a JSON item
+    or code block of a tool's output) one unit that no cut enters: no sentence starts after its
+    first token, and cut level -1 (never) inside it."""
+    atomic = [i for i, s in enumerate(segments) if s.metadata.get("atomic")]
+    if not atomic:
+        return sentence_start, cut_level
+    inside = torch.isin(segment_index, torch.tensor(atomic, dtype=torch.int64))
+    first = inside.clone()
+    first[1:] &= segment_index[1:] != segment_index[:-1]
+    later = inside & ~first
+    return sentence_start & ~later, torch.where(later, torch.full_like(cut_level, -1), cut_level)
 
 
 def kept_runs(prompt: AssembledPrompt, plan: PrefillPlan) -> dict[int, tuple[tuple[str, bool], ...]]:

@@ -7,8 +7,12 @@ metadata. How messages map to segments (see docs/integrations.md):
 - system messages → the instructions (protected); without one, ``instructions`` if set;
 - the last human message → the question (protected);
 - earlier human and AI turns → history segments with id ``turn-<i>``, each rendered as the chat
-  message it was (kept whole unless ``SelectionConfig.protect_history`` is False); tool
-  messages → a prunable context segment ``"Tool: <text>"``;
+  message it was (kept whole unless ``SelectionConfig.protect_history`` is False);
+- with tools bound (``bind_tools``), AI tool calls or ``ToolMessage``s: the chat goes through the
+  template's tool rendering (``specprefill_rag.prompt.message_segments``, docs/tools.md): tool
+  schemas and AI tool calls protected, each tool result one prunable segment per document (the
+  ``Document``s of a ``ToolMessage.artifact`` keep their ids); without tools, a tool message is a
+  prunable context segment ``"Tool: <text>"``;
 - ``passages=[Document | Passage | str, ...]`` passed to ``invoke``/``stream`` (or ``bind``)
   → one prunable passage segment each, with the document's id (else its 1-based number).
 """
@@ -16,15 +20,20 @@ metadata. How messages map to segments (see docs/integrations.md):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+import json
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeAlias
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
-from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from specprefill_rag import (
     GenerationResult,
@@ -35,7 +44,8 @@ from specprefill_rag import (
 )
 from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
 from specprefill_rag.engine import LazyEngine, Mode
-from specprefill_rag.prompt import chat_segments
+from specprefill_rag.prompt import message_segments
+from specprefill_rag.toolcalls import held_back, parser_for
 
 __all__ = ["ChatSpecPrefill", "messages_to_segments"]
 
@@ -52,21 +62,55 @@ def _to_passage(item: PassageLike, number: int) -> Passage | str:
     raise InputTypeError(f"passage {number - 1} must be a Document, Passage or str, got {type(item).__name__}")
 
 
+def _openai_message(message: BaseMessage) -> dict[str, Any]:
+    """A LangChain message as the core's OpenAI-style message (tool calls, tool call id, the
+    documents of a retriever tool's artifact)."""
+    out: dict[str, Any] = {"role": message.type, "content": message.text}
+    if isinstance(message, AIMessage) and message.tool_calls:
+        out["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "arguments": c["args"]} for c in message.tool_calls]
+    if isinstance(message, ToolMessage):
+        out["role"], out["tool_call_id"] = "tool", message.tool_call_id
+        artifact = message.artifact
+        if isinstance(artifact, list) and artifact and all(isinstance(d, Document) for d in artifact):
+            out["documents"] = [Passage(d.page_content, d.id, dict(d.metadata)) for d in artifact]
+    return out
+
+
 def messages_to_segments(
     messages: Sequence[BaseMessage],
     passages: Sequence[PassageLike] | PassageLike = (),
     *,
     default_instructions: str | None = None,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> list[Segment]:
     """Engine segments for a chat turn (the mapping in the module docstring); one Document,
-    Passage or str alone is one passage."""
+    Passage or str alone is one passage. ``tools``: OpenAI-format tools offered to the model."""
     if isinstance(passages, (str, Document, Passage)):
         passages = [passages]
     elif isinstance(passages, (Mapping, bytes)):
         raise InputTypeError(f"passages must be a list of Documents, Passages or str, got {type(passages).__name__}")
-    turns = [(m.type, m.text) for m in messages]
     items = [_to_passage(item, number) for number, item in enumerate(passages, start=1)]
-    return list(chat_segments(turns, items, instructions=default_instructions))
+    chat = [_openai_message(m) for m in messages]
+    return list(message_segments(chat, tools, items, instructions=default_instructions))
+
+
+ToolLike: TypeAlias = Mapping[str, Any] | type | Callable[..., Any] | BaseTool
+
+
+def _tool_choice(choice: object, names: Sequence[str]) -> str:
+    """LangChain's ``tool_choice`` as the engine's: "auto", "required", "none" or a tool's name."""
+    if choice is None or choice == "auto":
+        return "auto"
+    if choice in ("any", "required", True):
+        return "required" if len(names) != 1 else names[0]
+    if choice == "none":
+        return "none"
+    if isinstance(choice, Mapping):
+        choice = (choice.get("function") or {}).get("name") or choice.get("name")
+    if isinstance(choice, str) and choice in names:
+        return choice
+    raise ValueError(f"tool_choice must be 'auto', 'any', 'required', 'none', True or one of the tools "
+                     f"({', '.join(names)}), got {choice!r:.80}")
 
 
 class ChatSpecPrefill(BaseChatModel):
@@ -175,8 +219,12 @@ class ChatSpecPrefill(BaseChatModel):
             )
         engine = self._get_engine()
         passages = kwargs.pop("passages", None) or ()
+        tools = kwargs.pop("tools", None) or ()
+        tool_choice = kwargs.pop("tool_choice", None) or "auto"
+        kwargs.pop("ls_structured_output_format", None)  # LangSmith's tracing hint
         default = engine.config.instructions if passages else None
-        segments = messages_to_segments(messages, passages, default_instructions=self.instructions or default)
+        segments = messages_to_segments(messages, passages, default_instructions=self.instructions or default,
+                                        tools=tools)
         stop = stop if stop is not None else self.stop
         generation = engine.config.generation.with_overrides(
             temperature=kwargs.pop("temperature", self.temperature),
@@ -185,6 +233,7 @@ class ChatSpecPrefill(BaseChatModel):
             seed=kwargs.pop("seed", self.seed),
             timeout=kwargs.pop("timeout", self.timeout),
             stop=stop,
+            tool_choice=tool_choice,
         )
         mode = kwargs.pop("mode", self.mode)
         keep_rate = kwargs.pop("keep_rate", self.keep_rate)
@@ -199,8 +248,47 @@ class ChatSpecPrefill(BaseChatModel):
             total_tokens=result.prompt_tokens + result.generated_tokens,
         )
         metadata = {"model_name": self.model_name, **result.to_dict()}  # counts, keep ratio, timings, spans
-        message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
+        calls = [tool_call_chunk(name=c.name, args=json.dumps(dict(c.arguments)), id=c.id, index=n)
+                 for n, c in enumerate(result.tool_calls)]
+        message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last",
+                                 tool_call_chunks=calls)
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
+
+    def _shown(self, request: dict[str, Any]) -> Callable[[str], str]:
+        """What of each streamed delta to show: all of it without tools; with tools, the text before
+        the first call (calls arrive parsed, as the last chunk's ``tool_call_chunks``)."""
+        if not any(s.kind.value == "tool_schema" for s in request["question"]):
+            return lambda delta: delta
+        opener = parser_for(self._get_engine().tokenizer).opener
+        text, sent = "", 0
+
+        def shown(delta: str) -> str:
+            nonlocal text, sent
+            text += delta
+            upto = max(held_back(text, opener), sent)
+            out, sent = text[sent:upto], upto
+            return out
+
+        return shown
+
+    # -- tools ------------------------------------------------------------------------------
+
+    def bind_tools(
+        self,
+        tools: Sequence[ToolLike],
+        *,
+        tool_choice: str | bool | Mapping[str, Any] | Literal["auto", "any", "required", "none"] | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Offer ``tools`` (pydantic classes, functions, ``BaseTool``s or OpenAI dicts) to the model.
+
+        ``tool_choice``: "auto" (default), "any"/"required"/True (at least one call; one tool: that
+        tool), "none", or a tool's name. Decoding is not constrained yet: the answer is checked, and
+        one that breaks the choice (or calls a tool wrongly) raises ``ToolCallError``.
+        """
+        formatted = [convert_to_openai_tool(tool) for tool in tools]
+        names = [tool["function"]["name"] for tool in formatted]
+        return super().bind(tools=formatted, tool_choice=_tool_choice(tool_choice, names), **kwargs)
 
     # -- LangChain entry points -----------------------------------------------------------
 
@@ -213,7 +301,9 @@ class ChatSpecPrefill(BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
         with self._get_engine().stream(**request) as stream:
-            for delta in stream:
+            for delta in map(self._shown(request), stream):
+                if not delta:
+                    continue
                 chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
                 if run_manager:
                     run_manager.on_llm_new_token(delta, chunk=chunk)
@@ -231,7 +321,10 @@ class ChatSpecPrefill(BaseChatModel):
         request = self._request(messages, stop, kwargs)
         engine = await asyncio.to_thread(self._get_engine)  # a first call loads models off the loop
         async with await engine.astream(**request) as stream:
-            async for delta in stream:
+            shown = self._shown(request)
+            async for raw in stream:
+                if not (delta := shown(raw)):
+                    continue
                 chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
                 if run_manager:
                     await run_manager.on_llm_new_token(delta, chunk=chunk)
@@ -265,9 +358,12 @@ def _chat_result(chunks: Sequence[ChatGenerationChunk]) -> ChatResult:
     final = chunks[-1]
     text = "".join(str(c.message.content) for c in chunks)
     last: Mapping[str, Any] = final.message.response_metadata
+    calls = [{"name": c["name"], "args": json.loads(c["args"] or "{}"), "id": c["id"], "type": "tool_call"}
+             for c in getattr(final.message, "tool_call_chunks", [])]
     message = AIMessage(
-        content=text,
+        content=text.strip() if calls else text,
         usage_metadata=getattr(final.message, "usage_metadata", None),
         response_metadata=dict(last),
+        tool_calls=calls,
     )
     return ChatResult(generations=[ChatGeneration(message=message, generation_info=final.generation_info)])

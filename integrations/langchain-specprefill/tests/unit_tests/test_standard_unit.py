@@ -19,5 +19,13 @@ class TestChatSpecPrefillUnit(ChatModelUnitTests):
         return {"model": "smollm2-135m-instruct", "draft_model": "smollm2-135m-instruct"}
 
     @property
+    def has_tool_calling(self) -> bool:
+        return True  # bind_tools: schemas through the chat template, calls parsed and validated
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True  # with_structured_output by function calling (a forced call, checked on the answer)
+
+    @property
     def supports_model_override(self) -> bool:
         return False  # one engine per instance: loaded weights cannot be swapped per call

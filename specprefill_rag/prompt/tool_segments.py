@@ -1,0 +1,261 @@
+"""Agent chats → segments: tool schemas, the assistant's tool calls and tool results.
+
+An agent chat is a list of OpenAI-style messages (``role``, ``content``, an assistant's
+``tool_calls``, a tool message's ``tool_call_id``) and the tools offered (OpenAI function format).
+``message_segments`` builds, in the chat's order:
+
+* ``TOOL_SCHEMA``: one protected segment per tool, its text the JSON the chat template's
+  ``tojson`` writes (so the rendered schema is the segment's text, and client text in it is
+  never read as special tokens);
+* ``HISTORY`` / ``QUESTION``: user and assistant text as in ``chat_segments``; the last user
+  turn is the protected question and keeps its place (the calls and results after it follow it);
+* ``TOOL_CALL``: one protected segment per call, its text the arguments' JSON, the tool's name
+  in ``metadata["name"]``;
+* ``TOOL_RESULT``: a tool message's content, one prunable segment per document (documents
+  joined by blank lines, LangChain's retriever tool and LlamaIndex's node text; the items of a
+  JSON array; the documents a client hands in with the message), each with its own id. JSON
+  items and code blocks are *atomic*: kept or dropped whole, never cut inside.
+
+Segments of one chat message share ``metadata["message"]`` (the message's index); the text
+between a tool message's documents is kept in ``metadata["lead"]`` (before each) and
+``metadata["tail"]`` (after the last), so the rendered content is exactly the tool's output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import InputError, InputTypeError
+from ..types import Passage, Segment, SegmentKind
+from .segments import Passages, _question, chat_segments, passage_segments
+
+__all__ = [
+    "has_tool_messages",
+    "message_segments",
+    "split_tool_result",
+    "tool_call_segments",
+    "tool_schema",
+    "tool_schema_segments",
+]
+
+# OpenAI's rule for a function's name: what every chat template can print without escaping.
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_BLANK_LINE = re.compile(r"\n[ \t]*\n")
+_FENCE = "```"
+
+
+def _name(name: object, what: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InputError(f"{what} must be 1 to 64 letters, digits, '_' or '-', got {name!r:.80}")
+    return name
+
+
+def _json_text(value: object, what: str) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)  # what the chat templates' ``tojson`` writes
+    except (TypeError, ValueError) as error:
+        raise InputTypeError(f"{what} must be JSON data: {error}") from None
+
+
+def tool_schema(tool: object) -> dict[str, Any]:
+    """A tool in OpenAI's function format (``{"type": "function", "function": {...}}``); a bare
+    ``{"name", "description", "parameters"}`` is wrapped. The parameters must be a JSON-schema object."""
+    if not isinstance(tool, Mapping):
+        raise InputTypeError(f"a tool must be a dict in OpenAI's function format, got {type(tool).__name__}")
+    function = tool.get("function", tool) if tool.get("type", "function") == "function" else None
+    if not isinstance(function, Mapping):
+        raise InputError(f"only tools of type 'function' are supported, got {tool.get('type')!r:.40}")
+    name = _name(function.get("name"), "a tool's name")
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":
+        raise InputError(f"tool {name!r}: parameters must be a JSON schema of type 'object'")
+    out: dict[str, Any] = {"name": name}
+    if function.get("description") is not None:
+        out["description"] = str(function["description"])
+    out["parameters"] = dict(parameters)
+    return {"type": "function", "function": out}
+
+
+def tool_schema_segments(tools: Sequence[object]) -> list[Segment]:
+    """One protected ``TOOL_SCHEMA`` segment per tool (id: the tool's name; names must be unique)."""
+    segments: list[Segment] = []
+    for tool in tools:
+        schema = tool_schema(tool)
+        name = schema["function"]["name"]
+        if any(s.id == name for s in segments):
+            raise InputError(f"two tools are named {name!r}: tool names must be unique")
+        segments.append(Segment(SegmentKind.TOOL_SCHEMA, _json_text(schema, f"tool {name!r}"), name))
+    return segments
+
+
+def tool_call_segments(calls: Sequence[object], message: int) -> list[Segment]:
+    """One protected ``TOOL_CALL`` segment per call of the assistant message ``message``: a call is
+    ``{"id", "name", "arguments"}`` or OpenAI's ``{"id", "function": {"name", "arguments"}}``, its
+    arguments a JSON object (or its JSON text)."""
+    segments = []
+    for n, call in enumerate(calls):
+        if not isinstance(call, Mapping):
+            raise InputTypeError(f"tool call {n} must be a dict, got {type(call).__name__}")
+        function = call.get("function", call)
+        if not isinstance(function, Mapping):
+            raise InputTypeError(f"tool call {n}: 'function' must be a dict")
+        name = _name(function.get("name"), f"tool call {n}'s name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as error:
+                raise InputError(f"tool call {n} ({name}): arguments are not JSON: {error}") from None
+        if not isinstance(arguments, Mapping):
+            raise InputError(f"tool call {n} ({name}): arguments must be a JSON object")
+        call_id = call.get("id")
+        metadata = {"message": message, "name": name}
+        text = _json_text(dict(arguments), f"tool call {n}'s arguments")
+        segments.append(Segment(SegmentKind.TOOL_CALL, text, str(call_id) if call_id else None, metadata))
+    return segments
+
+
+def _json_items(text: str) -> list[tuple[int, int]] | None:
+    """[start, end) of each item of the JSON array ``text``, or None if it is not one."""
+    stripped = text.strip()
+    if not (stripped.startswith("[") and stripped.endswith("]")):
+        return None
+    try:
+        if not isinstance(json.loads(stripped), list):
+            return None
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    decoder = json.JSONDecoder()
+    items: list[tuple[int, int]] = []
+    at = text.index("[") + 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if text[at] == "]":
+            return items
+        _, end = decoder.raw_decode(text, at)
+        items.append((at, end))
+        at = end
+
+
+def split_tool_result(text: str) -> tuple[list[tuple[str, str, bool]], str]:
+    """A tool's output as (lead, item, atomic) triples and a tail, ``"".join(lead + item) + tail``
+    being ``text``: the items of a JSON array (atomic); a JSON object or value alone (one atomic
+    item); else documents joined by blank lines, a document holding a code fence atomic."""
+    bounds = _json_items(text)
+    if bounds is None:
+        try:
+            json.loads(text)
+            stripped = text.strip()
+            if stripped:
+                start = text.index(stripped)
+                return [(text[:start], stripped, True)], text[start + len(stripped):]
+        except (json.JSONDecodeError, RecursionError):
+            pass
+        bounds = []
+        at = 0
+        for gap in [*_BLANK_LINE.finditer(text), None]:
+            end = len(text) if gap is None else gap.start()
+            piece = text[at:end]
+            if piece.strip():
+                first = at + len(piece) - len(piece.lstrip())
+                bounds.append((first, at + len(piece.rstrip())))
+            at = len(text) if gap is None else gap.end()
+        atomic = [_FENCE in text[a:b] for a, b in bounds]
+    else:
+        atomic = [True] * len(bounds)
+    items: list[tuple[str, str, bool]] = []
+    at = 0
+    for (a, b), whole in zip(bounds, atomic, strict=True):
+        items.append((text[at:a], text[a:b], whole))
+        at = b
+    return items, text[at:]
+
+
+def _result_segments(content: str, message: int, call_id: str | None, documents: Sequence[Passage] | None
+                     ) -> list[Segment]:
+    """The ``TOOL_RESULT`` segments of one tool message (one per document; ids ``<call id>:<n>``, or
+    the documents' own ids when the client handed them in and ``content`` is their blank-line join)."""
+    base = call_id or f"turn-{message}"
+    if documents and content == "\n\n".join(d.text for d in documents):
+        items = [("" if n == 0 else "\n\n", d.text, False) for n, d in enumerate(documents)]
+        ids = [d.id or f"{base}:{n}" for n, d in enumerate(documents, start=1)]
+        tail = ""
+    else:
+        items, tail = split_tool_result(content)
+        ids = [f"{base}:{n}" for n in range(1, len(items) + 1)]
+    if not items:
+        items, ids = [("", "", False)], [f"{base}:1"]
+        tail = content
+    segments = []
+    for n, ((lead, text, atomic), pid) in enumerate(zip(items, ids, strict=True)):
+        metadata = {"message": message, "lead": lead, "tail": tail if n == len(items) - 1 else "",
+                    "atomic": atomic, "tool_call_id": call_id}
+        segments.append(Segment(SegmentKind.TOOL_RESULT, text, pid, metadata))
+    return segments
+
+
+def has_tool_messages(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a chat holds a tool message or an assistant's tool calls."""
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+def _content(message: Mapping[str, Any], n: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if not isinstance(content, str):
+        raise InputTypeError(f"message {n}'s content must be a str, got {type(content).__name__}")
+    return content
+
+
+def message_segments(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[object] = (),
+    passages: Passages = (),
+    *,
+    instructions: str | None = None,
+) -> tuple[Segment, ...]:
+    """Segments of an agent chat (the module docstring), oldest message first. A chat without
+    tools, tool calls or tool messages is ``chat_segments``' (the same segments, the same prompt).
+    A tool message may carry ``documents``: the ``Passage`` list its content was joined from."""
+    for n, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise InputTypeError(f"message {n} must be a dict with a 'role', got {message!r:.80}")
+    if not tools and not has_tool_messages(messages):
+        return chat_segments([(m["role"], _content(m, n)) for n, m in enumerate(messages)], passages,
+                             instructions=instructions)
+    system = [_content(m, n).strip() for n, m in enumerate(messages) if m["role"] == "system"]
+    users = [n for n, m in enumerate(messages) if m["role"] in ("user", "human")]
+    if not users:
+        raise InputError("an agent chat needs a user message: the question the tools serve")
+    segments: list[Segment] = []
+    joined = "\n\n".join(s for s in system if s) or instructions
+    if joined:
+        segments.append(Segment(SegmentKind.INSTRUCTIONS, joined))
+    segments.extend(tool_schema_segments(tools))
+    for n, message in enumerate(messages):
+        role, text = message["role"], _content(message, n)
+        if role == "system":
+            continue
+        if n == users[-1]:
+            segments.extend(passage_segments(passages))
+            segments.append(Segment(SegmentKind.QUESTION, _question(text, "the last user message")))
+        elif role in ("user", "human"):
+            segments.append(Segment(SegmentKind.HISTORY, text.strip(), f"turn-{n}", {"message": n}, role="user"))
+        elif role in ("assistant", "ai"):
+            if text.strip():
+                segments.append(Segment(SegmentKind.HISTORY, text.strip(), f"turn-{n}", {"message": n},
+                                        role="assistant"))
+            segments.extend(tool_call_segments(message.get("tool_calls") or (), n))
+        elif role == "tool":
+            call_id = message.get("tool_call_id")
+            documents = message.get("documents")
+            segments.extend(_result_segments(text, n, str(call_id) if call_id else None, documents))
+        else:
+            raise InputError(f"message {n} has the role {role!r:.40}; an agent chat takes system, user, "
+                             "assistant and tool messages")
+    return tuple(segments)

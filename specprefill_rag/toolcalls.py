@@ -1,0 +1,240 @@
+"""Tool calls parsed from the model's generated text, validated against the offered tools.
+
+Only generated text is parsed, never the prompt: a ``<tool_call>`` block a tool result carries
+is context the model read, not a call it made. A parser per chat-template family reads the raw
+calls out of the text (``HermesParser``: Qwen's ``<tool_call>{"name": ..., "arguments": ...}
+</tool_call>`` JSON blocks); ``parser_for`` picks one by the tokenizer's chat template, and
+``register_parser`` adds (or replaces) one. ``parse_tool_calls`` validates every call (a known
+tool; arguments a JSON object with the schema's required keys and types) and the request's
+``tool_choice``: any failure is a ``ToolCallError`` naming what is wrong, never a half-parsed
+answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .errors import InputError, ToolCallError
+from .types import GenerationResult, Segment, SegmentKind, ToolCall, is_int, is_number
+
+__all__ = [
+    "HermesParser",
+    "answer_reader",
+    "ParsedAnswer",
+    "RawCall",
+    "ToolCallParser",
+    "held_back",
+    "offered_tools",
+    "parse_tool_calls",
+    "parser_for",
+    "register_parser",
+]
+
+RawCall = tuple[str, object]  # (name, arguments) as the model wrote them, before validation
+
+
+@dataclass(frozen=True)
+class ParsedAnswer:
+    """The model's answer split into its text outside the calls and the validated calls."""
+
+    content: str
+    calls: tuple[ToolCall, ...]
+
+
+class ToolCallParser(Protocol):
+    """Reads the raw calls out of generated text, in one template family's syntax."""
+
+    opener: str  # the text that begins a call: a stream holds text back from here
+
+    def split(self, text: str) -> tuple[str, list[RawCall]]:
+        """(the text outside the calls, the calls in order); ``ToolCallError`` on a malformed call."""
+        ...
+
+
+class HermesParser:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks: Qwen2.5's (and Hermes')
+    syntax. ``arguments`` may be a JSON object or its JSON text."""
+
+    opener = "<tool_call>"
+    closer = "</tool_call>"
+
+    def split(self, text: str) -> tuple[str, list[RawCall]]:
+        calls: list[RawCall] = []
+        outside: list[str] = []
+        at = 0
+        while (start := text.find(self.opener, at)) >= 0:
+            outside.append(text[at:start])
+            end = text.find(self.closer, start)
+            if end < 0:
+                raise ToolCallError(f"tool call {len(calls) + 1} is not closed by {self.closer} (the answer ended "
+                                    "inside it: max_new_tokens too small, or a stop string?)")
+            calls.append(self._call(text[start + len(self.opener):end], len(calls) + 1))
+            at = end + len(self.closer)
+        outside.append(text[at:])
+        return "".join(outside).strip(), calls
+
+    @staticmethod
+    def _call(body: str, number: int) -> RawCall:
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, RecursionError) as error:
+            raise ToolCallError(f"tool call {number} is not JSON ({error}): {body.strip()!r:.120}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            raise ToolCallError(f'tool call {number} must be a JSON object with a "name": {body.strip()!r:.120}')
+        arguments = data.get("arguments", data.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (json.JSONDecodeError, RecursionError) as error:
+                raise ToolCallError(f"tool call {number} ({data['name']}): arguments are not JSON ({error})") from None
+        return data["name"], arguments
+
+
+# (name, does it serve this chat template?, parser), newest first
+_PARSERS: list[tuple[str, Callable[[str], bool], ToolCallParser]] = [
+    ("hermes", lambda template: "<tool_call>" in template, HermesParser()),
+]
+
+
+def register_parser(name: str, matches: Callable[[str], bool], parser: ToolCallParser) -> None:
+    """Add a parser for the chat templates ``matches`` accepts (given the template's text); it is
+    tried before those registered earlier, and replaces one of the same ``name``."""
+    _PARSERS[:] = [(name, matches, parser)] + [entry for entry in _PARSERS if entry[0] != name]
+
+
+def parser_for(tokenizer: Any) -> ToolCallParser:
+    """The parser of the tokenizer's chat-template family; ``InputError`` when none is known."""
+    template = getattr(tokenizer, "chat_template", None)
+    template = " ".join(template.values()) if isinstance(template, dict) else str(template or "")
+    for _, matches, parser in _PARSERS:
+        if matches(template):
+            return parser
+    raise InputError(
+        "no tool-call parser knows this model's chat template (known: "
+        f"{', '.join(name for name, _, _ in _PARSERS)}): register one with toolcalls.register_parser"
+    )
+
+
+def held_back(text: str, opener: str) -> int:
+    """How many characters of streamed ``text`` may be shown now: up to the first call's opener,
+    less a tail that could be the opener's beginning."""
+    found = text.find(opener)
+    if found >= 0:
+        return found
+    for keep in range(min(len(opener) - 1, len(text)), 0, -1):
+        if opener.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
+
+
+_TYPES: dict[str, Callable[[object], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: is_int(v) or (isinstance(v, float) and v.is_integer()),
+    "number": is_number,
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+    "null": lambda v: v is None,
+}
+
+
+def _check_value(value: object, schema: Mapping[str, Any], path: str) -> str | None:
+    """What is wrong with ``value`` under the JSON ``schema`` (types, enums, required keys, nested
+    objects and array items), or None. Keywords it does not know are not checked."""
+    declared = schema.get("type")
+    types = declared if isinstance(declared, list) else [declared] if isinstance(declared, str) else []
+    if types and not any(_TYPES.get(t, lambda _: True)(value) for t in types):
+        return f"{path} must be of type {' or '.join(types)}, got {type(value).__name__} {value!r:.60}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"{path} must be one of {schema['enum']!r:.120}, got {value!r:.60}"
+    if isinstance(value, dict):
+        properties = schema.get("properties") or {}
+        missing = [key for key in schema.get("required") or () if key not in value]
+        if missing:
+            return f"{path} lacks the required {', '.join(map(repr, missing))}"
+        for key, item in value.items():
+            if key in properties:
+                if (problem := _check_value(item, properties[key], f"{path}.{key}")) is not None:
+                    return problem
+            elif schema.get("additionalProperties") is False:
+                return f"{path} has {key!r}, which the schema does not allow"
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        for n, item in enumerate(value):
+            if (problem := _check_value(item, schema["items"], f"{path}[{n}]")) is not None:
+                return problem
+    return None
+
+
+def _check_choice(calls: Sequence[ToolCall], choice: str) -> None:
+    if choice == "auto":
+        return
+    if choice == "none" and calls:
+        raise ToolCallError(f"tool_choice='none' but the model called {calls[0].name}")
+    if choice == "required" and not calls:
+        raise ToolCallError("tool_choice='required' but the model answered without a tool call "
+                            "(decoding is not constrained to a call yet)")
+    if choice not in ("none", "required"):
+        if not calls:
+            raise ToolCallError(f"tool_choice={choice!r} but the model answered without calling it "
+                                "(decoding is not constrained to a call yet)")
+        other = next((call.name for call in calls if call.name != choice), None)
+        if other is not None:
+            raise ToolCallError(f"tool_choice={choice!r} but the model called {other}")
+
+
+def offered_tools(segments: Sequence[Segment]) -> list[dict[str, Any]]:
+    """The tools a prompt offers: its ``TOOL_SCHEMA`` segments' schemas, in order."""
+    return [json.loads(s.text) for s in segments if s.kind is SegmentKind.TOOL_SCHEMA]
+
+
+def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]], parser: ToolCallParser,
+                     tool_choice: str = "auto") -> ParsedAnswer:
+    """The calls in generated ``text``, validated against ``tools`` (OpenAI function format) and
+    ``tool_choice``; ``ToolCallError`` on the first problem, and then no call at all."""
+    schemas = {tool["function"]["name"]: tool["function"].get("parameters") or {} for tool in tools}
+    if tool_choice not in ("auto", "required", "none") and tool_choice not in schemas:
+        raise InputError(f"tool_choice names {tool_choice!r}, which is not among the tools ({', '.join(schemas)})")
+    content, raw = parser.split(text)
+    calls = []
+    for number, (name, arguments) in enumerate(raw, start=1):
+        if name not in schemas:
+            raise ToolCallError(f"tool call {number} names {name!r:.60}, which is not among the tools "
+                                f"({', '.join(schemas)})")
+        if not isinstance(arguments, dict):
+            raise ToolCallError(f"tool call {number} ({name}): arguments must be a JSON object, "
+                                f"got {type(arguments).__name__}")
+        problem = _check_value(arguments, {"type": "object", **schemas[name]}, "arguments")
+        if problem is not None:
+            raise ToolCallError(f"tool call {number} ({name}): {problem}")
+        calls.append(ToolCall(name, arguments, f"call_{uuid.uuid4().hex[:24]}"))
+    _check_choice(calls, tool_choice)
+    return ParsedAnswer(content, tuple(calls))
+
+
+def answer_reader(segments: Sequence[Segment], parser: ToolCallParser | Any, tool_choice: str = "auto"
+                  ) -> Callable[[GenerationResult], GenerationResult] | None:
+    """For a prompt whose ``segments`` offer tools: what reads the calls out of its answer (the
+    generated text only) into ``GenerationResult.tool_calls`` and ``content``. ``parser``: a
+    ``ToolCallParser``, or a tokenizer whose template picks one. None without tools. Raises
+    ``InputError`` at once, before any model runs: a ``tool_choice`` other than "auto" without
+    tools or naming no offered tool, or no parser for the template."""
+    tools = offered_tools(segments)
+    if not tools:
+        if tool_choice != "auto":
+            raise InputError(f"tool_choice={tool_choice!r} but the prompt offers no tools")
+        return None
+    names = [tool["function"]["name"] for tool in tools]
+    if tool_choice not in ("auto", "required", "none", *names):
+        raise InputError(f"tool_choice names {tool_choice!r}, which is not among the tools ({', '.join(names)})")
+    chosen: ToolCallParser = parser if hasattr(parser, "split") else parser_for(parser)
+
+    def read(result: GenerationResult) -> GenerationResult:
+        answer = parse_tool_calls(result.text, tools, chosen, tool_choice)
+        return dataclasses.replace(result, tool_calls=answer.calls, content=answer.content)
+
+    return read
