@@ -6,7 +6,7 @@ Reads every result file there: ttft.json and its variants (ttft_vllm_server.json
 ttft_draft-NAME.json, ...), gpu_ttft.json, evidence.jsonl (draft-only evidence recall),
 quality.json (or quality_quick.json), quality runs with another draft (quality_draft-NAME.json,
 compared with the default draft's), the long tasks end to end (quality_long*.json),
-gateway_load.json, and for the evidence-vs-length table the evidence files in
+gateway_load.json, serving.json, and for the evidence-vs-length table the evidence files in
 ``LENGTH_SOURCES`` and windows.jsonl; the ``*_tiny.json`` files of ``--tiny`` smoke runs are
 skipped. ``CURRENT`` pins that list: results/ holds these files (and what later runs add),
 results/archive/ the runs the docs cite but the page does not render. Writes docs/benchmarks.md
@@ -57,6 +57,7 @@ CURRENT = (
     "quality_long_bf16.json",
     "quality_lookahead-4.json",
     "quality_quick.json",
+    "serving.json",
     "ttft.json",
     "ttft_bf16-draft.json",
     "ttft_context-keep.json",
