@@ -223,6 +223,10 @@ class DraftRuntime:
     # Worth it on a GPU (one pass for many prompts); on a CPU the draft is compute-bound.
     max_batch: int = 1
     batch_window_s: float = 0.002  # seconds
+    # Concurrent requests' draft passes run one at a time, in arrival order (``draft.batching.TurnLock``):
+    # the k-th of N requests that start together has its scores after k passes, not all N after N
+    # passes, and goes on to the main model while the next pass runs. False: all at once.
+    passes_in_order: bool = True
     # A batch of prompts of different lengths runs as padded passes of near-equal lengths
     # (``draft.batching.length_buckets``): a prompt shares a pass while padding stays at most
     # this share of it. 1.0: one padded pass for the whole batch; 0.0: equal lengths only.
@@ -273,6 +277,8 @@ class DraftRuntime:
         _check(self.prefix_cache_entries >= 0, f"prefix_cache_entries must be >= 0, got {self.prefix_cache_entries}")
         _check(self.prefix_cache_bytes >= 0, f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        _check(isinstance(self.passes_in_order, bool),
+               f"passes_in_order must be True or False, got {self.passes_in_order!r}")
         _check(isinstance(self.skip_when_slower, bool),
                f"skip_when_slower must be True or False, got {self.skip_when_slower!r}")
         _check(self.graph_max_tokens >= 1, f"graph_max_tokens must be >= 1, got {self.graph_max_tokens}")

@@ -147,3 +147,64 @@ def test_bucketed_batches_give_each_prompt_its_own_scores_bit_for_bit():
     assert sorted(map(sorted, passes)) == sorted([[lengths[0], lengths[3]], [lengths[1]], [lengths[2]], [lengths[4]]])
     for mine, own in zip(together, alone, strict=True):
         assert torch.equal(mine.scores, own)
+
+
+def test_turns_are_granted_in_arrival_order():
+    from specprefill_rag.draft import TurnLock
+
+    lock = TurnLock()
+    order: list[int] = []
+    release = threading.Event()
+
+    def first():
+        with lock.turn():
+            release.wait(5)
+            order.append(0)
+
+    def later(i):
+        with lock.turn():
+            order.append(i)
+
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    for i in range(1, 6):  # each queued before the next arrives
+        threads.append(threading.Thread(target=later, args=(i,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 5
+        while lock.waiting < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert order == [0, 1, 2, 3, 4, 5] and lock.waiting == 0
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_concurrent_requests_draft_passes_run_one_at_a_time(in_order):
+    """Four requests at once: with passes_in_order (the default) the draft runs one pass at a
+    time, so the first request's scores are ready after one pass, not after all four."""
+    engine = make_engine(make_tokenizer())
+    draft = dataclasses.replace(engine.config.draft, passes_in_order=in_order, memo_entries=0)
+    shared = SpecPrefillEngine(engine.backend, engine.draft, dataclasses.replace(engine.config, draft=draft))
+    inside, most = 0, 0
+    lock = threading.Lock()
+    real = engine.draft.score_batch
+
+    def slow(ids, **kwargs):
+        nonlocal inside, most
+        with lock:
+            inside += 1
+            most = max(most, inside)
+        time.sleep(0.2)
+        with lock:
+            inside -= 1
+        return real(ids, **kwargs)
+
+    engine.draft.score_batch = slow  # type: ignore[method-assign]
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            plans = list(pool.map(lambda q: shared.plan(shared.assemble(q, PASSAGES)), [QUESTION] * 4))
+    finally:
+        del engine.draft.score_batch
+    assert len(plans) == 4
+    assert most == 1 if in_order else most > 1

@@ -208,6 +208,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="with --vllm-url: the dtype that server runs the main model in (vLLM's --dtype; it does not "
                    "report it), recorded as the main model's")
     p.add_argument("--gateway-threads", type=int, default=None, help="torch threads of the gateway process")
+    p.add_argument("--gateway-flag", action="append", default=[], dest="gateway_flags",
+                   help="one more flag for the gateway, e.g. --gateway-flag=--no-draft-passes-in-order (repeatable)")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/gateway_load.json)")
     return p.parse_args(argv)
 
@@ -259,13 +261,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parse_args(argv)
     rows: list[dict[str, Any]] = []
-    with serving_stack(args, "gateway_load") as stack:
+    with serving_stack(args, "gateway_load", args.gateway_flags) as stack:
         items = prompts(load_tokenizer(resolve_model_dir(args.main)), args.clients, args.top_k)
         vllm, port = stack.vllm, stack.gateway.port
         print(f"{args.clients} clients, prompts of {min(len(i['ids']) for i in items)}–"
               f"{max(len(i['ids']) for i in items)} tokens", flush=True)
-        alone = {i: run_round("gateway", [item], vllm, port, args.max_tokens)[0]["text"]
-                 for i, item in enumerate(items)}  # each prompt alone: the reference for mixed outputs
+        # Each prompt alone through the gateway: the reference for mixed outputs; the first three
+        # also straight to vLLM, for the single-request speedup of this run.
+        lone = {i: run_round("gateway", [item], vllm, port, args.max_tokens)[0] for i, item in enumerate(items)}
+        alone = {i: row["text"] for i, row in lone.items()}
+        lone_direct = [run_round("direct", [items[i]], vllm, port, args.max_tokens)[0]["ttft_s"] for i in range(3)]
+        alone_speedup = statistics.median(lone_direct) / statistics.median(lone[i]["ttft_s"] for i in range(3))
+        print(f"one request alone: {alone_speedup:.2f}x sooner through the gateway", flush=True)
         for r in range(args.rounds):
             for mode in ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct"):
                 done = run_round(mode, items, vllm, port, args.max_tokens)
@@ -281,11 +288,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     gateway_rows = [r for r in rows if r["mode"] == "gateway" and r["status"] == 200]
     summary["gateway_same_as_alone"] = sum(r.get("same_as_alone", False) for r in gateway_rows)
     summary["gateway_answered"] = len(gateway_rows)
+    summary["alone_speedup"] = alone_speedup
+    summary["p50_vs_alone"] = summary["p50_speedup"] / alone_speedup if summary.get("p50_speedup") else None
     payload = {
         "benchmark": "gateway_load", "command": command_line(argv, "gateway_load"), "machine": machine_info(),
         "models": {"main": args.main, "draft": args.draft},
         "dtypes": served_dtypes(args, stack.server),
-        "settings": {k: getattr(args, k) for k in ("clients", "rounds", "top_k", "keep_rate", "max_tokens", "dtype")},
+        "settings": {k: getattr(args, k) for k in ("clients", "rounds", "top_k", "keep_rate", "max_tokens", "dtype",
+                                                    "gateway_flags")},
         "summary": summary, "rows": rows,
     }
     path = write_results("gateway_load", payload, args.out)

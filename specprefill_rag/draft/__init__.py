@@ -23,7 +23,7 @@ names from ``specprefill_rag.draft``, never from a module inside it. The rooms:
 - ``batching``: concurrent score requests run as one batch.
 """
 
-from .batching import MicroBatcher, length_buckets, padding_share
+from .batching import MicroBatcher, TurnLock, length_buckets, padding_share
 from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording
 from .early_exit import DecoderParts, ExitedPrompts, tree_mask, upper_greedy
 from .lookahead import reading_sets, upper_layer_logits
@@ -48,6 +48,7 @@ __all__ = [
     "LookaheadSpec",
     "MicroBatcher",
     "Recorder",
+    "TurnLock",
     "attend_short_queries",
     "importance",
     "layer_rows",

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
-__all__ = ["MicroBatcher", "length_buckets", "padding_share"]
+__all__ = ["MicroBatcher", "TurnLock", "length_buckets", "padding_share"]
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -45,6 +46,41 @@ def length_buckets(lengths: Sequence[int], pad_limit: float) -> list[list[int]]:
         else:
             groups.append([i])
     return [sorted(group) for group in groups]
+
+
+class TurnLock:
+    """A lock granted in arrival order (a ticket lock): concurrent requests' draft passes run one
+    at a time, first come first served, instead of sharing the cores or the GPU all at once.
+
+    Shared at once, N passes that start together all end together, after N passes' time, and
+    reach the main model together; one at a time, the k-th ends after k passes' time and its main
+    prefill overlaps the next pass: half the median wait, and the two models work side by side."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._issued = 0  # tickets handed out
+        self._serving = 0  # the ticket whose turn it is
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Wait for this caller's turn, hold it inside the block."""
+        with self._changed:
+            ticket = self._issued
+            self._issued += 1
+            while ticket != self._serving:
+                self._changed.wait()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._serving += 1
+                self._changed.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        """Callers holding or waiting for a turn."""
+        with self._changed:
+            return self._issued - self._serving
 
 
 class MicroBatcher(Generic[In, Out]):

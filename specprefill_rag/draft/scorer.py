@@ -11,6 +11,7 @@ tokens through character offsets. ``DraftScorer`` holds all of it, so the engine
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -26,7 +27,7 @@ from ..config import DraftConfig
 from ..errors import InputError
 from ..payoff import PrefillCosts
 from ..types import AssembledPrompt, PathChoice, SegmentKind, TokenScores
-from .batching import MicroBatcher, length_buckets
+from .batching import MicroBatcher, TurnLock, length_buckets
 from .model import DraftModel
 from .token_mapping import map_scores, needs_mapping
 
@@ -77,6 +78,8 @@ class DraftScorer:
             max_batch=config.max_batch,
             window_s=config.batch_window_s,
         )
+        # Draft passes one at a time, in arrival order (DraftConfig.passes_in_order).
+        self._turns = TurnLock()
         # The scores of the last prompts, so an identical request skips the draft (DraftConfig.memo_entries),
         # and the draft's own renderings of them.
         self.memo = ScoreMemo(config.memo_entries, config.memo_bytes)
@@ -228,14 +231,15 @@ class DraftScorer:
         salts = {reading.salt for reading in readings}
         if len(salts) > 1:
             raise RuntimeError(f"a draft batch mixes {len(salts)} cache salts")
-        scored = self.model.score_batch(
-            [d.token_ids for d in read],
-            questions=[reading.question() for reading in readings],
-            contexts=[~d.protected for d in read],
-            config=config,
-            namespace=salts.pop() or "",
-            windows=[reading.windows for reading in readings],  # decided once, by ``reading``
-        )
+        with self._turns.turn() if config.passes_in_order else contextlib.nullcontext():
+            scored = self.model.score_batch(
+                [d.token_ids for d in read],
+                questions=[reading.question() for reading in readings],
+                contexts=[~d.protected for d in read],
+                config=config,
+                namespace=salts.pop() or "",
+                windows=[reading.windows for reading in readings],  # decided once, by ``reading``
+            )
         self.costs.observe_draft(sum(d.n_tokens for d in read), scored[0].seconds)
         if not self.maps_tokens:
             return scored
