@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -24,10 +25,13 @@ pytest.importorskip("prometheus_client")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from specprefill_rag import SpecPrefillEngine  # noqa: E402
+from specprefill_rag import GenerationConfig, SpecPrefillEngine  # noqa: E402
 from specprefill_rag.gateway import create_app  # noqa: E402
-from specprefill_rag.prompt import markup_tokens, special_token_ids  # noqa: E402
+from specprefill_rag.gateway.protocol import parse_chat  # noqa: E402
+from specprefill_rag.gateway.tools import CallText  # noqa: E402
+from specprefill_rag.prompt import markup_tokens, message_segments, special_token_ids  # noqa: E402
 from specprefill_rag.testing import ScriptedBackend, tiny_engine  # noqa: E402
+from specprefill_rag.toolcalls import HermesParser, parse_tool_calls  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 SEARCH = {"type": "function", "function": {
@@ -367,3 +371,30 @@ def test_lone_surrogates_in_tool_fields_are_400(engine):
         assert response.status_code == 400 and response.json()["error"]["param"] == "tools[0]"
         arguments = conversation("doc", arguments='{"query": "\\ud800"}')
         refused(client, request(arguments), param="messages[2].tool_calls[0].function.arguments")
+
+
+# -- the pieces ------------------------------------------------------------------------------------
+
+
+def test_the_gateway_builds_the_segments_engine_chat_builds():
+    messages = conversation("\n\n".join(DOCS))
+    req = parse_chat(request(messages, tool_choice="required"), GenerationConfig())
+    assert req.segments == message_segments(messages, [SEARCH])
+    assert (req.prompt_shape, req.generation.tool_choice, req.parallel_tool_calls) == ("tools", "required", True)
+    developer = [{"role": "developer", "content": "Use the tools."}, *messages[1:]]
+    assert parse_chat(request(developer), GenerationConfig()).segments == req.segments
+
+
+@pytest.mark.parametrize("text", [
+    "Use <toolbox> now, <tool_cal then.",  # look-alikes of the opener are held back, then shown
+    "\n  Looking.  \n" + call(query="fog") + "  after ",
+    call(query="fog"),
+])
+def test_streamed_content_equals_the_parsed_content_however_the_text_is_cut(text):
+    parsed = parse_tool_calls(text, [SEARCH], HermesParser())
+    for size in (1, 3, 7):
+        shown = CallText(HermesParser.opener)
+        sent = "".join(shown.feed(text[at:at + size]) for at in range(0, len(text), size))
+        assert "<tool_call>" not in sent
+        result = types.SimpleNamespace(content=parsed.content, text=text)
+        assert sent + shown.finish(result) == parsed.content
