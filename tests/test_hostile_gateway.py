@@ -42,7 +42,7 @@ from specprefill_rag.testing import tiny_engine, tiny_inst_tokenizer, tiny_token
 from specprefill_rag.types import Passage, PrefillPlan, Segment, SegmentKind  # noqa: E402
 
 CHAT = "/v1/chat/completions"
-ROLES = "['assistant', 'developer', 'system', 'user']"
+ROLES = "['assistant', 'developer', 'system', 'tool', 'user']"
 
 
 @pytest.fixture(scope="module")

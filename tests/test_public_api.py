@@ -38,11 +38,13 @@ PACKAGES = [
     "specprefill_rag.gateway",
     "specprefill_rag.gateway.admission",
     "specprefill_rag.gateway.app",
+    "specprefill_rag.gateway.fields",
     "specprefill_rag.gateway.messages",
     "specprefill_rag.gateway.metrics",
     "specprefill_rag.gateway.protocol",
     "specprefill_rag.gateway.responses",
     "specprefill_rag.gateway.runs",
+    "specprefill_rag.gateway.tools",
 ]
 
 

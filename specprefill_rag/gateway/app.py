@@ -47,7 +47,7 @@ from starlette.requests import ClientDisconnect
 
 from ..engine import Mode, SpecPrefillEngine
 from ..errors import ConfigError, InputError
-from . import GatewayOptions
+from . import GatewayOptions, tools
 from .admission import check_media_type, tenant_salt, too_large
 from .metrics import GatewayMetrics
 from .protocol import GatewayRequest, parse_chat, parse_completion
@@ -171,6 +171,7 @@ class Gateway:
             req = parse(body, self.engine.config.generation, self.default_mode, self.shapes)
         except (InputError, ConfigError) as error:
             raise APIError(400, str(error)) from None
+        req = dataclasses.replace(req, call_opener=tools.check_support(req.segments, self.engine.tokenizer))
         if tenant is None:
             return req
         salt = tenant_salt(tenant, req.generation.cache_salt)
@@ -232,7 +233,10 @@ class Gateway:
                 delta = await run.next()
             result = run.result
             assert result is not None
-            tail = [sse(chunks.last(result))] + ([sse(chunks.usage(result))] if req.include_usage else [])
+            rest = run.calls.finish(result) if run.calls is not None else ""  # content after the tool calls
+            tail = [sse(chunks.delta(rest))] if rest else []
+            tail += [sse(chunk) for chunk in chunks.calls(result)]
+            tail += [sse(chunks.last(result))] + ([sse(chunks.usage(result))] if req.include_usage else [])
             status = 200
         except Exception as exc:  # after the first token: an error event ends the stream
             error = to_api_error(exc)

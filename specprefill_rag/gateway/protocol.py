@@ -2,16 +2,16 @@
 
 Requests are read as plain JSON objects and checked field by field, so every refusal is an
 OpenAI-shaped 400 naming the field (``param``). Fields the gateway cannot honour (``n > 1``,
-tools, logprobs, penalties, ...) are refused rather than silently ignored; fields that change
-nothing about the answer (``user``, ``metadata``, ``store``, ...) and unknown fields are ignored,
-as vLLM does. No web framework here: ``app.py`` moves these dicts over HTTP; the answers'
-shapes are in ``responses.py``.
+logprobs, penalties, a JSON-schema ``response_format``, ...) are refused rather than silently
+ignored; fields that change nothing about the answer (``user``, ``metadata``, ``store``, ...) and
+unknown fields are ignored, as vLLM does. Tools, ``tool_choice``, an assistant's ``tool_calls``
+and tool messages are read by ``tools``. No web framework here: ``app.py`` moves these dicts over
+HTTP; the answers' shapes are in ``responses.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, get_args
@@ -19,40 +19,17 @@ from typing import Any, get_args
 from ..config import GenerationConfig, describe_choices
 from ..engine import Mode
 from ..errors import ConfigError
-from ..types import RETRIEVER_SCORE_KEY, Passage, Segment, is_finite_number, is_int, lone_surrogate
-from .messages import DEFAULT_SHAPES, MAX_PARTS, PromptShape, to_segments
-from .responses import APIError, Kind
+from ..prompt import has_tool_messages
+from ..types import RETRIEVER_SCORE_KEY, Passage, Segment, is_finite_number, is_int
+from . import tools
+from .fields import at_most, bad, shown, unsupported, valid_text
+from .messages import DEFAULT_SHAPES, PromptShape, to_segments
+from .responses import Kind
 
 __all__ = ["GatewayRequest", "parse_chat", "parse_completion"]
 
-_ROLES = {"system", "developer", "user", "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 _EXTENSION_KEYS = {"keep_rate", "mode", "passages", "question"}
-# Values quoted in error messages: short, and shallow (a client's value may be megabytes, or
-# nested thousands deep, which the built-in repr would recurse into).
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 2, 60, 60, 4, 4
-
-
-def _shown(value: object) -> str:
-    return _SHOWN.repr(value)
-
-
-def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def _unsupported(param: str, what: str) -> APIError:
-    return _bad(f"{what} is not supported by the SpecPrefill gateway", param=param, code="unsupported_parameter")
-
-
-def _text(value: str, param: str) -> str:
-    """``value``, unless it holds a lone surrogate (JSON's unpaired ``"\\ud800"``): not valid
-    Unicode, it cannot be tokenized nor sent back. Every string the gateway reads passes here."""
-    at = lone_surrogate(value)
-    if at is not None:
-        raise _bad(f"{param} is not valid Unicode: a lone surrogate (U+{ord(value[at]):04X}) at character {at}",
-                   param=param)
-    return value
 
 
 @dataclass(frozen=True)
@@ -61,12 +38,16 @@ class GatewayRequest:
 
     kind: Kind
     segments: tuple[Segment, ...]
-    prompt_shape: str  # which documented layout the documents were recognised in ("chat": none)
+    prompt_shape: str  # which documented layout the documents were recognised in ("chat": none; "tools")
     mode: Mode
     keep_rate: float | None  # None: the engine's
-    generation: GenerationConfig
+    generation: GenerationConfig  # its tool_choice: the request's, as the engine reads it
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    parallel_tool_calls: bool = True  # False: an answer with several calls is refused (tools.check_answer)
+    # The text that opens the model's tool calls when the request offers tools (a stream shows no text
+    # from it on), set by the gateway once it knows the model (``tools.check_support``); None: no tools.
+    call_opener: str | None = None
 
 
 # -- field checks ----------------------------------------------------------------------------
@@ -78,7 +59,7 @@ def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, low_
         return None
     if not is_finite_number(value) or value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
-        raise _bad(f"{name} must be a number in {bracket}{low:g}, {high:g}], got {_shown(value)}", param=name)
+        raise bad(f"{name} must be a number in {bracket}{low:g}, {high:g}], got {shown(value)}", param=name)
     return float(value)
 
 
@@ -87,49 +68,57 @@ def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if not is_int(value) or value < 1:
-        raise _bad(f"{name} must be an integer >= 1, got {_shown(value)}", param=name)
+        raise bad(f"{name} must be an integer >= 1, got {shown(value)}", param=name)
     return int(value)
 
 
-def _at_most(items: list[Any], param: str, what: str) -> None:
-    if len(items) > MAX_PARTS:
-        raise _bad(f"{param} holds {len(items)} {what}, more than the gateway's limit of {MAX_PARTS}", param=param)
+_LEGACY = "the legacy function-calling API (functions, function_call, function messages: send tools and tool_choice)"
 
 
 def _refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
     n = body.get("n")
     if n is not None and n != 1:
-        raise _unsupported("n", f"n={n!r} (several choices per request)")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise _unsupported(name, "tool and function calling")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise _unsupported(name, "tool and function calling")
+        raise unsupported("n", f"n={n!r} (several choices per request)")
+    if body.get("functions"):
+        raise unsupported("functions", _LEGACY)
+    if body.get("function_call") not in (None, "none"):
+        raise unsupported("function_call", _LEGACY)
+    if kind == "completion" and (body.get("tools") or body.get("tool_choice") not in (None, "none", "auto")):
+        raise unsupported("tools", "tool calling in /v1/completions (send it to /v1/chat/completions)")
     if kind == "chat" and (body.get("logprobs") or body.get("top_logprobs")):
-        raise _unsupported("logprobs", "logprobs")
+        raise unsupported("logprobs", "logprobs")
     if kind == "completion" and body.get("logprobs") is not None:
-        raise _unsupported("logprobs", "logprobs")
+        raise unsupported("logprobs", "logprobs")
     if body.get("logit_bias"):
-        raise _unsupported("logit_bias", "logit_bias")
+        raise unsupported("logit_bias", "logit_bias")
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
-            raise _unsupported(name, name)
-    response_format = body.get("response_format")
-    text_format = isinstance(response_format, dict) and response_format.get("type") == "text"
-    if response_format is not None and not text_format:
-        raise _unsupported("response_format", "response_format other than text")
+            raise unsupported(name, name)
+    _refuse_response_format(body.get("response_format"))
     if body.get("audio") is not None or body.get("modalities") not in (None, ["text"]):
-        raise _unsupported("modalities", "audio output")
+        raise unsupported("modalities", "audio output")
     if body.get("prediction") is not None:
-        raise _unsupported("prediction", "predicted outputs")
+        raise unsupported("prediction", "predicted outputs")
     if kind == "completion":
         if body.get("best_of") not in (None, 1):
-            raise _unsupported("best_of", "best_of")
+            raise unsupported("best_of", "best_of")
         if body.get("echo"):
-            raise _unsupported("echo", "echo")
+            raise unsupported("echo", "echo")
         if body.get("suffix"):
-            raise _unsupported("suffix", "suffix")
+            raise unsupported("suffix", "suffix")
+
+
+def _refuse_response_format(response_format: object) -> None:
+    """Only ``{"type": "text"}``: a JSON schema (or JSON mode) would need decoding constrained to
+    it, which the gateway cannot do yet, and an answer merely hoped to fit is not what was asked."""
+    if response_format is None:
+        return
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind in ("json_schema", "json_object"):
+        raise unsupported("response_format", f"response_format {kind} (decoding cannot be constrained to a schema "
+                          "yet; offer the schema as a tool and name it in tool_choice: its call is checked against it)")
+    if kind != "text":
+        raise unsupported("response_format", "response_format other than text")
 
 
 def _generation(body: Mapping[str, Any], defaults: GenerationConfig) -> GenerationConfig:
@@ -148,30 +137,30 @@ def _generation(body: Mapping[str, Any], defaults: GenerationConfig) -> Generati
     top_k = body.get("top_k")  # a vLLM extension; -1 or 0 means no filter
     if top_k is not None:
         if not is_int(top_k) or top_k < -1:
-            raise _bad(f"top_k must be an integer >= -1, got {_shown(top_k)}", param="top_k")
+            raise bad(f"top_k must be an integer >= -1, got {shown(top_k)}", param="top_k")
         changes["top_k"] = ("top_k", max(int(top_k), 0))
     seed = body.get("seed")
     if seed is not None:
         if not is_int(seed):
-            raise _bad(f"seed must be an integer, got {_shown(seed)}", param="seed")
+            raise bad(f"seed must be an integer, got {shown(seed)}", param="seed")
         changes["seed"] = ("seed", int(seed))
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise _bad("stop must be a non-empty string or a list of non-empty strings", param="stop")
-        changes["stop"] = ("stop", tuple(_text(s, "stop") for s in stops))
+            raise bad("stop must be a non-empty string or a list of non-empty strings", param="stop")
+        changes["stop"] = ("stop", tuple(valid_text(s, "stop") for s in stops))
     salt = body.get("cache_salt")  # vLLM's field, on both endpoints: a prefix-cache namespace
     if salt is not None:
         if not isinstance(salt, str) or not salt:
-            raise _bad(f"cache_salt must be a non-empty string if provided, got {_shown(salt)}", param="cache_salt")
-        changes["cache_salt"] = ("cache_salt", _text(salt, "cache_salt"))
+            raise bad(f"cache_salt must be a non-empty string if provided, got {shown(salt)}", param="cache_salt")
+        changes["cache_salt"] = ("cache_salt", valid_text(salt, "cache_salt"))
     config = defaults
     for field, (param, value) in changes.items():  # one at a time: a refusal names its field
         try:
             config = dataclasses.replace(config, **{field: value})
         except ConfigError as error:
-            raise _bad(str(error), param=param) from None
+            raise bad(str(error), param=param) from None
     return config
 
 
@@ -180,14 +169,14 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise _bad(f"stream must be true or false, got {_shown(stream)}", param="stream")
+        raise bad(f"stream must be true or false, got {shown(stream)}", param="stream")
     options = body.get("stream_options")
     if options is None:
         return stream, False
     if not stream:  # as OpenAI and vLLM answer
-        raise _bad("stream_options is only allowed when stream is true", param="stream_options")
+        raise bad("stream_options is only allowed when stream is true", param="stream_options")
     if not isinstance(options, dict):
-        raise _bad("stream_options must be an object", param="stream_options")
+        raise bad("stream_options must be an object", param="stream_options")
     return stream, bool(options.get("include_usage"))
 
 
@@ -198,28 +187,28 @@ def _extension(body: Mapping[str, Any], default_mode: Mode
     if ext is None:
         return default_mode, None, None, None
     if not isinstance(ext, dict):
-        raise _bad("specprefill must be an object", param="specprefill")
+        raise bad("specprefill must be an object", param="specprefill")
     unknown = sorted(set(ext) - _EXTENSION_KEYS)
     if unknown:
-        raise _bad(f"unknown specprefill field(s) {unknown}; known: {sorted(_EXTENSION_KEYS)}", param="specprefill")
+        raise bad(f"unknown specprefill field(s) {unknown}; known: {sorted(_EXTENSION_KEYS)}", param="specprefill")
     mode = ext.get("mode", default_mode)
     if mode not in get_args(Mode):
-        raise _bad(f"specprefill.mode must be {describe_choices(Mode)}, got {_shown(mode)}", param="specprefill.mode")
+        raise bad(f"specprefill.mode must be {describe_choices(Mode)}, got {shown(mode)}", param="specprefill.mode")
     keep_rate = ext.get("keep_rate")
     if keep_rate is not None and (not is_finite_number(keep_rate) or not 0 < keep_rate <= 1):
-        raise _bad(f"specprefill.keep_rate must be a number in (0, 1], got {_shown(keep_rate)}",
+        raise bad(f"specprefill.keep_rate must be a number in (0, 1], got {shown(keep_rate)}",
                    param="specprefill.keep_rate")
     question = ext.get("question")
     if question is not None and (not isinstance(question, str) or not question.strip()):
-        raise _bad("specprefill.question must be a non-empty string", param="specprefill.question")
+        raise bad("specprefill.question must be a non-empty string", param="specprefill.question")
     if question is not None:
-        _text(question, "specprefill.question")
+        valid_text(question, "specprefill.question")
     raw = ext.get("passages")
     passages: list[Passage] | None = None
     if raw is not None:
         if not isinstance(raw, list):
-            raise _bad("specprefill.passages must be a list", param="specprefill.passages")
-        _at_most(raw, "specprefill.passages", "passages")
+            raise bad("specprefill.passages must be a list", param="specprefill.passages")
+        at_most(raw, "specprefill.passages", "passages")
         passages = [_passage(item, n) for n, item in enumerate(raw)]
     return mode, None if keep_rate is None else float(keep_rate), passages, question
 
@@ -227,63 +216,74 @@ def _extension(body: Mapping[str, Any], default_mode: Mode
 def _passage(item: object, n: int) -> Passage:
     param = f"specprefill.passages[{n}]"
     if isinstance(item, str):
-        return Passage(_text(item, param))
+        return Passage(valid_text(item, param))
     if isinstance(item, dict) and isinstance(item.get("text"), str):
         pid = item.get("id")
         metadata = item.get("metadata") or {}
         if pid is not None and not isinstance(pid, (str, int)):
-            raise _bad(f"{param}.id must be a string", param=f"{param}.id")
+            raise bad(f"{param}.id must be a string", param=f"{param}.id")
         if not isinstance(metadata, dict):
-            raise _bad(f"{param}.metadata must be an object", param=f"{param}.metadata")
+            raise bad(f"{param}.metadata must be an object", param=f"{param}.metadata")
         score = metadata.get(RETRIEVER_SCORE_KEY)  # the retriever's score, which selection weighs
         if score is not None and not is_finite_number(score):
             name = f"{param}.metadata.{RETRIEVER_SCORE_KEY}"
-            raise _bad(f"{name} must be a finite number, got {_shown(score)}", param=name)
-        pid = None if pid is None else _text(str(pid), f"{param}.id")
-        return Passage(_text(item["text"], f"{param}.text"), id=pid, metadata=metadata)
-    raise _bad(f"{param} must be a string or an object with a string 'text'", param=param)
+            raise bad(f"{name} must be a finite number, got {shown(score)}", param=name)
+        pid = None if pid is None else valid_text(str(pid), f"{param}.id")
+        return Passage(valid_text(item["text"], f"{param}.text"), id=pid, metadata=metadata)
+    raise bad(f"{param} must be a string or an object with a string 'text'", param=param)
 
 
-def _content(message: Mapping[str, Any], n: int) -> str:
+def _content(message: Mapping[str, Any], n: int, joiner: str = "\n") -> str:
     param = f"messages[{n}].content"
     content = message.get("content")
     if content is None:
         return ""
     if isinstance(content, str):
-        return _text(content, param)
+        return valid_text(content, param)
     if not isinstance(content, list):
-        raise _bad(f"{param} must be a string or a list of text parts", param=param)
-    _at_most(content, param, "content parts")
+        raise bad(f"{param} must be a string or a list of text parts", param=param)
+    at_most(content, param, "content parts")
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict):
-            raise _bad(f"{param}[{j}] must be a content part object, got {_shown(part)}", param=f"{param}[{j}]")
+            raise bad(f"{param}[{j}] must be a content part object, got {shown(part)}", param=f"{param}[{j}]")
         if part.get("type") != "text":
-            raise _unsupported(param, f"content of type {_shown(part.get('type'))} (only text)")
+            raise unsupported(param, f"content of type {shown(part.get('type'))} (only text)")
         text = part.get("text")
         if not isinstance(text, str):
-            raise _bad(f"{param}[{j}].text must be a string, got {_shown(text)}", param=f"{param}[{j}].text")
-        texts.append(_text(text, f"{param}[{j}].text"))
-    return "\n".join(texts)
+            raise bad(f"{param}[{j}].text must be a string, got {shown(text)}", param=f"{param}[{j}].text")
+        texts.append(valid_text(text, f"{param}[{j}].text"))
+    return joiner.join(texts)
 
 
-def _turns(body: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The messages, checked: a role, text content, an assistant's ``tool_calls`` and a tool
+    message's ``tool_call_id`` (``tools``). A tool message's text parts are documents: joined by
+    blank lines."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages must be a non-empty list", param="messages")
-    _at_most(messages, "messages", "messages")
-    turns = []
+        raise bad("messages must be a non-empty list", param="messages")
+    at_most(messages, "messages", "messages")
+    out = []
     for n, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise _bad(f"messages[{n}] must be an object", param=f"messages[{n}]")
+            raise bad(f"messages[{n}] must be an object", param=f"messages[{n}]")
         role = message.get("role")
-        if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
-            raise _unsupported(f"messages[{n}]", "tool and function calling")
+        if role == "function" or message.get("function_call"):
+            raise unsupported(f"messages[{n}]", _LEGACY)
         if not isinstance(role, str) or role not in _ROLES:  # a list or dict is no role (nor hashable)
-            raise _bad(f"messages[{n}].role must be one of {sorted(_ROLES)}, got {_shown(role)}",
-                       param=f"messages[{n}].role")
-        turns.append((role, _content(message, n)))
-    return turns
+            raise bad(f"messages[{n}].role must be one of {sorted(_ROLES)}, got {shown(role)}",
+                      param=f"messages[{n}].role")
+        entry: dict[str, Any] = {"role": role, "content": _content(message, n, "\n\n" if role == "tool" else "\n")}
+        if role == "tool":
+            entry.update(tools.tool_message(message, n, entry["content"]))
+        elif message.get("tool_calls"):
+            if role != "assistant":
+                raise bad(f"messages[{n}] is a {role} message: only an assistant message makes tool calls",
+                          param=f"messages[{n}].tool_calls")
+            entry["tool_calls"] = tools.assistant_calls(message["tool_calls"], n)
+        out.append(entry)
+    return out
 
 
 def _check_question(turns: list[tuple[str, str]]) -> None:
@@ -291,10 +291,10 @@ def _check_question(turns: list[tuple[str, str]]) -> None:
     recognised in it, which would blame the documents)."""
     users = [n for n, (role, _) in enumerate(turns) if role == "user"]
     if not users:
-        raise _bad("messages hold no user message: the last user message is the question", param="messages")
+        raise bad("messages hold no user message: the last user message is the question", param="messages")
     n = users[-1]
     if not turns[n][1].strip():
-        raise _bad(f"messages[{n}].content is empty: the last user message is the question",
+        raise bad(f"messages[{n}].content is empty: the last user message is the question",
                    param=f"messages[{n}].content")
 
 
@@ -304,34 +304,41 @@ def _prompt(body: Mapping[str, Any]) -> str:
         prompt = prompt[0]
     if isinstance(prompt, list):
         if not prompt:
-            raise _bad("prompt is empty: send the prompt as a non-empty string", param="prompt")
+            raise bad("prompt is empty: send the prompt as a non-empty string", param="prompt")
         if all(isinstance(p, str) for p in prompt):
-            raise _unsupported("prompt", "several prompts in one request")
-        raise _unsupported("prompt", "a prompt given as token ids")
+            raise unsupported("prompt", "several prompts in one request")
+        raise unsupported("prompt", "a prompt given as token ids")
     if not isinstance(prompt, str) or not prompt.strip():
-        raise _bad("prompt must be a non-empty string", param="prompt")
-    return _text(prompt, "prompt")
+        raise bad("prompt must be a non-empty string", param="prompt")
+    return valid_text(prompt, "prompt")
 
 
-def _parse(kind: Kind, body: Mapping[str, Any], turns: list[tuple[str, str]], defaults: GenerationConfig,
+def _parse(kind: Kind, body: Mapping[str, Any], messages: list[dict[str, Any]], defaults: GenerationConfig,
            default_mode: Mode, shapes: tuple[PromptShape, ...]) -> GatewayRequest:
     _refuse_unsupported(body, kind)
     stream, include_usage = _stream_options(body)
     generation = _generation(body, defaults)
     mode, keep_rate, passages, question = _extension(body, default_mode)
+    offered = tools.parse_tools(body)
+    turns = [(m["role"], m["content"]) for m in messages]
     if question is None:
         _check_question(turns)
-    segments, shape = to_segments(turns, passages=passages, question=question, shapes=shapes)
-    return GatewayRequest(kind, segments, shape, mode, keep_rate, generation, stream, include_usage)
+    if offered.tools or has_tool_messages(messages):
+        segments, shape = tools.agent_segments(messages, offered.tools, passages, question), "tools"
+    else:
+        segments, shape = to_segments(turns, passages=passages, question=question, shapes=shapes)
+    generation = dataclasses.replace(generation, tool_choice=offered.choice)
+    return GatewayRequest(kind, segments, shape, mode, keep_rate, generation, stream, include_usage,
+                          offered.parallel)
 
 
 def parse_chat(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: Mode = "specprefill",
                shapes: tuple[PromptShape, ...] = DEFAULT_SHAPES) -> GatewayRequest:
     """A ``/v1/chat/completions`` body; ``APIError`` (400) or ``InputError`` when it cannot be served."""
-    return _parse("chat", body, _turns(body), defaults, default_mode, shapes)
+    return _parse("chat", body, _messages(body), defaults, default_mode, shapes)
 
 
 def parse_completion(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: Mode = "specprefill",
                      shapes: tuple[PromptShape, ...] = DEFAULT_SHAPES) -> GatewayRequest:
     """A ``/v1/completions`` body: the prompt is read as one user message."""
-    return _parse("completion", body, [("user", _prompt(body))], defaults, default_mode, shapes)
+    return _parse("completion", body, [{"role": "user", "content": _prompt(body)}], defaults, default_mode, shapes)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -13,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..errors import BackendError, BackendTimeoutError, ConfigError, InputError, PlanError, ServerError
-from ..types import GenerationResult
+from ..errors import BackendError, BackendTimeoutError, ConfigError, InputError, PlanError, ServerError, ToolCallError
+from ..types import GenerationResult, ToolCall
 
 __all__ = [
     "RETRY_AFTER_S",
@@ -23,6 +24,8 @@ __all__ = [
     "StreamChunks",
     "error_body",
     "extension",
+    "finish_reason",
+    "message",
     "new_id",
     "now",
     "response",
@@ -69,6 +72,9 @@ def to_api_error(error: BaseException) -> APIError:
     """The HTTP answer for an exception of the engine (docs/gateway.md, "Errors")."""
     if isinstance(error, APIError):
         return error
+    if isinstance(error, ToolCallError):  # a valid request; the model's answer broke the tool-calling rules
+        return APIError(422, f"the model did not answer with valid tool calls, so none is reported: {error}",
+                        type="invalid_model_output", code="invalid_tool_call")
     if isinstance(error, (InputError, ConfigError, PlanError)):
         return APIError(400, str(error))
     retry = {"Retry-After": str(RETRY_AFTER_S)}
@@ -107,12 +113,34 @@ def usage(result: GenerationResult) -> dict[str, int]:
 
 
 def extension(result: GenerationResult, prompt_shape: str) -> dict[str, Any]:
-    """The ``specprefill`` object of a response: kept tokens per passage, keep ratio, timings."""
-    return {"prompt_shape": prompt_shape, **result.to_dict()}
+    """The ``specprefill`` object of a response: kept tokens per passage (and per document of a tool
+    result), keep ratio, timings; the tool calls are in the message, not here."""
+    facts = result.to_dict()
+    facts.pop("tool_calls", None)
+    return {"prompt_shape": prompt_shape, **facts}
 
 
 def finish_reason(result: GenerationResult) -> str:
+    if result.tool_calls:
+        return "tool_calls"
     return "length" if result.finish_reason == "length" else "stop"
+
+
+def _arguments(call: ToolCall) -> str:
+    return json.dumps(dict(call.arguments), ensure_ascii=False)  # OpenAI sends the arguments as JSON text
+
+
+def message(result: GenerationResult) -> dict[str, Any]:
+    """The assistant's message. When the request offered tools: the text outside the calls as
+    ``content`` (null when the answer is calls only) and the calls as ``tool_calls``."""
+    if result.content is None:
+        return {"role": "assistant", "content": result.text}
+    out: dict[str, Any] = {"role": "assistant", "content": result.content or (None if result.tool_calls else "")}
+    if result.tool_calls:
+        out["tool_calls"] = [{"id": call.id, "type": "function",
+                              "function": {"name": call.name, "arguments": _arguments(call)}}
+                             for call in result.tool_calls]
+    return out
 
 
 def response(kind: Kind, rid: str, created: int, model: str, result: GenerationResult, shape: str
@@ -120,7 +148,7 @@ def response(kind: Kind, rid: str, created: int, model: str, result: GenerationR
     """The whole answer: a ``chat.completion`` or a ``text_completion``, with ``usage`` and the
     ``specprefill`` object."""
     if kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text}}
+        choice: dict[str, Any] = {"index": 0, "message": message(result)}
     else:
         choice = {"index": 0, "text": result.text}
     choice.update(logprobs=None, finish_reason=finish_reason(result))
@@ -162,6 +190,18 @@ class StreamChunks:
 
     def delta(self, text: str) -> dict[str, Any]:
         return self._chunk(choices=[self._choice(text, None)])
+
+    def calls(self, result: GenerationResult) -> list[dict[str, Any]]:
+        """A chat answer's tool calls, as OpenAI streams them: per call, a chunk with its ``index``,
+        ``id``, ``type`` and name (arguments ""), then one with its arguments' JSON text."""
+        chunks = []
+        for index, call in enumerate(result.tool_calls):
+            head: dict[str, Any] = {"index": index, "id": call.id, "type": "function",
+                                    "function": {"name": call.name, "arguments": ""}}
+            for part in (head, {"index": index, "function": {"arguments": _arguments(call)}}):
+                choice = {"index": 0, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
+                chunks.append(self._chunk(choices=[choice]))
+        return chunks
 
     def last(self, result: GenerationResult) -> dict[str, Any]:
         """The finish reason, with the ``specprefill`` object."""

@@ -25,6 +25,7 @@ from ..streams import AsyncTextStream
 from ..types import GenerationResult
 from .protocol import GatewayRequest
 from .responses import APIError
+from .tools import CallText, check_answer
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -75,6 +76,7 @@ class Run:
         self.request: GatewayRequest | None = None  # once the body is parsed
         self.body_bytes = body_bytes  # of ``max_body_bytes_in_flight``, held until parsed
         self.stream: AsyncTextStream | None = None
+        self.calls: CallText | None = None  # what of the answer is shown, when the request offers tools
         self.running = False
         self.closed = False
         gateway.admitted += 1
@@ -102,17 +104,27 @@ class Run:
         self.gateway.metrics.running.inc()
         req = self.request
         assert req is not None
+        self.calls = None if req.call_opener is None else CallText(req.call_opener)
         self.stream = await self.gateway.engine.astream(
             list(req.segments), mode=req.mode, keep_rate=req.keep_rate, generation=req.generation
         )
         return await self.next()
 
     async def next(self) -> str | None:
-        assert self.stream is not None
-        try:
-            return await self.stream.__anext__()
-        except StopAsyncIteration:
-            return None
+        """The next text to send (None: the answer is complete, its calls checked). With tools, only
+        content is sent (``CallText``): a delta inside a call is not, so this may read several."""
+        assert self.stream is not None and self.request is not None
+        while True:
+            try:
+                delta = await self.stream.__anext__()
+            except StopAsyncIteration:
+                if self.calls is not None and self.stream.result is not None:
+                    check_answer(self.stream.result, self.request.parallel_tool_calls)
+                return None
+            if self.calls is None:
+                return delta
+            if shown := self.calls.feed(delta):
+                return shown
 
     async def collect(self) -> str:
         parts = []

@@ -10,6 +10,7 @@
 - ``length_guard``: a prompt refused by its length before it is tokenized (``check_length``).
 """
 
+from .layout import check_tool_support
 from .length_guard import check_length, max_chars_per_token
 from .render import (
     assemble,
@@ -39,6 +40,7 @@ __all__ = [
     "build_segments",
     "chat_segments",
     "check_length",
+    "check_tool_support",
     "cut_levels",
     "has_tool_messages",
     "kept_runs",

@@ -34,7 +34,7 @@ from ..errors import InputError
 from ..types import Segment, SegmentKind
 from .tool_segments import _NAME
 
-__all__ = ["Message", "layout", "messages"]
+__all__ = ["Message", "check_tool_support", "layout", "messages"]
 
 _TOOL_KINDS = (SegmentKind.TOOL_SCHEMA, SegmentKind.TOOL_CALL, SegmentKind.TOOL_RESULT)
 
@@ -148,7 +148,7 @@ def _plain_layout(roles: Sequence[str], markers: Sequence[str]) -> str:
     return "".join(parts)
 
 
-def _check_tool_support(tokenizer: Any, segments: Sequence[Segment]) -> None:
+def check_tool_support(tokenizer: Any, segments: Sequence[Segment]) -> None:
     """``InputError`` unless the chat template renders what the tool segments need: a template that
     never reads ``tools`` would drop the tools (and ``tool_calls`` the calls) without a word."""
     template = getattr(tokenizer, "chat_template", None)
@@ -237,7 +237,7 @@ def layout(tokenizer: Any, segments: Sequence[Segment], markup: Sequence[str] = 
     with_template = bool(getattr(tokenizer, "chat_template", None))
     tools = [json.loads(s.text) for s in segments if s.kind is SegmentKind.TOOL_SCHEMA]
     if any(s.kind in _TOOL_KINDS for s in segments):
-        _check_tool_support(tokenizer, segments)
+        check_tool_support(tokenizer, segments)
     if with_template:
         text = _template(tokenizer, _template_messages(segments, chat, markers), tools or None)
     else:
