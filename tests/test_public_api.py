@@ -79,6 +79,7 @@ EXPECTED_TOP_LEVEL = [
     "PathChoice",
     "PlanError",
     "PlannedPrompt",
+    "PluginMissingError",
     "PrefillPlan",
     "RequestOptions",
     "ScoringConfig",

@@ -25,7 +25,7 @@ positions. Two checks keep that from ever reaching a caller:
   into every chunk of a planned answer (``wire.PROOF_FIELD``), and the backend requires the proof
   it expects before it yields a token. Behind a router each request may reach another replica;
   one without the plugin (a rolling upgrade, a pod from another image) sends no proof, and the
-  request fails with a ``BackendError`` instead of a silently wrong answer;
+  request fails with a ``PluginMissingError`` (a ``BackendError``) instead of a silently wrong answer;
 - the handshake, once per backend: before its first planned request a backend sends one tiny,
   deliberately invalid plan and requires the plugin's own HTTP 400, so a server without the
   plugin is named with the fix before any plan is sent.
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import GenerationConfig
-from ..errors import BackendError, ConfigError, ServerError
+from ..errors import BackendError, ConfigError, PluginMissingError, ServerError
 from ..loading import eos_ids
 from ..types import PrefillPlan, is_int, is_number
 from ..wire import INVALID_PLAN, NEXT_POSITION_KEY, POSITIONS_KEY, PROOF_FIELD, is_contiguous, plan_proof, plan_to_xargs
@@ -260,24 +260,24 @@ class VLLMServerBackend(ModelIdentity):
                 return
             if exc.status is not None and exc.status >= 500:
                 raise  # the server failed (after retries on 502/503/504): no verdict, checked again next time
-            raise BackendError(
+            raise PluginMissingError(
                 f"refusing to send SpecPrefill plans to the vLLM server at {self.http.base_url}: it did not answer "
                 f"the plugin check (an invalid plan) with the plugin's HTTP 400 ({exc}), so its plugin is not "
                 f"active. {_PLUGIN_FIX}"
             ) from exc
-        raise BackendError(
+        raise PluginMissingError(
             f"refusing to send SpecPrefill plans to the vLLM server at {self.http.base_url}: it accepted an invalid "
             f"plan (HTTP {status}), so the specprefill plugin is not active there and a plan "
             f"would be answered at contiguous positions, silently wrong. {_PLUGIN_FIX}"
         )
 
-    def _unproven(self, event: dict[str, Any]) -> BackendError:
+    def _unproven(self, event: dict[str, Any]) -> PluginMissingError:
         """The error for a chunk of a planned answer without the proof this request expects."""
         got = event.get(PROOF_FIELD)
         what = (f"without the plugin's proof (no {PROOF_FIELD!r} field), so the vLLM process that served it "
                 "does not run the specprefill plugin and answered at contiguous positions" if got is None else
                 f"with the proof of another plan ({got!r:.60}), so what it served is not this request's plan")
-        return BackendError(
+        return PluginMissingError(
             f"discarded the answer of the vLLM server at {self.http.base_url} to a SpecPrefill plan (response "
             f"{str(event.get('id'))!r:.60}): it came {what}. Behind a router or load balancer, every replica "
             f"needs the plugin. {_PLUGIN_FIX}"
