@@ -35,6 +35,7 @@ PACKAGES = [
     "specprefill_rag.backends.vllm_http",
     "specprefill_rag.backends.vllm_server",
     "specprefill_rag.backends.vllm_offline",
+    "specprefill_rag.backends.openai_chat",
     "specprefill_rag.gateway",
     "specprefill_rag.gateway.admission",
     "specprefill_rag.gateway.app",

@@ -9,6 +9,7 @@ HF directory the server serves. Standard library HTTP only (``http.client``, thr
 backend's own ``vllm_http.VLLMHTTPClient``: deadlines, retries, server-sent events), no extra
 dependency.
 Start the server with ``specprefill-rag serve MODEL`` (docs/vllm.md).
+``chat_upstream`` offers the same server as a plain chat endpoint: the gateway's text mode.
 
 Failures: every failure of the server path is a ``BackendError`` (``ServerError`` for an HTTP
 error or an error event, ``BackendTimeoutError`` past the deadline) naming the server, with the
@@ -51,6 +52,7 @@ from ..loading import eos_ids
 from ..types import PrefillPlan, is_int, is_number
 from ..wire import INVALID_PLAN, NEXT_POSITION_KEY, POSITIONS_KEY, PROOF_FIELD, is_contiguous, plan_proof, plan_to_xargs
 from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, max_new_tokens
+from .openai_chat import ChatUpstream
 from .vllm_http import VLLMHTTPClient, describe
 
 __all__ = ["DEFAULT_MAX_RETRIES", "ConnectionOptions", "VLLMServerBackend", "request_body"]
@@ -226,6 +228,12 @@ class VLLMServerBackend(ModelIdentity):
             f"the vLLM server at {self.http.base_url} does not serve {model!r}; it serves "
             f"{', '.join(str(c['id']) for c in cards) or 'nothing'}"
         )
+
+    def chat_upstream(self) -> ChatUpstream:
+        """The same server as a plain chat endpoint (``/v1/chat/completions``, the model's own
+        chat template): the gateway's text mode, which needs no plugin. Shares this backend's
+        transport: URL, timeouts and retries."""
+        return ChatUpstream(self.http, self.model_name)
 
     def ping(self) -> None:
         """``BackendError`` unless the server answers ``/v1/models`` now (the gateway's ``/ready``)."""
