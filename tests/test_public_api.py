@@ -44,6 +44,7 @@ PACKAGES = [
     "specprefill_rag.gateway.protocol",
     "specprefill_rag.gateway.responses",
     "specprefill_rag.gateway.runs",
+    "specprefill_rag.gateway.text_mode",
 ]
 
 

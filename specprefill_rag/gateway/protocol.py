@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, get_args
 
 from ..config import GenerationConfig, describe_choices
-from ..engine import Mode
 from ..errors import ConfigError
 from ..types import RETRIEVER_SCORE_KEY, Passage, Segment, is_finite_number, is_int, lone_surrogate
+from . import GatewayMode
 from .messages import DEFAULT_SHAPES, MAX_PARTS, PromptShape, to_segments
 from .responses import APIError, Kind
 
@@ -62,7 +62,7 @@ class GatewayRequest:
     kind: Kind
     segments: tuple[Segment, ...]
     prompt_shape: str  # which documented layout the documents were recognised in ("chat": none)
-    mode: Mode
+    mode: GatewayMode
     keep_rate: float | None  # None: the engine's
     generation: GenerationConfig
     stream: bool
@@ -191,8 +191,8 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage"))
 
 
-def _extension(body: Mapping[str, Any], default_mode: Mode
-               ) -> tuple[Mode, float | None, list[Passage] | None, str | None]:
+def _extension(body: Mapping[str, Any], default_mode: GatewayMode
+               ) -> tuple[GatewayMode, float | None, list[Passage] | None, str | None]:
     """The ``specprefill`` extension object: mode, keep rate, passages, question."""
     ext = body.get("specprefill")
     if ext is None:
@@ -203,8 +203,9 @@ def _extension(body: Mapping[str, Any], default_mode: Mode
     if unknown:
         raise _bad(f"unknown specprefill field(s) {unknown}; known: {sorted(_EXTENSION_KEYS)}", param="specprefill")
     mode = ext.get("mode", default_mode)
-    if mode not in get_args(Mode):
-        raise _bad(f"specprefill.mode must be {describe_choices(Mode)}, got {_shown(mode)}", param="specprefill.mode")
+    if mode not in get_args(GatewayMode):
+        raise _bad(f"specprefill.mode must be {describe_choices(GatewayMode)}, got {_shown(mode)}",
+                   param="specprefill.mode", code="invalid_mode")
     keep_rate = ext.get("keep_rate")
     if keep_rate is not None and (not is_finite_number(keep_rate) or not 0 < keep_rate <= 1):
         raise _bad(f"specprefill.keep_rate must be a number in (0, 1], got {_shown(keep_rate)}",
@@ -314,7 +315,7 @@ def _prompt(body: Mapping[str, Any]) -> str:
 
 
 def _parse(kind: Kind, body: Mapping[str, Any], turns: list[tuple[str, str]], defaults: GenerationConfig,
-           default_mode: Mode, shapes: tuple[PromptShape, ...]) -> GatewayRequest:
+           default_mode: GatewayMode, shapes: tuple[PromptShape, ...]) -> GatewayRequest:
     _refuse_unsupported(body, kind)
     stream, include_usage = _stream_options(body)
     generation = _generation(body, defaults)
@@ -325,13 +326,13 @@ def _parse(kind: Kind, body: Mapping[str, Any], turns: list[tuple[str, str]], de
     return GatewayRequest(kind, segments, shape, mode, keep_rate, generation, stream, include_usage)
 
 
-def parse_chat(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: Mode = "specprefill",
+def parse_chat(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: GatewayMode = "specprefill",
                shapes: tuple[PromptShape, ...] = DEFAULT_SHAPES) -> GatewayRequest:
     """A ``/v1/chat/completions`` body; ``APIError`` (400) or ``InputError`` when it cannot be served."""
     return _parse("chat", body, _turns(body), defaults, default_mode, shapes)
 
 
-def parse_completion(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: Mode = "specprefill",
+def parse_completion(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: GatewayMode = "specprefill",
                      shapes: tuple[PromptShape, ...] = DEFAULT_SHAPES) -> GatewayRequest:
     """A ``/v1/completions`` body: the prompt is read as one user message."""
     return _parse("completion", body, [("user", _prompt(body))], defaults, default_mode, shapes)
