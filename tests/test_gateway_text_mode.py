@@ -31,6 +31,7 @@ from specprefill_rag.gateway import GatewayOptions, create_app  # noqa: E402
 from specprefill_rag.gateway.text_mode import WORD_JOINER, added_token_strings, defuse  # noqa: E402
 from specprefill_rag.prompt import chat_segments, special_token_ids  # noqa: E402
 from specprefill_rag.testing import tiny_engine  # noqa: E402
+from specprefill_rag.tools.cli_parser import build_parser  # noqa: E402
 from specprefill_rag.wire import INVALID_PLAN  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -318,7 +319,7 @@ def test_a_full_request_needs_no_plugin_and_no_fallback(upstream):
     assert ext.get("mode") != "text" and ext["speculated"] is False and len(upstream.chats()) == warm_ups
 
 
-# -- refusals ----------------------------------------------------------------------------------
+# -- refusals and the command line ----------------------------------------------------------------
 
 
 def test_a_bad_mode_gets_a_clear_400(upstream):
@@ -342,3 +343,11 @@ def test_the_server_options_are_checked(upstream):
     with pytest.raises(ConfigError, match="default_mode='text' needs a draft model"):
         create_app(without_draft, default_mode="text")
 
+
+def test_the_command_line_flags():
+    args = build_parser().parse_args(["gateway", "--default-mode", "text", "--fallback-text-mode"])
+    assert args.default_mode == "text" and args.fallback_text_mode is True
+    args = build_parser().parse_args(["serve", "m", "--gateway-port", "1", "--default-mode", "full"])
+    assert args.default_mode == "full" and args.fallback_text_mode is False
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gateway", "--default-mode", "fast"])

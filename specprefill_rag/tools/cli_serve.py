@@ -83,7 +83,8 @@ def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int,
         return 2
     app = create_app(engine, api_key=args.api_key, api_keys=api_keys, max_queue=args.max_queue,
                      max_concurrency=args.max_concurrency, model_name=args.model_name or model_name,
-                     max_body_bytes=args.max_body_bytes, max_body_bytes_in_flight=args.max_body_bytes_in_flight)
+                     max_body_bytes=args.max_body_bytes, max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+                     default_mode=args.default_mode, fallback_text_mode=args.fallback_text_mode)
     try:
         run_app(app, host=host, port=port, log_level=args.log_level, drain_timeout=args.drain_timeout)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
