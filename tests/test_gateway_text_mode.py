@@ -54,6 +54,7 @@ class Upstream(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), UpstreamHandler)
         self.tokens = tokens
         self.plugin = "none"
+        self.malformed = False  # chat chunks whose choices are not a list
         self.requests: list[tuple[str, dict]] = []
 
     @property
@@ -89,6 +90,9 @@ class UpstreamHandler(BaseHTTPRequestHandler):
             return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
                                                                     "finish_reason": finish}]}
 
+        if self.server.malformed:
+            self._events([{"object": "chat.completion.chunk", "choices": {"delta": "?"}}])
+            return
         events = [chunk({"role": "assistant", "content": ""})] + [chunk({"content": t}) for t in ANSWER]
         events.append(chunk({}, "stop"))
         if (body.get("stream_options") or {}).get("include_usage"):
@@ -226,6 +230,27 @@ def test_the_completions_endpoint_sends_a_chat_too(local, upstream):
     assert response.json()["choices"][0]["text"] == "".join(ANSWER)
     want = local.compress(QUESTION, PASSAGES, instructions="")
     assert upstream.chats()[0]["messages"] == [{"role": "user", "content": user_message(want.texts)}]
+
+
+def test_the_generation_settings_reach_the_upstream(upstream):
+    with client(upstream_engine(upstream)) as c:
+        response = c.post(CHAT, json=body(temperature=0.5, top_p=0.9, top_k=5, seed=7, stop=["\n\n", "END"],
+                                          cache_salt="tenant-x", max_completion_tokens=6))
+    assert response.status_code == 200, response.text
+    [sent] = upstream.chats()
+    assert {k: sent[k] for k in ("temperature", "top_p", "top_k", "seed", "stop", "cache_salt", "max_tokens")} == {
+        "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7, "stop": ["\n\n", "END"], "cache_salt": "tenant-x",
+        "max_tokens": 6}
+    assert sent["stream_options"] == {"include_usage": True}
+
+
+def test_a_malformed_upstream_answer_is_a_502(upstream):
+    upstream.malformed = True
+    with client(upstream_engine(upstream)) as c:
+        response = c.post(CHAT, json=body())
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "upstream_error" and "malformed" in error["message"]
 
 
 def test_client_text_never_reaches_the_upstream_as_a_special_token(local, upstream):
