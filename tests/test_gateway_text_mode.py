@@ -323,15 +323,19 @@ def test_a_planned_request_fails_without_the_plugin_unless_the_fallback_is_on(lo
         assert ready.status_code == 200, ready.text
         warm_ups = len(upstream.chats())
         response = c.post(CHAT, json=body(mode="specprefill"))
+        streamed = events(c.post(CHAT, json=body(mode="specprefill", stream=True)).text)
         metrics = c.get("/metrics").text
     assert response.status_code == 200, response.text
     ext = response.json()["specprefill"]
     assert ext["mode"] == "text" and ext["fallback"]["from"] == "specprefill"
     assert "plugin" in ext["fallback"]["reason"]
     want = local.compress(QUESTION, PASSAGES, instructions=SYSTEM)
-    assert warm_ups == 1 and len(upstream.chats()) == 2
-    assert upstream.chats()[-1]["messages"][1]["content"] == user_message(want.texts)
-    assert metric(metrics, "specprefill_gateway_text_fallbacks_total") == 1
+    assert warm_ups == 1 and len(upstream.chats()) == 3
+    assert upstream.chats()[1]["messages"][1]["content"] == user_message(want.texts)
+    assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in streamed if ch["choices"]) == "".join(ANSWER)
+    assert streamed[-1]["specprefill"]["fallback"]["from"] == "specprefill"
+    assert metric(metrics, "specprefill_gateway_text_fallbacks_total") == 2
+    assert metric(metrics, "specprefill_gateway_requests_total", endpoint="chat", mode="specprefill", status="200") == 2
 
 
 def test_a_full_request_needs_no_plugin_and_no_fallback(upstream):
