@@ -329,6 +329,7 @@ def test_a_planned_request_fails_without_the_plugin_unless_the_fallback_is_on(lo
     ext = response.json()["specprefill"]
     assert ext["mode"] == "text" and ext["fallback"]["from"] == "specprefill"
     assert "plugin" in ext["fallback"]["reason"]
+    assert ext["draft_memo_hit"] is True  # the position attempt scored the prompt: the draft ran once
     want = local.compress(QUESTION, PASSAGES, instructions=SYSTEM)
     assert warm_ups == 1 and len(upstream.chats()) == 3
     assert upstream.chats()[1]["messages"][1]["content"] == user_message(want.texts)
