@@ -10,6 +10,7 @@ sends no proof (a replica without the plugin behind a router). The kept text is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator
@@ -104,10 +105,13 @@ class UpstreamHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
         self.end_headers()
-        for event in events:
-            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+        try:
+            for event in events:
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except OSError:  # the gateway hung up first (an answer without the plugin's proof)
+            pass
         self.close_connection = True
 
     def _json(self, status: int, payload: dict) -> None:
@@ -143,12 +147,14 @@ def upstream(local) -> Iterator[Upstream]:
         server.server_close()
 
 
-def upstream_engine(upstream: Upstream) -> SpecPrefillEngine:
-    """A tiny draft in front of ``upstream``: the vllm_server backend, which it has no plugin for."""
+def upstream_engine(upstream: Upstream, timeout: float | None = None) -> SpecPrefillEngine:
+    """A tiny draft in front of ``upstream``: the vllm_server backend, which it has no plugin for;
+    ``timeout``: the requests' ``GenerationConfig.timeout``."""
     twin = tiny_engine()
     backend = VLLMServerBackend(upstream.url, twin.tokenizer, model="tiny", max_context=2048,
                                 connection=ConnectionOptions(max_retries=0))
-    return SpecPrefillEngine(backend, twin.draft, twin.config)
+    config = dataclasses.replace(twin.config, generation=dataclasses.replace(twin.config.generation, timeout=timeout))
+    return SpecPrefillEngine(backend, twin.draft, config)
 
 
 def client(engine: SpecPrefillEngine, **options: object) -> TestClient:
@@ -251,6 +257,13 @@ def test_a_malformed_upstream_answer_is_a_502(upstream):
     assert response.status_code == 502
     error = response.json()["error"]
     assert error["code"] == "upstream_error" and "malformed" in error["message"]
+
+
+def test_the_draft_counts_against_the_requests_timeout(upstream):
+    with client(upstream_engine(upstream, timeout=1e-6)) as c:
+        response = c.post(CHAT, json=body())
+    assert response.status_code == 504 and response.json()["error"]["code"] == "upstream_timeout"
+    assert upstream.chats() == []
 
 
 def test_client_text_never_reaches_the_upstream_as_a_special_token(local, upstream):

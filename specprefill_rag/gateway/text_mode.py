@@ -32,6 +32,7 @@ from ..backends.openai_chat import ChatAnswer, ChatUpstream
 from ..compress import DEFAULT_MARKER, CompressedPassage, compression, kept_texts
 from ..config import GenerationConfig
 from ..engine import SpecPrefillEngine
+from ..errors import BackendTimeoutError
 from ..prompt import build_segments
 from ..prompt.layout import messages
 from ..streams import TextStream
@@ -142,10 +143,11 @@ def text_stream(engine: SpecPrefillEngine, request: GatewayRequest, mode: TextMo
         planned = engine.plan(prompt, selection=selection, cache_salt=generation.cache_salt)
         planned = dataclasses.replace(planned, assemble_s=assembled - started)
         cut = text_segments(prompt.segments, kept_texts(planned, mode.marker), mode)
+        rest = dataclasses.replace(request, generation=_time_left(generation, started))
         if mode.upstream is None:
-            reply = yield from _local(engine, cut, request, stop)
+            reply = yield from _local(engine, cut, rest, stop)
         else:
-            reply = yield from _upstream(engine, mode.upstream, to_messages(cut), planned, request, stop)
+            reply = yield from _upstream(engine, mode.upstream, to_messages(cut), planned, rest, stop)
         return _result(engine, planned, reply, mode, started, fallback)
 
     return TextStream(run(), stop)
@@ -160,6 +162,17 @@ def warm_up(engine: SpecPrefillEngine, mode: TextMode) -> None:
     if engine.draft is not None:
         draft = engine.config.draft
         engine.draft.capture_graphs(draft, batches=(1, draft.max_batch))
+
+
+def _time_left(generation: GenerationConfig, started: float) -> GenerationConfig:
+    """``generation`` with its timeout cut to what assembling and the draft left of it (as
+    ``decoding`` hands a backend); ``BackendTimeoutError`` when nothing is left."""
+    if generation.timeout is None:
+        return generation
+    left = started + generation.timeout - time.perf_counter()
+    if left <= 0:
+        raise BackendTimeoutError(f"no complete answer within timeout={generation.timeout:g} s")
+    return dataclasses.replace(generation, timeout=left)
 
 
 @dataclass(frozen=True)
