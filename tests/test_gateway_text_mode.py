@@ -57,6 +57,7 @@ class Upstream(ThreadingHTTPServer):
         self.plugin = "none"
         self.malformed = False  # chat chunks whose choices are not a list
         self.requests: list[tuple[str, dict]] = []
+        self.keys: list[str | None] = []  # each request's Authorization header
 
     @property
     def url(self) -> str:
@@ -71,10 +72,12 @@ class UpstreamHandler(BaseHTTPRequestHandler):
     server: Upstream
 
     def do_GET(self) -> None:
+        self.server.keys.append(self.headers.get("Authorization"))
         self._json(200, {"object": "list", "data": [{"id": "tiny", "max_model_len": 2048}]})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        self.server.keys.append(self.headers.get("Authorization"))
         self.server.requests.append((self.path, body))
         if self.path == CHAT:
             self._chat(body)
@@ -147,12 +150,13 @@ def upstream(local) -> Iterator[Upstream]:
         server.server_close()
 
 
-def upstream_engine(upstream: Upstream, timeout: float | None = None) -> SpecPrefillEngine:
+def upstream_engine(upstream: Upstream, timeout: float | None = None, api_key: str | None = None
+                    ) -> SpecPrefillEngine:
     """A tiny draft in front of ``upstream``: the vllm_server backend, which it has no plugin for;
-    ``timeout``: the requests' ``GenerationConfig.timeout``."""
+    ``timeout``: the requests' ``GenerationConfig.timeout``; ``api_key``: the upstream's."""
     twin = tiny_engine()
     backend = VLLMServerBackend(upstream.url, twin.tokenizer, model="tiny", max_context=2048,
-                                connection=ConnectionOptions(max_retries=0))
+                                connection=ConnectionOptions(max_retries=0, api_key=api_key))
     config = dataclasses.replace(twin.config, generation=dataclasses.replace(twin.config.generation, timeout=timeout))
     return SpecPrefillEngine(backend, twin.draft, config)
 
@@ -248,6 +252,18 @@ def test_the_generation_settings_reach_the_upstream(upstream):
         "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7, "stop": ["\n\n", "END"], "cache_salt": "tenant-x",
         "max_tokens": 6}
     assert sent["stream_options"] == {"include_usage": True}
+
+
+def test_an_upstream_api_key_goes_with_every_request_and_nowhere_else(upstream):
+    engine = upstream_engine(upstream, api_key="sk-upstream")
+    with client(engine, api_key="gateway-key") as c:
+        response = c.post(CHAT, json=body(), headers={"Authorization": "Bearer gateway-key"})
+    assert response.status_code == 200, response.text
+    assert upstream.keys and set(upstream.keys) == {"Bearer sk-upstream"}  # the warm-up's, the chat's
+    assert "sk-upstream" not in repr(engine.backend.connection)
+    assert "sk-upstream" not in json.dumps(upstream.chats()[0]) + response.text
+    with pytest.raises(ConfigError, match="api_key must be a non-empty string"):
+        ConnectionOptions(api_key=" ")
 
 
 def test_a_malformed_upstream_answer_is_a_502(upstream):
@@ -388,8 +404,9 @@ def test_the_server_options_are_checked(upstream):
 
 
 def test_the_command_line_flags():
-    args = build_parser().parse_args(["gateway", "--default-mode", "text", "--fallback-text-mode"])
-    assert args.default_mode == "text" and args.fallback_text_mode is True
+    args = build_parser().parse_args(["gateway", "--default-mode", "text", "--fallback-text-mode",
+                                      "--vllm-api-key", "sk-up"])
+    assert args.default_mode == "text" and args.fallback_text_mode is True and args.vllm_api_key == "sk-up"
     args = build_parser().parse_args(["serve", "m", "--gateway-port", "1", "--default-mode", "full"])
     assert args.default_mode == "full" and args.fallback_text_mode is False
     with pytest.raises(SystemExit):

@@ -43,7 +43,7 @@ import json
 import logging
 import threading
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import GenerationConfig
@@ -125,6 +125,7 @@ class ConnectionOptions:
     max_retries: int = DEFAULT_MAX_RETRIES  # extra attempts after a failed connect or HTTP 502/503/504
     retry_backoff: float = 0.5  # seconds before the first retry, doubled each time
     verify_plugin: bool = True  # the handshake and the per-request proof (module docstring)
+    api_key: str | None = field(default=None, repr=False)  # sent as "Authorization: Bearer KEY"; None: none
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "read_timeout"):
@@ -135,6 +136,8 @@ class ConnectionOptions:
             raise ConfigError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
         if not is_number(self.retry_backoff) or not self.retry_backoff >= 0:
             raise ConfigError(f"retry_backoff must be a number of seconds >= 0, got {self.retry_backoff!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ConfigError("api_key must be a non-empty string or None")
 
     @classmethod
     def take(cls, keywords: dict[str, Any], base: ConnectionOptions | None = None) -> ConnectionOptions:
@@ -172,7 +175,7 @@ class VLLMServerBackend(ModelIdentity):
         # The transport (``http.base_url``, timeouts, ``http.max_retries``): private to this backend.
         self.http = VLLMHTTPClient(base_url, connect_timeout=connection.connect_timeout,
                                    read_timeout=connection.read_timeout, max_retries=connection.max_retries,
-                                   retry_backoff=connection.retry_backoff)
+                                   retry_backoff=connection.retry_backoff, api_key=connection.api_key)
         self.connection = connection
         self._tokenizer = tokenizer
         # Public: requests share prefix-cache blocks only with requests of the same salt (tenants,

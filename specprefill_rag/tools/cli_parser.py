@@ -158,6 +158,10 @@ def _add_gateway(sub: Any) -> None:
                          "vllm_offline (%(default)s)")
     gateway.add_argument("--vllm-url", default="http://127.0.0.1:8000",
                          help="the vLLM server, for --backend vllm_server (%(default)s)")
+    gateway.add_argument("--vllm-api-key", default=os.environ.get("SPECPREFILL_UPSTREAM_API_KEY"),
+                         help="the upstream's API key, sent as 'Authorization: Bearer KEY' (vLLM's --api-key, or an "
+                         "OpenAI-compatible service's for text mode) (default: $SPECPREFILL_UPSTREAM_API_KEY; unset: "
+                         "none)")
     gateway.add_argument("--served-model-name", default=None,
                          help="the model's name on the vLLM server (default: asked at start)")
     gateway.add_argument("--max-model-len", type=int, default=None,

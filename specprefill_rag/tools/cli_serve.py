@@ -126,7 +126,8 @@ def gateway_command(args: argparse.Namespace) -> int:
     config = _gateway_config(args, SpecPrefillConfig())
     kwargs: dict[str, Any] = {}
     if args.backend == "vllm_server":
-        kwargs = {"base_url": args.vllm_url, "model": args.served_model_name, "max_context": args.max_model_len}
+        kwargs = {"base_url": args.vllm_url, "model": args.served_model_name, "max_context": args.max_model_len,
+                  "api_key": args.vllm_api_key or None}
     print(f"Loading {'main ' + args.main if args.no_draft else f'draft {args.draft} and main {args.main}'} ...",
           flush=True)
     try:
