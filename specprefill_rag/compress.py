@@ -23,7 +23,7 @@ from .errors import InputTypeError
 from .prompt import Passages, as_passages
 from .types import KeptSpan, Passage, PathChoice, PlannedPrompt, SegmentKind
 
-__all__ = ["DEFAULT_MARKER", "CompressedPassage", "Compression", "check_request", "compression"]
+__all__ = ["DEFAULT_MARKER", "CompressedPassage", "Compression", "check_request", "compression", "kept_texts"]
 
 DEFAULT_MARKER = " … "  # what stands for each dropped run of a passage in its kept text
 
@@ -131,6 +131,16 @@ def compression(planned: PlannedPrompt, passages: Passages, marker: str, seconds
         out.append(CompressedPassage(index, span.id, text, tuple((a + lead, b + lead) for a, b in runs),
                                      span.n_tokens, span.n_kept, span.ranges, score, passage.metadata))
     return Compression(tuple(out), planned, seconds)
+
+
+def kept_texts(planned: PlannedPrompt, marker: str) -> dict[int, str]:
+    """Segment index → the kept text of every prunable segment of ``planned``'s prompt, by
+    ``compression``'s rule (a passage's is its ``CompressedPassage.text``): what the gateway's
+    text mode sends in place of each passage."""
+    prompt = planned.prompt
+    kept = _kept_tokens(planned.plan.kept_spans, prompt.n_tokens)
+    return {i: _joined(segment.text, _kept_runs(planned, kept, i), marker)
+            for i, segment in enumerate(prompt.segments) if segment.prunable}
 
 
 def _kept_tokens(spans: tuple[KeptSpan, ...], n: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ failure raises what.
     ├── BackendError (RuntimeError)      the main model could not serve the request
     │   ├── ServerError                  the vLLM server answered with an error (``status``)
     │   ├── BackendTimeoutError (TimeoutError)  no answer within the deadline
+    │   ├── PluginMissingError           a planned request reached a vLLM without the plugin
     │   └── ServerStartError             the vLLM server exited or was not ready in time
     ├── UnsupportedVLLMError (RuntimeError)  the installed vLLM is not one the plugin was written for
     └── MissingDependencyError (ImportError)  an optional part is not installed; the message
@@ -35,6 +36,7 @@ __all__ = [
     "MissingDependencyError",
     "ModelNotFoundError",
     "PlanError",
+    "PluginMissingError",
     "ServerError",
     "ServerStartError",
     "SpecPrefillError",
@@ -101,6 +103,12 @@ class ServerError(BackendError):
 
 class BackendTimeoutError(BackendError, TimeoutError):
     """The request's deadline passed before the backend answered (or finished streaming)."""
+
+
+class PluginMissingError(BackendError):
+    """A planned request reached a vLLM server (or replica) without the SpecPrefill plugin: the
+    plugin check failed or an answer came without the plugin's proof. Nothing of it reached the
+    caller; the gateway can answer in text mode instead (``--fallback-text-mode``)."""
 
 
 class ServerStartError(BackendError):

@@ -35,6 +35,7 @@ PACKAGES = [
     "specprefill_rag.backends.vllm_http",
     "specprefill_rag.backends.vllm_server",
     "specprefill_rag.backends.vllm_offline",
+    "specprefill_rag.backends.openai_chat",
     "specprefill_rag.gateway",
     "specprefill_rag.gateway.admission",
     "specprefill_rag.gateway.app",
@@ -44,6 +45,7 @@ PACKAGES = [
     "specprefill_rag.gateway.protocol",
     "specprefill_rag.gateway.responses",
     "specprefill_rag.gateway.runs",
+    "specprefill_rag.gateway.text_mode",
     "specprefill_rag.gateway.tools",
 ]
 
@@ -81,6 +83,7 @@ EXPECTED_TOP_LEVEL = [
     "PathChoice",
     "PlanError",
     "PlannedPrompt",
+    "PluginMissingError",
     "PrefillPlan",
     "RequestOptions",
     "ScoringConfig",

@@ -85,7 +85,7 @@ class VLLMHTTPClient:
     """Requests to one vLLM server: ``base_url``, timeouts and the retry policy (see the module)."""
 
     def __init__(self, base_url: str, *, connect_timeout: float, read_timeout: float, max_retries: int,
-                 retry_backoff: float) -> None:
+                 retry_backoff: float, api_key: str | None = None) -> None:
         parsed = urllib.parse.urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ConfigError(f"base_url must look like http://HOST:PORT, got {base_url!r}")
@@ -97,6 +97,8 @@ class VLLMHTTPClient:
         self._prefix = parsed.path.rstrip("/")
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.max_retries, self.retry_backoff = int(max_retries), retry_backoff
+        # Sent as "Authorization: Bearer KEY" (vLLM's --api-key, a hosted API); never in a message.
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def get(self, path: str) -> bytes:
         """The body of the 2xx answer to ``GET path`` (no deadline: the connect and read timeouts
@@ -183,7 +185,7 @@ class VLLMHTTPClient:
         limit = deadline.cap(self.read_timeout)
         try:
             sock.settimeout(limit)
-            headers = {"Content-Type": "application/json"} if payload else {}
+            headers = ({"Content-Type": "application/json"} if payload else {}) | self._auth
             conn.request(method, self._prefix + path, body=payload, headers=headers)
             response = conn.getresponse()
         except _IO_ERRORS as exc:

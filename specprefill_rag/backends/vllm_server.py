@@ -9,6 +9,7 @@ HF directory the server serves. Standard library HTTP only (``http.client``, thr
 backend's own ``vllm_http.VLLMHTTPClient``: deadlines, retries, server-sent events), no extra
 dependency.
 Start the server with ``specprefill-rag serve MODEL`` (docs/vllm.md).
+``chat_upstream`` offers the same server as a plain chat endpoint: the gateway's text mode.
 
 Failures: every failure of the server path is a ``BackendError`` (``ServerError`` for an HTTP
 error or an error event, ``BackendTimeoutError`` past the deadline) naming the server, with the
@@ -25,7 +26,7 @@ positions. Two checks keep that from ever reaching a caller:
   into every chunk of a planned answer (``wire.PROOF_FIELD``), and the backend requires the proof
   it expects before it yields a token. Behind a router each request may reach another replica;
   one without the plugin (a rolling upgrade, a pod from another image) sends no proof, and the
-  request fails with a ``BackendError`` instead of a silently wrong answer;
+  request fails with a ``PluginMissingError`` (a ``BackendError``) instead of a silently wrong answer;
 - the handshake, once per backend: before its first planned request a backend sends one tiny,
   deliberately invalid plan and requires the plugin's own HTTP 400, so a server without the
   plugin is named with the fix before any plan is sent.
@@ -42,15 +43,16 @@ import json
 import logging
 import threading
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import GenerationConfig
-from ..errors import BackendError, ConfigError, ServerError
+from ..errors import BackendError, ConfigError, PluginMissingError, ServerError
 from ..loading import eos_ids
 from ..types import PrefillPlan, is_int, is_number
 from ..wire import INVALID_PLAN, NEXT_POSITION_KEY, POSITIONS_KEY, PROOF_FIELD, is_contiguous, plan_proof, plan_to_xargs
 from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, max_new_tokens
+from .openai_chat import ChatUpstream
 from .vllm_http import VLLMHTTPClient, describe
 
 __all__ = ["DEFAULT_MAX_RETRIES", "ConnectionOptions", "VLLMServerBackend", "request_body"]
@@ -123,6 +125,7 @@ class ConnectionOptions:
     max_retries: int = DEFAULT_MAX_RETRIES  # extra attempts after a failed connect or HTTP 502/503/504
     retry_backoff: float = 0.5  # seconds before the first retry, doubled each time
     verify_plugin: bool = True  # the handshake and the per-request proof (module docstring)
+    api_key: str | None = field(default=None, repr=False)  # sent as "Authorization: Bearer KEY"; None: none
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "read_timeout"):
@@ -133,6 +136,8 @@ class ConnectionOptions:
             raise ConfigError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
         if not is_number(self.retry_backoff) or not self.retry_backoff >= 0:
             raise ConfigError(f"retry_backoff must be a number of seconds >= 0, got {self.retry_backoff!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ConfigError("api_key must be a non-empty string or None")
 
     @classmethod
     def take(cls, keywords: dict[str, Any], base: ConnectionOptions | None = None) -> ConnectionOptions:
@@ -170,7 +175,7 @@ class VLLMServerBackend(ModelIdentity):
         # The transport (``http.base_url``, timeouts, ``http.max_retries``): private to this backend.
         self.http = VLLMHTTPClient(base_url, connect_timeout=connection.connect_timeout,
                                    read_timeout=connection.read_timeout, max_retries=connection.max_retries,
-                                   retry_backoff=connection.retry_backoff)
+                                   retry_backoff=connection.retry_backoff, api_key=connection.api_key)
         self.connection = connection
         self._tokenizer = tokenizer
         # Public: requests share prefix-cache blocks only with requests of the same salt (tenants,
@@ -227,6 +232,12 @@ class VLLMServerBackend(ModelIdentity):
             f"{', '.join(str(c['id']) for c in cards) or 'nothing'}"
         )
 
+    def chat_upstream(self) -> ChatUpstream:
+        """The same server as a plain chat endpoint (``/v1/chat/completions``, the model's own
+        chat template): the gateway's text mode, which needs no plugin. Shares this backend's
+        transport: URL, timeouts and retries."""
+        return ChatUpstream(self.http, self.model_name)
+
     def ping(self) -> None:
         """``BackendError`` unless the server answers ``/v1/models`` now (the gateway's ``/ready``)."""
         self._model_card(self.model_name)
@@ -260,24 +271,24 @@ class VLLMServerBackend(ModelIdentity):
                 return
             if exc.status is not None and exc.status >= 500:
                 raise  # the server failed (after retries on 502/503/504): no verdict, checked again next time
-            raise BackendError(
+            raise PluginMissingError(
                 f"refusing to send SpecPrefill plans to the vLLM server at {self.http.base_url}: it did not answer "
                 f"the plugin check (an invalid plan) with the plugin's HTTP 400 ({exc}), so its plugin is not "
                 f"active. {_PLUGIN_FIX}"
             ) from exc
-        raise BackendError(
+        raise PluginMissingError(
             f"refusing to send SpecPrefill plans to the vLLM server at {self.http.base_url}: it accepted an invalid "
             f"plan (HTTP {status}), so the specprefill plugin is not active there and a plan "
             f"would be answered at contiguous positions, silently wrong. {_PLUGIN_FIX}"
         )
 
-    def _unproven(self, event: dict[str, Any]) -> BackendError:
+    def _unproven(self, event: dict[str, Any]) -> PluginMissingError:
         """The error for a chunk of a planned answer without the proof this request expects."""
         got = event.get(PROOF_FIELD)
         what = (f"without the plugin's proof (no {PROOF_FIELD!r} field), so the vLLM process that served it "
                 "does not run the specprefill plugin and answered at contiguous positions" if got is None else
                 f"with the proof of another plan ({got!r:.60}), so what it served is not this request's plan")
-        return BackendError(
+        return PluginMissingError(
             f"discarded the answer of the vLLM server at {self.http.base_url} to a SpecPrefill plan (response "
             f"{str(event.get('id'))!r:.60}): it came {what}. Behind a router or load balancer, every replica "
             f"needs the plugin. {_PLUGIN_FIX}"

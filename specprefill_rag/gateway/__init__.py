@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ..errors import ConfigError, MissingDependencyError
 from .messages import DEFAULT_SHAPES, PromptShape
@@ -22,10 +22,15 @@ if TYPE_CHECKING:
     from ..engine import SpecPrefillEngine
 
 __all__ = [
-    "DEFAULT_SHAPES", "INSTALL_HINT", "GatewayOptions", "PromptShape", "create_app", "require_installed", "run_app",
+    "DEFAULT_SHAPES", "INSTALL_HINT", "GatewayMode", "GatewayOptions", "PromptShape", "create_app", "require_installed",
+    "run_app",
 ]
 
 INSTALL_HINT = "pip install 'specprefill-rag[gateway]'"
+
+# How a request is answered: "specprefill" (position mode: the kept tokens at their original
+# positions), "full" (the whole prompt) or "text" (the kept text as an ordinary chat, any upstream).
+GatewayMode = Literal["specprefill", "full", "text"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,10 @@ class GatewayOptions:
     ``max_body_bytes_in_flight``: the bodies being read or parsed at once, together (a body
     without a Content-Length counts as ``max_body_bytes``); the next gets HTTP 429 (None: four
     times ``max_body_bytes``). ``ready_cache_s``: how long ``/ready`` reuses its upstream check.
+    ``default_mode``: the mode of a request that names none (None: "specprefill" with a draft,
+    else "full"); "text" sends the kept text as a chat to any OpenAI-compatible upstream.
+    ``fallback_text_mode``: a planned request whose upstream has no SpecPrefill plugin is answered
+    in text mode (reported in its ``specprefill.fallback``) instead of failing with HTTP 502.
     """
 
     api_key: str | None = None
@@ -56,8 +65,15 @@ class GatewayOptions:
     api_keys: Mapping[str, str] = field(default_factory=dict)  # API key -> tenant name
     max_body_bytes_in_flight: int | None = None  # bytes; None: 4 * max_body_bytes
     ready_cache_s: float = 2.0  # seconds
+    default_mode: GatewayMode | None = None  # None: "specprefill" with a draft, else "full"
+    fallback_text_mode: bool = False
 
     def __post_init__(self) -> None:
+        if self.default_mode is not None and self.default_mode not in get_args(GatewayMode):
+            choices = ", ".join(repr(m) for m in get_args(GatewayMode))
+            raise ConfigError(f"default_mode must be one of {choices} or None, got {self.default_mode!r:.40}")
+        if not isinstance(self.fallback_text_mode, bool):
+            raise ConfigError(f"fallback_text_mode must be True or False, got {self.fallback_text_mode!r:.40}")
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int):
             raise ConfigError(f"max_body_bytes must be an int, got {self.max_body_bytes!r}")
         if self.max_body_bytes < 1:

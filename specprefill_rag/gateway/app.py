@@ -23,6 +23,10 @@ requests in flight finish; the process exits once none is left or after ``drain_
 (a second signal shuts down at once). Gateways share nothing, so N of them behind one load
 balancer answer alike.
 
+A request in text mode (``specprefill.mode: "text"``, or ``default_mode``) sends the draft's kept
+text as an ordinary chat to the backend's server, any OpenAI-compatible one (``text_mode``); with
+``fallback_text_mode`` a planned request whose vLLM has no plugin is answered so instead of failing.
+
 The request's life (slots, engine stream, events) is ``runs``; the checks before its body is read
 are ``admission``; this module holds the gateway's state, its routes and serving it.
 """
@@ -45,14 +49,16 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..engine import Mode, SpecPrefillEngine
-from ..errors import ConfigError, InputError
-from . import GatewayOptions, tools
+from ..engine import SpecPrefillEngine
+from ..errors import ConfigError, InputError, PluginMissingError
+from . import GatewayMode, GatewayOptions, tools
 from .admission import check_media_type, tenant_salt, too_large
 from .metrics import GatewayMetrics
 from .protocol import GatewayRequest, parse_chat, parse_completion
 from .responses import RETRY_AFTER_S, APIError, StreamChunks, error_body, new_id, now, response, to_api_error
 from .runs import ClientGone, EventStream, Run, sse, sse_error, unless_disconnected
+from .text_mode import TextMode, added_token_strings
+from .text_mode import warm_up as warm_up_text
 
 __all__ = ["Gateway", "create_app", "run_app", "tenant_salt"]
 
@@ -74,7 +80,14 @@ class Gateway:
         self.ready_cache_s = options.ready_cache_s
         self.model_name = options.model_name or engine.backend.model_name
         self.shapes = tuple(options.shapes)
-        self.default_mode: Mode = "specprefill" if engine.draft is not None else "full"
+        self.default_mode: GatewayMode = options.default_mode or (
+            "specprefill" if engine.draft is not None else "full")
+        if self.default_mode != "full" and engine.draft is None:
+            raise ConfigError(f"default_mode={self.default_mode!r} needs a draft model; this engine has none")
+        chat_upstream = getattr(engine.backend, "chat_upstream", None)  # a server backend's plain chat endpoint
+        self.text = TextMode(chat_upstream() if chat_upstream is not None else None,
+                             tokens=added_token_strings(engine.tokenizer))
+        self.fallback_text_mode = options.fallback_text_mode
         self.metrics = GatewayMetrics()
         self.slots = asyncio.Semaphore(self.max_concurrency)
         self.admitted = 0  # requests in flight: reading their body, waiting for a slot or running
@@ -262,6 +275,8 @@ class Gateway:
         return {
             "status": "ok", "model": self.model_name, "backend": self.engine.backend.name,
             "draft": self.engine.draft is not None, "default_mode": self.default_mode,
+            "fallback_text_mode": self.fallback_text_mode,
+            "text_upstream": self.text.upstream.base_url if self.text.upstream is not None else "local",
             "keep_rate": config.selection.keep_rate, "draft_max_batch": config.draft.max_batch,
             "in_flight": self.admitted, "running": self.running,
             "max_queue": self.max_queue, "max_concurrency": self.max_concurrency, "draining": self.draining,
@@ -280,7 +295,7 @@ class Gateway:
             async with self._warm_lock:
                 if not self.warmed:
                     try:
-                        await asyncio.to_thread(self.engine.warm_up)
+                        await asyncio.to_thread(self._warm_up)
                         self.warmed = True
                     except Exception as error:  # reported, tried again on the next probe
                         checks["warm_up"] = f"failed: {to_api_error(error).message}"
@@ -289,6 +304,17 @@ class Gateway:
             checks["upstream"] = await self._upstream_check()
         ok = not self.draining and checks["warm_up"] == "done" and checks.get("upstream") in ("ok", "none")
         return ok, {"ready": ok, "checks": checks}
+
+    def _warm_up(self) -> None:
+        """The engine's warm-up; where its upstream has no plugin but text mode may answer (the
+        default mode, or the fallback), the draft warmed up all the same and one tiny chat proves
+        the upstream instead."""
+        try:
+            self.engine.warm_up()
+        except PluginMissingError:
+            if not (self.fallback_text_mode or self.default_mode == "text"):
+                raise
+            warm_up_text(self.engine, self.text)
 
     async def _upstream_check(self) -> str:
         """"ok", "none" (no upstream) or "failed: ..." for the upstream, at most ``ready_cache_s`` old."""

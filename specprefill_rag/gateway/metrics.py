@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..types import GenerationResult
+from .text_mode import TextModeResult
 
 __all__ = ["GatewayMetrics"]
 
@@ -29,7 +30,8 @@ class GatewayMetrics:
         self.in_flight = Gauge("specprefill_gateway_requests_in_flight",
                                "Requests admitted: running or waiting (bounded by --max-queue)", registry=r)
         self.running = Gauge("specprefill_gateway_requests_running", "Requests generating now", registry=r)
-        # Histograms are labelled by what ran: "specprefill" when the prompt was pruned, else "full".
+        # Histograms are labelled by what ran: "text" in text mode, else "specprefill" when the prompt
+        # was pruned, else "full".
         self.ttft = Histogram("specprefill_gateway_ttft_seconds", "Time to first token (request start in the engine)",
                               ["mode"], buckets=_SECONDS, registry=r)
         self.draft = Histogram("specprefill_gateway_draft_seconds", "Draft scoring time of pruned prompts",
@@ -43,6 +45,8 @@ class GatewayMetrics:
         self.paths = Counter("specprefill_gateway_paths", "Answered requests by the path they took: pruned, or "
                              "prefilled whole and why (GenerationResult.path: full_mode, short_prompt, "
                              "keeps_everything, draft_cannot_read, draft_slower)", ["path"], registry=r)
+        self.fallbacks = Counter("specprefill_gateway_text_fallbacks", "Planned requests answered in text mode "
+                                 "because their upstream had no SpecPrefill plugin (--fallback-text-mode)", registry=r)
         self.memo_hits = Counter("specprefill_gateway_draft_memo_hits", "Pruned prompts whose draft scores came "
                                  "from the engine's memo (an identical request before): the draft did not run",
                                  registry=r)
@@ -52,7 +56,7 @@ class GatewayMetrics:
         self.requests.labels(endpoint, mode, str(status)).inc()
         if result is None:
             return
-        ran = "specprefill" if result.plan.speculated else "full"
+        ran = "text" if isinstance(result, TextModeResult) else "specprefill" if result.plan.speculated else "full"
         self.paths.labels(result.path.code).inc()
         timings = result.timings
         self.ttft.labels(ran).observe(timings.ttft_s)

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any, get_args
 
 from ..config import GenerationConfig, describe_choices
-from ..engine import Mode
 from ..errors import ConfigError
 from ..prompt import has_tool_messages
 from ..types import RETRIEVER_SCORE_KEY, Passage, Segment, is_finite_number, is_int
-from . import tools
+from . import GatewayMode, tools
 from .fields import at_most, bad, shown, unsupported, valid_text
 from .messages import DEFAULT_SHAPES, PromptShape, to_segments
 from .responses import Kind
@@ -39,7 +38,7 @@ class GatewayRequest:
     kind: Kind
     segments: tuple[Segment, ...]
     prompt_shape: str  # which documented layout the documents were recognised in ("chat": none; "tools")
-    mode: Mode
+    mode: GatewayMode
     keep_rate: float | None  # None: the engine's
     generation: GenerationConfig  # its tool_choice: the request's, as the engine reads it
     stream: bool
@@ -180,8 +179,8 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage"))
 
 
-def _extension(body: Mapping[str, Any], default_mode: Mode
-               ) -> tuple[Mode, float | None, list[Passage] | None, str | None]:
+def _extension(body: Mapping[str, Any], default_mode: GatewayMode
+               ) -> tuple[GatewayMode, float | None, list[Passage] | None, str | None]:
     """The ``specprefill`` extension object: mode, keep rate, passages, question."""
     ext = body.get("specprefill")
     if ext is None:
@@ -192,8 +191,9 @@ def _extension(body: Mapping[str, Any], default_mode: Mode
     if unknown:
         raise bad(f"unknown specprefill field(s) {unknown}; known: {sorted(_EXTENSION_KEYS)}", param="specprefill")
     mode = ext.get("mode", default_mode)
-    if mode not in get_args(Mode):
-        raise bad(f"specprefill.mode must be {describe_choices(Mode)}, got {shown(mode)}", param="specprefill.mode")
+    if mode not in get_args(GatewayMode):
+        raise bad(f"specprefill.mode must be {describe_choices(GatewayMode)}, got {shown(mode)}",
+                  param="specprefill.mode", code="invalid_mode")
     keep_rate = ext.get("keep_rate")
     if keep_rate is not None and (not is_finite_number(keep_rate) or not 0 < keep_rate <= 1):
         raise bad(f"specprefill.keep_rate must be a number in (0, 1], got {shown(keep_rate)}",
@@ -314,7 +314,7 @@ def _prompt(body: Mapping[str, Any]) -> str:
 
 
 def _parse(kind: Kind, body: Mapping[str, Any], messages: list[dict[str, Any]], defaults: GenerationConfig,
-           default_mode: Mode, shapes: tuple[PromptShape, ...]) -> GatewayRequest:
+           default_mode: GatewayMode, shapes: tuple[PromptShape, ...]) -> GatewayRequest:
     _refuse_unsupported(body, kind)
     stream, include_usage = _stream_options(body)
     generation = _generation(body, defaults)
@@ -324,6 +324,9 @@ def _parse(kind: Kind, body: Mapping[str, Any], messages: list[dict[str, Any]], 
     if question is None:
         _check_question(turns)
     if offered.tools or has_tool_messages(messages):
+        if mode == "text":  # the upstream would render tools with its own template: not built yet
+            raise bad('text mode does not carry tools or tool messages yet: send them with specprefill.mode '
+                      '"specprefill" or "full"', param="specprefill.mode", code="unsupported_parameter")
         segments, shape = tools.agent_segments(messages, offered.tools, passages, question), "tools"
     else:
         segments, shape = to_segments(turns, passages=passages, question=question, shapes=shapes)
@@ -332,13 +335,13 @@ def _parse(kind: Kind, body: Mapping[str, Any], messages: list[dict[str, Any]], 
                           offered.parallel)
 
 
-def parse_chat(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: Mode = "specprefill",
+def parse_chat(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: GatewayMode = "specprefill",
                shapes: tuple[PromptShape, ...] = DEFAULT_SHAPES) -> GatewayRequest:
     """A ``/v1/chat/completions`` body; ``APIError`` (400) or ``InputError`` when it cannot be served."""
     return _parse("chat", body, _messages(body), defaults, default_mode, shapes)
 
 
-def parse_completion(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: Mode = "specprefill",
+def parse_completion(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: GatewayMode = "specprefill",
                      shapes: tuple[PromptShape, ...] = DEFAULT_SHAPES) -> GatewayRequest:
     """A ``/v1/completions`` body: the prompt is read as one user message."""
     return _parse("completion", body, [{"role": "user", "content": _prompt(body)}], defaults, default_mode, shapes)

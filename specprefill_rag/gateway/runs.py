@@ -3,8 +3,10 @@ noticing a client that went away.
 
 A ``Run`` holds a queue slot from admission (before its body is read), its share of the bodies in
 flight until parsed, then a generation slot while the engine streams; ``close`` frees them all,
-whatever ended the request, and counts it. ``EventStream`` makes sure a streamed answer closes its
-run even when Starlette cancels the response.
+whatever ended the request, and counts it. A text-mode request streams from ``text_mode`` instead
+of the engine; a planned one whose upstream turns out to have no plugin (``PluginMissingError``,
+before its first token) starts again in text mode when the gateway allows the fallback.
+``EventStream`` makes sure a streamed answer closes its run even when Starlette cancels the response.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from ..engine import Mode
+from ..errors import PluginMissingError
 from ..streams import AsyncTextStream
 from ..types import GenerationResult
 from .protocol import GatewayRequest
 from .responses import APIError
+from .text_mode import text_stream
 from .tools import CallText, check_answer
 
 if TYPE_CHECKING:
@@ -39,7 +44,6 @@ T = TypeVar("T")
 
 class ClientGone(Exception):
     """The client closed the connection before the answer was complete."""
-
 
 
 async def _disconnected(request: Request) -> None:
@@ -104,11 +108,32 @@ class Run:
         self.gateway.metrics.running.inc()
         req = self.request
         assert req is not None
+        gateway = self.gateway
         self.calls = None if req.call_opener is None else CallText(req.call_opener)
-        self.stream = await self.gateway.engine.astream(
-            list(req.segments), mode=req.mode, keep_rate=req.keep_rate, generation=req.generation
+        if req.mode == "text":
+            self.stream = await self._text()
+            return await self.next()
+        mode: Mode = "full" if req.mode == "full" else "specprefill"
+        self.stream = await gateway.engine.astream(
+            list(req.segments), mode=mode, keep_rate=req.keep_rate, generation=req.generation
         )
-        return await self.next()
+        try:
+            return await self.next()
+        except PluginMissingError as error:  # before the first token: nothing was sent yet
+            if not gateway.fallback_text_mode:
+                raise
+            logger.warning("answering in text mode: %s", error)
+            await self.stream.aclose()
+            gateway.metrics.fallbacks.inc()
+            self.stream = await self._text(fallback=(mode, str(error)))
+            return await self.next()
+
+    async def _text(self, fallback: tuple[str, str] | None = None) -> AsyncTextStream:
+        """The request answered in text mode (``text_mode``); ``fallback``: from what and why."""
+        req, gateway = self.request, self.gateway
+        assert req is not None
+        stream = await asyncio.to_thread(text_stream, gateway.engine, req, gateway.text, fallback)
+        return AsyncTextStream(stream)
 
     async def next(self) -> str | None:
         """The next text to send (None: the answer is complete, its calls checked). With tools, only

@@ -104,6 +104,14 @@ def _gateway_args(group: Any) -> None:
         help="prompt heads (system prompt, a chat's earlier turns) whose draft keys and values are kept, so a "
         "request that begins with one is read from where it ends, DraftConfig.prefix_cache_entries "
         "(default: the engine's, 8; 0: off)")
+    add("--default-mode", default=None, choices=["specprefill", "full", "text"],
+        help="mode of a request whose specprefill.mode is unset: specprefill (the kept tokens at their original "
+        "positions: the main model here or a vLLM with the plugin), full, or text (the kept text as an ordinary "
+        "chat to the upstream's /v1/chat/completions: any OpenAI-compatible server) (default: specprefill with a "
+        "draft, else full)")
+    add("--fallback-text-mode", action="store_true",
+        help="answer a planned request in text mode when its vLLM upstream has no SpecPrefill plugin, instead of "
+        "failing with HTTP 502 (reported in the answer's specprefill.fallback)")
     add("--model-name", default=None, help="model id shown to clients (default: the main model's name)")
     add("--max-body-bytes", type=int, default=8 << 20,
         help="request bodies larger than this are refused with HTTP 413 before they are read whole "
@@ -153,6 +161,10 @@ def _add_gateway(sub: Any) -> None:
                          "vllm_offline (%(default)s)")
     gateway.add_argument("--vllm-url", default="http://127.0.0.1:8000",
                          help="the vLLM server, for --backend vllm_server (%(default)s)")
+    gateway.add_argument("--vllm-api-key", default=os.environ.get("SPECPREFILL_UPSTREAM_API_KEY"),
+                         help="the upstream's API key, sent as 'Authorization: Bearer KEY' (vLLM's --api-key, or an "
+                         "OpenAI-compatible service's for text mode) (default: $SPECPREFILL_UPSTREAM_API_KEY; unset: "
+                         "none)")
     gateway.add_argument("--served-model-name", default=None,
                          help="the model's name on the vLLM server (default: asked at start)")
     gateway.add_argument("--max-model-len", type=int, default=None,

@@ -84,7 +84,8 @@ def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int,
         return 2
     app = create_app(engine, api_key=args.api_key, api_keys=api_keys, max_queue=args.max_queue,
                      max_concurrency=args.max_concurrency, model_name=args.model_name or model_name,
-                     max_body_bytes=args.max_body_bytes, max_body_bytes_in_flight=args.max_body_bytes_in_flight)
+                     max_body_bytes=args.max_body_bytes, max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+                     default_mode=args.default_mode, fallback_text_mode=args.fallback_text_mode)
     try:
         run_app(app, host=host, port=port, log_level=args.log_level, drain_timeout=args.drain_timeout)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
@@ -126,7 +127,8 @@ def gateway_command(args: argparse.Namespace) -> int:
     config = _gateway_config(args, SpecPrefillConfig())
     kwargs: dict[str, Any] = {}
     if args.backend == "vllm_server":
-        kwargs = {"base_url": args.vllm_url, "model": args.served_model_name, "max_context": args.max_model_len}
+        kwargs = {"base_url": args.vllm_url, "model": args.served_model_name, "max_context": args.max_model_len,
+                  "api_key": args.vllm_api_key or None}
     print(f"Loading {'main ' + args.main if args.no_draft else f'draft {args.draft} and main {args.main}'} ...",
           flush=True)
     try:
