@@ -13,7 +13,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,18 @@ class Handler(BaseHTTPRequestHandler):
         """Abort the connection with a TCP RST (SO_LINGER 0), not a clean close."""
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.connection.close()
+
+
+@contextmanager
+def serving(server: ThreadingHTTPServer) -> Iterator[Any]:
+    """``server`` answering in a thread inside the block, shut down and closed after it."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def stream(*chunks: bytes) -> Script:

@@ -45,6 +45,7 @@ from servers import (  # noqa: E402
     expected,
     get,
     metric,
+    serving,
 )
 
 from specprefill_rag.config import GenerationConfig  # noqa: E402
@@ -187,14 +188,8 @@ def engine():
 
 @pytest.fixture
 def fake_vllm(upstream_port) -> Iterator[FakeVLLM]:
-    server = FakeVLLM(upstream_port, tiny_tokenizer().encode("The sky is blue. The grass is green."))
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
+    with serving(FakeVLLM(upstream_port, tiny_tokenizer().encode("The sky is blue. The grass is green."))) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -22,7 +21,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
 from fastapi.testclient import TestClient  # noqa: E402
-from servers import PASSAGES, QUESTION, SYSTEM, metric  # noqa: E402
+from servers import PASSAGES, QUESTION, SYSTEM, metric, serving  # noqa: E402
 
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
 from specprefill_rag.backends.vllm_server import ConnectionOptions, VLLMServerBackend  # noqa: E402
@@ -140,14 +139,8 @@ def local() -> SpecPrefillEngine:
 
 @pytest.fixture
 def upstream(local) -> Iterator[Upstream]:
-    server = Upstream(local.tokenizer.encode("The sky is blue."))
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
+    with serving(Upstream(local.tokenizer.encode("The sky is blue."))) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def upstream_engine(upstream: Upstream, timeout: float | None = None, api_key: str | None = None
