@@ -1,5 +1,6 @@
 """``bench serving``: open-loop Poisson arrivals, per-rate TTFT percentiles and the goodput under
-a TTFT SLO (pure parts and the arrival loop with a fake server; no model runs)."""
+a TTFT SLO (pure parts and the arrival loop with a fake server), and a short ladder through a
+real gateway over the tiny engine."""
 
 from __future__ import annotations
 
@@ -132,3 +133,24 @@ def test_vllm_clients_prompt_is_one_the_gateway_splits_into_the_passages():
     assert "--skip-chat-template" in command and command[command.index("--request-rate") + 1] == "0.1"
     assert command[command.index("--backend") + 1] == "openai-chat"
     assert summary({"completed": 5, "median_ttft_ms": 1500.0, "p95_ttft_ms": 3000.0})["p95_ttft_s"] == 3.0
+
+
+def test_a_short_ladder_through_a_real_gateway_over_the_tiny_engine(tmp_path):
+    """The gateway side of ``bench serving`` end to end, bounded: a gateway process over the tiny
+    engine, two rates of four Poisson arrivals each, every request answered with its path."""
+    from servers import START_TIMEOUT_S, GatewayProcess
+
+    gateway = GatewayProcess(["--engine", "specprefill_rag.testing:tiny_engine"], tmp_path / "gateway.log")
+    try:
+        gateway.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        items = [{"question": "what is the passkey?", "ids": [0] * 40,
+                  "passages": ["The grass is green. The sky is blue. " * 6, f"The passkey is {i}. " * 3]}
+                 for i in range(3)]
+        send = serving._senders(items, (0, "unused"), {"gateway": gateway.port}, max_tokens=2)["gateway"]
+        result = serving.ladder({"gateway": send}, [20.0, 40.0], 4, seed=1)
+    finally:
+        gateway.stop()
+    per_rate = result["per_rate"]["gateway"]
+    assert all(s["answered"] == s["requests"] == 4 for s in per_rate.values())
+    assert serving.goodput(per_rate, slo_s=60.0) == 40.0 and serving.goodput(per_rate, slo_s=0.0) is None
+    assert serving.paths(result["rows"]) == {"gateway": {"20.0": {"pruned": 4}, "40.0": {"pruned": 4}}}
