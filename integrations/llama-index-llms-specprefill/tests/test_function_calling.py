@@ -194,3 +194,17 @@ async def test_a_function_agent_runs_a_query_engine_tool_over_documents(streamin
     spans = output.raw["kept_spans"]  # the last step's: it read the tool's documents
     assert {s["id"] for s in spans if s["kind"] == "tool_result"} == set(index.docstore.docs)
     assert all(s["keep_ratio"] == 1.0 for s in spans if s["kind"] in ("tool_schema", "tool_call", "question"))
+
+
+def test_structured_predict_by_function_calling():
+    from llama_index.core.bridge.pydantic import BaseModel
+    from llama_index.core.prompts import PromptTemplate
+
+    class Fact(BaseModel):
+        """A fact from the handbook."""
+
+        passkey: int
+
+    prompt = PromptTemplate("What is the passkey in: {text}")
+    fact = forced(call("Fact", passkey=48213)).structured_predict(Fact, prompt, text=DOCS[1])
+    assert fact == Fact(passkey=48213)
