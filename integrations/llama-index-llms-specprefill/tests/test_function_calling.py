@@ -208,3 +208,22 @@ def test_structured_predict_by_function_calling():
     prompt = PromptTemplate("What is the passkey in: {text}")
     fact = forced(call("Fact", passkey=48213)).structured_predict(Fact, prompt, text=DOCS[1])
     assert fact == Fact(passkey=48213)
+
+
+def test_assistant_calls_in_other_shapes_reach_the_prompt():
+    from llama_index.core.llms.llm import ToolSelection
+
+    selection = ToolSelection(tool_id="c1", tool_name="search", tool_kwargs={"query": "passkey"})
+    shapes = [ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={"tool_calls": [selection]})]
+    try:  # llama-index-core 0.14 carries calls as blocks too
+        from llama_index.core.base.llms.types import ToolCallBlock
+    except ImportError:
+        pass
+    else:
+        block = ToolCallBlock(tool_call_id="c1", tool_name="search", tool_kwargs={"query": "passkey"})
+        shapes.append(ChatMessage(role=MessageRole.ASSISTANT, blocks=[block]))
+    for assistant in shapes:
+        segments = messages_to_segments([question(), assistant], openai_tools([SEARCH]))
+        [call_segment] = [s for s in segments if s.kind is SegmentKind.TOOL_CALL]
+        assert (call_segment.id, call_segment.metadata["name"], json.loads(call_segment.text)) == (
+            "c1", "search", {"query": "passkey"})
