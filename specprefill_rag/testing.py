@@ -183,18 +183,20 @@ def tiny_engine(
 
 
 class ScriptedBackend:
-    """A backend that answers every plan with the same ``text`` (its tokens, up to
-    ``max_new_tokens``): a test forces what the model "writes", e.g. a tool call. It records the
-    last plan it was given (``plan``)."""
+    """A backend that answers its first plan with ``text`` and the next ones with each of ``then``
+    in turn, the last one again once they run out (their tokens, up to ``max_new_tokens``): a test
+    forces what the model "writes", e.g. a tool call and then an answer, as in an agent loop. It
+    records the last plan it was given (``plan``) and the text it last wrote (``text``)."""
 
-    def __init__(self, inner: Any, text: str) -> None:
-        self.inner, self.text = inner, text
+    def __init__(self, inner: Any, text: str, *then: str) -> None:
+        self.inner, self.text, self.texts = inner, text, [text, *then]
         self.name, self.capabilities = inner.name, inner.capabilities
         self.tokenizer, self.max_context, self.model_name = inner.tokenizer, inner.max_context, inner.model_name
         self.plan: Any = None
 
     def stream_tokens(self, plan: Any, generation: GenerationConfig) -> Iterator[int]:
         self.plan = plan
+        self.text = self.texts.pop(0) if len(self.texts) > 1 else self.texts[0]
         yield from self.tokenizer.encode(self.text, add_special_tokens=False)[:generation.max_new_tokens]
 
 

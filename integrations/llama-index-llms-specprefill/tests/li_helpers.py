@@ -70,3 +70,16 @@ class CompletionRecorder(BaseEventHandler):
     def handle(self, event: Any, **kwargs: Any) -> None:
         if isinstance(event, LLMCompletionEndEvent):
             self.responses.append(event.response)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tool_engine() -> SpecPrefillEngine:
+    """The tiny engine with a chat template that renders tools (Qwen2.5's way: ``<tool_call>``)."""
+    return testing.tiny_engine(max_position_embeddings=4096, tools=True)
+
+
+def scripted_engine(text: str, *then: str) -> SpecPrefillEngine:
+    """The tiny tool-calling engine (its draft scores for real) whose main model writes ``text``,
+    then each of ``then`` (``testing.ScriptedBackend``)."""
+    inner = tiny_tool_engine()
+    return SpecPrefillEngine(testing.ScriptedBackend(inner.backend, text, *then), inner.draft, inner.config)

@@ -11,7 +11,7 @@ from li_helpers import CompletionRecorder, tiny_cross_family_engine, tiny_engine
 from llama_index.core import Document, MockEmbedding, VectorStoreIndex
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.llms import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import NodeWithScore
 from specprefill_rag import BackendTimeoutError, SpecPrefillEngine, testing
@@ -33,8 +33,9 @@ def recorder():
 
 
 def test_public_api():
-    assert package.__all__ == ["PassageIdPostprocessor", "SpecPrefillLLM", "split_context"]
-    assert issubclass(SpecPrefillLLM, CustomLLM)
+    assert package.__all__ == ["DocumentsTool", "PassageIdPostprocessor", "SpecPrefillLLM", "messages_to_segments",
+                               "split_context", "tool_result_message"]
+    assert issubclass(SpecPrefillLLM, FunctionCallingLLM)
 
 
 def test_split_context_rules():

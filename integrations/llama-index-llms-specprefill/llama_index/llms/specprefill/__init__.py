@@ -1,5 +1,15 @@
 """LlamaIndex LLM integration for specprefill-rag (Speculative Prefill for RAG)."""
 
-from llama_index.llms.specprefill.base import PassageIdPostprocessor, SpecPrefillLLM, split_context
+from llama_index.llms.specprefill.base import SpecPrefillLLM
+from llama_index.llms.specprefill.chat import messages_to_segments
+from llama_index.llms.specprefill.passages import PassageIdPostprocessor, split_context
+from llama_index.llms.specprefill.tools import DocumentsTool, tool_result_message
 
-__all__ = ["PassageIdPostprocessor", "SpecPrefillLLM", "split_context"]
+__all__ = [
+    "DocumentsTool",
+    "PassageIdPostprocessor",
+    "SpecPrefillLLM",
+    "messages_to_segments",
+    "split_context",
+    "tool_result_message",
+]

@@ -1,26 +1,23 @@
-"""``SpecPrefillLLM``: a LlamaIndex ``CustomLLM`` over a ``SpecPrefillEngine``.
+"""``SpecPrefillLLM``: a LlamaIndex ``FunctionCallingLLM`` over a ``SpecPrefillEngine``.
 
 A translation layer only. Query engines call ``predict(template, context_str=..., query_str=...)``;
 those two slots reach the engine as separate segments (passages + protected question), so
-selection is passage-aware and reported per source node. The passage rule (docs/integrations.md):
+selection is passage-aware and reported per source node (``passages.split_context``'s rule,
+docs/integrations.md). The template's own wording is replaced by the engine's RAG layout
+(instructions = ``system_prompt``, else ``instructions``, else the engine's). Any other call
+(``complete``, other templates, templates with an output parser) sends the whole prompt as one
+prunable context segment whose last tokens are protected.
 
-- with ``PassageIdPostprocessor`` in the query engine, each node's LLM text starts with a
-  ``passage_id: <node id>`` metadata line; ``context_str`` is cut at those lines and every
-  passage keeps its node id (the marker line itself is not sent to the model);
-- without it, ``context_str`` is cut at blank lines (LlamaIndex joins node texts with
-  ``"\\n\\n"``), and passages are numbered 1, 2, ...
-
-The template's own wording is replaced by the engine's RAG layout (instructions =
-``system_prompt``, else ``instructions``, else the engine's). Any other call (``complete``,
-other templates, templates with an output parser) sends the whole prompt as one prunable
-context segment whose last tokens are protected.
+Chats go through ``chat.messages_to_segments``; with tools (``chat_with_tools``, ``FunctionAgent``)
+the template renders the tool schemas and calls (protected) and each tool result is one prunable
+passage per document (docs/tools.md). Tool calling needs a main model whose chat template renders
+tools (``metadata.is_function_calling_model``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_index.core.instrumentation as instrument
 from llama_index.core.base.llms.types import (
@@ -37,91 +34,29 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.instrumentation.events.llm import LLMPredictEndEvent, LLMPredictStartEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
-from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate
-from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.core.types import TokenAsyncGen, TokenGen
-from specprefill_rag import GenerationResult, Passage, Segment, SegmentKind, SpecPrefillEngine
+from specprefill_rag import GenerationResult, InputError, Segment, SegmentKind, SpecPrefillEngine
 from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
 from specprefill_rag.engine import LazyEngine, Mode
-from specprefill_rag.prompt import build_segments, chat_segments, split_documents
-from specprefill_rag.types import RETRIEVER_SCORE_KEY
+from specprefill_rag.prompt import build_segments
 
-__all__ = ["PassageIdPostprocessor", "SpecPrefillLLM", "split_context"]
+from .chat import assistant_message, messages_to_segments
+from .passages import DEFAULT_PASSAGE_ID_KEY, split_context
+from .streaming import achat_chunks, acompletion_chunks, chat_chunks, completion_chunks, shown_text
+from .tools import engine_tool_choice, first_call_only, openai_tools, tool_calling_problem, tool_selections
+
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
+
+__all__ = ["SpecPrefillLLM"]
 
 dispatcher = instrument.get_dispatcher(__name__)
 
-DEFAULT_PASSAGE_ID_KEY = "passage_id"
-DEFAULT_PASSAGE_SCORE_KEY = "passage_score"
 
-
-def split_context(
-    context_str: str, id_key: str = DEFAULT_PASSAGE_ID_KEY, score_key: str = DEFAULT_PASSAGE_SCORE_KEY
-) -> list[Passage]:
-    """Passages of a query engine's ``context_str`` (the rule in the module docstring).
-
-    A ``score_key`` line right after a node's id marker (written by ``PassageIdPostprocessor``)
-    becomes the passage's ``metadata[RETRIEVER_SCORE_KEY]`` (the retriever's score, which
-    ``SelectionConfig.retriever_weight`` can weigh) and is removed from the text.
-    """
-    marker = re.compile(rf"^{re.escape(id_key)}: *(\S+?) *$", re.MULTILINE)
-    score_line = re.compile(rf"\s*{re.escape(score_key)}: *(-?[0-9.eE+-]+) *(?:\n|$)")
-    marks = list(marker.finditer(context_str))
-    if not marks:
-        return split_documents(context_str)
-    passages = []
-    head = context_str[: marks[0].start()].strip()
-    if head:  # text before the first node (a repacked chunk that starts mid-node)
-        passages.append(Passage(text=head))
-    ends = [m.start() for m in marks[1:]] + [len(context_str)]
-    for mark, end in zip(marks, ends, strict=True):
-        text = context_str[mark.end() : end]
-        metadata = {}
-        scored = score_line.match(text)
-        if scored:
-            try:
-                metadata[RETRIEVER_SCORE_KEY] = float(scored.group(1))
-                text = text[scored.end() :]
-            except ValueError:
-                pass
-        if text.strip():
-            passages.append(Passage(text=text.strip(), id=mark.group(1), metadata=metadata))
-    return passages
-
-
-class PassageIdPostprocessor(BaseNodePostprocessor):
-    """Puts each node's id first in its LLM-visible metadata, so ``SpecPrefillLLM`` can cut
-    ``context_str`` back into nodes and report kept spans per node id, and the retriever's score
-    second (read back as ``Passage.metadata[RETRIEVER_SCORE_KEY]``, never shown to the model). Nodes are
-    copied."""
-
-    id_key: str = Field(default=DEFAULT_PASSAGE_ID_KEY, description="Metadata key of the marker line.")
-    score_key: str | None = Field(
-        default=DEFAULT_PASSAGE_SCORE_KEY, description="Metadata key of the retriever-score line; None: no score."
-    )
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "PassageIdPostprocessor"
-
-    def _postprocess_nodes(
-        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
-    ) -> list[NodeWithScore]:
-        marked = []
-        for item in nodes:
-            node = item.node
-            marks = {self.id_key: node.node_id}
-            if self.score_key and item.score is not None:
-                marks[self.score_key] = f"{item.score:.6g}"
-            metadata = {**marks, **{k: v for k, v in node.metadata.items() if k not in marks}}
-            excluded = [k for k in node.excluded_llm_metadata_keys if k not in marks]
-            copy = node.model_copy(update={"metadata": metadata, "excluded_llm_metadata_keys": excluded})
-            marked.append(NodeWithScore(node=copy, score=item.score))
-        return marked
-
-
-class SpecPrefillLLM(CustomLLM):
+class SpecPrefillLLM(FunctionCallingLLM):
     """LlamaIndex LLM whose prompts are prefilled with Speculative Prefill.
 
     Pass a ready ``engine`` (shares loaded models), or ``model_name`` (and optionally
@@ -188,6 +123,7 @@ class SpecPrefillLLM(CustomLLM):
             num_output=self.max_new_tokens or engine.config.generation.max_new_tokens,
             model_name=str(self.model_name),
             is_chat_model=False,
+            is_function_calling_model=tool_calling_problem(engine.tokenizer) is None,
         )
 
     # -- translation ----------------------------------------------------------------------
@@ -214,10 +150,14 @@ class SpecPrefillLLM(CustomLLM):
         system = (self.system_prompt or "").strip()
         return [*([Segment(SegmentKind.INSTRUCTIONS, system)] if system else []), Segment(SegmentKind.CONTEXT, prompt)]
 
-    def _chat_segments(self, messages: Sequence[ChatMessage]) -> list[Segment]:
-        """System → instructions; last user message → question; earlier turns → history messages."""
-        turns = [(str(m.role.value), m.content or "") for m in messages]
-        return list(chat_segments(turns, instructions=self.system_prompt))
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """System → instructions; last user message → question; earlier turns → history messages;
+        ``tools`` (OpenAI format, from ``_prepare_chat_with_tools``) → schemas; tool calls and
+        results as ``chat.messages_to_segments`` maps them."""
+        kwargs = dict(kwargs)
+        tools = kwargs.pop("tools", None) or ()
+        segments = messages_to_segments(messages, tools, instructions=self.system_prompt, id_key=self.passage_id_key)
+        return self._request(segments, kwargs)
 
     def _request(self, segments: list[Segment], kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(kwargs)
@@ -227,6 +167,7 @@ class SpecPrefillLLM(CustomLLM):
             temperature=kwargs.pop("temperature", self.temperature),
             timeout=kwargs.pop("timeout", self.timeout),
             stop=kwargs.pop("stop", None) or None,
+            tool_choice=kwargs.pop("tool_choice", None),
         )
         mode = kwargs.pop("mode", self.mode)
         keep_rate = kwargs.pop("keep_rate", self.keep_rate)
@@ -234,14 +175,24 @@ class SpecPrefillLLM(CustomLLM):
             raise TypeError(f"unexpected arguments for SpecPrefillLLM: {sorted(kwargs)}")
         return {"question": segments, "mode": mode, "keep_rate": keep_rate, "generation": generation}
 
-    def _response(self, result: GenerationResult) -> CompletionResponse:
-        facts = {"model_name": str(self.model_name), **result.to_dict()}  # counts, keep ratio, timings, spans
-        return CompletionResponse(text=result.text, additional_kwargs=facts)
+    def _facts(self, result: GenerationResult) -> dict[str, Any]:
+        """Counts, keep ratio, timings, kept spans (and tool calls): ``additional_kwargs`` and ``raw``."""
+        return {"model_name": str(self.model_name), **result.to_dict()}
 
-    def _last_chunk(self, text: str, result: GenerationResult | None) -> CompletionResponse:
-        """The stream's closing chunk: no new text, the result's metadata."""
-        assert result is not None
-        return CompletionResponse(text=text, delta="", additional_kwargs=self._response(result).additional_kwargs)
+    def _response(self, result: GenerationResult) -> CompletionResponse:
+        facts = self._facts(result)
+        return CompletionResponse(text=result.text, additional_kwargs=facts, raw=facts)
+
+    def _chat_response(self, result: GenerationResult) -> ChatResponse:
+        """The answer: its text (with tools: the text outside the calls, and the calls in the
+        message's ``additional_kwargs["tool_calls"]``), the facts in ``additional_kwargs`` and ``raw``."""
+        facts = self._facts(result)
+        return ChatResponse(message=assistant_message(result), delta="", additional_kwargs=facts, raw=facts)
+
+    def _last_chunk(self, text: str, result: GenerationResult) -> CompletionResponse:
+        """The stream's closing chunk: no new text, the result's facts."""
+        facts = self._facts(result)
+        return CompletionResponse(text=text, delta="", additional_kwargs=facts, raw=facts)
 
     def _run(self, segments: list[Segment], kwargs: dict[str, Any]) -> CompletionResponse:
         return self._response(self.engine.generate(**self._request(segments, kwargs)))
@@ -250,26 +201,10 @@ class SpecPrefillLLM(CustomLLM):
         return self._response(await self.engine.agenerate(**self._request(segments, kwargs)))
 
     def _run_stream(self, segments: list[Segment], kwargs: dict[str, Any]) -> CompletionResponseGen:
-        stream = self.engine.stream(**self._request(segments, kwargs))
-
-        def gen() -> CompletionResponseGen:
-            with stream:
-                for delta in stream:
-                    yield CompletionResponse(text=stream.text, delta=delta)
-            yield self._last_chunk(stream.text, stream.result)
-
-        return gen()
+        return completion_chunks(self.engine.stream(**self._request(segments, kwargs)), self._last_chunk)
 
     async def _arun_stream(self, segments: list[Segment], kwargs: dict[str, Any]) -> CompletionResponseAsyncGen:
-        stream = await self.engine.astream(**self._request(segments, kwargs))
-
-        async def gen() -> CompletionResponseAsyncGen:
-            async with stream:
-                async for delta in stream:
-                    yield CompletionResponse(text=stream.text, delta=delta)
-            yield self._last_chunk(stream.text, stream.result)
-
-        return gen()
+        return acompletion_chunks(await self.engine.astream(**self._request(segments, kwargs)), self._last_chunk)
 
     # -- completion -----------------------------------------------------------------------
 
@@ -312,41 +247,62 @@ class SpecPrefillLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        response = self._run(self._chat_segments(messages), kwargs)
-        return ChatResponse(
-            message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
-            additional_kwargs=response.additional_kwargs,
-        )
+        return self._chat_response(self.engine.generate(**self._chat_request(messages, kwargs)))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        completions = self._run_stream(self._chat_segments(messages), kwargs)
-
-        def gen() -> ChatResponseGen:
-            for r in completions:
-                message = ChatMessage(role=MessageRole.ASSISTANT, content=r.text)
-                yield ChatResponse(message=message, delta=r.delta, additional_kwargs=r.additional_kwargs)
-
-        return gen()
+        request = self._chat_request(messages, kwargs)
+        stream = self.engine.stream(**request)  # bad input raises here, before any model runs
+        return chat_chunks(stream, shown_text(request["question"], self.engine.tokenizer), self._chat_response)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        response = await self._arun(self._chat_segments(messages), kwargs)
-        return ChatResponse(
-            message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
-            additional_kwargs=response.additional_kwargs,
-        )
+        return self._chat_response(await self.engine.agenerate(**self._chat_request(messages, kwargs)))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        completions = await self._arun_stream(self._chat_segments(messages), kwargs)
+        request = self._chat_request(messages, kwargs)
+        stream = await self.engine.astream(**request)
+        return achat_chunks(stream, shown_text(request["question"], self.engine.tokenizer), self._chat_response)
 
-        async def gen() -> ChatResponseAsyncGen:
-            async for r in completions:
-                message = ChatMessage(role=MessageRole.ASSISTANT, content=r.text)
-                yield ChatResponse(message=message, delta=r.delta, additional_kwargs=r.additional_kwargs)
+    # -- tools (FunctionCallingLLM) -------------------------------------------------------
 
-        return gen()
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """``chat`` arguments offering ``tools`` (OpenAI schemas) with the engine's ``tool_choice``
+        (``tools.engine_tool_choice``); a model that cannot call tools is an ``InputError`` here."""
+        schemas = openai_tools(tools)
+        if schemas and (problem := tool_calling_problem(self.engine.tokenizer)) is not None:
+            raise InputError(problem)
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
+                            else user_msg)
+        names = [schema["function"]["name"] for schema in schemas]
+        choice = engine_tool_choice(tool_choice, tool_required, names) if schemas else None
+        return {"messages": messages, "tools": schemas, "tool_choice": choice, **kwargs}
+
+    def _validate_chat_with_tools_response(
+        self, response: ChatResponse, tools: Sequence[BaseTool], allow_parallel_tool_calls: bool = False,
+        **kwargs: Any,
+    ) -> ChatResponse:
+        """Without ``allow_parallel_tool_calls``, only the first call is kept (as LlamaIndex's OpenAI LLM)."""
+        return response if allow_parallel_tool_calls else first_call_only(response)
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        """The calls the model wrote (validated against the tools when it answered), as ``ToolSelection``s."""
+        return tool_selections(response, error_on_no_tool_call)
 
     # -- query-engine templates (predict / stream) ----------------------------------------
 
