@@ -1112,7 +1112,9 @@ def gateway_section(data: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"Speedup (direct / gateway): {speedups} ({precisions}). Gateway answers equal to "
-        f"the same prompt sent alone (no mixed outputs): {s['gateway_same_as_alone']} of {s['gateway_answered']}.",
+        f"the same prompt sent alone (no mixed outputs): {s['gateway_same_as_alone']} of {s['gateway_answered']}."
+        + (f" One request alone in this run: {s['alone_speedup']:.2f}× sooner through the gateway, so the p50 speedup "
+           f"under load is {s['p50_vs_alone']:.2f}× the single-request one." if s.get("p50_vs_alone") else ""),
         "",
         *meta_lines(data),
         "",

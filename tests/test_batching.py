@@ -181,7 +181,7 @@ def test_turns_are_granted_in_arrival_order():
 
 @pytest.mark.parametrize("in_order", [True, False])
 def test_concurrent_requests_draft_passes_run_one_at_a_time(in_order):
-    """Four requests at once: with passes_in_order (the default) the draft runs one pass at a
+    """Four requests at once: with passes_in_order the draft runs one pass at a
     time, so the first request's scores are ready after one pass, not after all four."""
     engine = make_engine(make_tokenizer())
     draft = dataclasses.replace(engine.config.draft, passes_in_order=in_order, memo_entries=0)

@@ -89,7 +89,7 @@ def _gateway_args(group: Any) -> None:
         "worth raising on a GPU)")
     add("--draft-passes-in-order", default=None, action=argparse.BooleanOptionalAction,
         help="concurrent requests' draft passes run one at a time in arrival order, so each goes on to the main "
-        "model as soon as its own pass ends, DraftConfig.passes_in_order (default: the engine's, on)")
+        "model as soon as its own pass ends, DraftConfig.passes_in_order (default: the engine's, off)")
     add("--draft-batch-pad-limit", type=float, default=None,
         help="most share of a padded draft pass that may be padding: a batch splits into passes of near-equal "
         "prompt lengths, DraftConfig.batch_pad_limit (default: the engine's, 0.25; 1: one pass)")
