@@ -36,7 +36,7 @@ from servers import FakeServer, Handler, stream
 
 from specprefill_rag.backends.vllm_server import ConnectionOptions, VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
-from specprefill_rag.errors import BackendError, ServerError
+from specprefill_rag.errors import BackendError, PluginMissingError, ServerError
 from specprefill_rag.types import PrefillPlan
 from specprefill_rag.vllm_plugin import admission
 from specprefill_rag.vllm_plugin import runner as plugin_runner
@@ -121,7 +121,7 @@ def test_any_other_answer_is_refused(serve, status, message):
     server = serve(answering(lambda h: h.json_reply(status, {"error": {"message": message}})))
     with pytest.raises(BackendError, match=f"did not answer the plugin check .*HTTP {status}: {message}") as info:
         list(backend(server, max_retries=0).stream_tokens(PLAN, GEN))
-    assert type(info.value) is BackendError and "specprefill-rag serve MODEL" in str(info.value)
+    assert type(info.value) is PluginMissingError and "specprefill-rag serve MODEL" in str(info.value)
     assert isinstance(info.value.__cause__, ServerError) and len(server.requests) == 1
 
 
