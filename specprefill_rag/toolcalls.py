@@ -25,6 +25,7 @@ from .types import GenerationResult, Segment, SegmentKind, ToolCall, is_int, is_
 __all__ = [
     "HermesParser",
     "answer_reader",
+    "content_filter",
     "ParsedAnswer",
     "RawCall",
     "ToolCallParser",
@@ -118,6 +119,24 @@ def parser_for(tokenizer: Any) -> ToolCallParser:
         "no tool-call parser knows this model's chat template (known: "
         f"{', '.join(name for name, _, _ in _PARSERS)}): register one with toolcalls.register_parser"
     )
+
+
+def content_filter(segments: Sequence[Segment], tokenizer: Any) -> Callable[[str], str]:
+    """What of each streamed delta a client is shown: all of it when ``segments`` offer no tools;
+    with tools, the text before the first call (the calls arrive parsed, at the end of the stream)."""
+    if not any(s.kind is SegmentKind.TOOL_SCHEMA for s in segments):
+        return lambda delta: delta
+    opener = parser_for(tokenizer).opener
+    text, sent = "", 0
+
+    def shown(delta: str) -> str:
+        nonlocal text, sent
+        text += delta
+        upto = max(held_back(text, opener), sent)
+        out, sent = text[sent:upto], upto
+        return out
+
+    return shown
 
 
 def held_back(text: str, opener: str) -> int:

@@ -45,7 +45,7 @@ from specprefill_rag import (
 from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
 from specprefill_rag.engine import LazyEngine, Mode
 from specprefill_rag.prompt import message_segments
-from specprefill_rag.toolcalls import held_back, parser_for
+from specprefill_rag.toolcalls import content_filter
 
 __all__ = ["ChatSpecPrefill", "messages_to_segments"]
 
@@ -255,21 +255,8 @@ class ChatSpecPrefill(BaseChatModel):
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
 
     def _shown(self, request: dict[str, Any]) -> Callable[[str], str]:
-        """What of each streamed delta to show: all of it without tools; with tools, the text before
-        the first call (calls arrive parsed, as the last chunk's ``tool_call_chunks``)."""
-        if not any(s.kind.value == "tool_schema" for s in request["question"]):
-            return lambda delta: delta
-        opener = parser_for(self._get_engine().tokenizer).opener
-        text, sent = "", 0
-
-        def shown(delta: str) -> str:
-            nonlocal text, sent
-            text += delta
-            upto = max(held_back(text, opener), sent)
-            out, sent = text[sent:upto], upto
-            return out
-
-        return shown
+        """What of each streamed delta to show (``toolcalls.content_filter``)."""
+        return content_filter(request["question"], self._get_engine().tokenizer)
 
     # -- tools ------------------------------------------------------------------------------
 

@@ -42,10 +42,11 @@ from specprefill_rag import GenerationResult, InputError, Segment, SegmentKind, 
 from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
 from specprefill_rag.engine import LazyEngine, Mode
 from specprefill_rag.prompt import build_segments
+from specprefill_rag.toolcalls import content_filter
 
 from .chat import assistant_message, messages_to_segments
 from .passages import DEFAULT_PASSAGE_ID_KEY, split_context
-from .streaming import achat_chunks, acompletion_chunks, chat_chunks, completion_chunks, shown_text
+from .streaming import achat_chunks, acompletion_chunks, chat_chunks, completion_chunks
 from .tools import engine_tool_choice, first_call_only, openai_tools, tool_calling_problem, tool_selections
 
 if TYPE_CHECKING:
@@ -253,7 +254,7 @@ class SpecPrefillLLM(FunctionCallingLLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         request = self._chat_request(messages, kwargs)
         stream = self.engine.stream(**request)  # bad input raises here, before any model runs
-        return chat_chunks(stream, shown_text(request["question"], self.engine.tokenizer), self._chat_response)
+        return chat_chunks(stream, content_filter(request["question"], self.engine.tokenizer), self._chat_response)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -263,7 +264,7 @@ class SpecPrefillLLM(FunctionCallingLLM):
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         request = self._chat_request(messages, kwargs)
         stream = await self.engine.astream(**request)
-        return achat_chunks(stream, shown_text(request["question"], self.engine.tokenizer), self._chat_response)
+        return achat_chunks(stream, content_filter(request["question"], self.engine.tokenizer), self._chat_response)
 
     # -- tools (FunctionCallingLLM) -------------------------------------------------------
 

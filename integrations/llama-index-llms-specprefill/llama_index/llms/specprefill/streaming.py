@@ -5,8 +5,7 @@ answer's facts (``additional_kwargs``, ``raw``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -18,11 +17,10 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     MessageRole,
 )
-from specprefill_rag import GenerationResult, Segment, SegmentKind
+from specprefill_rag import GenerationResult
 from specprefill_rag.streams import AsyncTextStream, TextStream
-from specprefill_rag.toolcalls import held_back, parser_for
 
-__all__ = ["achat_chunks", "acompletion_chunks", "chat_chunks", "completion_chunks", "shown_text"]
+__all__ = ["achat_chunks", "acompletion_chunks", "chat_chunks", "completion_chunks"]
 
 
 def completion_chunks(stream: TextStream, last: Callable[[str, GenerationResult], CompletionResponse]
@@ -43,24 +41,6 @@ async def acompletion_chunks(stream: AsyncTextStream, last: Callable[[str, Gener
             yield CompletionResponse(text=stream.text, delta=delta)
     assert stream.result is not None
     yield last(stream.text, stream.result)
-
-
-def shown_text(segments: Sequence[Segment], tokenizer: Any) -> Callable[[str], str]:
-    """What of each streamed delta to show: all of it without tools; with tools, the text before
-    the first call (the calls arrive parsed, in the last chunk)."""
-    if not any(s.kind is SegmentKind.TOOL_SCHEMA for s in segments):
-        return lambda delta: delta
-    opener = parser_for(tokenizer).opener
-    text, sent = "", 0
-
-    def shown(delta: str) -> str:
-        nonlocal text, sent
-        text += delta
-        upto = max(held_back(text, opener), sent)
-        out, sent = text[sent:upto], upto
-        return out
-
-    return shown
 
 
 def _chunk(text: str, delta: str) -> ChatResponse:
