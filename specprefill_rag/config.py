@@ -438,11 +438,21 @@ class GenerationConfig:
     # draft's score memo, prompt memo, prefix store and batches) on it. None: the shared namespace.
     cache_salt: str | None = None
     # When the prompt offers tools: "auto" (the model may call them), "required" (at least one call),
-    # "none" (no call), or a tool's name (calls to that tool only, at least one). Checked on the
-    # answer (``toolcalls``): decoding is not constrained yet, so a breach is a ToolCallError.
+    # "none" (no call), or a tool's name (calls to that tool only, at least one). On a backend that
+    # decodes under a grammar (``capabilities.grammar``) the answer is constrained to it and its
+    # calls to their tools' schemas; on any backend it is checked (a breach is a ToolCallError).
     tool_choice: str = "auto"
+    parallel_tool_calls: bool = True  # False: at most one call per answer
+    # A grammar the whole answer must match: Lark in llguidance's dialect (``grammar``:
+    # ``json_grammar(schema)`` for a JSON answer). None: unconstrained, or, with tools offered,
+    # the engine's grammar of text and calls. A backend without ``capabilities.grammar`` refuses it.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.parallel_tool_calls, bool),
+               f"parallel_tool_calls must be True or False, got {self.parallel_tool_calls!r:.40}")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+               f"grammar must be a non-empty string (Lark) or None, got {self.grammar!r:.80}")
         _check(isinstance(self.tool_choice, str) and self.tool_choice != "",
                f"tool_choice must be 'auto', 'required', 'none' or a tool's name, got {self.tool_choice!r:.80}")
         _check_types(self, ints=("max_new_tokens", "top_k", "seed"), numbers=("temperature", "top_p", "timeout"))

@@ -18,6 +18,7 @@ from .backends.base import max_new_tokens
 from .config import GenerationConfig
 from .detokenize import IncrementalDecoder
 from .errors import BackendTimeoutError, ConfigError
+from .grammar import check_support
 from .types import GenerationResult, PlannedPrompt, PrefillPlan, Timings
 from .wire import is_contiguous
 
@@ -56,6 +57,7 @@ def prefill_and_decode(
     started = time.perf_counter() if started is None else started
     plan = planned.plan
     check_positions(backend, plan)
+    check_support(backend, gen.grammar)
     decoder = IncrementalDecoder(backend.tokenizer, gen.stop)
     limit = max_new_tokens(plan, gen, backend.max_context)
     prefill_start = time.perf_counter()

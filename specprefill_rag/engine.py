@@ -333,7 +333,7 @@ class SpecPrefillEngine:
         sel = self._request_selection(mode, keep_rate, selection)
         gen = generation or self.config.generation
         prompt = self.assemble(question, passages, instructions=instructions, selection=sel, cache_salt=gen.cache_salt)
-        read_calls = toolcalls.answer_reader(prompt.segments, self.tokenizer, gen.tool_choice)
+        gen, read_calls = toolcalls.answer_setup(prompt.segments, self.tokenizer, gen, self.backend)
         reading, whole = self._choose(prompt, mode, sel, gen.cache_salt)
 
         def run() -> Generator[str, None, GenerationResult]:

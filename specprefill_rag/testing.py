@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -190,7 +191,8 @@ class ScriptedBackend:
 
     def __init__(self, inner: Any, text: str, *then: str) -> None:
         self.inner, self.text, self.texts = inner, text, [text, *then]
-        self.name, self.capabilities = inner.name, inner.capabilities
+        # What it writes is scripted: it decodes under no grammar (answers are checked, not constrained).
+        self.name, self.capabilities = inner.name, dataclasses.replace(inner.capabilities, grammar=False)
         self.tokenizer, self.max_context, self.model_name = inner.tokenizer, inner.max_context, inner.model_name
         self.plan: Any = None
 

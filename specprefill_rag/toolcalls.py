@@ -8,6 +8,11 @@ calls out of the text (``HermesParser``: Qwen's ``<tool_call>{"name": ..., "argu
 tool; arguments a JSON object with the schema's required keys and types) and the request's
 ``tool_choice``: any failure is a ``ToolCallError`` naming what is wrong, never a half-parsed
 answer.
+
+A parser may also write its syntax as a grammar (``ToolCallParser.grammar``): on a backend that
+decodes under one, ``answer_setup`` constrains the answer to free text (without the call
+opener) and calls whose JSON matches their tool's schema, as ``tool_choice`` and
+``parallel_tool_calls`` allow, so a forced call is made, and well formed, by construction.
 """
 
 from __future__ import annotations
@@ -19,12 +24,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from . import grammar as grammar_lib
+from .config import GenerationConfig
 from .errors import InputError, ToolCallError
 from .types import GenerationResult, Segment, SegmentKind, ToolCall, is_int, is_number
 
 __all__ = [
     "HermesParser",
     "answer_reader",
+    "answer_setup",
+    "CallText",
     "content_filter",
     "ParsedAnswer",
     "RawCall",
@@ -54,6 +63,17 @@ class ToolCallParser(Protocol):
 
     def split(self, text: str) -> tuple[str, list[RawCall]]:
         """(the text outside the calls, the calls in order); ``ToolCallError`` on a malformed call."""
+        ...
+
+
+class GrammarWriter(Protocol):
+    """A parser that can also write its syntax as a grammar (optional: without it, answers are
+    only checked)."""
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]], tool_choice: str, parallel: bool, tokenizer: Any) -> str:
+        """Lark (``grammar``) for an answer offering ``tools`` under ``tool_choice``: text without
+        calls for "none"; calls only (one or more, one without ``parallel``) for "required" or a
+        tool's name (that tool's); for "auto", free text then optional calls."""
         ...
 
 
@@ -95,6 +115,33 @@ class HermesParser:
                 raise ToolCallError(f"tool call {number} ({data['name']}): arguments are not JSON ({error})") from None
         return data["name"], arguments
 
+    def grammar(self, tools: Sequence[Mapping[str, Any]], tool_choice: str, parallel: bool, tokenizer: Any) -> str:
+        opener = grammar_lib.token_literal(tokenizer, self.opener)
+        closer = grammar_lib.token_literal(tokenizer, self.closer)
+        named = [t for t in tools if tool_choice in ("auto", "required") or t["function"]["name"] == tool_choice]
+        bodies = [f"body{n}: {grammar_lib.json_rule(_call_schema(tool))}" for n, tool in enumerate(named)]
+        text = "TEXT: /(?s:.+)/ & ~/(?s:.*" + "".join(
+            c if c.isalnum() or c == "_" else f"\\x{{{ord(c):x}}}" for c in self.opener) + ".*)/"
+        if tool_choice == "none":
+            return grammar_lib.declared(f"start: TEXT?\n{text}\n")
+        if tool_choice == "auto":
+            start = "start: TEXT? " + ("call*" if parallel else "call?")
+        else:
+            start = "start: " + ("call+" if parallel else "call")
+        body = " | ".join(f"body{n}" for n in range(len(named)))
+        rules = [start, text, f'call: {opener} "\\n" ({body}) "\\n" {closer} "\\n"?', *bodies]
+        return grammar_lib.declared("\n".join(rules) + "\n")
+
+
+def _call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON schema of one call to ``tool`` as Hermes writes it: its name, then its arguments."""
+    function = tool["function"]
+    parameters = dict(function.get("parameters") or {})
+    parameters.setdefault("type", "object")
+    parameters.setdefault("additionalProperties", False)  # no argument the schema does not name
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
 
 # (name, does it serve this chat template?, parser), newest first
 _PARSERS: list[tuple[str, Callable[[str], bool], ToolCallParser]] = [
@@ -123,20 +170,42 @@ def parser_for(tokenizer: Any) -> ToolCallParser:
 
 def content_filter(segments: Sequence[Segment], tokenizer: Any) -> Callable[[str], str]:
     """What of each streamed delta a client is shown: all of it when ``segments`` offer no tools;
-    with tools, the text before the first call (the calls arrive parsed, at the end of the stream)."""
+    with tools, ``CallText``'s content (the calls arrive parsed, at the end of the stream)."""
     if not any(s.kind is SegmentKind.TOOL_SCHEMA for s in segments):
         return lambda delta: delta
-    opener = parser_for(tokenizer).opener
-    text, sent = "", 0
+    return CallText(parser_for(tokenizer).opener).feed
 
-    def shown(delta: str) -> str:
-        nonlocal text, sent
-        text += delta
-        upto = max(held_back(text, opener), sent)
-        out, sent = text[sent:upto], upto
+
+class CallText:
+    """What of a streamed answer that may hold tool calls is shown as content: the text before the
+    first call, without the white space around it (as ``ParsedAnswer.content``), held back while
+    it could be the opener's beginning; nothing from the opener on (the calls arrive parsed).
+    Linear: only the text not shown yet is searched."""
+
+    def __init__(self, opener: str) -> None:
+        self.opener = opener
+        self.pending = ""  # generated text not shown yet
+        self.shown = ""  # content sent so far
+        self.closed = False  # the first call began: nothing more is shown until the answer is parsed
+
+    def feed(self, delta: str) -> str:
+        """The content to show now, of ``delta`` and the text held back before it ("" often)."""
+        if self.closed:
+            return ""
+        self.pending += delta
+        found = self.pending.find(self.opener)
+        self.closed = found >= 0
+        ready = self.pending[:found] if self.closed else self.pending[:held_back(self.pending, self.opener)]
+        skip = 0 if self.shown else len(ready) - len(ready.lstrip())  # white space before the content
+        out = ready[skip:].rstrip()  # white space is shown once text follows it
+        self.pending = self.pending[skip + len(out):]
+        self.shown += out
         return out
 
-    return shown
+    def finish(self, result: GenerationResult) -> str:
+        """The content left to show once the answer is parsed (text after the calls)."""
+        content = result.content if result.content is not None else result.text.strip()
+        return content[len(self.shown):] if content.startswith(self.shown) else ""
 
 
 def held_back(text: str, opener: str) -> int:
@@ -196,11 +265,11 @@ def _check_choice(calls: Sequence[ToolCall], choice: str) -> None:
         raise ToolCallError(f"tool_choice='none' but the model called {calls[0].name}")
     if choice == "required" and not calls:
         raise ToolCallError("tool_choice='required' but the model answered without a tool call "
-                            "(decoding is not constrained to a call yet)")
+                            "(its backend does not decode under a grammar)")
     if choice not in ("none", "required"):
         if not calls:
             raise ToolCallError(f"tool_choice={choice!r} but the model answered without calling it "
-                                "(decoding is not constrained to a call yet)")
+                                "(its backend does not decode under a grammar)")
         other = next((call.name for call in calls if call.name != choice), None)
         if other is not None:
             raise ToolCallError(f"tool_choice={choice!r} but the model called {other}")
@@ -235,13 +304,41 @@ def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]], parser: Tool
     return ParsedAnswer(content, tuple(calls))
 
 
-def answer_reader(segments: Sequence[Segment], parser: ToolCallParser | Any, tool_choice: str = "auto"
-                  ) -> Callable[[GenerationResult], GenerationResult] | None:
+def answer_setup(segments: Sequence[Segment], tokenizer: Any, generation: GenerationConfig, backend: Any
+                 ) -> tuple[GenerationConfig, Callable[[GenerationResult], GenerationResult] | None]:
+    """How a request decodes and what reads its answer: ``generation`` with the grammar of the
+    tool calls (``GrammarWriter``) when ``segments`` offer tools, the backend decodes under a
+    grammar and the request brings none of its own; and ``answer_reader``'s reader. Raises at
+    once, before any model runs: ``answer_reader``'s errors, a grammar on a backend without
+    ``capabilities.grammar`` (``ConfigError``), a grammar that does not compile (``InputError``)."""
+    read = answer_reader(segments, tokenizer, generation.tool_choice, generation.parallel_tool_calls)
+    if generation.grammar is None and read is not None and grammar_lib.decodes_under_grammar(backend):
+        parser = parser_for(tokenizer)
+        if hasattr(parser, "grammar"):
+            written = parser.grammar(offered_tools(segments), generation.tool_choice,
+                                     generation.parallel_tool_calls, tokenizer)
+            generation = dataclasses.replace(generation, grammar=written)
+    if generation.grammar is not None:
+        grammar_lib.check_support(backend, generation.grammar)
+        grammar_lib.check_grammar(generation.grammar, tokenizer, _vocab_size(backend, tokenizer),
+                                  getattr(backend, "eos_token_ids", ()))
+    return generation, read
+
+
+def _vocab_size(backend: Any, tokenizer: Any) -> int:
+    """The main model's logits width (its config's ``vocab_size``), else the tokenizer's size."""
+    config = getattr(getattr(backend, "model", None), "config", None)
+    return int(getattr(config, "vocab_size", 0) or len(tokenizer))
+
+
+def answer_reader(segments: Sequence[Segment], parser: ToolCallParser | Any, tool_choice: str = "auto",
+                  parallel: bool = True) -> Callable[[GenerationResult], GenerationResult] | None:
     """For a prompt whose ``segments`` offer tools: what reads the calls out of its answer (the
     generated text only) into ``GenerationResult.tool_calls`` and ``content``. ``parser``: a
-    ``ToolCallParser``, or a tokenizer whose template picks one. None without tools. Raises
-    ``InputError`` at once, before any model runs: a ``tool_choice`` other than "auto" without
-    tools or naming no offered tool, or no parser for the template."""
+    ``ToolCallParser``, or a tokenizer whose template picks one; ``parallel`` False: an answer
+    with several calls is a ``ToolCallError``. None without tools. Raises ``InputError`` at once,
+    before any model runs: a ``tool_choice`` other than "auto" without tools or naming no offered
+    tool, or no parser for the template."""
     tools = offered_tools(segments)
     if not tools:
         if tool_choice != "auto":
@@ -254,6 +351,9 @@ def answer_reader(segments: Sequence[Segment], parser: ToolCallParser | Any, too
 
     def read(result: GenerationResult) -> GenerationResult:
         answer = parse_tool_calls(result.text, tools, chosen, tool_choice)
+        if not parallel and len(answer.calls) > 1:
+            raise ToolCallError(f"parallel_tool_calls is false but the model made {len(answer.calls)} calls "
+                                f"({', '.join(call.name for call in answer.calls)})")
         return dataclasses.replace(result, tool_calls=answer.calls, content=answer.content)
 
     return read

@@ -28,10 +28,13 @@ from fastapi.testclient import TestClient  # noqa: E402
 from specprefill_rag import GenerationConfig, SpecPrefillEngine  # noqa: E402
 from specprefill_rag.gateway import create_app  # noqa: E402
 from specprefill_rag.gateway.protocol import parse_chat  # noqa: E402
-from specprefill_rag.gateway.tools import CallText  # noqa: E402
 from specprefill_rag.prompt import markup_tokens, message_segments, special_token_ids  # noqa: E402
 from specprefill_rag.testing import ScriptedBackend, tiny_engine  # noqa: E402
-from specprefill_rag.toolcalls import HermesParser, parse_tool_calls  # noqa: E402
+from specprefill_rag.toolcalls import (  # noqa: E402
+    CallText,  # noqa: E402
+    HermesParser,
+    parse_tool_calls,
+)
 
 CHAT = "/v1/chat/completions"
 SEARCH = {"type": "function", "function": {
@@ -304,10 +307,11 @@ def test_tool_choice_none_required_and_named(engine):
 
 def test_what_the_gateway_cannot_honour_is_refused(engine):
     with gateway(engine, "ok") as (client, _):
-        schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
-        error = refused(client, request(response_format=schema), param="response_format", code="unsupported_parameter")
-        assert "json_schema" in error["message"] and "cannot be constrained" in error["message"]
-        refused(client, request(response_format={"type": "json_object"}), param="response_format")
+        error = refused(client, request(response_format={"type": "xml"}), param="response_format",
+                        code="unsupported_parameter")
+        assert "'xml'" in error["message"]
+        refused(client, request(response_format={"type": "json_schema", "json_schema": {"schema": [1]}}),
+                param="response_format")
         assert post(client, request(response_format={"type": "text"}))[0] == 200
         refused(client, request(functions=[SEARCH["function"]]), param="functions", code="unsupported_parameter")
         refused(client, request(tools=[{"type": "web_search"}]), param="tools[0].type")
@@ -380,7 +384,8 @@ def test_the_gateway_builds_the_segments_engine_chat_builds():
     messages = conversation("\n\n".join(DOCS))
     req = parse_chat(request(messages, tool_choice="required"), GenerationConfig())
     assert req.segments == message_segments(messages, [SEARCH])
-    assert (req.prompt_shape, req.generation.tool_choice, req.parallel_tool_calls) == ("tools", "required", True)
+    assert (req.prompt_shape, req.generation.tool_choice, req.generation.parallel_tool_calls) == (
+        "tools", "required", True)
     developer = [{"role": "developer", "content": "Use the tools."}, *messages[1:]]
     assert parse_chat(request(developer), GenerationConfig()).segments == req.segments
 
@@ -398,3 +403,47 @@ def test_streamed_content_equals_the_parsed_content_however_the_text_is_cut(text
         assert "<tool_call>" not in sent
         result = types.SimpleNamespace(content=parsed.content, text=text)
         assert sent + shown.finish(result) == parsed.content
+
+
+# -- decoding under a grammar: the real (random) tiny model, no script -----------------------------
+
+ENUM = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}}, "required": ["answer"],
+        "additionalProperties": False}
+FLAG = {"type": "function", "function": {"name": "flag", "parameters": ENUM}}
+
+
+@contextlib.contextmanager
+def real_gateway(engine: SpecPrefillEngine) -> Iterator[TestClient]:
+    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+        yield client
+
+
+def test_a_json_response_format_is_decoded_under_its_schema(engine):
+    schema_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": ENUM, "strict": True}}
+    with real_gateway(engine) as client:
+        status, answer = post(client, request(response_format=schema_format, tools=None))
+        assert status == 200, answer
+        assert json.loads(answer["choices"][0]["message"]["content"]) in ({"answer": "yes"}, {"answer": "no"})
+        status, answer = post(client, request(response_format={"type": "json_object"}, tools=None, max_tokens=8))
+        assert status == 200 and answer["choices"][0]["message"]["content"].startswith("{")  # a random model's keys
+        status, chunks = events(client, request(response_format=schema_format, tools=None))
+        assert json.loads(reassembled(chunks)["message"]["content"]) in ({"answer": "yes"}, {"answer": "no"})
+        bad_grammar = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "x-guidance": 3}}}
+        assert post(client, request(response_format=bad_grammar, tools=None))[0] == 400
+        text_mode = request(response_format=schema_format, tools=None, specprefill={"mode": "text"})
+        assert "text mode does not carry response_format" in refused(client, text_mode)["message"]
+
+
+def test_a_forced_call_through_the_gateway_is_valid_by_construction(engine):
+    named = {"type": "function", "function": {"name": "flag"}}
+    body = request(tools=[SEARCH, FLAG], tool_choice=named, parallel_tool_calls=False)
+    with real_gateway(engine) as client:
+        status, answer = post(client, body)
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "flag"
+        assert json.loads(call["function"]["arguments"]) in ({"answer": "yes"}, {"answer": "no"})
+        streamed = reassembled(events(client, body)[1])
+        assert without_ids(streamed["message"]) == without_ids(choice["message"])

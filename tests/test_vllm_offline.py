@@ -13,6 +13,7 @@ the plugin into the worker itself and plans give transformers' tokens.
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 import torch
@@ -25,6 +26,8 @@ from helpers import make_plan, prompt_ids, reference, sparse  # noqa: E402
 from specprefill_rag.backends.transformers import TransformersBackend  # noqa: E402
 from specprefill_rag.config import GenerationConfig  # noqa: E402
 from specprefill_rag.errors import BackendError  # noqa: E402
+from specprefill_rag.grammar import json_grammar  # noqa: E402
+from specprefill_rag.toolcalls import HermesParser, parse_tool_calls  # noqa: E402
 from specprefill_rag.types import PrefillPlan  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -97,6 +100,30 @@ def test_plan_matches_transformers(engine, hf_backend):
     assert [s.token_id for s in steps] == ref_tokens
     torch.testing.assert_close(torch.tensor([s.logprob for s in steps]), torch.tensor(ref_logprobs),
                                atol=1e-3, rtol=0)
+
+
+def test_a_grammar_constrains_a_plan_as_on_transformers(engine, hf_backend):
+    """vLLM's structured outputs (its auto backend: llguidance for ``%json``) and the transformers
+    backend's own llguidance mask give the same greedy tokens for a plan: valid JSON of the schema."""
+    backend = engine[0]
+    ids = prompt_ids(hf_backend.tokenizer)
+    plan = make_plan(ids, sparse(ids.numel(), seed=2))
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    generation = GenerationConfig(max_new_tokens=24, grammar=json_grammar(schema))
+    tokens = [s.token_id for s in backend.stream_steps(plan, generation)]
+    assert tokens == list(hf_backend.stream_tokens(plan, generation))
+    data = json.loads(hf_backend.tokenizer.decode(tokens))
+    assert data["answer"] in ("yes", "no") and 0 <= data["n"] <= 99
+    # A forced call's grammar (text lexemes with & and ~, the call's %json): the same on both.
+    tool = {"type": "function", "function": {"name": "verdict", "parameters": schema}}
+    forced = GenerationConfig(max_new_tokens=48, grammar=HermesParser().grammar([tool], "verdict", False,
+                                                                                hf_backend.tokenizer))
+    tokens = [s.token_id for s in backend.stream_steps(plan, forced)]
+    assert tokens == list(hf_backend.stream_tokens(plan, forced))
+    answer = parse_tool_calls(hf_backend.tokenizer.decode(tokens), [tool], HermesParser(), "verdict")
+    assert [call.name for call in answer.calls] == ["verdict"]
 
 
 def test_positions_reach_the_model(engine, hf_backend):

@@ -32,10 +32,13 @@ class BackendCapabilities:
     """What a backend can do, declared by the backend.
 
     The engine reads ``exact_positions``: without it, a plan at original (non-contiguous)
-    positions is refused with a ``ConfigError`` instead of being run re-indexed.
+    positions is refused with a ``ConfigError`` instead of being run re-indexed. Without
+    ``grammar``, a ``GenerationConfig.grammar`` is refused the same way, and tool calls are only
+    checked after decoding.
     """
 
     exact_positions: bool  # prefills kept tokens at their original position ids
+    grammar: bool = False  # decodes under GenerationConfig.grammar (llguidance's Lark)
 
 
 @dataclass(frozen=True)

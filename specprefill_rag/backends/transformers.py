@@ -27,6 +27,7 @@ import torch
 
 from ..config import DraftConfig, GenerationConfig
 from ..draft import CAPTURE_ATTENTION, DraftModel
+from ..grammar import GrammarMatcher
 from ..loading import eos_ids
 from ..types import PrefillPlan
 from .base import BackendCapabilities, ModelIdentity, check_window, max_new_tokens
@@ -84,7 +85,7 @@ class TransformersBackend(ModelIdentity):
     """A transformers causal LM serving prefill plans in-process (and ``SelfDrafting``)."""
 
     name = "transformers"
-    capabilities = BackendCapabilities(exact_positions=True)
+    capabilities = BackendCapabilities(exact_positions=True, grammar=True)
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None) -> None:
         self.model = model.eval()
@@ -158,10 +159,18 @@ class TransformersBackend(ModelIdentity):
             generator = torch.Generator().manual_seed(generation.seed)
         max_new = max_new_tokens(plan, generation, self.max_context)
         state = self.prefill(plan)
+        matcher = None
+        if generation.grammar is not None:
+            matcher = GrammarMatcher(generation.grammar, self.tokenizer, state.logits.shape[-1], self.eos_token_ids)
         for step in range(max_new):
-            token = sample_token(state.logits, generation, generator)
+            logits = state.logits if matcher is None else matcher.mask(state.logits)
+            token = sample_token(logits, generation, generator)
             if token in self.eos_token_ids:
                 return
             yield token
+            if matcher is not None:
+                matcher.accept(token)
+                if matcher.done:
+                    return
             if step + 1 < max_new:
                 state = self.decode_step(state, token)

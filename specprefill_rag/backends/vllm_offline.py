@@ -22,6 +22,7 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..errors import BackendError, MissingDependencyError
+from ..grammar import declared
 from ..loading import eos_ids
 from ..types import PrefillPlan
 from .base import BackendCapabilities, ModelIdentity, TokenStep, checked_xargs, max_new_tokens
@@ -68,7 +69,7 @@ class VLLMOfflineBackend(ModelIdentity):
     """A ``vllm.LLM`` serving prefill plans in this process (batched with ``generate_many``)."""
 
     name = "vllm_offline"
-    capabilities = BackendCapabilities(exact_positions=True)
+    capabilities = BackendCapabilities(exact_positions=True, grammar=True)
 
     def __init__(self, llm: Any, *, name: str | None = None) -> None:
         from ..vllm_plugin import register
@@ -161,6 +162,11 @@ class VLLMOfflineBackend(ModelIdentity):
         if generation.cache_salt is not None:  # vLLM's prefix-cache namespace for this request
             prompt["cache_salt"] = generation.cache_salt
         extra = checked_xargs(plan, max_tokens=max_tokens, window=self.max_context, model=self.model_name)
+        structured = None
+        if generation.grammar is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            structured = StructuredOutputsParams(grammar=declared(generation.grammar))
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0 if generation.greedy else generation.temperature,
@@ -170,6 +176,7 @@ class VLLMOfflineBackend(ModelIdentity):
             logprobs=0 if logprobs else None,
             skip_special_tokens=False,
             extra_args=extra,
+            structured_outputs=structured,
         )
         return prompt, params
 

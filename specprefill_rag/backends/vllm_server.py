@@ -48,6 +48,7 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..errors import BackendError, ConfigError, PluginMissingError, ServerError
+from ..grammar import declared
 from ..loading import eos_ids
 from ..types import PrefillPlan, is_int, is_number
 from ..wire import INVALID_PLAN, NEXT_POSITION_KEY, POSITIONS_KEY, PROOF_FIELD, is_contiguous, plan_proof, plan_to_xargs
@@ -104,6 +105,8 @@ def request_body(
         body["logprobs"] = 0  # the sampled token's own log-probability only
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if generation.grammar is not None:  # vLLM's structured outputs, on llguidance (grammar.declared)
+        body["structured_outputs"] = {"grammar": declared(generation.grammar)}
     if not is_contiguous(positions, plan.next_position):
         body["vllm_xargs"] = plan_to_xargs(positions, plan.next_position)
     return body
@@ -159,7 +162,7 @@ class VLLMServerBackend(ModelIdentity):
     """
 
     name = "vllm_server"
-    capabilities = BackendCapabilities(exact_positions=True)
+    capabilities = BackendCapabilities(exact_positions=True, grammar=True)
 
     def __init__(
         self,

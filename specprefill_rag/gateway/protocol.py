@@ -2,11 +2,12 @@
 
 Requests are read as plain JSON objects and checked field by field, so every refusal is an
 OpenAI-shaped 400 naming the field (``param``). Fields the gateway cannot honour (``n > 1``,
-logprobs, penalties, a JSON-schema ``response_format``, ...) are refused rather than silently
-ignored; fields that change nothing about the answer (``user``, ``metadata``, ``store``, ...) and
-unknown fields are ignored, as vLLM does. Tools, ``tool_choice``, an assistant's ``tool_calls``
-and tool messages are read by ``tools``. No web framework here: ``app.py`` moves these dicts over
-HTTP; the answers' shapes are in ``responses.py``.
+logprobs, penalties, ...) are refused rather than silently ignored; a JSON ``response_format``
+(``json_schema`` or ``json_object``) becomes the grammar the answer is decoded under; fields that
+change nothing about the answer (``user``, ``metadata``, ``store``, ...) and unknown fields are
+ignored, as vLLM does. Tools, ``tool_choice``, an assistant's ``tool_calls`` and tool messages
+are read by ``tools``. No web framework here: ``app.py`` moves these dicts over HTTP; the
+answers' shapes are in ``responses.py``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from typing import Any, get_args
 
 from ..config import GenerationConfig, describe_choices
 from ..errors import ConfigError
+from ..grammar import json_grammar
 from ..prompt import has_tool_messages
 from ..types import RETRIEVER_SCORE_KEY, Passage, Segment, is_finite_number, is_int
 from . import GatewayMode, tools
-from .fields import at_most, bad, shown, unsupported, valid_text
+from .fields import at_most, bad, check_strings, shown, unsupported, valid_text
 from .messages import DEFAULT_SHAPES, PromptShape, to_segments
 from .responses import Kind
 
@@ -40,10 +42,9 @@ class GatewayRequest:
     prompt_shape: str  # which documented layout the documents were recognised in ("chat": none; "tools")
     mode: GatewayMode
     keep_rate: float | None  # None: the engine's
-    generation: GenerationConfig  # its tool_choice: the request's, as the engine reads it
+    generation: GenerationConfig  # its tool_choice, parallel_tool_calls and grammar: the request's
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
-    parallel_tool_calls: bool = True  # False: an answer with several calls is refused (tools.check_answer)
     # The text that opens the model's tool calls when the request offers tools (a stream shows no text
     # from it on), set by the gateway once it knows the model (``tools.check_support``); None: no tools.
     call_opener: str | None = None
@@ -93,7 +94,6 @@ def _refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise unsupported(name, name)
-    _refuse_response_format(body.get("response_format"))
     if body.get("audio") is not None or body.get("modalities") not in (None, ["text"]):
         raise unsupported("modalities", "audio output")
     if body.get("prediction") is not None:
@@ -107,17 +107,27 @@ def _refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
             raise unsupported("suffix", "suffix")
 
 
-def _refuse_response_format(response_format: object) -> None:
-    """Only ``{"type": "text"}``: a JSON schema (or JSON mode) would need decoding constrained to
-    it, which the gateway cannot do yet, and an answer merely hoped to fit is not what was asked."""
+def _response_format(response_format: object) -> str | None:
+    """The grammar of a ``response_format``: None for text, JSON for ``json_object``, JSON under
+    ``json_schema.schema`` for ``json_schema`` (decoded under it, then valid by construction)."""
     if response_format is None:
-        return
+        return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind in ("json_schema", "json_object"):
-        raise unsupported("response_format", f"response_format {kind} (decoding cannot be constrained to a schema "
-                          "yet; offer the schema as a tool and name it in tool_choice: its call is checked against it)")
-    if kind != "text":
-        raise unsupported("response_format", "response_format other than text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar({"type": "object"})
+    if kind != "json_schema":
+        raise unsupported("response_format", f"response_format of type {shown(kind)} (text, json_object or "
+                          "json_schema)")
+    assert isinstance(response_format, dict)
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise bad(f"response_format.json_schema.schema must be a JSON schema object, got {shown(schema)}",
+                  param="response_format")
+    check_strings(schema, "response_format")
+    return json_grammar(schema)
 
 
 def _generation(body: Mapping[str, Any], defaults: GenerationConfig) -> GenerationConfig:
@@ -330,9 +340,13 @@ def _parse(kind: Kind, body: Mapping[str, Any], messages: list[dict[str, Any]], 
         segments, shape = tools.agent_segments(messages, offered.tools, passages, question), "tools"
     else:
         segments, shape = to_segments(turns, passages=passages, question=question, shapes=shapes)
-    generation = dataclasses.replace(generation, tool_choice=offered.choice)
-    return GatewayRequest(kind, segments, shape, mode, keep_rate, generation, stream, include_usage,
-                          offered.parallel)
+    grammar = _response_format(body.get("response_format"))
+    if grammar is not None and mode == "text":
+        raise bad('text mode does not carry response_format yet: send it with specprefill.mode "specprefill" or '
+                  '"full"', param="specprefill.mode", code="unsupported_parameter")
+    generation = dataclasses.replace(generation, tool_choice=offered.choice, grammar=grammar,
+                                     parallel_tool_calls=offered.parallel)
+    return GatewayRequest(kind, segments, shape, mode, keep_rate, generation, stream, include_usage)
 
 
 def parse_chat(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: GatewayMode = "specprefill",

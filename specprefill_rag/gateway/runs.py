@@ -26,11 +26,11 @@ from starlette.types import Receive, Scope, Send
 from ..engine import Mode
 from ..errors import PluginMissingError
 from ..streams import AsyncTextStream
+from ..toolcalls import CallText
 from ..types import GenerationResult
 from .protocol import GatewayRequest
 from .responses import APIError
 from .text_mode import text_stream
-from .tools import CallText, check_answer
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -143,8 +143,6 @@ class Run:
             try:
                 delta = await self.stream.__anext__()
             except StopAsyncIteration:
-                if self.calls is not None and self.stream.result is not None:
-                    check_answer(self.stream.result, self.request.parallel_tool_calls)
                 return None
             if self.calls is None:
                 return delta

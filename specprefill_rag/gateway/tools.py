@@ -8,7 +8,7 @@ the last user turn protected, each document of a tool result a prunable passage 
 ``check_support`` refuses tools a model's chat template cannot render (never a dropped tool).
 
 Answer side: the calls are parsed from the generated text by the engine (``toolcalls``) once the
-answer is complete, and any failure is a ``ToolCallError`` with no call reported. ``CallText``
+answer is complete, and any failure is a ``ToolCallError`` with no call reported. ``toolcalls.CallText``
 decides what a stream shows as content meanwhile: the text before the first call's opener, without
 the white space around it, and once the answer is parsed, the rest of its content; so a streamed
 answer's content equals the whole answer's ``message.content``. docs/gateway.md, "Tool calling".
@@ -23,19 +23,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import toolcalls
-from ..errors import InputError, ToolCallError
+from ..errors import InputError
 from ..prompt import check_tool_support, message_segments, tool_schema
-from ..types import GenerationResult, Passage, Segment, SegmentKind
+from ..types import Passage, Segment, SegmentKind
 from .fields import at_most, bad, check_strings, shown, unsupported, valid_text
 from .messages import MAX_PARTS
 from .responses import APIError
 
 __all__ = [
-    "CallText",
     "ToolFields",
     "agent_segments",
     "assistant_calls",
-    "check_answer",
     "check_support",
     "parse_tools",
     "tool_message",
@@ -59,7 +57,7 @@ class ToolFields:
 
     tools: tuple[dict[str, Any], ...] = ()
     choice: str = "auto"  # "auto", "none", "required" or the name of one of ``tools``
-    parallel: bool = True  # False: an answer with more than one call is refused (``check_answer``)
+    parallel: bool = True  # False: at most one call (``GenerationConfig.parallel_tool_calls``)
 
 
 # -- the request -----------------------------------------------------------------------------------
@@ -235,43 +233,3 @@ def check_support(segments: Sequence[Segment], tokenizer: Any) -> str | None:
     except InputError as error:
         raise APIError(400, f"tool calling is not supported by this model: {error}", param="tools" if offered
                        else "messages", code="unsupported_parameter") from None
-
-
-# -- the answer ------------------------------------------------------------------------------------
-
-
-def check_answer(result: GenerationResult, parallel: bool) -> None:
-    """``ToolCallError`` when ``parallel_tool_calls`` was false and the model made several calls."""
-    if not parallel and len(result.tool_calls) > 1:
-        names = ", ".join(call.name for call in result.tool_calls)
-        raise ToolCallError(f"parallel_tool_calls is false but the model made {len(result.tool_calls)} calls "
-                            f"({names}): decoding is not constrained to one")
-
-
-class CallText:
-    """What of a streamed answer that may hold tool calls is shown as content (module docstring)."""
-
-    def __init__(self, opener: str) -> None:
-        self.opener = opener
-        self.pending = ""  # generated text not shown yet
-        self.shown = ""  # content sent so far
-        self.closed = False  # the first call began: nothing more is shown until the answer is parsed
-
-    def feed(self, delta: str) -> str:
-        """The content to show now, of ``delta`` and the text held back before it ("" often)."""
-        if self.closed:
-            return ""
-        self.pending += delta
-        found = self.pending.find(self.opener)
-        self.closed = found >= 0
-        ready = self.pending[:found] if self.closed else self.pending[:toolcalls.held_back(self.pending, self.opener)]
-        skip = 0 if self.shown else len(ready) - len(ready.lstrip())  # white space before the content
-        out = ready[skip:].rstrip()  # white space is shown once text follows it
-        self.pending = self.pending[skip + len(out):]
-        self.shown += out
-        return out
-
-    def finish(self, result: GenerationResult) -> str:
-        """The content left to show once the answer is parsed (text after the calls)."""
-        content = result.content if result.content is not None else result.text.strip()
-        return content[len(self.shown):] if content.startswith(self.shown) else ""
