@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from operator import itemgetter
 from typing import Any, Literal, TypeAlias
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -30,11 +31,12 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams, Langu
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from specprefill_rag import (
     GenerationResult,
     InputTypeError,
@@ -44,6 +46,7 @@ from specprefill_rag import (
 )
 from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
 from specprefill_rag.engine import LazyEngine, Mode
+from specprefill_rag.grammar import json_grammar
 from specprefill_rag.prompt import message_segments
 from specprefill_rag.toolcalls import content_filter
 
@@ -221,6 +224,8 @@ class ChatSpecPrefill(BaseChatModel):
         passages = kwargs.pop("passages", None) or ()
         tools = kwargs.pop("tools", None) or ()
         tool_choice = kwargs.pop("tool_choice", None) or "auto"
+        parallel = kwargs.pop("parallel_tool_calls", None) is not False
+        grammar = kwargs.pop("grammar", None)
         kwargs.pop("ls_structured_output_format", None)  # LangSmith's tracing hint
         default = engine.config.instructions if passages else None
         segments = messages_to_segments(messages, passages, default_instructions=self.instructions or default,
@@ -234,6 +239,8 @@ class ChatSpecPrefill(BaseChatModel):
             timeout=kwargs.pop("timeout", self.timeout),
             stop=stop,
             tool_choice=tool_choice,
+            parallel_tool_calls=parallel,
+            grammar=grammar,
         )
         mode = kwargs.pop("mode", self.mode)
         keep_rate = kwargs.pop("keep_rate", self.keep_rate)
@@ -270,12 +277,49 @@ class ChatSpecPrefill(BaseChatModel):
         """Offer ``tools`` (pydantic classes, functions, ``BaseTool``s or OpenAI dicts) to the model.
 
         ``tool_choice``: "auto" (default), "any"/"required"/True (at least one call; one tool: that
-        tool), "none", or a tool's name. Decoding is not constrained yet: the answer is checked, and
-        one that breaks the choice (or calls a tool wrongly) raises ``ToolCallError``.
+        tool), "none", or a tool's name; ``parallel_tool_calls=False``: at most one call. On a
+        backend that decodes under a grammar (transformers, vLLM) the answer is constrained to
+        text and calls that fit their tools' schemas; on any backend it is checked, and one that
+        breaks the choice (or calls a tool wrongly) raises ``ToolCallError``.
         """
         formatted = [convert_to_openai_tool(tool) for tool in tools]
         names = [tool["function"]["name"] for tool in formatted]
+        if "ls_structured_output_format" in kwargs:  # with_structured_output: one object, one call
+            kwargs.setdefault("parallel_tool_calls", False)
         return super().bind(tools=formatted, tool_choice=_tool_choice(tool_choice, names), **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        include_raw: bool = False,
+        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """Answers as ``schema`` (a pydantic class, TypedDict, JSON schema or OpenAI tool).
+
+        ``method="function_calling"`` (default): a forced call of the schema as a tool (LangChain's
+        own ``with_structured_output``); ``"json_schema"``: the answer itself is JSON decoded under
+        the schema's grammar; ``"json_mode"``: any JSON object (say the shape in the prompt).
+        """
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+        if method not in ("json_schema", "json_mode"):
+            raise ValueError(f"method must be 'function_calling', 'json_schema' or 'json_mode', got {method!r:.40}")
+        kwargs.pop("strict", None)
+        if kwargs:
+            raise ValueError(f"Received unsupported arguments {kwargs}")
+        wanted = convert_to_json_schema(schema) if method == "json_schema" else {"type": "object"}
+        llm = self.bind(grammar=json_grammar(wanted), ls_structured_output_format={
+            "kwargs": {"method": method}, "schema": wanted})
+        parser: Runnable = JsonOutputParser()
+        if isinstance(schema, type) and issubclass(schema, BaseModel):
+            parser = PydanticOutputParser(pydantic_object=schema)
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
     # -- LangChain entry points -----------------------------------------------------------
 

@@ -227,3 +227,26 @@ def test_assistant_calls_in_other_shapes_reach_the_prompt():
         [call_segment] = [s for s in segments if s.kind is SegmentKind.TOOL_CALL]
         assert (call_segment.id, call_segment.metadata["name"], json.loads(call_segment.text)) == (
             "c1", "search", {"query": "passkey"})
+
+
+def test_structured_predict_and_a_single_call_are_valid_by_construction():
+    """The tiny engine's own (random) model, no script: decoded under the calls' grammar."""
+    from typing import Literal
+
+    from llama_index.core.bridge.pydantic import BaseModel
+    from llama_index.core.prompts import PromptTemplate
+
+    class Verdict(BaseModel):
+        """A yes/no verdict."""
+
+        answer: Literal["yes", "no"]
+        sure: bool
+
+    llm = SpecPrefillLLM(engine=tiny_tool_engine(), max_new_tokens=200, mode="full")
+    verdict = llm.structured_predict(Verdict, PromptTemplate("Is the sky blue? {text}"), text=DOCS[0])
+    assert isinstance(verdict, Verdict) and verdict.answer in ("yes", "no")
+    tool = FunctionTool.from_defaults(fn=lambda answer, sure: "ok", name="verdict", fn_schema=Verdict)
+    response = llm.chat_with_tools([tool], user_msg="Is the sky blue?", tool_required=True)
+    assert response.message.additional_kwargs["tool_calls"] and len(response.raw["tool_calls"]) == 1
+    (selection,) = llm.get_tool_calls_from_response(response)
+    assert selection.tool_name == "verdict" and Verdict(**selection.tool_kwargs)

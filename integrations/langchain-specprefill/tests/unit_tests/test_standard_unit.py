@@ -24,7 +24,7 @@ class TestChatSpecPrefillUnit(ChatModelUnitTests):
 
     @property
     def has_structured_output(self) -> bool:
-        return True  # with_structured_output by function calling (a forced call, checked on the answer)
+        return True  # function calling (a forced call) or a JSON schema, decoded under a grammar
 
     @property
     def supports_model_override(self) -> bool:

@@ -1,10 +1,11 @@
 """ChatSpecPrefill with tools, on a tiny engine whose answers are forced (a scripted backend):
 bind_tools, ToolMessage inputs, AIMessage.tool_calls (streamed as tool_call_chunks), structured
-output by function calling, and clear refusals."""
+output by function calling, and clear refusals; then the real tiny model under a grammar."""
 
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import pytest
 from langchain_core.documents import Document
@@ -98,3 +99,37 @@ def test_bad_calls_and_choices_fail_clearly():
         forced("x").bind_tools([search], tool_choice="nothing-like-this")
     with pytest.raises(InputError, match="does not support tool calling"):
         ChatSpecPrefill(engine=testing.tiny_engine()).bind_tools([search]).invoke("q?")
+
+
+# -- under a grammar: the tiny engine's own (random) model, no script ------------------------------
+
+
+class Verdict(BaseModel):
+    """A yes/no verdict."""
+
+    answer: Literal["yes", "no"]
+    sure: bool
+
+
+def real() -> ChatSpecPrefill:
+    return ChatSpecPrefill(engine=testing.tiny_engine(tools=True), max_tokens=200, mode="full")
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema"])
+def test_structured_output_is_valid_by_construction(method):
+    structured = real().with_structured_output(Verdict, method=method)
+    verdict = structured.invoke("Is the sky blue?")
+    assert isinstance(verdict, Verdict) and verdict.answer in ("yes", "no")
+    raw = real().with_structured_output(Verdict, method=method, include_raw=True).invoke("Is the sky blue?")
+    assert raw["parsing_error"] is None and raw["parsed"] == verdict  # greedy: the same answer
+    if method == "json_schema":
+        assert json.loads(raw["raw"].content) == verdict.model_dump()
+    with pytest.raises(ValueError, match="method must be"):
+        real().with_structured_output(Verdict, method="xml")
+
+
+def test_a_forced_call_under_the_grammar_and_one_call_at_most():
+    message = real().bind_tools([Verdict], tool_choice="Verdict", parallel_tool_calls=False).invoke("Sky blue?")
+    (tool_call,) = message.tool_calls
+    assert tool_call["name"] == "Verdict" and Verdict(**tool_call["args"])
+    assert message.content == ""

@@ -169,6 +169,7 @@ class SpecPrefillLLM(FunctionCallingLLM):
             timeout=kwargs.pop("timeout", self.timeout),
             stop=kwargs.pop("stop", None) or None,
             tool_choice=kwargs.pop("tool_choice", None),
+            parallel_tool_calls=kwargs.pop("parallel_tool_calls", None),
         )
         mode = kwargs.pop("mode", self.mode)
         keep_rate = kwargs.pop("keep_rate", self.keep_rate)
@@ -280,7 +281,9 @@ class SpecPrefillLLM(FunctionCallingLLM):
         **kwargs: Any,
     ) -> dict[str, Any]:
         """``chat`` arguments offering ``tools`` (OpenAI schemas) with the engine's ``tool_choice``
-        (``tools.engine_tool_choice``); a model that cannot call tools is an ``InputError`` here."""
+        (``tools.engine_tool_choice``) and, without ``allow_parallel_tool_calls``, at most one call
+        (decoded under that grammar where the backend can); a model that cannot call tools is an
+        ``InputError`` here."""
         schemas = openai_tools(tools)
         if schemas and (problem := tool_calling_problem(self.engine.tokenizer)) is not None:
             raise InputError(problem)
@@ -290,7 +293,8 @@ class SpecPrefillLLM(FunctionCallingLLM):
                             else user_msg)
         names = [schema["function"]["name"] for schema in schemas]
         choice = engine_tool_choice(tool_choice, tool_required, names) if schemas else None
-        return {"messages": messages, "tools": schemas, "tool_choice": choice, **kwargs}
+        return {"messages": messages, "tools": schemas, "tool_choice": choice,
+                "parallel_tool_calls": allow_parallel_tool_calls if schemas else None, **kwargs}
 
     def _validate_chat_with_tools_response(
         self, response: ChatResponse, tools: Sequence[BaseTool], allow_parallel_tool_calls: bool = False,
@@ -298,6 +302,23 @@ class SpecPrefillLLM(FunctionCallingLLM):
     ) -> ChatResponse:
         """Without ``allow_parallel_tool_calls``, only the first call is kept (as LlamaIndex's OpenAI LLM)."""
         return response if allow_parallel_tool_calls else first_call_only(response)
+
+    # As LlamaIndex's OpenAI LLM: structured output by function calling forces the call.
+    def structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
+                           **prompt_args: Any) -> Any:
+        return super().structured_predict(output_cls, prompt, _forced(llm_kwargs), **prompt_args)
+
+    async def astructured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
+                                  **prompt_args: Any) -> Any:
+        return await super().astructured_predict(output_cls, prompt, _forced(llm_kwargs), **prompt_args)
+
+    def stream_structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
+                                  **prompt_args: Any) -> Any:
+        return super().stream_structured_predict(output_cls, prompt, _forced(llm_kwargs), **prompt_args)
+
+    async def astream_structured_predict(self, output_cls: Any, prompt: Any,
+                                         llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Any:
+        return await super().astream_structured_predict(output_cls, prompt, _forced(llm_kwargs), **prompt_args)
 
     def get_tool_calls_from_response(
         self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
@@ -350,3 +371,11 @@ class SpecPrefillLLM(FunctionCallingLLM):
                     yield r.delta
 
         return gen()
+
+
+def _forced(llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``llm_kwargs`` of a structured prediction: the schema's call is required unless said otherwise."""
+    llm_kwargs = dict(llm_kwargs or {})
+    if "tool_choice" not in llm_kwargs:
+        llm_kwargs.setdefault("tool_required", True)
+    return llm_kwargs
