@@ -23,7 +23,7 @@ TESTS = REPO / "tests"
 BENCHMARKS = REPO / "benchmarks"
 # The names `specprefill-rag bench` takes.
 BENCH_SUITES = ("ttft", "quality", "evidence", "guesses", "lookahead_cost", "windows", "gateway_load",
-                "prefix_cache", "plugin_step", "serving", "draft_batch", "report")
+                "prefix_cache", "plugin_step", "serving", "draft_batch", "tool_rag", "report")
 
 
 def imported_modules(path: Path) -> list[str]:
