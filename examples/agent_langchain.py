@@ -8,9 +8,9 @@ The loop is the one ``create_agent`` / a LangGraph ReAct agent runs (model → t
 messages → model), written out with ``langchain-core`` alone. The script prints the call, the
 answer and what the main model prefilled of each retrieved document. Tool calling needs a chat
 template that renders tools: the packaged Qwen2.5-Coder pair (0.5B drafts for 1.5B), not
-SmolLM2. Decoding is not constrained to the call syntax yet (issue 50), and the 1.5B model often
-writes its call in another shape (a JSON code block, bare JSON): it then answers without the
-tool, or the script stops on the ``ToolCallError``. From the repository root::
+SmolLM2. Calls are decoded under their grammar (docs/tools.md), so they are always well formed;
+the loop retrieves first and answers without tools, as LangGraph's agentic-RAG graph does
+(``run_agent``). From the repository root::
 
     .venv/bin/python examples/agent_langchain.py
     .venv/bin/python examples/agent_langchain.py --keep-rate 0.1 --question "..."
@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.language_models import BaseChatModel  # noqa: E402
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage  # noqa: E402
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import BaseTool, create_retriever_tool  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 from langchain_specprefill import ChatSpecPrefill  # noqa: E402
@@ -58,14 +58,21 @@ def search_tool(store: InMemoryVectorStore, top_k: int = 4) -> BaseTool:
                                  response_format="content_and_artifact")
 
 
-def run_agent(llm: BaseChatModel, tools: Sequence[BaseTool], question: str, max_steps: int = 4
-              ) -> list[BaseMessage]:
+def run_agent(llm: BaseChatModel, tools: Sequence[BaseTool], question: str, max_steps: int = 4,
+              *, retrieve_first: bool = True, answer_with_tools: bool = False) -> list[BaseMessage]:
     """Model → tool calls → tool messages → model, until the model answers without a call; the
-    whole conversation (its last message: the answer)."""
-    model = llm.bind_tools(tools)
+    whole conversation (its last message: the answer).
+
+    As LangGraph's agentic-RAG graph: ``retrieve_first`` makes the first step call a tool
+    (``tool_choice="any"``: the 1.5B model otherwise mostly answers from memory, or in prose
+    about the tool), and once tool results are in, the model answers with no tools bound unless
+    ``answer_with_tools`` (offered tools there, it tends to write another call as plain JSON text)."""
     by_name = {tool.name: tool for tool in tools}
     messages: list[BaseMessage] = [SystemMessage(SYSTEM), HumanMessage(question)]
-    for _ in range(max_steps):
+    for step in range(max_steps):
+        read = any(isinstance(m, ToolMessage) for m in messages)
+        model = (llm.bind_tools(tools, tool_choice="any") if step == 0 and retrieve_first
+                 else llm if read and not answer_with_tools else llm.bind_tools(tools))
         answer = model.invoke(messages)
         messages.append(answer)
         if not isinstance(answer, AIMessage) or not answer.tool_calls:
@@ -106,7 +113,7 @@ def main() -> None:
     print(f"Q: {args.question}")
     try:
         answer = run_agent(llm, [search_tool(store, args.top_k)], args.question)[-1]
-    except ToolCallError as error:  # decoding is not constrained to the call syntax yet (issue 50)
+    except ToolCallError as error:  # e.g. a call cut short by max_tokens
         raise SystemExit(f"the model wrote no valid tool call: {error}") from None
     print(f"A: {answer.text}")
     report(answer)

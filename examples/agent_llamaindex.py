@@ -7,9 +7,12 @@ the agent reads the retrieved nodes themselves. The main model calls the tool, r
 documents (each node one prunable passage, scored by the draft) and answers; the script prints
 the call, the answer and what the main model prefilled of each retrieved node. Tool calling
 needs a chat template that renders tools: the packaged Qwen2.5-Coder pair (0.5B drafts for
-1.5B), not SmolLM2. Decoding is not constrained to the call syntax yet (issue 50), and the 1.5B
-model often writes its call in another shape (a JSON code block, bare JSON): it then answers
-without the tool, or the script stops on the ``ToolCallError``. From the repository root::
+1.5B), not SmolLM2. Calls are decoded under their grammar (docs/tools.md), so they are always
+well formed. On llama-index-core 0.14 (``FunctionAgent.initial_tool_choice``) the first step must
+call the tool: the 1.5B model otherwise mostly answers from memory; 0.12 has no such field, and
+the system prompt alone asks for the call. The answer step still offers the tool, and there the
+1.5B model answers poorly (the same under full prefill: docs/tools.md, "On the packaged
+models"). From the repository root::
 
     .venv/bin/python examples/agent_llamaindex.py
     .venv/bin/python examples/agent_llamaindex.py --keep-rate 0.1 --question "..."
@@ -38,8 +41,9 @@ from specprefill_rag import ToolCallError  # noqa: E402
 from specprefill_rag.loading import MODEL_PAIRS  # noqa: E402
 from specprefill_rag.tools.retrieval import demo_documents, load_embedder  # noqa: E402
 
-SYSTEM = ("You answer questions about the Tindra Point Research Station. Call the search tool first, "
-          "then answer in one sentence from what it returns.")
+SYSTEM = ("You answer questions about the Tindra Point Research Station. Call the search tool once. When its "
+          "passages arrive, write the answer itself in one sentence, taken from them; never call search again.")
+
 
 
 class MiniLMEmbedding(BaseEmbedding):
@@ -65,7 +69,8 @@ def build_agent(llm: SpecPrefillLLM, index: VectorStoreIndex, top_k: int = 4) ->
     retrieval = RetrieverQueryEngine(index.as_retriever(similarity_top_k=top_k), response_synthesizer=NoText(llm=llm))
     search = QueryEngineTool.from_defaults(
         retrieval, name="search", description="Search the station handbook; returns the passages that match.")
-    return FunctionAgent(tools=[DocumentsTool(search)], llm=llm, system_prompt=SYSTEM)
+    first = {"initial_tool_choice": "search"} if "initial_tool_choice" in FunctionAgent.model_fields else {}
+    return FunctionAgent(tools=[DocumentsTool(search)], llm=llm, system_prompt=SYSTEM, **first)
 
 
 async def ask(agent: FunctionAgent, question: str) -> Any:
@@ -114,7 +119,7 @@ def main() -> None:
     print(f"Q: {args.question}")
     try:
         output = asyncio.run(ask(build_agent(llm, index, args.top_k), args.question))
-    except ToolCallError as error:  # decoding is not constrained to the call syntax yet (issue 50)
+    except ToolCallError as error:  # e.g. a call cut short by max_new_tokens
         raise SystemExit(f"the model wrote no valid tool call: {error}") from None
     report(output, index)
 
