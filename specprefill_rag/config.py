@@ -430,36 +430,29 @@ class GenerationConfig:
     top_k: int = 0  # 0 = no top-k filter
     seed: int | None = None  # sampling seed, a signed 64-bit int; None = nondeterministic
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before the first match
-    # Seconds for the whole request (draft, prefill and every token); past it the request stops
-    # with BackendTimeoutError. The engine hands a backend the time that is left. None: no deadline.
+    # Seconds for the whole request (draft, prefill, every token; the backend gets what is left);
+    # past it: BackendTimeoutError. None: no deadline.
     timeout: float | None = None
-    # The request's cache namespace, vLLM's ``cache_salt``: cached work is shared only between
-    # requests of the same salt. A vLLM backend forwards it; the engine keys its own caches (the
-    # draft's score memo, prompt memo, prefix store and batches) on it. None: the shared namespace.
+    # The request's cache namespace, vLLM's ``cache_salt`` (forwarded; the engine's caches key on
+    # it too): cached work is shared only between requests of the same salt. None: shared.
     cache_salt: str | None = None
-    # When the prompt offers tools: "auto" (the model may call them), "required" (at least one call),
-    # "none" (no call), or a tool's name (calls to that tool only, at least one). On a backend that
-    # decodes under a grammar (``capabilities.grammar``) the answer is constrained to it and its
-    # calls to their tools' schemas; on any backend it is checked (a breach is a ToolCallError).
+    # With tools offered: "auto", "required", "none" or a tool's name; decoded under the calls'
+    # grammar where the backend can, checked always. False: at most one call (docs/tools.md).
     tool_choice: str = "auto"
-    parallel_tool_calls: bool = True  # False: at most one call per answer
-    # A grammar the whole answer must match: Lark in llguidance's dialect (``grammar``:
-    # ``json_grammar(schema)`` for a JSON answer). None: unconstrained, or, with tools offered,
-    # the engine's grammar of text and calls. A backend without ``capabilities.grammar`` refuses it.
+    parallel_tool_calls: bool = True
+    # Lark (llguidance's) the answer must match, e.g. ``grammar.json_grammar(schema)``. None: free.
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.parallel_tool_calls, bool),
-               f"parallel_tool_calls must be True or False, got {self.parallel_tool_calls!r:.40}")
-        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
-               f"grammar must be a non-empty string (Lark) or None, got {self.grammar!r:.80}")
+        _check(isinstance(self.parallel_tool_calls, bool), f"parallel_tool_calls must be True or False, got "
+               f"{self.parallel_tool_calls!r:.40}")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""), "grammar must "
+               f"be a non-empty string (Lark) or None, got {self.grammar!r:.80}")
         _check(isinstance(self.tool_choice, str) and self.tool_choice != "",
                f"tool_choice must be 'auto', 'required', 'none' or a tool's name, got {self.tool_choice!r:.80}")
         _check_types(self, ints=("max_new_tokens", "top_k", "seed"), numbers=("temperature", "top_p", "timeout"))
-        _check(
-            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
-            f"cache_salt must be a non-empty string or None, got {self.cache_salt!r:.80}",
-        )
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+               f"cache_salt must be a non-empty string or None, got {self.cache_salt!r:.80}")
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(
             math.isfinite(self.temperature) and self.temperature >= 0.0,
@@ -471,10 +464,8 @@ class GenerationConfig:
             self.seed is None or _INT64[0] <= self.seed <= _INT64[1],
             f"seed must be a signed 64-bit integer, in [{_INT64[0]}, {_INT64[1]}], got {self.seed}",
         )
-        _check(
-            isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
-            "stop must be a tuple of non-empty strings",
-        )
+        _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+               "stop must be a tuple of non-empty strings")
         _check(
             self.timeout is None or (math.isfinite(self.timeout) and self.timeout > 0),
             f"timeout must be a positive number of seconds or None, got {self.timeout}",
