@@ -187,6 +187,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--tiny", action="store_true", help="random tiny models (smoke run; scores mean nothing)")
+    p.add_argument("--summary", action="store_true", help="only summarise the rows already in --out")
     p.add_argument("--out", default=None, help="rows (JSONL; default results/tool_rag.jsonl, tiny: a temp file)")
     return p.parse_args(argv)
 
@@ -198,11 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     done = {row["id"] for row in read_jsonl(out)} if out.exists() else set()
     examples = datasets.load_hotpotqa(args.n + args.pad, args.seed)
     asked, others = examples[: args.n], examples[args.n:]
-    engine = build_engine(args)
-    embed = embedder()
-    for number, example in enumerate(asked, start=1):
-        if example.id in done:
-            continue
+    todo = [] if args.summary else [(n, e) for n, e in enumerate(asked, start=1) if e.id not in done]
+    engine = build_engine(args) if todo else None
+    embed = embedder() if todo else None
+    for number, example in todo:
         row = run_example(engine, example, Retriever(example, others + asked, args.pad, args.seed, embed), args)
         append_jsonl(out, {**row, "keep_rates": args.keep_rates, "top_k": args.top_k, "pad": args.pad,
                            "main": args.main, "draft": args.draft, "dtype": args.dtype})
