@@ -145,14 +145,15 @@ def meta_lines(data: dict[str, Any]) -> list[str]:
         )
         if x
     )
-    load = m.get("load_avg_at_start")
+    # Older files name it "load_avg_at_start", but it was always read when the results were written.
+    load = m.get("load_avg_at_end", m.get("load_avg_at_start"))
     commands = data.get("commands") or [data.get("command")]
     lines = [
         f"- command: `{commands[-1]}`" if len(commands) == 1 else
         "- commands (resumed into one results file, last one last): " + "; ".join(f"`{c}`" for c in commands),
         f"- models: draft `{data['models']['draft']}` → main `{data['models']['main']}`",
         f"- machine: {machine}; torch {m.get('torch')}, transformers {m.get('transformers')}, "
-        f"{m.get('torch_threads')} torch threads" + (f"; load average at start {load}" if load else ""),
+        f"{m.get('torch_threads')} torch threads" + (f"; load average (1/5/15 min) at the end {load}" if load else ""),
         f"- run finished (UTC): {data.get('created_utc')}"
         + ("" if data.get("complete", True) else " — **incomplete run: only the rows below were measured**"),
     ]

@@ -126,7 +126,9 @@ def machine_info() -> dict[str, Any]:
         import psutil
 
         info["ram_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
-        info["load_avg_at_start"] = [round(x, 2) for x in os.getloadavg()]
+        # The 1/5/15-minute load averages when the results are written (the suites call this at
+        # the end of a run): how busy the machine was during the last of it.
+        info["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     except (ImportError, OSError):  # pragma: no cover
         pass
     try:
