@@ -54,7 +54,7 @@ test: lint $(WEB_STAMP) $(CLIENT_STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q -ra
 	$(PY) -m pytest -q -ra integrations/llama-index-llms-specprefill
 	$(PY) -m pytest -q -ra integrations/llama-index-postprocessor-specprefill
-	$(PY) -m pytest -q -ra integrations/langchain-specprefill
+	SPECPREFILL_QWEN_TOOL_SUITE=1 $(PY) -m pytest -q -ra integrations/langchain-specprefill
 	# The client side on current framework releases, without vLLM: the integrations, and the
 	# openai / ChatOpenAI / OpenAILike clients through the gateway to a real vLLM server.
 	$(CLIENT_VENV)/bin/python -m pytest -q -ra integrations/llama-index-llms-specprefill

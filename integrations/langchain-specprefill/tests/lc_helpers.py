@@ -77,3 +77,11 @@ class KeywordRetriever(BaseRetriever):
         words = set(query.lower().split())
         ranked = sorted(corpus_documents(), key=lambda d: -len(words & set(d.page_content.lower().split())))
         return ranked[: k or self.k]
+
+
+@functools.lru_cache(maxsize=1)
+def qwen_engine() -> SpecPrefillEngine:
+    """The packaged Qwen2.5-Coder pair (0.5B drafts for 1.5B), whose chat template renders tools."""
+    from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN
+
+    return SpecPrefillEngine.from_pretrained(DEFAULT_MAIN, DEFAULT_DRAFT)

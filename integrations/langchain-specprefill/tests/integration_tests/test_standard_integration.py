@@ -24,9 +24,8 @@ class TestChatSpecPrefillIntegration(ChatModelIntegrationTests):
         return {"engine": smollm_engine(), "max_tokens": 8}
 
     # The model under test is SmolLM2, whose chat template renders no tools: ChatSpecPrefill
-    # refuses tools on it (InputError), so the tool-calling and structured-output suites are off
-    # here. They are on in the unit suite (a tiny engine with a tool template); on a real model
-    # they need a tool template and constrained decoding (issue 50).
+    # refuses tools on it (InputError), so the tool-calling and structured-output tests are off
+    # here. They run on the Qwen pair in test_standard_tools_qwen.py, and in the unit suite.
     @property
     def has_tool_calling(self) -> bool:
         return False
