@@ -125,3 +125,63 @@ def test_integrations_on_the_vllm_server_backend(engine):
     assert answer.additional_kwargs["speculated"] and answer.text
     assert answer.additional_kwargs["prefilled_tokens"] < answer.additional_kwargs["prompt_tokens"]
     assert "".join(r.delta for r in llm.stream_complete(prompt)) == answer.text
+
+
+# -- tools and structured output through the gateway (issue 50) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tool_gateway():
+    """The gateway over the tiny engine whose chat template renders tools (its random model decodes
+    under the grammar), served by uvicorn in a thread on a loopback port."""
+    import threading
+    import time
+
+    import uvicorn
+    from helpers import free_port
+
+    from specprefill_rag.gateway import create_app
+    from specprefill_rag.testing import tiny_engine
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(tiny_engine(tools=True)), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield URL.format(port)
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_chat_openai_tools_and_structured_output_through_the_gateway(tool_gateway):
+    """Calls and JSON answers the unmodified ChatOpenAI parses: a forced single call (invoke and
+    stream), structured output by function calling and by a JSON schema (response_format)."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    ChatOpenAI = pytest.importorskip("langchain_openai").ChatOpenAI
+
+    class Verdict(BaseModel):
+        """A yes/no verdict."""
+
+        answer: Literal["yes", "no"]
+        sure: bool
+
+    llm = ChatOpenAI(base_url=tool_gateway, api_key=KEY, model="x", temperature=0, max_tokens=200, max_retries=0,
+                     timeout=120)
+    forced = llm.bind_tools([Verdict], tool_choice="Verdict", parallel_tool_calls=False)
+    message = forced.invoke("Is the sky blue?")
+    (call,) = message.tool_calls
+    assert call["name"] == "Verdict" and Verdict(**call["args"])
+    streamed = None
+    for chunk in forced.stream("Is the sky blue?"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+    for method in ("function_calling", "json_schema"):
+        verdict = llm.with_structured_output(Verdict, method=method).invoke("Is the sky blue?")
+        assert isinstance(verdict, Verdict), method
