@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ __all__ = [
     "parser_for",
     "register_parser",
 ]
+
+logger = logging.getLogger(__name__)
 
 RawCall = tuple[str, object]  # (name, arguments) as the model wrote them, before validation
 
@@ -308,20 +311,26 @@ def answer_setup(segments: Sequence[Segment], tokenizer: Any, generation: Genera
                  ) -> tuple[GenerationConfig, Callable[[GenerationResult], GenerationResult] | None]:
     """How a request decodes and what reads its answer: ``generation`` with the grammar of the
     tool calls (``GrammarWriter``) when ``segments`` offer tools, the backend decodes under a
-    grammar and the request brings none of its own; and ``answer_reader``'s reader. Raises at
-    once, before any model runs: ``answer_reader``'s errors, a grammar on a backend without
-    ``capabilities.grammar`` (``ConfigError``), a grammar that does not compile (``InputError``)."""
+    grammar and the request brings none of its own (one that a tool's schema keeps from compiling
+    is dropped with a warning: the calls are then checked only); and ``answer_reader``'s reader.
+    Raises at once, before any model runs: ``answer_reader``'s errors, the request's grammar on a
+    backend without ``capabilities.grammar`` (``ConfigError``) or not compiling (``InputError``)."""
     read = answer_reader(segments, tokenizer, generation.tool_choice, generation.parallel_tool_calls)
-    if generation.grammar is None and read is not None and grammar_lib.decodes_under_grammar(backend):
+    eos = getattr(backend, "eos_token_ids", ())
+    if generation.grammar is not None:
+        grammar_lib.check_support(backend, generation.grammar)
+        grammar_lib.check_grammar(generation.grammar, tokenizer, _vocab_size(backend, tokenizer), eos)
+    elif read is not None and grammar_lib.decodes_under_grammar(backend):
         parser = parser_for(tokenizer)
         if hasattr(parser, "grammar"):
             written = parser.grammar(offered_tools(segments), generation.tool_choice,
                                      generation.parallel_tool_calls, tokenizer)
-            generation = dataclasses.replace(generation, grammar=written)
-    if generation.grammar is not None:
-        grammar_lib.check_support(backend, generation.grammar)
-        grammar_lib.check_grammar(generation.grammar, tokenizer, _vocab_size(backend, tokenizer),
-                                  getattr(backend, "eos_token_ids", ()))
+            try:
+                grammar_lib.check_grammar(written, tokenizer, _vocab_size(backend, tokenizer), eos)
+            except InputError as error:  # a tool schema llguidance cannot compile: checked, not constrained
+                logger.warning("tool calls decoded without a grammar: %s", error)
+            else:
+                generation = dataclasses.replace(generation, grammar=written)
     return generation, read
 
 

@@ -131,3 +131,13 @@ def test_the_vllm_server_backend_forwards_the_grammar(engine):
     assert body["structured_outputs"] == {"grammar": "%llguidance {}\nstart: %json {}\n"}  # declared
     assert "structured_outputs" not in request_body(planned.plan, GenerationConfig(), model="m", max_tokens=4,
                                                     logprobs=False, stream=True)
+
+
+def test_a_schema_llguidance_cannot_compile_leaves_the_calls_checked_only(engine, caplog):
+    bad_pattern = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "(unclosed"}}, "required": ["code"]}}}
+    with caplog.at_level("WARNING", logger="specprefill_rag.toolcalls"):
+        with pytest.raises(ToolCallError):  # the random model, unconstrained, writes no call
+            engine.chat(MESSAGES, [bad_pattern], generation=GenerationConfig(max_new_tokens=8, tool_choice="odd"),
+                        mode="full")
+    assert "tool calls decoded without a grammar" in caplog.text
