@@ -78,6 +78,7 @@ METHOD_LABELS = {
     "contiguous": "SpecPrefill, contiguous positions (ablation)",
     "random": "random chunks",
     "llmlingua": "LongLLMLingua (same draft LM)",
+    "text": "SpecPrefill text mode (compress(): kept sentences as an ordinary prompt)",
 }
 METRIC_NAMES = {"f1": "F1", "acc": "accuracy", "em": "EM"}
 # Evidence variants always shown (matched by prefix), and the one in bold.
@@ -539,7 +540,7 @@ def plot_quality(data: dict[str, Any], path: Path) -> bool:
             lo, hi = _bounds(full[metric], full.get(f"{metric}_ci"))
             if hi > lo:
                 ax.axhspan(lo, hi, color="black", alpha=0.07, lw=0)
-        methods = ("specprefill", "reference", "contiguous", "random", "llmlingua")
+        methods = ("specprefill", "reference", "contiguous", "random", "llmlingua", "text")
         for i, method in enumerate(methods):
             mine = sorted((e for e in rows if e["method"] == method and e["keep_rate"] is not None),
                           key=lambda e: e["keep_rate"])

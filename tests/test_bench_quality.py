@@ -59,7 +59,7 @@ def test_summarize_reports_retention_and_delta_to_llmlingua() -> None:
 @needs_data
 def test_quality_bench_tiny_smoke(tmp_path: Path) -> None:
     out = tmp_path / "quality.json"
-    methods = ["specprefill", "reference", "contiguous", "random"] + (["llmlingua"] if HAS_LINGUA else [])
+    methods = ["specprefill", "reference", "contiguous", "random", "text"] + (["llmlingua"] if HAS_LINGUA else [])
     assert tuple(quality.RUNNERS) == quality.METHODS  # every method the CLI accepts has a runner
     assert (
         quality.main(
@@ -87,6 +87,8 @@ def test_quality_bench_tiny_smoke(tmp_path: Path) -> None:
     assert {r["method"] for r in data["rows"]} == {"full", *methods}
     spec = next(r for r in data["rows"] if r["method"] == "specprefill")
     assert spec["prefilled"] < spec["n_prompt"]
+    text = next(r for r in data["rows"] if r["method"] == "text")  # the compressed text, prefilled whole
+    assert text["kept_context_tokens"] < text["prefilled"] < text["n_prompt"] and text["compress_s"] > 0
 
 
 def test_quality_resume_keeps_rows_it_does_not_redo(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ from benchmarks.lib.results import RESULTS_DIR, prompt_digest, result_name, same
 from benchmarks.lib.tiny import tiny_engine
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
-METHODS = ("specprefill", "reference", "contiguous", "random", "llmlingua")
+METHODS = ("specprefill", "reference", "contiguous", "random", "llmlingua", "text")
 INSTRUCTIONS = (
     "Answer the question using only the documents in the context. "
     "Reply with the answer only: a few words, no explanation."
@@ -378,10 +378,25 @@ def _llmlingua(case: _Case, sel: Any) -> Outcome:
     return text, prefilled, {"compress_s": seconds, "budget_tokens": budget}
 
 
+def _text(case: _Case, sel: Any) -> Outcome:
+    """Portable (text) mode, issue 51: the passages as ``engine.compress`` gives them (whole
+    sentences, a marker where a run was dropped), prefilled whole as an ordinary prompt, as any
+    LLM behind ``SpecPrefillCompressor`` or the gateway's text mode would read them."""
+    from specprefill_rag import Passage
+    from specprefill_rag import selection as selection_lib
+
+    compression = case.engine.compress(case.ex.question, case.passages, selection=sel)
+    kept = [Passage(p.text, id=p.id) for p in compression.passages if p.text.strip()]
+    tprompt = case.engine.assemble(case.ex.question, kept or [Passage(".", id="compressed")])
+    text, prefilled = answer(case.engine, tprompt, selection_lib.full_plan(tprompt))
+    return text, prefilled, {"compress_s": compression.seconds, "kept_context_tokens": sum(
+        p.n_kept for p in compression.passages)}
+
+
 # Method name → how it answers one example at one keep rate (the selection ``sel``).
 RUNNERS: dict[str, Callable[[_Case, Any], Outcome]] = {
     "specprefill": _specprefill, "reference": _reference, "contiguous": _contiguous, "random": _random,
-    "llmlingua": _llmlingua,
+    "llmlingua": _llmlingua, "text": _text,
 }
 
 
