@@ -69,8 +69,10 @@ def build_agent(llm: SpecPrefillLLM, index: VectorStoreIndex, top_k: int = 4) ->
     retrieval = RetrieverQueryEngine(index.as_retriever(similarity_top_k=top_k), response_synthesizer=NoText(llm=llm))
     search = QueryEngineTool.from_defaults(
         retrieval, name="search", description="Search the station handbook; returns the passages that match.")
-    first = {"initial_tool_choice": "search"} if "initial_tool_choice" in FunctionAgent.model_fields else {}
-    return FunctionAgent(tools=[DocumentsTool(search)], llm=llm, system_prompt=SYSTEM, **first)
+    agent = FunctionAgent(tools=[DocumentsTool(search)], llm=llm, system_prompt=SYSTEM)
+    if "initial_tool_choice" in FunctionAgent.model_fields:  # llama-index-core 0.14: the first step calls it
+        setattr(agent, "initial_tool_choice", "search")  # noqa: B010  (0.12's type has no such field)
+    return agent
 
 
 async def ask(agent: FunctionAgent, question: str) -> Any:
