@@ -134,27 +134,13 @@ def test_integrations_on_the_vllm_server_backend(engine):
 def tool_gateway():
     """The gateway over the tiny engine whose chat template renders tools (its random model decodes
     under the grammar), served by uvicorn in a thread on a loopback port."""
-    import threading
-    import time
-
-    import uvicorn
-    from helpers import free_port
+    from servers import app_in_thread
 
     from specprefill_rag.gateway import create_app
     from specprefill_rag.testing import tiny_engine
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(tiny_engine(tools=True)), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield URL.format(port)
-    server.should_exit = True
-    thread.join(10)
+    with app_in_thread(create_app(tiny_engine(tools=True))) as port:
+        yield URL.format(port)
 
 
 def test_chat_openai_tools_and_structured_output_through_the_gateway(tool_gateway):

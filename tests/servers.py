@@ -108,6 +108,27 @@ def serving(server: ThreadingHTTPServer) -> Iterator[Any]:
         server.server_close()
 
 
+@contextmanager
+def app_in_thread(app: Any) -> Iterator[int]:
+    """An ASGI ``app`` (the gateway) served by uvicorn in a thread on a free loopback port, inside
+    the block; its port."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 def stream(*chunks: bytes) -> Script:
     """A complete chunked SSE answer made of ``chunks``, ended by ``[DONE]``."""
     def script(h: Handler, n: int) -> None:

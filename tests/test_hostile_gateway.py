@@ -27,6 +27,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
 from fastapi.testclient import TestClient  # noqa: E402
+from servers import app_in_thread  # noqa: E402
 
 from specprefill_rag import prompt as prompt_lib  # noqa: E402
 from specprefill_rag.backends.transformers import sample_token  # noqa: E402
@@ -474,30 +475,11 @@ def test_no_user_message_is_named(client):
 ROUNDS = 6  # oversize requests per attacker
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def loopback(engine) -> Iterator[int]:
     """The gateway (default options, 8 MiB body limit) served by uvicorn in a thread; its port."""
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline and thread.is_alive():
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-    try:
+    with app_in_thread(create_app(engine)) as port:
         yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def get(port: int, path: str) -> tuple[int, str, float]:

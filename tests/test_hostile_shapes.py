@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -166,6 +165,7 @@ def test_no_generated_message_makes_recognition_super_linear(head, unit):
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 from fastapi.testclient import TestClient  # noqa: E402
+from servers import app_in_thread  # noqa: E402
 
 from specprefill_rag.gateway import GatewayOptions, create_app  # noqa: E402
 from specprefill_rag.gateway.app import Gateway  # noqa: E402
@@ -296,12 +296,6 @@ def test_the_library_treats_a_huge_integer_score_as_missing():
 # -- over 127.0.0.1: /health answers while hostile messages are parsed ----------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def request(port: int, method: str, path: str, payload: bytes | None = None, timeout: float = 60
             ) -> tuple[int, bytes, float]:
     started = time.perf_counter()
@@ -315,16 +309,6 @@ def request(port: int, method: str, path: str, payload: bytes | None = None, tim
 
 
 def test_health_answers_while_hostile_messages_are_parsed(engine):
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
     hostile = [
         "Question: a\nContext: " + "\n" * 1_000_000 + "x",  # 154-189 s at 200 KB before the fix
         "Question: a\nContext: b" + " " * 1_000_000 + "\nAnswe",
@@ -337,7 +321,7 @@ def test_health_answers_while_hostile_messages_are_parsed(engine):
         for text in hostile:
             answers.append(request(port, "POST", CHAT, body(text)))
 
-    try:
+    with app_in_thread(create_app(engine)) as port:
         attacker = threading.Thread(target=attack)
         attacker.start()
         latencies = []
@@ -346,9 +330,6 @@ def test_health_answers_while_hostile_messages_are_parsed(engine):
             assert status == 200
             latencies.append(latency)
         attacker.join()
-    finally:
-        server.should_exit = True
-        thread.join(10)
     assert len(answers) == len(hostile)
     for status, answer, seconds in answers:
         assert status in (200, 400), answer[:200]  # answered or refused as usual, within seconds
