@@ -157,12 +157,8 @@ class GrammarMatcher:
         return torch.from_numpy(bits[: self.vocab_size].astype(bool))
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (vocab,) with the disallowed tokens at -inf (a new tensor)."""
-        allowed = self.allowed().to(logits.device)
-        n = min(logits.shape[-1], allowed.shape[0])
-        masked = torch.full_like(logits, float("-inf"))
-        masked[:n] = torch.where(allowed[:n], logits[:n], masked[:n])
-        return masked
+        """``logits`` (vocab_size,) with the disallowed tokens at -inf (a new tensor)."""
+        return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
 
     def accept(self, token: int) -> None:
         """Advance past ``token`` (one ``mask`` allowed)."""

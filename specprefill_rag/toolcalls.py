@@ -119,14 +119,14 @@ class HermesParser:
         return data["name"], arguments
 
     def grammar(self, tools: Sequence[Mapping[str, Any]], tool_choice: str, parallel: bool, tokenizer: Any) -> str:
-        opener = grammar_lib.token_literal(tokenizer, self.opener)
-        closer = grammar_lib.token_literal(tokenizer, self.closer)
-        named = [t for t in tools if tool_choice in ("auto", "required") or t["function"]["name"] == tool_choice]
-        bodies = [f"body{n}: {grammar_lib.json_rule(_call_schema(tool))}" for n, tool in enumerate(named)]
         text = "TEXT: /(?s:.+)/ & ~/(?s:.*" + "".join(
             c if c.isalnum() or c == "_" else f"\\x{{{ord(c):x}}}" for c in self.opener) + ".*)/"
         if tool_choice == "none":
             return grammar_lib.declared(f"start: TEXT?\n{text}\n")
+        opener = grammar_lib.token_literal(tokenizer, self.opener)
+        closer = grammar_lib.token_literal(tokenizer, self.closer)
+        named = [t for t in tools if tool_choice in ("auto", "required") or t["function"]["name"] == tool_choice]
+        bodies = [f"body{n}: {grammar_lib.json_rule(_call_schema(tool))}" for n, tool in enumerate(named)]
         if tool_choice == "auto":
             start = "start: TEXT? " + ("call*" if parallel else "call?")
         else:
@@ -323,9 +323,9 @@ def answer_setup(segments: Sequence[Segment], tokenizer: Any, generation: Genera
     elif read is not None and grammar_lib.decodes_under_grammar(backend):
         parser = parser_for(tokenizer)
         if hasattr(parser, "grammar"):
-            written = parser.grammar(offered_tools(segments), generation.tool_choice,
-                                     generation.parallel_tool_calls, tokenizer)
             try:
+                written = parser.grammar(offered_tools(segments), generation.tool_choice,
+                                         generation.parallel_tool_calls, tokenizer)
                 grammar_lib.check_grammar(written, tokenizer, _vocab_size(backend, tokenizer), eos)
             except InputError as error:  # a tool schema llguidance cannot compile: checked, not constrained
                 logger.warning("tool calls decoded without a grammar: %s", error)

@@ -224,7 +224,7 @@ class ChatSpecPrefill(BaseChatModel):
         passages = kwargs.pop("passages", None) or ()
         tools = kwargs.pop("tools", None) or ()
         tool_choice = kwargs.pop("tool_choice", None) or "auto"
-        parallel = kwargs.pop("parallel_tool_calls", None) is not False
+        parallel = kwargs.pop("parallel_tool_calls", None)  # None: the engine's own setting
         grammar = kwargs.pop("grammar", None)
         kwargs.pop("ls_structured_output_format", None)  # LangSmith's tracing hint
         default = engine.config.instructions if passages else None
