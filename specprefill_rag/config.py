@@ -66,8 +66,13 @@ def check_choice(name: str, value: object, literal: Any) -> None:
     _check(value in get_args(literal), f"{name} must be {describe_choices(literal)}, got {value!r}")
 
 
-def _check_types(obj: object, ints: tuple[str, ...] = (), numbers: tuple[str, ...] = ()) -> None:
-    """ConfigTypeError for a field of the wrong type (a bool is not a number; 2.5 is not a count)."""
+def _check_types(obj: object, ints: tuple[str, ...] = (), numbers: tuple[str, ...] = (),
+                 bools: tuple[str, ...] = ()) -> None:
+    """ConfigTypeError for a field of the wrong type (a bool is not a number; 2.5 is not a count);
+    ConfigError for a switch that is not True or False."""
+    for name in bools:
+        value = getattr(obj, name)
+        _check(isinstance(value, bool), f"{name} must be True or False, got {value!r:.40}")
     for name in ints:
         value = getattr(obj, name)
         if value is not None and not is_int(value):
@@ -137,20 +142,22 @@ class ScoringConfig:
     # with the Qwen 0.5B draft on RAG prompts, evidence unchanged (paired, HotpotQA n=200).
     # False: always L - 1 tokens (the reference).
     lookahead_stop_at_eos: bool = True
+    # Where context follows the question (tool results after the user's turn), the draft reads the
+    # question once more after the last message, so the question's queries see that context and
+    # the look-ahead answers it instead of continuing the tool's turn (scores carried back by
+    # segment). False: the draft reads the main prompt as is (docs/tools.md has the measurements).
+    echo_question: bool = True
 
     def __post_init__(self) -> None:
         _check_types(self, ints=("lookahead", "pool_kernel", "lookahead_guesses"),
-                     numbers=("lookahead_weight", "upper_keep"))
+                     numbers=("lookahead_weight", "upper_keep"),
+                     bools=("normalize", "early_exit", "lookahead_stop_at_eos", "echo_question"))
         _check(self.lookahead >= 1, f"lookahead must be >= 1, got {self.lookahead}")
         _check(
             0.0 <= self.lookahead_weight <= 1.0,
             f"lookahead_weight must be in [0, 1], got {self.lookahead_weight}",
         )
         check_choice("heads", self.heads, HeadReduction)
-        _check(isinstance(self.normalize, bool), f"normalize must be True or False, got {self.normalize!r}")
-        _check(isinstance(self.early_exit, bool), f"early_exit must be True or False, got {self.early_exit!r}")
-        _check(isinstance(self.lookahead_stop_at_eos, bool),
-               f"lookahead_stop_at_eos must be True or False, got {self.lookahead_stop_at_eos!r}")
         _check(0.0 < self.upper_keep <= 1.0, f"upper_keep must be in (0, 1], got {self.upper_keep}")
         _check(
             self.lookahead_guesses is None or self.lookahead_guesses >= 0,
@@ -278,11 +285,7 @@ class DraftRuntime:
         _check(self.memo_bytes >= 0, f"memo_bytes must be >= 0, got {self.memo_bytes}")
         _check(self.prefix_cache_entries >= 0, f"prefix_cache_entries must be >= 0, got {self.prefix_cache_entries}")
         _check(self.prefix_cache_bytes >= 0, f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
-        _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
-        _check(isinstance(self.passes_in_order, bool),
-               f"passes_in_order must be True or False, got {self.passes_in_order!r}")
-        _check(isinstance(self.skip_when_slower, bool),
-               f"skip_when_slower must be True or False, got {self.skip_when_slower!r}")
+        _check_types(self, bools=("cuda_graphs", "passes_in_order", "skip_when_slower"))
         _check(self.graph_max_tokens >= 1, f"graph_max_tokens must be >= 1, got {self.graph_max_tokens}")
         _check(
             math.isfinite(self.batch_window_s) and self.batch_window_s >= 0,
@@ -397,9 +400,7 @@ class SelectionConfig:
         )
         _check(self.min_prompt_tokens >= 0, "min_prompt_tokens must be >= 0")
         _check(self.protect_tail_tokens >= 0, "protect_tail_tokens must be >= 0")
-        for name in ("protect_instructions", "protect_history"):
-            value = getattr(self, name)
-            _check(isinstance(value, bool), f"{name} must be True or False, got {value!r}")
+        _check_types(self, bools=("protect_instructions", "protect_history"))
         check_choice("positions", self.positions, PositionMode)
 
     def budget(self, n_context: int) -> int:
@@ -444,13 +445,12 @@ class GenerationConfig:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.parallel_tool_calls, bool), f"parallel_tool_calls must be True or False, got "
-               f"{self.parallel_tool_calls!r:.40}")
         _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""), "grammar must "
                f"be a non-empty string (Lark) or None, got {self.grammar!r:.80}")
         _check(isinstance(self.tool_choice, str) and self.tool_choice != "",
                f"tool_choice must be 'auto', 'required', 'none' or a tool's name, got {self.tool_choice!r:.80}")
-        _check_types(self, ints=("max_new_tokens", "top_k", "seed"), numbers=("temperature", "top_p", "timeout"))
+        _check_types(self, ints=("max_new_tokens", "top_k", "seed"), numbers=("temperature", "top_p", "timeout"),
+                     bools=("parallel_tool_calls",))
         _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
                f"cache_salt must be a non-empty string or None, got {self.cache_salt!r:.80}")
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

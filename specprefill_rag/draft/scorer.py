@@ -39,8 +39,10 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DraftReading:
     """A prompt and what the draft reads of it: the prompt itself when the draft shares the main
-    tokenizer, else the same segments in the draft's tokenizer and chat template. ``windows``:
-    the windows the draft reads it in (``DraftModel.windows``), None when it fits in one pass."""
+    tokenizer and the question comes last, else its segments (the question echoed after context
+    that follows it, ``prompt.echoed_question``) in the draft's tokenizer and chat template, whose
+    scores are carried back by segment. ``windows``: the windows the draft reads it in
+    (``DraftModel.windows``), None when it fits in one pass."""
 
     prompt: AssembledPrompt
     read: AssembledPrompt
@@ -52,6 +54,11 @@ class DraftReading:
     def question(self) -> torch.Tensor:
         """The draft-side indices of the question's tokens."""
         return self.read.positions_of(SegmentKind.QUESTION)
+
+    @property
+    def maps(self) -> bool:
+        """Whether the draft's scores must be carried onto the main prompt's tokens."""
+        return self.read is not self.prompt
 
 
 class DraftScorer:
@@ -87,14 +94,17 @@ class DraftScorer:
 
     # -- what the draft reads ------------------------------------------------------------------
 
-    def render(self, prompt: AssembledPrompt, salt: str | None = None) -> DraftReading:
-        """``prompt`` and what the draft reads of it: itself, or the same segments in the draft's
-        own tokenizer and chat template (rendered once per request, remembered under ``salt``)."""
-        if not self.maps_tokens:
+    def render(self, prompt: AssembledPrompt, salt: str | None = None, config: DraftConfig | None = None
+               ) -> DraftReading:
+        """``prompt`` and what the draft reads of it (``DraftReading``) under ``config`` (default the
+        scorer's): itself, or its segments in the draft's own tokenizer and chat template, the question
+        echoed where context follows it (rendered once per request, remembered under ``salt``)."""
+        echoed = prompt_lib.echoed_question(prompt.segments) if (config or self.config).echo_question else None
+        if not self.maps_tokens and echoed is None:
             return DraftReading(prompt, prompt, salt)
         if not prompt.segment_spans:
             raise InputError("the prompt carries no segment spans: build it with engine.assemble")
-        read = prompt_lib.assemble_cached(self.prompts, self.model.tokenizer, prompt.segments,
+        read = prompt_lib.assemble_cached(self.prompts, self.model.tokenizer, echoed or prompt.segments,
                                           protect_instructions=True, protect_tail_tokens=0, protect_history=True,
                                           salt=salt)
         return DraftReading(prompt, read, salt)
@@ -112,7 +122,7 @@ class DraftScorer:
 
     def fits(self, prompt: AssembledPrompt, config: DraftConfig | None = None) -> bool:
         """Whether the draft reads ``prompt`` in one pass (its own rendering, look-ahead included)."""
-        return self.overflow(self.render(prompt), config) is None
+        return self.overflow(self.render(prompt, config=config), config) is None
 
     def reading(self, prompt: AssembledPrompt, salt: str | None = None) -> DraftReading | None:
         """What the draft reads for ``prompt``, decided here once: in one pass, or in windows when
@@ -195,14 +205,15 @@ class DraftScorer:
         """The scores of several prompts in one batched draft run, past the memo and the batcher
         (each result equals the prompt's own within floating-point tolerance)."""
         config = config or self.config
-        return self._score_readings([self._with_windows(self.render(p), config) for p in prompts], config)
+        return self._score_readings([self._with_windows(self.render(p, config=config), config) for p in prompts],
+                                    config)
 
     def _memo_key(self, reading: DraftReading, config: DraftConfig) -> bytes:
         """What the draft's scores of ``reading`` depend on: the draft's token ids, question and
         prunable tokens, the main prompt's token ids when scores are mapped onto them, the scoring
         fields of ``config``, and the request's cache salt (namespaces share nothing)."""
         read = reading.read
-        main = reading.prompt.token_ids if self.maps_tokens else None
+        main = reading.prompt.token_ids if reading.maps else None
         return digest([read.token_ids, reading.question(), read.protected, main], (config.rule, reading.salt))
 
     @staticmethod
@@ -241,9 +252,10 @@ class DraftScorer:
                 windows=[reading.windows for reading in readings],  # decided once, by ``reading``
             )
         self.costs.observe_draft(sum(d.n_tokens for d in read), scored[0].seconds)
-        if not self.maps_tokens:
+        if not any(reading.maps for reading in readings):
             return scored
-        mapped = [self.map_onto_main(s.scores, r) for s, r in zip(scored, readings, strict=True)]
+        mapped = [self.map_onto_main(s.scores, r) if r.maps else s.scores
+                  for s, r in zip(scored, readings, strict=True)]
         seconds = time.perf_counter() - start
         logger.debug("mapped draft scores onto %d prompts in %.3f s", len(readings), seconds - scored[0].seconds)
         return [dataclasses.replace(s, scores=m, seconds=seconds) for m, s in zip(mapped, scored, strict=True)]

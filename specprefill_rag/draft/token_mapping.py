@@ -126,7 +126,8 @@ def content_intervals(
 def _check_aligned(draft: AssembledPrompt, main: AssembledPrompt) -> None:
     d = {s: (a, b) for s, a, b in draft.segment_spans}
     m = {s: (a, b) for s, a, b in main.segment_spans}
-    if d.keys() != m.keys():
+    extra = d.keys() - m.keys()  # what the draft alone reads (the echoed question) comes after them all
+    if not m.keys() <= d.keys() or any(s < len(main.segments) for s in extra):
         raise ValueError(
             f"cannot align the draft and main prompts: segments {sorted(d)} in the draft's text, "
             f"{sorted(m)} in the main model's"
@@ -144,9 +145,11 @@ def _check_aligned(draft: AssembledPrompt, main: AssembledPrompt) -> None:
 def map_scores(draft_scores: torch.Tensor, draft: AssembledPrompt, main: AssembledPrompt) -> torch.Tensor:
     """Scores of the draft's tokens (n_draft,) → scores of the main prompt's tokens (n_main,).
 
-    ``draft`` and ``main`` are the same segments assembled with each tokenizer; each carries its
-    segments' character spans (``AssembledPrompt.segment_spans``). The rule is in the module
-    docstring. Raises ``ValueError`` when a segment's text differs between the two renderings.
+    ``draft`` and ``main`` are the same segments assembled with each tokenizer (or each its own
+    way: the draft may read the question echoed, ``prompt.echoed_question``); each carries its
+    segments' character spans (``AssembledPrompt.segment_spans``). Segments only the draft reads,
+    past the main prompt's, give no score. The rule is in the module docstring. Raises
+    ``ValueError`` when a segment's text differs between the two renderings.
     """
     if draft_scores.numel() != draft.n_tokens:
         raise ValueError(f"{draft_scores.numel()} draft scores for a draft prompt of {draft.n_tokens} tokens")
@@ -156,7 +159,7 @@ def map_scores(draft_scores: torch.Tensor, draft: AssembledPrompt, main: Assembl
     for segment, a, b in sorted(main.segment_spans):
         bases[segment] = position
         position += (b - a) + _GAP
-    src, owner = content_intervals(draft.offsets, draft.segment_spans, bases)
+    src, owner = content_intervals(draft.offsets, [span for span in draft.segment_spans if span[0] in bases], bases)
     out = torch.zeros(main.n_tokens, dtype=torch.float32)
     index = main.segment_index
     mapped = (index >= 0).nonzero().flatten()

@@ -30,7 +30,7 @@ from .segments import (
     request_segments,
     split_documents,
 )
-from .tool_segments import has_tool_messages, message_segments, split_tool_result, tool_schema
+from .tool_segments import echoed_question, has_tool_messages, message_segments, split_tool_result, tool_schema
 
 __all__ = [
     "Passages",
@@ -42,6 +42,7 @@ __all__ = [
     "check_length",
     "check_tool_support",
     "cut_levels",
+    "echoed_question",
     "has_tool_messages",
     "kept_runs",
     "markup_tokens",

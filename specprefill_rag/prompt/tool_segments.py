@@ -33,6 +33,7 @@ from ..types import Passage, Segment, SegmentKind
 from .segments import Passages, _question, chat_segments, passage_segments
 
 __all__ = [
+    "echoed_question",
     "has_tool_messages",
     "message_segments",
     "split_tool_result",
@@ -259,3 +260,23 @@ def message_segments(
             raise InputError(f"message {n} has the role {role!r:.40}; an agent chat takes system, user, "
                              "assistant and tool messages")
     return tuple(segments)
+
+
+def echoed_question(segments: Sequence[Segment]) -> tuple[Segment, ...] | None:
+    """What the draft reads of a prompt whose question comes before prunable context (an agent's
+    tool results follow the user's turn), or None when nothing prunable follows the question.
+
+    Causal attention lets a token see only what precedes it: the question's own tokens cannot
+    attend to the tool results after them, and the draft's look-ahead continues the tool's turn.
+    So the draft reads the question once more after the last message (``ScoringConfig.
+    echo_question``): the question stays where it was as the user turn it is (a user ``HISTORY``
+    segment of the same text, at the same index) and one more ``QUESTION`` segment ends the chat.
+    Every segment of the prompt keeps its index and text, so the draft's scores carry back to the
+    main prompt by segment (``draft.token_mapping``)."""
+    asked = [i for i, s in enumerate(segments) if s.kind is SegmentKind.QUESTION]
+    if not asked or not any(s.prunable for s in segments[asked[-1] + 1:]):
+        return None
+    question = segments[asked[-1]]
+    out = list(segments)
+    out[asked[-1]] = Segment(SegmentKind.HISTORY, question.text, question.id, question.metadata, role="user")
+    return (*out, question)
