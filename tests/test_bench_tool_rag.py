@@ -94,3 +94,33 @@ def test_the_answer_turn_can_be_offered_no_tools(engine):
     (reading,) = withheld["modes"]["full"]["steps"]
     assert withheld["first"]["calls"] and withheld["modes"]["full"]["answer"] == "48213"
     assert reading["prompt_tokens"] < offered["prompt_tokens"]  # the tool schema is not in the prompt
+
+
+SENTENCE = "The passkey is 48213 and it opens the door."
+WITH_EVIDENCE = Example("hotpotqa", "ex3", "What is the passkey?", tuple(PARAGRAPHS), ("48213",),
+                        evidence=((2, 4, 4 + len(SENTENCE)),), key=((2, 4, 4 + len(SENTENCE)),), key_share=0.5)
+
+
+@pytest.mark.parametrize("layout", ["plain", "tool"])
+def test_the_evidence_masks_cover_the_supporting_sentence_in_either_layout(engine, layout):
+    from specprefill_rag import prompt as prompt_lib
+
+    documents = [text for _, text in PARAGRAPHS]
+    prompt = (engine.assemble(WITH_EVIDENCE.question, documents) if layout == "plain" else engine.assemble(
+        list(prompt_lib.message_segments(tool_rag.answer_turn(WITH_EVIDENCE, documents)))))
+    (mask,) = tool_rag.evidence_masks(prompt, WITH_EVIDENCE, documents)
+    assert engine.tokenizer.decode(prompt.token_ids[mask].tolist()).strip() == SENTENCE
+    assert tool_rag.evidence_masks(prompt, WITH_EVIDENCE, [t + " changed" for t in documents]) == []
+
+
+def test_the_evidence_proxy_scores_each_layout_without_the_main_model(engine):
+    search = tool_rag.Retriever(WITH_EVIDENCE, [OTHER], pad=1, seed=0, embed=words)
+    row = tool_rag.evidence_row(engine, WITH_EVIDENCE, search, args(keep_rates=[0.1, 1.0], answer_tools="withheld"))
+    assert row["gold_sentences"] == 1 and set(row["layouts"]) == set(tool_rag.LAYOUTS)
+    for layout in tool_rag.LAYOUTS:
+        assert row["layouts"][layout]["1"] == [1.0, 1]  # everything kept: every sentence kept
+        assert 0.0 <= row["layouts"][layout]["0.1"][0] <= 1.0
+    assert engine.backend.texts == [CALL, "48213"]  # the main model never ran
+    summary = tool_rag.summarise_evidence([row, {**row, "id": "again"}, {**row, "id": "none", "gold_sentences": 0}])
+    assert summary["n"] == 2 and summary["tool_echo@1"]["complete"][0] == 1.0
+    assert summary["tool_echo@1"]["complete_minus_tool"][0] == 0.0 and "complete_minus_tool" not in summary["tool@1"]

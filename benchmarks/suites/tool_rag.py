@@ -163,6 +163,91 @@ def summarise(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     return out
 
 
+# -- the draft-only proxy (--evidence) ---------------------------------------------------------
+
+LAYOUTS = ("plain", "tool", "tool_echo")  # the same documents as a plain RAG prompt; as tool results, echo off / on
+
+
+def answer_turn(example: datasets.Example, documents: Sequence[str]) -> list[dict[str, Any]]:
+    """The chat of the turn that reads the results: the question, a search call for it, the documents."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "search", "arguments": json.dumps({"query": example.question})}}
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": example.question},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "\n\n".join(documents)}]
+
+
+def evidence_masks(prompt: Any, example: datasets.Example, documents: Sequence[str]) -> list[Any]:
+    """(n,) bool token masks of each supporting sentence in the retrieved documents (the prompt's
+    passage or tool-result segments, in order); sentences of paragraphs not retrieved are not counted."""
+    from specprefill_rag import SegmentKind
+
+    kinds = (SegmentKind.PASSAGE, SegmentKind.TOOL_RESULT)
+    segments = [i for i, s in enumerate(prompt.segments) if s.kind in kinds]
+    where = {segment: a for segment, a, _ in prompt.segment_spans}
+    own = {text: i for i, (_, text) in enumerate(example.passages)}
+    starts, ends = prompt.offsets[:, 0], prompt.offsets[:, 1]
+    masks = []
+    for segment, text in zip(segments, documents, strict=True):
+        if prompt.segments[segment].text != text.strip() or text not in own:
+            continue
+        base = where[segment] - (len(text) - len(text.lstrip()))
+        masks += [(starts < base + b) & (ends > base + a) & (ends > starts)
+                  for p, a, b in example.evidence if p == own[text]]
+    return masks
+
+
+def evidence_row(engine: Any, example: datasets.Example, search: Retriever, args: argparse.Namespace
+                 ) -> dict[str, Any]:
+    """Per layout and keep rate: [recall, complete] of the supporting sentences the selection keeps
+    (recall: their tokens kept; complete: each at least half kept, as ``bench evidence`` counts)."""
+    import dataclasses
+
+    import torch
+
+    from specprefill_rag import prompt as prompt_lib
+
+    documents = search(example.question, args.top_k)
+    tools = (SEARCH,) if args.answer_tools == "offered" else ()
+    chat = engine.assemble(list(prompt_lib.message_segments(answer_turn(example, documents), tools)))
+    prompts = {"plain": engine.assemble(example.question, documents), "tool": chat, "tool_echo": chat}
+    row: dict[str, Any] = {"id": example.id, "layouts": {}, "lookahead": {}}
+    for layout, prompt in prompts.items():
+        draft = dataclasses.replace(engine.config.draft, echo_question=layout != "tool")
+        scores = engine.score(prompt, draft=draft)
+        masks = evidence_masks(prompt, example, documents)
+        row["gold_sentences"] = len(masks)
+        row["lookahead"][layout] = engine.tokenizer.decode(list(scores.lookahead_token_ids))
+        row["layouts"][layout] = {}
+        for keep in args.keep_rates:
+            sel = dataclasses.replace(engine.config.selection, keep_rate=keep)
+            kept = torch.zeros(prompt.n_tokens, dtype=torch.bool)
+            kept[engine.plan(prompt, selection=sel, scores=scores).plan.position_ids] = True
+            gold = torch.stack(masks).any(0) if masks else kept & False
+            recall = float((kept & gold).sum()) / max(int(gold.sum()), 1)
+            complete = all(float((kept & m).sum()) >= 0.5 * float(m.sum()) for m in masks)
+            row["layouts"][layout][f"{keep:g}"] = [round(recall, 4), int(complete)]
+    return row
+
+
+def summarise_evidence(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
+    """Per layout and keep rate: mean recall and complete share with 95% CIs, over the examples
+    whose retrieved documents hold gold evidence; paired differences against the tool layout."""
+    rows = [r for r in rows if r["gold_sentences"]]
+    out: dict[str, Any] = {"n": len(rows)}
+    for layout in LAYOUTS:
+        for keep in rows[0]["layouts"][layout] if rows else ():
+            got = [r["layouts"][layout][keep] for r in rows]
+            entry = {"recall": metrics.share_ci([g[0] for g in got], seed=seed),
+                     "complete": metrics.share_ci([float(g[1]) for g in got], seed=seed)}
+            if layout != "tool":
+                base = [r["layouts"]["tool"][keep] for r in rows]
+                entry["complete_minus_tool"] = metrics.bootstrap_ci(
+                    [g[1] - b[1] for g, b in zip(got, base, strict=True)], seed=seed)
+            out[f"{layout}@{keep}"] = entry
+    return out
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
@@ -187,29 +272,37 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--tiny", action="store_true", help="random tiny models (smoke run; scores mean nothing)")
+    p.add_argument("--evidence", action="store_true",
+                   help="the draft-only proxy: share of the supporting sentences kept, with the same documents as a "
+                   "plain RAG prompt and as tool results (question echo off and on), no main model run")
     p.add_argument("--summary", action="store_true", help="only summarise the rows already in --out")
-    p.add_argument("--out", default=None, help="rows (JSONL; default results/tool_rag.jsonl, tiny: a temp file)")
+    p.add_argument("--out", default=None, help="rows (JSONL; default results/tool_rag.jsonl, with --evidence "
+                   "results/tool_rag_evidence.jsonl, tiny: tool_rag_tiny*.jsonl)")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     machine.offline(args.threads)
-    out = Path(args.out) if args.out else RESULTS / ("tool_rag_tiny.jsonl" if args.tiny else "tool_rag.jsonl")
+    name = "tool_rag" + ("_tiny" if args.tiny else "") + ("_evidence" if args.evidence else "")
+    out = Path(args.out) if args.out else RESULTS / f"{name}.jsonl"
     done = {row["id"] for row in read_jsonl(out)} if out.exists() else set()
     examples = datasets.load_hotpotqa(args.n + args.pad, args.seed)
     asked, others = examples[: args.n], examples[args.n:]
     todo = [] if args.summary else [(n, e) for n, e in enumerate(asked, start=1) if e.id not in done]
-    engine = build_engine(args) if todo else None
+    engine: Any = build_engine(args) if todo else None
     embed = embedder() if todo else None
     for number, example in todo:
-        row = run_example(engine, example, Retriever(example, others + asked, args.pad, args.seed, embed), args)
+        search = Retriever(example, others + asked, args.pad, args.seed, embed)
+        row = (evidence_row if args.evidence else run_example)(engine, example, search, args)
         append_jsonl(out, {**row, "keep_rates": args.keep_rates, "top_k": args.top_k, "pad": args.pad,
-                           "main": args.main, "draft": args.draft, "dtype": args.dtype})
-        f1s = {label: round(m["f1"], 2) for label, m in row["modes"].items()}
-        print(f"[{number}/{len(asked)}] {example.id}: {f1s}", flush=True)
+                           "main": args.main, "draft": args.draft, "dtype": args.dtype,
+                           "answer_tools": args.answer_tools,
+                           **({} if args.evidence else {"echo_question": engine.config.draft.echo_question})})
+        got = row["layouts"] if args.evidence else {label: m["f1"] for label, m in row["modes"].items()}
+        print(f"[{number}/{len(asked)}] {example.id}: {got}", flush=True)
     rows = [row for row in read_jsonl(out) if row["id"] in {e.id for e in asked}]
-    summary = summarise(rows, args.seed)
+    summary = (summarise_evidence if args.evidence else summarise)(rows, args.seed)
     print(json.dumps(summary, indent=1))
     return 0
 
