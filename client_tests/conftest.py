@@ -54,6 +54,24 @@ def vllm_server(tmp_path_factory) -> Iterator[VLLMServer]:
 
 
 @pytest.fixture(scope="session")
+def stock_vllm_server(tmp_path_factory) -> Iterator[VLLMServer]:
+    """The same server without our plugin (``VLLM_PLUGINS=""`` loads no general plugin): what a
+    user of portable mode answers from. Started on first use only."""
+    python = os.environ.get("SPECPREFILL_VLLM_PYTHON")
+    if not python:
+        pytest.skip("set SPECPREFILL_VLLM_PYTHON to the interpreter of the environment with vLLM (make test does)")
+    log = tmp_path_factory.mktemp("stock-vllm") / "server.log"
+    server = VLLMServer(MODEL, launch=LaunchOptions(port=free_port(), log_path=log, python=python,
+                                                    env={**os.environ, "VLLM_PLUGINS": ""}),
+                        max_model_len=4096, extra_args=["--max-num-seqs", "4"])
+    try:
+        server.start(timeout=START_TIMEOUT_S)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def gateway(vllm_server, tmp_path_factory) -> Iterator[GatewayProcess]:
     """``specprefill-rag gateway --backend vllm_server`` in this environment, on a free port."""
     process = GatewayProcess(
