@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import time
 import urllib.request
 
 import pytest
@@ -67,3 +68,39 @@ def test_the_llamaindex_portable_example(stock_vllm_server):
 
     assert sources(response.source_nodes) == sources(whole_response.source_nodes)
     assert str(response).strip()
+
+
+@pytest.fixture(scope="module")
+def text_mode_gateway(stock_vllm_server, tmp_path_factory):
+    """The gateway in front of the stock server, answering planned requests in text mode."""
+    from conftest import KEEP_RATE, MAX_NEW_TOKENS, MODEL, START_TIMEOUT_S
+    from servers import GatewayProcess
+
+    process = GatewayProcess(
+        ["--backend", "vllm_server", "--vllm-url", stock_vllm_server.url, "--main", MODEL, "--draft", MODEL,
+         "--keep-rate", str(KEEP_RATE), "--max-new-tokens", str(MAX_NEW_TOKENS), "--fallback-text-mode"],
+        tmp_path_factory.mktemp("text-gateway") / "gateway.log")
+    try:
+        process.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        yield process
+    finally:
+        process.stop()
+
+
+def test_the_gateway_falls_back_to_text_mode_on_a_stock_vllm(stock_vllm_server, text_mode_gateway):
+    from test_clients import MESSAGES  # LangChain's stuff-documents prompt, which the gateway splits
+
+    client = text_mode_gateway.client(api_key="unused", timeout=600)
+    client.chat.completions.create(model="x", messages=MESSAGES, temperature=0)  # the first also warms up
+    before = prompt_tokens(stock_vllm_server)
+    answer = client.chat.completions.create(model="x", messages=MESSAGES, temperature=0)
+    sent = prompt_tokens(stock_vllm_server) - before
+    ext = answer.model_extra["specprefill"]
+    assert ext.get("mode") == "text", ext
+    assert ext["fallback"]["from"] == "specprefill" and "plugin" in ext["fallback"]["reason"]
+    report = ext["text_mode"]
+    # what the server prefilled: the kept text, and the one-token plugin probe before each planned request
+    assert report["upstream"] == stock_vllm_server.url and sent == report["upstream_prompt_tokens"] + 1
+    assert 0 < sent < ext["prompt_tokens"]  # the stock server prefilled the kept sentences only
+    assert any(p["keep_ratio"] < 1.0 for p in report["passages"])
+    assert answer.choices[0].message.content
