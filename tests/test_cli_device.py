@@ -127,17 +127,19 @@ def test_lookahead_tokens_reach_the_draft_config(built: list[dict[str, Any]], ar
     assert built[-1]["config"].draft.lookahead_tokens == "greedy"  # the library's default
 
 
+@pytest.mark.parametrize("field", ["lookahead_stop_at_eos", "echo_question"])
 @pytest.mark.parametrize("argv", [["demo"], ["gateway"]])
-def test_the_lookahead_stop_reaches_the_draft_config(built: list[dict[str, Any]], argv: list[str]) -> None:
+def test_the_draft_switches_reach_the_draft_config(built: list[dict[str, Any]], argv: list[str], field: str) -> None:
     from specprefill_rag import DraftConfig
 
-    for flag, want in (("--lookahead-stop-at-eos", True), ("--no-lookahead-stop-at-eos", False)):
+    flag = field.replace("_", "-")
+    for given, want in ((f"--{flag}", True), (f"--no-{flag}", False)):
         with pytest.raises(_Built):
-            cli.main([*argv, flag])
-        assert built[-1]["config"].draft.lookahead_stop_at_eos is want
+            cli.main([*argv, given])
+        assert getattr(built[-1]["config"].draft, field) is want
     with pytest.raises(_Built):
         cli.main(argv)
-    assert built[-1]["config"].draft.lookahead_stop_at_eos is DraftConfig().lookahead_stop_at_eos
+    assert getattr(built[-1]["config"].draft, field) is getattr(DraftConfig(), field)
 
 
 def test_draft_memo_reaches_the_gateways_draft_config(built: list[dict[str, Any]]) -> None:

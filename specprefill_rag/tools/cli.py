@@ -31,7 +31,7 @@ def _build_engine(args: argparse.Namespace) -> Any:
     from ..loading import resolve_model_dir
 
     draft = {"lookahead": args.lookahead, "lookahead_tokens": args.lookahead_tokens,
-             "lookahead_stop_at_eos": args.lookahead_stop_at_eos}
+             "lookahead_stop_at_eos": args.lookahead_stop_at_eos, "echo_question": args.echo_question}
     config = SpecPrefillConfig(
         draft=DraftConfig(**{name: value for name, value in draft.items() if value is not None}),
         selection=SelectionConfig(keep_rate=args.keep_rate),

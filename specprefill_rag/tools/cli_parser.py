@@ -48,6 +48,11 @@ def _lookahead_args(parser: Any) -> None:
         help="greedy look-ahead: stop where the draft's answer ends (its first end-of-turn token), or always "
         "write L - 1 tokens (default: the library's DraftConfig.lookahead_stop_at_eos)",
     )
+    parser.add_argument(
+        "--echo-question", default=None, action=argparse.BooleanOptionalAction,
+        help="where tool results follow the question, the draft reads the question again after them, or reads "
+        "the prompt as it stands (default: the library's DraftConfig.echo_question; docs/tools.md)",
+    )
 
 
 def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: int, max_new_tokens: int) -> None:

@@ -46,7 +46,7 @@ def _gateway_config(args: argparse.Namespace, base: Any) -> Any:
     draft = {"max_batch": args.draft_batch, "lookahead_tokens": args.lookahead_tokens, "memo_entries": args.draft_memo,
              "prefix_cache_entries": args.draft_prefix_cache, "lookahead_stop_at_eos": args.lookahead_stop_at_eos,
              "skip_when_slower": args.skip_draft_when_slower, "batch_pad_limit": args.draft_batch_pad_limit,
-             "passes_in_order": args.draft_passes_in_order}
+             "passes_in_order": args.draft_passes_in_order, "echo_question": args.echo_question}
     if draft := {name: value for name, value in draft.items() if value is not None}:
         config = dataclasses.replace(config, draft=dataclasses.replace(config.draft, **draft))
     if args.max_new_tokens is not None:
