@@ -123,4 +123,5 @@ def test_the_evidence_proxy_scores_each_layout_without_the_main_model(engine):
     assert engine.backend.texts == [CALL, "48213"]  # the main model never ran
     summary = tool_rag.summarise_evidence([row, {**row, "id": "again"}, {**row, "id": "none", "gold_sentences": 0}])
     assert summary["n"] == 2 and summary["tool_echo@1"]["complete"][0] == 1.0
-    assert summary["tool_echo@1"]["complete_minus_tool"][0] == 0.0 and "complete_minus_tool" not in summary["tool@1"]
+    assert summary["tool_echo@1"]["complete_minus_tool"][0] == 0.0 and summary["plain@1"]["complete_minus_tool_echo"]
+    assert not any(key.startswith("complete_minus") for key in summary["tool@1"])

@@ -165,7 +165,7 @@ def summarise(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
 
 # -- the draft-only proxy (--evidence) ---------------------------------------------------------
 
-LAYOUTS = ("plain", "tool", "tool_echo")  # the same documents as a plain RAG prompt; as tool results, echo off / on
+LAYOUTS = ("plain", "tool_echo", "tool")  # the same documents as a plain RAG prompt; as tool results, echo on / off
 
 
 def answer_turn(example: datasets.Example, documents: Sequence[str]) -> list[dict[str, Any]]:
@@ -232,7 +232,8 @@ def evidence_row(engine: Any, example: datasets.Example, search: Retriever, args
 
 def summarise_evidence(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     """Per layout and keep rate: mean recall and complete share with 95% CIs, over the examples
-    whose retrieved documents hold gold evidence; paired differences against the tool layout."""
+    whose retrieved documents hold gold evidence; paired differences of the complete share between
+    the layouts (plain − echo, plain − tool, echo − tool)."""
     rows = [r for r in rows if r["gold_sentences"]]
     out: dict[str, Any] = {"n": len(rows)}
     for layout in LAYOUTS:
@@ -240,9 +241,9 @@ def summarise_evidence(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, A
             got = [r["layouts"][layout][keep] for r in rows]
             entry = {"recall": metrics.share_ci([g[0] for g in got], seed=seed),
                      "complete": metrics.share_ci([float(g[1]) for g in got], seed=seed)}
-            if layout != "tool":
-                base = [r["layouts"]["tool"][keep] for r in rows]
-                entry["complete_minus_tool"] = metrics.bootstrap_ci(
+            for other in LAYOUTS[LAYOUTS.index(layout) + 1:]:  # paired: plain − tool, plain − echo, echo − tool
+                base = [r["layouts"][other][keep] for r in rows]
+                entry[f"complete_minus_{other}"] = metrics.bootstrap_ci(
                     [g[1] - b[1] for g, b in zip(got, base, strict=True)], seed=seed)
             out[f"{layout}@{keep}"] = entry
     return out
