@@ -19,7 +19,6 @@ as its own main: one set of weights; the answering model never runs here).
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -35,18 +34,12 @@ from langchain_openai import ChatOpenAI  # noqa: E402
 from langchain_specprefill import SpecPrefillCompressor  # noqa: E402
 
 from examples.langchain_rag_chain import MiniLMEmbeddings  # noqa: E402
+from examples.portable_args import parse_args  # noqa: E402
 from specprefill_rag.tools.retrieval import demo_documents, split_passages  # noqa: E402
 
 SYSTEM = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "
           "answer the question. If you don't know the answer, say that you don't know. Keep the answer short.")
 PROMPT = ChatPromptTemplate.from_messages([("system", SYSTEM + "\n\n{context}"), ("human", "{question}")])
-
-
-def served_model(base_url: str, api_key: str) -> str:
-    """The first model the server lists (``/v1/models``): what a stock vLLM serves under its path."""
-    import openai
-
-    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).models.list().data[0].id
 
 
 def _documents(inputs: dict[str, Any]) -> list[Document]:
@@ -68,27 +61,14 @@ def build_chain(retriever: Runnable, llm: ChatOpenAI, compressor: Runnable | Non
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL"),
-                        help="the OpenAI-compatible server (default: $OPENAI_BASE_URL)")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"))
-    parser.add_argument("--model", default=None, help="the served model (default: the first the server lists)")
-    parser.add_argument("--scorer", default="smollm2-135m-instruct", help="draft that scores (and renders) the prompt")
-    parser.add_argument("--question", default="On what date was Tindra Point Research Station officially opened?")
-    parser.add_argument("--keep-rate", type=float, default=0.3)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--baseline", action="store_true", help="also answer from the whole documents, to compare")
-    args = parser.parse_args(argv)
-    if not args.base_url:
-        parser.error("pass --base-url http://host:port/v1 (or set OPENAI_BASE_URL)")
+    args = parse_args(argv, __doc__.split("\n\n")[0], "documents")
 
     store = InMemoryVectorStore(MiniLMEmbeddings())
     passages = split_passages(demo_documents())
     store.add_documents([Document(p.text, id=p.id, metadata=dict(p.metadata)) for p in passages])
     retriever = store.as_retriever(search_kwargs={"k": args.top_k})
-    llm = ChatOpenAI(base_url=args.base_url, api_key=args.api_key, model=args.model or served_model(
-        args.base_url, args.api_key), temperature=0, max_tokens=args.max_tokens, max_retries=0, timeout=600)
+    llm = ChatOpenAI(base_url=args.base_url, api_key=args.api_key, model=args.model, temperature=0,
+                     max_tokens=args.max_tokens, max_retries=0, timeout=600)
     compressor = SpecPrefillCompressor(model=args.scorer, keep_rate=args.keep_rate)
 
     result: dict[str, Any] = build_chain(retriever, llm, compressor).invoke(args.question)

@@ -16,7 +16,6 @@ wrapper of ``examples/llamaindex_query_engine.py``)::
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -30,33 +29,17 @@ from llama_index.llms.openai_like import OpenAILike  # noqa: E402
 from llama_index.postprocessor.specprefill import SpecPrefillNodePostprocessor  # noqa: E402
 
 from examples.llamaindex_query_engine import MiniLMEmbedding  # noqa: E402
+from examples.portable_args import parse_args  # noqa: E402
 from specprefill_rag.tools.retrieval import demo_documents  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL"),
-                        help="the OpenAI-compatible server (default: $OPENAI_BASE_URL)")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"))
-    parser.add_argument("--model", default=None, help="the served model (default: the first the server lists)")
-    parser.add_argument("--scorer", default="smollm2-135m-instruct", help="draft that scores (and renders) the prompt")
-    parser.add_argument("--question", default="On what date was Tindra Point Research Station officially opened?")
-    parser.add_argument("--keep-rate", type=float, default=0.3)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--baseline", action="store_true", help="also answer from the whole nodes, to compare")
-    args = parser.parse_args(argv)
-    if not args.base_url:
-        parser.error("pass --base-url http://host:port/v1 (or set OPENAI_BASE_URL)")
+    args = parse_args(argv, __doc__.split("\n\n")[0], "nodes")
 
     documents = [Document(text=d.text, metadata={"source": d.source}) for d in demo_documents()]
     index = VectorStoreIndex.from_documents(
         documents, embed_model=MiniLMEmbedding(), transformations=[SentenceSplitter(chunk_size=200, chunk_overlap=0)]
     )
-    if args.model is None:  # what a stock vLLM serves: its model's path, the first it lists
-        import openai
-
-        args.model = openai.OpenAI(base_url=args.base_url, api_key=args.api_key).models.list().data[0].id
     llm = OpenAILike(api_base=args.base_url, api_key=args.api_key, model=args.model, is_chat_model=True,
                      temperature=0, max_tokens=args.max_tokens, max_retries=0, timeout=600)
     compressor = SpecPrefillNodePostprocessor(model_name=args.scorer, keep_rate=args.keep_rate)
