@@ -56,11 +56,13 @@ test: lint $(WEB_STAMP) $(CLIENT_STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q -ra integrations/llama-index-postprocessor-specprefill
 	SPECPREFILL_QWEN_TOOL_SUITE=1 $(PY) -m pytest -q -ra integrations/langchain-specprefill
 	# The client side on current framework releases, without vLLM: the integrations, and the
-	# openai / ChatOpenAI / OpenAILike clients through the gateway to a real vLLM server.
+	# openai / ChatOpenAI / OpenAILike clients through the gateway to a real vLLM server, the
+	# portable examples on a stock one, and LangChain's tool tests through a Qwen gateway.
 	$(CLIENT_VENV)/bin/python -m pytest -q -ra integrations/llama-index-llms-specprefill
 	$(CLIENT_VENV)/bin/python -m pytest -q -ra integrations/llama-index-postprocessor-specprefill
 	$(CLIENT_VENV)/bin/python -m pytest -q -ra integrations/langchain-specprefill
-	SPECPREFILL_VLLM_PYTHON=$(abspath $(PY)) $(CLIENT_VENV)/bin/python -m pytest -q -ra client_tests
+	SPECPREFILL_VLLM_PYTHON=$(abspath $(PY)) SPECPREFILL_QWEN_GATEWAY_SUITE=1 \
+		$(CLIENT_VENV)/bin/python -m pytest -q -ra client_tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check specprefill_rag tests examples integrations benchmarks client_tests
