@@ -18,6 +18,7 @@ import pytest
 
 from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig
 from specprefill_rag.engine import SpecPrefillEngine
+from specprefill_rag.tools.retrieval import demo_documents, demo_questions, split_passages
 from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
 
 # The gateway's own test helpers, imported as the core suite imports them (tests/ on the path).
@@ -30,6 +31,15 @@ KEY = "client-test-key"
 KEEP_RATE = 0.3
 MAX_NEW_TOKENS = 12
 START_TIMEOUT_S = 600.0
+
+QUESTION = demo_questions()[0]
+PASSAGES = [p.text for p in split_passages(demo_documents())[:6]]
+SYSTEM = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "
+          "answer the question. If you don't know the answer, say that you don't know. Use three sentences "
+          "maximum and keep the answer concise.\n\n")
+# LangChain's create_stuff_documents_chain tutorial prompt, documents joined as it joins them.
+MESSAGES = [{"role": "system", "content": SYSTEM + "\n\n".join(PASSAGES)},
+            {"role": "user", "content": QUESTION.question}]
 
 
 def engine_config() -> SpecPrefillConfig:

@@ -17,23 +17,14 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import KEY, MAX_NEW_TOKENS
+from conftest import KEY, MAX_NEW_TOKENS, MESSAGES, PASSAGES, QUESTION
 from servers import metric  # tests/servers.py (client_tests/conftest.py puts tests/ on the path)
 
 from specprefill_rag.gateway.messages import to_segments
-from specprefill_rag.tools.retrieval import demo_documents, demo_questions, split_passages
 
 pytestmark = pytest.mark.timeout(1200)
 URL = "http://127.0.0.1:{}/v1"
 
-QUESTION = demo_questions()[0]
-PASSAGES = [p.text for p in split_passages(demo_documents())[:6]]
-SYSTEM = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "
-          "answer the question. If you don't know the answer, say that you don't know. Use three sentences "
-          "maximum and keep the answer concise.\n\n")
-# LangChain's create_stuff_documents_chain tutorial prompt, documents joined as it joins them.
-MESSAGES = [{"role": "system", "content": SYSTEM + "\n\n".join(PASSAGES)},
-            {"role": "user", "content": QUESTION.question}]
 
 
 def expected(engine, messages: list[dict]) -> object:

@@ -13,6 +13,8 @@ import time
 import urllib.request
 
 import pytest
+from conftest import KEEP_RATE, MAX_NEW_TOKENS, MESSAGES, MODEL, START_TIMEOUT_S
+from servers import GatewayProcess
 
 from specprefill_rag.tools.retrieval import demo_documents, split_passages
 from specprefill_rag.wire import PROOF_FIELD
@@ -73,9 +75,6 @@ def test_the_llamaindex_portable_example(stock_vllm_server):
 @pytest.fixture(scope="module")
 def text_mode_gateway(stock_vllm_server, tmp_path_factory):
     """The gateway in front of the stock server, answering planned requests in text mode."""
-    from conftest import KEEP_RATE, MAX_NEW_TOKENS, MODEL, START_TIMEOUT_S
-    from servers import GatewayProcess
-
     process = GatewayProcess(
         ["--backend", "vllm_server", "--vllm-url", stock_vllm_server.url, "--main", MODEL, "--draft", MODEL,
          "--keep-rate", str(KEEP_RATE), "--max-new-tokens", str(MAX_NEW_TOKENS), "--fallback-text-mode"],
@@ -88,10 +87,9 @@ def text_mode_gateway(stock_vllm_server, tmp_path_factory):
 
 
 def test_the_gateway_falls_back_to_text_mode_on_a_stock_vllm(stock_vllm_server, text_mode_gateway):
-    from test_clients import MESSAGES  # LangChain's stuff-documents prompt, which the gateway splits
-
     client = text_mode_gateway.client(api_key="unused", timeout=600)
-    client.chat.completions.create(model="x", messages=MESSAGES, temperature=0)  # the first also warms up
+    # LangChain's stuff-documents prompt, which the gateway splits; the first request also warms up
+    client.chat.completions.create(model="x", messages=MESSAGES, temperature=0)
     before = prompt_tokens(stock_vllm_server)
     answer = client.chat.completions.create(model="x", messages=MESSAGES, temperature=0)
     sent = prompt_tokens(stock_vllm_server) - before
