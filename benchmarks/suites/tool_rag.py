@@ -22,6 +22,13 @@ interrupted run resumes::
 
     python -m benchmarks.suites.tool_rag --n 60          # Qwen2.5-Coder 0.5B drafts for 1.5B, bf16
     python -m benchmarks.suites.tool_rag --tiny --n 2    # smoke run on random tiny models
+
+``--evidence`` is the cheap proxy (draft only, no answers): the same retrieved documents laid
+out as a plain RAG prompt and as the answer turn's tool results, scored with the question echo
+off and on (``DraftConfig.echo_question``), and the share of HotpotQA's supporting sentences
+each selection keeps (``results/tool_rag_evidence.jsonl``)::
+
+    python -m benchmarks.suites.tool_rag --evidence --n 60
 """
 
 from __future__ import annotations
