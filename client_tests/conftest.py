@@ -48,37 +48,32 @@ def engine_config() -> SpecPrefillConfig:
                              generation=GenerationConfig(max_new_tokens=MAX_NEW_TOKENS))
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory) -> Iterator[VLLMServer]:
+def _serve(tmp_path_factory: pytest.TempPathFactory, name: str, env: dict[str, str] | None,
+           max_num_seqs: int) -> Iterator[VLLMServer]:
+    """SmolLM2-135M in a vLLM server started from the core environment, stopped by PID."""
     python = os.environ.get("SPECPREFILL_VLLM_PYTHON")
     if not python:
         pytest.skip("set SPECPREFILL_VLLM_PYTHON to the interpreter of the environment with vLLM (make test does)")
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    server = VLLMServer(MODEL, launch=LaunchOptions(port=free_port(), log_path=log, python=python),
-                        max_model_len=4096, extra_args=["--max-num-seqs", "8"])
+    log = tmp_path_factory.mktemp(name) / "server.log"
+    server = VLLMServer(MODEL, launch=LaunchOptions(port=free_port(), log_path=log, python=python, env=env),
+                        max_model_len=4096, extra_args=["--max-num-seqs", str(max_num_seqs)])
     try:
         server.start(timeout=START_TIMEOUT_S)
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory) -> Iterator[VLLMServer]:
+    yield from _serve(tmp_path_factory, "vllm", None, 8)
 
 
 @pytest.fixture(scope="session")
 def stock_vllm_server(tmp_path_factory) -> Iterator[VLLMServer]:
     """The same server without our plugin (``VLLM_PLUGINS=""`` loads no general plugin): what a
     user of portable mode answers from. Started on first use only."""
-    python = os.environ.get("SPECPREFILL_VLLM_PYTHON")
-    if not python:
-        pytest.skip("set SPECPREFILL_VLLM_PYTHON to the interpreter of the environment with vLLM (make test does)")
-    log = tmp_path_factory.mktemp("stock-vllm") / "server.log"
-    server = VLLMServer(MODEL, launch=LaunchOptions(port=free_port(), log_path=log, python=python,
-                                                    env={**os.environ, "VLLM_PLUGINS": ""}),
-                        max_model_len=4096, extra_args=["--max-num-seqs", "4"])
-    try:
-        server.start(timeout=START_TIMEOUT_S)
-        yield server
-    finally:
-        server.stop()
+    yield from _serve(tmp_path_factory, "stock-vllm", {**os.environ, "VLLM_PLUGINS": ""}, 4)
 
 
 @pytest.fixture(scope="session")

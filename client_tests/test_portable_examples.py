@@ -65,10 +65,9 @@ def test_the_llamaindex_portable_example(stock_vllm_server):
     ratios = [n.node.metadata["specprefill_keep_ratio"] for n in response.source_nodes]
     assert min(ratios) < 1.0 and all(r == 1.0 for r in
                                      (n.node.metadata["specprefill_keep_ratio"] for n in whole_response.source_nodes))
-    def sources(nodes):  # each run builds its own index: node ids are fresh, sources and scores the same
-        return [(n.node.metadata["source"], round(n.score, 4)) for n in nodes]
-
-    assert sources(response.source_nodes) == sources(whole_response.source_nodes)
+    # each run builds its own index: node ids are fresh, sources and scores the same
+    assert [(n.node.metadata["source"], round(n.score, 4)) for n in response.source_nodes] == \
+        [(n.node.metadata["source"], round(n.score, 4)) for n in whole_response.source_nodes]
     assert str(response).strip()
 
 

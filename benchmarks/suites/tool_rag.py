@@ -217,22 +217,23 @@ def evidence_row(engine: Any, example: datasets.Example, search: Retriever, args
     documents = search(example.question, args.top_k)
     tools = (SEARCH,) if args.answer_tools == "offered" else ()
     chat = engine.assemble(list(prompt_lib.message_segments(answer_turn(example, documents), tools)))
-    prompts = {"plain": engine.assemble(example.question, documents), "tool": chat, "tool_echo": chat}
-    row: dict[str, Any] = {"id": example.id, "layouts": {}, "lookahead": {}}
-    for layout, prompt in prompts.items():
+    plain = engine.assemble(example.question, documents)
+    chat_spans = evidence_masks(chat, example, documents)
+    layouts = {"plain": (plain, evidence_masks(plain, example, documents)), "tool": (chat, chat_spans),
+               "tool_echo": (chat, chat_spans)}
+    row: dict[str, Any] = {"id": example.id, "gold_sentences": len(chat_spans), "layouts": {}, "lookahead": {}}
+    for layout, (prompt, spans) in layouts.items():
         draft = dataclasses.replace(engine.config.draft, echo_question=layout != "tool")
         scores = engine.score(prompt, draft=draft)
-        masks = evidence_masks(prompt, example, documents)
-        row["gold_sentences"] = len(masks)
+        gold = torch.stack(spans).any(0) if spans else torch.zeros(prompt.n_tokens, dtype=torch.bool)
         row["lookahead"][layout] = engine.tokenizer.decode(list(scores.lookahead_token_ids))
         row["layouts"][layout] = {}
         for keep in args.keep_rates:
             sel = dataclasses.replace(engine.config.selection, keep_rate=keep)
             kept = torch.zeros(prompt.n_tokens, dtype=torch.bool)
             kept[engine.plan(prompt, selection=sel, scores=scores).plan.position_ids] = True
-            gold = torch.stack(masks).any(0) if masks else kept & False
             recall = float((kept & gold).sum()) / max(int(gold.sum()), 1)
-            complete = all(float((kept & m).sum()) >= 0.5 * float(m.sum()) for m in masks)
+            complete = all(float((kept & m).sum()) >= 0.5 * float(m.sum()) for m in spans)
             row["layouts"][layout][f"{keep:g}"] = [round(recall, 4), int(complete)]
     return row
 
