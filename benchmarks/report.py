@@ -421,7 +421,7 @@ def quality_section(data: dict[str, Any], title: str = "## Answer quality") -> l
         out.append("- **`--quick` run: a handful of examples; differences of one example are noise**")
     out += [""] + _quality_table(data["summary"])
     rows = data.get("rows", [])
-    lingua_s = [r["compress_s"] for r in rows if r.get("compress_s") is not None]
+    lingua_s = [r["compress_s"] for r in rows if r["method"] == "llmlingua" and r.get("compress_s") is not None]
     score_s = [r["score_s"] for r in rows if r.get("score_s") is not None]
     if lingua_s:
         line = f"LongLLMLingua compression took {sum(lingua_s) / len(lingua_s):.0f} s per call on average"
@@ -1083,6 +1083,113 @@ def long_quality_section(runs: list[tuple[str, dict[str, Any]]], default_draft: 
     return out
 
 
+# Issue 51's targets for text (portable) mode.
+TEXT_RETENTION_AT_30 = 0.95
+
+
+def _mark(ok: bool | None) -> str:
+    return "–" if ok is None else "✓" if ok else "✗"
+
+
+def portable_section(stem: str, data: dict[str, Any]) -> list[str]:
+    """Text (portable) mode next to position mode and LongLLMLingua on the same examples at the
+    same keep rates (``quality_text*.json``): scores, paired differences, the targets, and each
+    method's compression time per 1k prompt tokens."""
+    by = {(e["task"], e["method"], e["keep_rate"]): e for e in data["summary"]}
+    out = [
+        "## Portable mode: text vs position vs LongLLMLingua",
+        "",
+        "Text mode (`engine.compress`, `SpecPrefillCompressor`, `SpecPrefillNodePostprocessor`, the gateway's "
+        '`"mode": "text"`) keeps the same sentences as position mode but hands them to the main model as an ordinary, '
+        "shorter prompt, so any LLM can read them; position mode prefills them at their original positions "
+        f"(vLLM with our plugin). Same examples, same main model, same run (`benchmarks/results/{stem}.json`; "
+        "the run's details and every method's full table follow below).",
+        "",
+        "| task | keep | n | full | position | text | LongLLMLingua | text retention [95% CI] "
+        "| text − position [95% CI] | text − LongLLMLingua [95% CI] | prefilled: position / text / LongLLMLingua "
+        "| target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (task, method, keep), e in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2] or 0.0)):
+        if method != "text":
+            continue
+        m = e["metric"]
+        pos, lingua, full = by.get((task, "specprefill", keep)), by.get((task, "llmlingua", keep)), by.get(
+            (task, "full", None))
+
+        def score(entry: dict[str, Any] | None, m: str = m) -> str:
+            return "–" if entry is None else f"{entry[m]:.2f}"
+
+        def prefilled(entry: dict[str, Any] | None) -> str:
+            return "–" if entry is None else f"{entry['prefilled_ratio']:.0%}"
+
+        if keep >= 0.3:
+            ok = None if e.get("retention_vs_full") is None else e["retention_vs_full"] >= TEXT_RETENTION_AT_30
+            target = f"retention ≥ {TEXT_RETENTION_AT_30} {_mark(ok)}"
+        else:
+            pos_ci, lingua_ci = e.get("vs_specprefill_ci"), e.get("vs_llmlingua_ci")
+            target = (f"as position {_mark(None if not pos_ci else pos_ci[0] <= 0 <= pos_ci[1] or pos_ci[0] > 0)}, "
+                      f"ahead of LongLLMLingua {_mark(None if not lingua_ci else lingua_ci[0] > 0)}")
+        out.append(
+            f"| {task} | {keep:.0%} | {e['n']} | {score(full)} | {score(pos)} | **{e[m]:.2f}** "
+            f"| {score(lingua)} | {_ci(e.get('retention_vs_full'), e.get('retention_ci'))} "
+            f"| {_ci(e.get('vs_specprefill'), e.get('vs_specprefill_ci'), sign=True)} "
+            f"| {_ci(e.get('vs_llmlingua'), e.get('vs_llmlingua_ci'), sign=True)} "
+            f"| {prefilled(pos)} / {prefilled(e)} / {prefilled(lingua)} | {target} |"
+        )
+    out += [
+        "",
+        "Metric: F1 (HotpotQA, SQuAD) or accuracy (needle, near-miss). Differences are paired over the same "
+        "examples (bootstrap 95% CIs). Targets (issue 51): text retention ≥ 0.95 at keep 30%; at 10%, the text − "
+        "position interval holds 0 (or lies above it) and the text − LongLLMLingua interval lies above 0. "
+        "LongLLMLingua gets the context tokens position mode kept as its budget and often keeps more; "
+        "*prefilled* is each method's share of the full prompt's tokens.",
+        "",
+    ] + compression_time_table(data.get("rows", []))
+    return out + quality_section(data, "### Every method and keep rate")
+
+
+def compression_time_table(rows: list[dict[str, Any]], near: int = 2048) -> list[str]:
+    """Seconds each method spent before the main model's prefill, per call and per 1k prompt
+    tokens, over all rows and over the prompts within ±15% of ``near`` tokens."""
+    def timed(method: str) -> list[tuple[float, int]]:
+        key = "score_s" if method == "specprefill" else "compress_s"
+        seen: set[str] = set()
+        found = []
+        for r in rows:
+            # Position mode scores each example once for all keep rates.
+            if r["method"] != method or r.get(key) is None or (method == "specprefill" and r["id"] in seen):
+                continue
+            seen.add(r["id"])
+            found.append((r[key], r["n_prompt"]))
+        return found
+
+    def cells(pairs: list[tuple[float, int]]) -> str:
+        if not pairs:
+            return "– | – | –"
+        per_k = sum(s / (n / 1000) for s, n in pairs) / len(pairs)
+        return f"{len(pairs)} | {sum(s for s, _ in pairs) / len(pairs):.2f} s | {per_k:.2f} s"
+
+    out = [
+        f"| method | calls | per call | per 1k prompt tokens | calls at {near / 1000:.0f}k ± 15% | per call "
+        "| per 1k prompt tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    labels = {"specprefill": "position mode (draft scoring, once per example)",
+              "text": "text mode (`compress()`, per keep rate)", "llmlingua": "LongLLMLingua (same draft LM)"}
+    for method, label in labels.items():
+        pairs = timed(method)
+        if pairs:
+            close = [(s, n) for s, n in pairs if abs(n - near) <= 0.15 * near]
+            out.append(f"| {label} | {cells(pairs)} | {cells(close)} |")
+    return out + [
+        "",
+        "Compression time: from the question and passages to the kept text (or, for position mode, the draft's "
+        "scores), on the same machine in the same run, the main model's prefill not included.",
+        "",
+    ]
+
+
 def gateway_section(data: dict[str, Any]) -> list[str]:
     """Concurrent streaming clients: the gateway (SpecPrefill) vs the same prompts straight to vLLM."""
     s, settings = data["summary"], data["settings"]
@@ -1427,8 +1534,10 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES, 
     ]
     quality = next((d for n, d in qualities if n == primary), None)
     long_quality = [(n, d) for n, d in qualities if n.startswith("quality_long")]
+    portable = [(n, d) for n, d in qualities if n.startswith("quality_text")]
     other_quality = [
-        (n, d) for n, d in qualities if not n.startswith(("quality_quick", "quality_long")) and n != primary
+        (n, d) for n, d in qualities
+        if not n.startswith(("quality_quick", "quality_long", "quality_text")) and n != primary
     ]
     images.mkdir(parents=True, exist_ok=True)
     lines = TITLE + headline(results, rows) + HEADER
@@ -1442,6 +1551,8 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES, 
         lines += cross_draft_section(quality, other_quality)
     if long_quality:
         lines += long_quality_section(long_quality, (quality or {}).get("models", {}).get("draft", ""))
+    for stem, data in portable:
+        lines += portable_section(stem, data)
     gateway_load = load(results, "gateway_load")
     if gateway_load:
         lines += gateway_section(gateway_load)

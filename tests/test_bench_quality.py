@@ -36,7 +36,7 @@ def test_needle_accuracy_finds_the_number_with_separators() -> None:
     assert quality.needle_accuracy("The number is 482133.", ["4821337"]) == 0.0
 
 
-def test_summarize_reports_retention_and_delta_to_llmlingua() -> None:
+def test_summarize_reports_retention_and_deltas_to_llmlingua_and_position_mode() -> None:
     def row(method: str, keep: float | None, f1: float) -> dict[str, object]:
         return {
             "task": "squad",
@@ -49,11 +49,17 @@ def test_summarize_reports_retention_and_delta_to_llmlingua() -> None:
             "n_prompt": 100,
         }
 
-    summary = quality.summarize([row("full", None, 0.8), row("specprefill", 0.1, 0.6), row("llmlingua", 0.1, 0.4)])
-    spec = next(e for e in summary if e["method"] == "specprefill")
+    summary = quality.summarize([row("full", None, 0.8), row("specprefill", 0.1, 0.6), row("llmlingua", 0.1, 0.4),
+                                 row("text", 0.1, 0.5), row("text", 0.3, 0.7)])
+    by = {(e["method"], e["keep_rate"]): e for e in summary}
+    spec, text = by[("specprefill", 0.1)], by[("text", 0.1)]
     assert spec["retention_vs_full"] == pytest.approx(0.75)
     assert spec["vs_llmlingua"] == pytest.approx(0.2)
     assert spec["prefilled_ratio"] == pytest.approx(0.1)
+    assert spec["vs_specprefill"] is None and by[("llmlingua", 0.1)]["vs_llmlingua"] is None
+    # Text mode is compared with position mode at the same keep rate only.
+    assert text["vs_specprefill"] == pytest.approx(-0.1) and text["vs_llmlingua"] == pytest.approx(0.1)
+    assert by[("text", 0.3)]["vs_specprefill"] is None
 
 
 @needs_data

@@ -390,3 +390,39 @@ def test_the_serving_section_tables_every_rate_and_side_and_draws_p95_against_ra
     assert "vLLM alone (full prefill) 0.05/s, gateway (SpecPrefill) 0.1/s" in text
     assert "9.00 s → 27.0 s" in text or "9.00 s → 27.00 s" in text
     assert "gateway: failed (exit 1: boom)" in text and "direct: p50 20.0" in text
+
+
+def test_the_portable_section_sets_text_mode_beside_position_mode_and_longllmlingua(tmp_path: Path) -> None:
+    """``quality_text*.json`` gets its own section: per task and keep rate the three methods'
+    scores, text mode's paired differences and the issue's targets, and a compression-time table
+    in which position mode's draft scoring counts once per example."""
+    rows = []
+    for i in range(4):
+        n_prompt = 2000 if i < 2 else 1000
+        rows.append({"task": "squad", "id": f"q{i}", "method": "full", "keep_rate": None, "f1": 1.0,
+                     "prefilled": n_prompt, "n_prompt": n_prompt, "prediction": "x", "answers": ["x"]})
+        for keep in (0.1, 0.3):
+            for method, f1, extra in (("specprefill", 1.0, {"score_s": 2.0}), ("text", 1.0, {"compress_s": 3.0}),
+                                      ("llmlingua", 0.0 if keep == 0.1 else 1.0, {"compress_s": 8.0})):
+                rows.append({"task": "squad", "id": f"q{i}", "method": method, "keep_rate": keep, "f1": f1,
+                             "prefilled": int(n_prompt * keep), "n_prompt": n_prompt, "prediction": "x",
+                             "answers": ["x"], **extra})
+    data = {"models": {"main": "m", "draft": "d"}, "machine": {}, "settings": {"seed": 0, "keep_rates": [0.1, 0.3],
+            "max_new_tokens": 12}, "summary": quality.summarize(rows), "rows": rows}
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "quality_text_bf16.json").write_text(json.dumps(data))
+    text = report.render(results, tmp_path / "b.md", tmp_path / "img").read_text()
+    part = text[text.index("## Portable mode"):]
+    assert "| squad | 10% | 4 | 1.00 | 1.00 | **1.00** | 0.00 | " in part
+    assert "| +0.00 [+0.00, +0.00] | +1.00 [+1.00, +1.00] | 10% / 10% / 10% " in part
+    assert "as position ✓, ahead of LongLLMLingua ✓ |" in part
+    assert "| squad | 30% | 4 |" in part and "retention ≥ 0.95 ✓ |" in part
+    # Scoring counted once per example (4 calls), compress() and LongLLMLingua per keep rate (8); the
+    # 2k column holds the two 2,000-token prompts: 3 s / 2k tokens = 1.50 s per 1k.
+    assert "| position mode (draft scoring, once per example) | 4 | 2.00 s | 1.50 s | 2 | 2.00 s | 1.00 s |" in part
+    assert "| text mode (`compress()`, per keep rate) | 8 | 3.00 s | 2.25 s | 4 | 3.00 s | 1.50 s |" in part
+    assert "| LongLLMLingua (same draft LM) | 8 | 8.00 s | 6.00 s | 4 | 8.00 s | 4.00 s |" in part
+    # Not also shown as another draft's run, and the LongLLMLingua line counts only its own calls.
+    assert "## Other drafts" not in text
+    assert "LongLLMLingua compression took 8 s per call" in part

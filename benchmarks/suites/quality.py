@@ -457,7 +457,8 @@ def metric_of(task: str) -> str:
 
 def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
     """Mean metric per (task, method, keep rate) with bootstrap 95% CIs; retention vs full and
-    the difference to LongLLMLingua with paired bootstrap CIs over the same examples."""
+    the differences to LongLLMLingua and to SpecPrefill (position mode) at the same keep rate,
+    with paired bootstrap CIs over the same examples."""
     groups: dict[tuple[str, str, float | None], list[dict[str, Any]]] = collections.defaultdict(list)
     for r in rows:
         groups[(r["task"], r["method"], r["keep_rate"])].append(r)
@@ -488,7 +489,6 @@ def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]
         m = e["metric"]
         mine = {r["id"]: r[m] for r in groups[(e["task"], e["method"], e["keep_rate"])]}
         full = {r["id"]: r[m] for r in groups.get((e["task"], "full", None), [])}
-        lingua = {r["id"]: r[m] for r in groups.get((e["task"], "llmlingua", e["keep_rate"]), [])}
         e["retention_vs_full"], e["retention_ci"] = None, None
         if (e["task"], "full", None) in by_key:
             ids = [i for i in mine if i in full]
@@ -496,11 +496,13 @@ def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]
                                              shares=True)
             e["retention_vs_full"] = ratio
             e["retention_ci"] = [lo, hi] if ratio is not None else None
-        e["vs_llmlingua"], e["vs_llmlingua_ci"] = None, None
-        ids = [i for i in mine if i in lingua]
-        if ids:
-            mean, lo, hi = bootstrap_ci([mine[i] - lingua[i] for i in ids], seed=seed)
-            e["vs_llmlingua"], e["vs_llmlingua_ci"] = mean, [lo, hi]  # metric points, paired
+        for other in ("llmlingua", "specprefill"):
+            theirs = {r["id"]: r[m] for r in groups.get((e["task"], other, e["keep_rate"]), [])}
+            ids = [i for i in mine if i in theirs]
+            e[f"vs_{other}"], e[f"vs_{other}_ci"] = None, None
+            if ids and e["method"] != other:
+                mean, lo, hi = bootstrap_ci([mine[i] - theirs[i] for i in ids], seed=seed)
+                e[f"vs_{other}"], e[f"vs_{other}_ci"] = mean, [lo, hi]  # metric points, paired
     return out
 
 
