@@ -340,6 +340,11 @@ def test_a_planned_request_fails_without_the_plugin_unless_the_fallback_is_on(lo
     assert refused.status_code == 502 and "plugin" in refused.json()["error"]["message"]
     assert not_ready.status_code == 503 and "plugin" in not_ready.json()["checks"]["warm_up"]
     assert upstream.chats() == []
+
+    def checks() -> int:  # the plugin checks the upstream has seen (non-streamed completions)
+        return sum(1 for path, b in upstream.requests if path != CHAT and not b.get("stream"))
+
+    before = checks()
     with client(upstream_engine(upstream), fallback_text_mode=True) as c:
         ready = c.get("/ready")  # warmed up in text mode: one tiny chat
         assert ready.status_code == 200, ready.text
@@ -358,6 +363,9 @@ def test_a_planned_request_fails_without_the_plugin_unless_the_fallback_is_on(lo
     assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in streamed if ch["choices"]) == "".join(ANSWER)
     assert streamed[-1]["specprefill"]["fallback"]["from"] == "specprefill"
     assert metric(metrics, "specprefill_gateway_text_fallbacks_total") == 2
+    # The warm-up's check; a stock server's refusal stands for plugin_retry_s, so the two requests
+    # fall back without probing it again (an upstream that passes the check is checked once anyway).
+    assert checks() == before + 1
     assert metric(metrics, "specprefill_gateway_requests_total", endpoint="chat", mode="specprefill", status="200") == 2
 
 

@@ -34,9 +34,10 @@ from helpers import PLAN, Workers, free_port
 from helpers import eos_tokenizer as tokenizer
 from servers import FakeServer, Handler, stream
 
+from specprefill_rag.backends import vllm_server
 from specprefill_rag.backends.vllm_server import ConnectionOptions, VLLMServerBackend
 from specprefill_rag.config import GenerationConfig
-from specprefill_rag.errors import BackendError, PluginMissingError, ServerError
+from specprefill_rag.errors import BackendError, ConfigError, PluginMissingError, ServerError
 from specprefill_rag.types import PrefillPlan
 from specprefill_rag.vllm_plugin import admission
 from specprefill_rag.vllm_plugin import runner as plugin_runner
@@ -154,14 +155,44 @@ def test_concurrent_first_plans_share_one_check(serve):
 
 
 def test_refusal_is_not_remembered(serve):
-    """A server restarted with the plugin is accepted without a new backend."""
+    """With ``plugin_retry_s=0`` every plan checks again: a server restarted with the plugin is
+    accepted without a new backend."""
     verdicts = [stock, plugin]
     server = serve(answering(lambda h: verdicts.pop(0)(h)))
-    client = backend(server)
+    client = backend(server, plugin_retry_s=0)
     with pytest.raises(BackendError, match="accepted an invalid plan"):
         list(client.stream_tokens(PLAN, GEN))
     assert list(client.stream_tokens(PLAN, GEN)) == [11]
     assert probes(server) == 2
+
+
+def test_a_refusal_stands_for_plugin_retry_s_without_another_probe(serve, monkeypatch):
+    """A stock server is probed once per ``plugin_retry_s``: the plans between fail at once with
+    the same error (what the gateway's text-mode fallback catches), the first plan after it checks
+    again and sees a server restarted with the plugin."""
+    clock = [1000.0]
+    monkeypatch.setattr(vllm_server.time, "monotonic", lambda: clock[0])
+    verdicts = [stock, plugin]
+    server = serve(answering(lambda h: verdicts.pop(0)(h)))
+    client = backend(server, plugin_retry_s=5.0)
+    with pytest.raises(PluginMissingError, match="accepted an invalid plan") as first:
+        list(client.stream_tokens(PLAN, GEN))
+    clock[0] += 4.0
+    for _ in range(3):
+        with pytest.raises(PluginMissingError, match=r"accepted an invalid plan .*\(the plugin check 4\.0 s ago; "
+                                                    r"the next in 1\.0 s\)") as again:
+            list(client.stream_tokens(PLAN, GEN))
+        assert str(again.value).startswith(str(first.value))
+    assert probes(server) == 1 and len(server.requests) == 1  # no probe and no plan reached it
+    clock[0] += 1.5
+    assert list(client.stream_tokens(PLAN, GEN)) == [11]
+    assert probes(server) == 2
+
+
+@pytest.mark.parametrize("value", [-1, "5", float("nan")])
+def test_plugin_retry_s_is_validated(value):
+    with pytest.raises(ConfigError, match="plugin_retry_s must be a number of seconds >= 0"):
+        ConnectionOptions(plugin_retry_s=value)
 
 
 def test_full_plans_and_opt_out_skip_the_check(serve):

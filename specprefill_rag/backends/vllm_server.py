@@ -29,7 +29,9 @@ positions. Two checks keep that from ever reaching a caller:
   request fails with a ``PluginMissingError`` (a ``BackendError``) instead of a silently wrong answer;
 - the handshake, once per backend: before its first planned request a backend sends one tiny,
   deliberately invalid plan and requires the plugin's own HTTP 400, so a server without the
-  plugin is named with the fix before any plan is sent.
+  plugin is named with the fix before any plan is sent. A refusal stands for
+  ``ConnectionOptions.plugin_retry_s`` seconds (plans fail at once, with no probe: the gateway's
+  ``--fallback-text-mode`` answers them in text mode), then the server is checked again.
 
 Full plans are plain requests and need neither. ``ConnectionOptions(verify_plugin=False)`` skips
 both (fake servers in tests).
@@ -42,6 +44,7 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +131,7 @@ class ConnectionOptions:
     max_retries: int = DEFAULT_MAX_RETRIES  # extra attempts after a failed connect or HTTP 502/503/504
     retry_backoff: float = 0.5  # seconds before the first retry, doubled each time
     verify_plugin: bool = True  # the handshake and the per-request proof (module docstring)
+    plugin_retry_s: float = 5.0  # seconds a failed handshake stands before the next (0: check every plan)
     api_key: str | None = field(default=None, repr=False)  # sent as "Authorization: Bearer KEY"; None: none
 
     def __post_init__(self) -> None:
@@ -135,10 +139,12 @@ class ConnectionOptions:
             value = getattr(self, name)
             if not is_number(value) or not value > 0:
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+        for name in ("retry_backoff", "plugin_retry_s"):
+            value = getattr(self, name)
+            if not is_number(value) or not value >= 0:
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
         if not is_int(self.max_retries) or self.max_retries < 0:
             raise ConfigError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
-        if not is_number(self.retry_backoff) or not self.retry_backoff >= 0:
-            raise ConfigError(f"retry_backoff must be a number of seconds >= 0, got {self.retry_backoff!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ConfigError("api_key must be a non-empty string or None")
 
@@ -186,6 +192,7 @@ class VLLMServerBackend(ModelIdentity):
         self.cache_salt = cache_salt
         self.verify_plugin = connection.verify_plugin
         self._plugin_verified = False  # set once the plugin answered the check; never unset
+        self._plugin_refusal: tuple[float, str] | None = None  # (monotonic time, message) of the last refusal
         self._plugin_lock = threading.Lock()
         self.eos_token_ids = eos_token_ids or eos_ids(None, tokenizer)
         if model is None or max_context is None:
@@ -251,17 +258,30 @@ class VLLMServerBackend(ModelIdentity):
         """Verify, once per backend, that the server honours plans (``BackendError`` if not).
 
         Sends a one-token prompt with an invalid plan (``max_tokens=1``) and requires the plugin's
-        HTTP 400. Thread-safe: concurrent first requests wait for one check. Only success is
-        remembered, so a server restarted with the plugin is accepted on the next plan. The check
-        is bounded by ``connect_timeout``/``read_timeout`` and retried like any request, outside
-        the deadline of the request that triggered it.
+        HTTP 400. Thread-safe: concurrent first requests wait for one check. Success is
+        remembered for good; a refusal (``PluginMissingError``) for ``plugin_retry_s`` seconds, in
+        which plans fail at once without a probe, so a server restarted with the plugin is
+        accepted on the first plan after that. A server error is not remembered. The check is
+        bounded by ``connect_timeout``/``read_timeout`` and retried like any request, outside the
+        deadline of the request that triggered it.
         """
         if self._plugin_verified:
             return
         with self._plugin_lock:
-            if not self._plugin_verified:
+            if self._plugin_verified:
+                return
+            if self._plugin_refusal is not None:
+                at, message = self._plugin_refusal
+                age = time.monotonic() - at
+                if age < self.connection.plugin_retry_s:
+                    raise PluginMissingError(f"{message} (the plugin check {age:.1f} s ago; the next in "
+                                             f"{self.connection.plugin_retry_s - age:.1f} s)")
+            try:
                 self._check_plugin()
-                self._plugin_verified = True
+            except PluginMissingError as error:
+                self._plugin_refusal = (time.monotonic(), str(error))
+                raise
+            self._plugin_verified, self._plugin_refusal = True, None
 
     def _check_plugin(self) -> None:
         body = {"model": self.model_name, "prompt": [0], "max_tokens": 1, "temperature": 0.0,
