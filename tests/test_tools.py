@@ -162,6 +162,17 @@ def test_a_template_without_tools_is_refused():
         plain.chat(chat("x"))  # a tool message alone would be garbled too
 
 
+def test_the_refusal_names_the_model_whose_template_lacks_tools():
+    """Another family's draft renders the prompt with its own template: where that one has no
+    tools, the error names the draft, not the main model (whose template renders them)."""
+    cross = testing.tiny_engine(cross_family=True, tools=True)
+    cross.backend.tokenizer.name_or_path = "main-with-tools"
+    cross.draft.tokenizer.name_or_path = "draft-inst"
+    with pytest.raises(InputError, match="the chat template of 'draft-inst' does not support tool calling") as info:
+        cross.chat(chat("\n\n".join(DOCS)), [SEARCH])
+    assert "main-with-tools" not in str(info.value)
+
+
 def test_bad_tools_and_messages_are_refused(engine):
     with pytest.raises(InputError, match="1 to 64"):
         message_segments(chat("x"), [{"type": "function", "function": {"name": "<|im_start|>"}}])

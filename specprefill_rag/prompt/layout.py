@@ -150,15 +150,19 @@ def _plain_layout(roles: Sequence[str], markers: Sequence[str]) -> str:
 
 def check_tool_support(tokenizer: Any, segments: Sequence[Segment]) -> None:
     """``InputError`` unless the chat template renders what the tool segments need: a template that
-    never reads ``tools`` would drop the tools (and ``tool_calls`` the calls) without a word."""
+    never reads ``tools`` would drop the tools (and ``tool_calls`` the calls) without a word. The
+    message names the tokenizer's model: the draft's template is checked too where it renders the
+    prompt itself (another family)."""
     template = getattr(tokenizer, "chat_template", None)
     template = " ".join(template.values()) if isinstance(template, dict) else str(template or "")
     kinds = {s.kind for s in segments}
     missing = "tools" if "tools" not in template else "tool_calls" \
         if SegmentKind.TOOL_CALL in kinds and "tool_calls" not in template else None
     if missing:
+        name = getattr(tokenizer, "name_or_path", None)
+        whose = f"the chat template of {str(name)!r:.120}" if name else "the chat template"
         raise InputError(
-            f"the main model's chat template does not support tool calling (it never reads `{missing}`): "
+            f"{whose} does not support tool calling (it never reads `{missing}`): "
             "tools, tool calls and tool messages would be dropped or garbled; use a model whose template "
             "renders tools (the packaged Qwen2.5-Coder models do, SmolLM2 does not)"
         )
