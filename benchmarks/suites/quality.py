@@ -17,7 +17,11 @@ Rows at every keep rate, all through the same main model and backend:
 - ``random``: random chunks under the same budget and the same protected spans;
 - ``llmlingua``: LongLLMLingua (package ``llmlingua``) with the same draft LM as its scorer,
   its compressed text then prefilled whole. Its token budget is the number of passage tokens
-  SpecPrefill kept at that rate, so both prefill about the same number of tokens.
+  SpecPrefill kept at that rate, so both prefill about the same number of tokens;
+- ``text``: SpecPrefill's portable mode (``engine.compress``): the kept sentences as an ordinary
+  prompt, as any LLM behind the compressor or the gateway's text mode reads them;
+- ``ragcompress``: the extractive ``ragcompress`` package, its attention scorer on the same draft
+  LM, the same budget as LongLLMLingua (``benchmarks/lib/ragcompress_peer.py``).
 
 Metrics: EM and F1 (SQuAD normalisation) for HotpotQA and SQuAD, accuracy (the number is in
 the answer) for the needle. The draft scores each example once; the scores are reused for
@@ -53,7 +57,7 @@ from benchmarks.lib.results import RESULTS_DIR, prompt_digest, result_name, same
 from benchmarks.lib.tiny import tiny_engine
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
-METHODS = ("specprefill", "reference", "contiguous", "random", "llmlingua", "text")
+METHODS = ("specprefill", "reference", "contiguous", "random", "llmlingua", "text", "ragcompress")
 INSTRUCTIONS = (
     "Answer the question using only the documents in the context. "
     "Reply with the answer only: a few words, no explanation."
@@ -325,6 +329,7 @@ class _Case:
     prompt: Any
     passages: list[Any]
     scores: dict[str, Any] = dataclasses.field(default_factory=dict)
+    ragcompress: Any = None  # a RagCompressPeer where the run has the method
 
     def scored(self, kind: str) -> Any:
         """Draft scores, once per kind ("default": the library's; "reference": the paper's)."""
@@ -337,6 +342,10 @@ class _Case:
 
     def plan(self, sel: Any, scores: str = "default") -> Any:
         return self.engine.plan(self.prompt, selection=sel, scores=self.scored(scores)).plan
+
+    def peer_budget(self, sel: Any) -> int:
+        """A peer compressor's token budget: the context tokens SpecPrefill kept under ``sel``."""
+        return max(self.plan(sel).n_kept - int(self.prompt.protected.sum()), 8)
 
 
 Outcome = tuple[str, int, dict[str, Any]]  # answer text, prefilled tokens, extra row fields
@@ -371,7 +380,7 @@ def _llmlingua(case: _Case, sel: Any) -> Outcome:
     from specprefill_rag import selection as selection_lib
 
     assert case.lingua is not None
-    budget = max(case.plan(sel).n_kept - int(case.prompt.protected.sum()), 8)  # context tokens SpecPrefill kept
+    budget = case.peer_budget(sel)
     compressed, seconds = case.lingua.compress([p.text for p in case.passages], case.ex.question, budget)
     lprompt = case.engine.assemble(case.ex.question, [Passage(compressed or ".", id="compressed")])
     text, prefilled = answer(case.engine, lprompt, selection_lib.full_plan(lprompt))
@@ -393,10 +402,24 @@ def _text(case: _Case, sel: Any) -> Outcome:
         p.n_kept for p in compression.passages)}
 
 
+def _ragcompress(case: _Case, sel: Any) -> Outcome:
+    """``ragcompress`` under LongLLMLingua's budget; its kept sentences per passage, prefilled whole."""
+    from specprefill_rag import Passage
+    from specprefill_rag import selection as selection_lib
+
+    assert case.ragcompress is not None
+    budget = case.peer_budget(sel)
+    kept, seconds = case.ragcompress.compress([(p.id, p.text) for p in case.passages], case.ex.question, budget)
+    rprompt = case.engine.assemble(case.ex.question, [Passage(t, id=pid) for pid, t in kept if t.strip()]
+                                   or [Passage(".", id="compressed")])
+    text, prefilled = answer(case.engine, rprompt, selection_lib.full_plan(rprompt))
+    return text, prefilled, {"compress_s": seconds, "budget_tokens": budget}
+
+
 # Method name → how it answers one example at one keep rate (the selection ``sel``).
 RUNNERS: dict[str, Callable[[_Case, Any], Outcome]] = {
     "specprefill": _specprefill, "reference": _reference, "contiguous": _contiguous, "random": _random,
-    "llmlingua": _llmlingua, "text": _text,
+    "llmlingua": _llmlingua, "text": _text, "ragcompress": _ragcompress,
 }
 
 
@@ -408,6 +431,7 @@ def run_example(
     lingua: LinguaCompressor | None,
     bar: Any,
     done: dict[tuple[str, float | None], dict[str, Any]] | None = None,
+    ragcompress: Any = None,
 ) -> list[dict[str, Any]]:
     """Every (method, keep rate) row of one example; rows in ``done`` (from an earlier run,
     keyed by (method, keep rate), checked by ``same_prompts``) are reused, so the full-prompt
@@ -417,7 +441,8 @@ def run_example(
 
     done = done or {}
     passages = [Passage(text, id=pid) for pid, text in ex.passages]
-    case = _Case(engine, ex, index, args, lingua, engine.assemble(ex.question, passages), passages)
+    case = _Case(engine, ex, index, args, lingua, engine.assemble(ex.question, passages), passages,
+                 ragcompress=ragcompress)
     if not engine.draft_reads(case.prompt):  # SpecPrefill would prefill it whole: nothing to compare
         print(f"{ex.task} {ex.id[:16]}: {case.prompt.n_tokens} tokens, and the draft cannot read them in windows: "
               "skipped", flush=True)
@@ -620,13 +645,14 @@ def full_answers_from(source: Path, payload: dict[str, Any], args: argparse.Name
 def merged_plan(payload: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """``payload`` with what the earlier runs in the same file asked for: every task's planned
     count (the largest asked for), every distinct command, in order, this one last, and
-    LongLLMLingua's scorer where an earlier run measured it and this one does not."""
+    the peers' scorers where an earlier run measured them and this one does not."""
     commands = [c for c in before.get("commands", [before.get("command")]) if c and c != payload["command"]]
     counts = dict(before.get("counts", {}))
     for task, n in payload["counts"].items():
         counts[task] = max(n, counts.get(task, 0))
     models = dict(payload["models"])
-    models["llmlingua_scorer"] = models.get("llmlingua_scorer") or before.get("models", {}).get("llmlingua_scorer")
+    for peer in ("llmlingua_scorer", "ragcompress_scorer"):
+        models[peer] = models.get(peer) or before.get("models", {}).get(peer)
     return {**payload, "models": models, "counts": counts, "commands": [*commands, payload["command"]]}
 
 
@@ -680,6 +706,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "llmlingua" in args.methods:
         assert engine.draft is not None
         lingua = LinguaCompressor(engine.draft.model, engine.draft.tokenizer, args.draft)
+    ragcompress = None
+    if "ragcompress" in args.methods:
+        from benchmarks.lib.ragcompress_peer import RagCompressPeer
+
+        assert engine.draft is not None
+        ragcompress = RagCompressPeer(engine.draft.model, engine.draft.tokenizer)
     examples = examples_for(args, lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
     counts = collections.Counter(ex.task for ex in examples)
     print(f"examples: {dict(counts)} (seed {args.seed}); keep rates {args.keep_rates}; methods full + {args.methods}",
@@ -693,6 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "main": "tiny-random-llama" if args.tiny else args.main,
             "draft": "tiny-random-llama" if args.tiny else args.draft,
             "llmlingua_scorer": "draft" if lingua else None,
+            **({"ragcompress_scorer": "draft (AttentionScorer, eager copy)"} if ragcompress else {}),
         },
         "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "draft_config": dataclasses.asdict(engine.config.draft),  # what scored, defaults included
@@ -712,7 +745,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tqdm(total=len(examples) * per_example, desc="quality", unit="answer") as bar:
         for i, ex in enumerate(examples):
             done = {**reused.get((ex.task, ex.id), {}), **results.earlier.get((ex.task, ex.id), {})}
-            results.rows += run_example(engine, ex, i, args, lingua, bar, done)
+            results.rows += run_example(engine, ex, i, args, lingua, bar, done, ragcompress)
             results.save(complete=False)
     path = results.save(complete=True)
     print_summary(summarize(results.all_rows(), args.seed))
