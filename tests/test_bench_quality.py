@@ -205,6 +205,10 @@ def test_quality_merged_plan_keeps_what_earlier_runs_measured() -> None:
     merged = quality.merged_plan(payload, before)
     assert merged["commands"] == ["a", "b"] and merged["counts"] == {"hotpotqa_4k": 60, "needle_8k": 30}
     assert merged["models"] == {"draft": "d", "llmlingua_scorer": "draft"}  # its rows are still in the file
+    later = quality.merged_plan({**payload, "models": {"draft": "d", "llmlingua_scorer": None}}, {
+        **before, "models": {"draft": "d", "ragcompress_scorer": "draft (AttentionScorer, eager copy)"}})
+    assert later["models"] == {"draft": "d", "llmlingua_scorer": None,
+                               "ragcompress_scorer": "draft (AttentionScorer, eager copy)"}
     assert quality.merged_plan(payload, {})["models"]["llmlingua_scorer"] is None
 
 
@@ -259,3 +263,15 @@ def test_the_ragcompress_peer_keeps_whole_sentences_per_passage_under_its_budget
         sentences = [x.strip() for x in re.findall(r"[^.]+\.", text)]
         assert sentences and any(all(x in t for x in sentences) for p, t in passages if p == pid)
     assert engine.draft.model.config._attn_implementation != "eager"  # the draft itself is untouched
+
+
+@needs_data
+def test_the_examples_alternate_tasks_and_needle_lengths() -> None:
+    """An interrupted run covers every task and, within the needle, every length: the examples come
+    round-robin over both (resuming matches rows by id, so the order may change between runs)."""
+    args = quality.parse_args(["--tasks", "needle", "squad", "--n-squad", "2", "--needle-lengths", "256", "512",
+                               "--needle-depths", "0.25", "0.75"])
+    examples = quality.examples_for(args, lambda text: len(text.split()))
+    assert [ex.task for ex in examples] == ["squad", "needle", "squad", "needle", "needle", "needle"]
+    assert [ex.id for ex in examples if ex.task == "needle"] == [
+        "needle-256-0.25", "needle-512-0.25", "needle-256-0.75", "needle-512-0.75"]

@@ -537,8 +537,9 @@ def examples_for(args: argparse.Namespace, count_tokens: Any) -> list[Example]:
         examples += load_hotpotqa(args.n_hotpotqa, args.seed)
     if "squad" in args.tasks:
         examples += load_squad(args.n_squad, args.seed, args.squad_tokens, count_tokens)
-    if "needle" in args.tasks:
-        examples += needle_examples(args.needle_lengths, args.needle_depths, args.seed, count_tokens)
+    if "needle" in args.tasks:  # lengths alternate too: an interrupted run has some of each
+        needles = needle_examples(args.needle_lengths, args.needle_depths, args.seed, count_tokens)
+        examples += interleave(needles, key=lambda ex: ex.meta.get("length"))
     if "near_miss" in args.tasks:
         examples += load_near_miss(args.n_near_miss)
     examples += long_context.long_examples(args.tasks, args.long_lengths, args.n_long, args.needle_depths, args.seed,
@@ -546,12 +547,12 @@ def examples_for(args: argparse.Namespace, count_tokens: Any) -> list[Example]:
     return interleave(examples)
 
 
-def interleave(examples: Sequence[Example]) -> list[Example]:
-    """Round-robin over tasks, so an interrupted run still covers every task."""
-    by_task: dict[str, list[Example]] = collections.defaultdict(list)
+def interleave(examples: Sequence[Example], key: Callable[[Example], Any] = lambda ex: ex.task) -> list[Example]:
+    """Round-robin over tasks (or another ``key``), so an interrupted run still covers every one."""
+    by_key: dict[Any, list[Example]] = collections.defaultdict(list)
     for ex in examples:
-        by_task[ex.task].append(ex)
-    queues = list(by_task.values())
+        by_key[key(ex)].append(ex)
+    queues = list(by_key.values())
     return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
 
 
@@ -652,7 +653,8 @@ def merged_plan(payload: dict[str, Any], before: dict[str, Any]) -> dict[str, An
         counts[task] = max(n, counts.get(task, 0))
     models = dict(payload["models"])
     for peer in ("llmlingua_scorer", "ragcompress_scorer"):
-        models[peer] = models.get(peer) or before.get("models", {}).get(peer)
+        if peer in models or peer in before.get("models", {}):
+            models[peer] = models.get(peer) or before.get("models", {}).get(peer)
     return {**payload, "models": models, "counts": counts, "commands": [*commands, payload["command"]]}
 
 
