@@ -5,7 +5,8 @@
 Reads every result file there: ttft.json and its variants (ttft_vllm_server.json,
 ttft_draft-NAME.json, ...), gpu_ttft.json, evidence.jsonl (draft-only evidence recall),
 quality.json (or quality_quick.json), quality runs with another draft (quality_draft-NAME.json,
-compared with the default draft's), the long tasks end to end (quality_long*.json),
+compared with the default draft's), the long tasks end to end (quality_long*.json), portable mode
+against its peers (quality_text*.json end to end, peer_evidence*.jsonl as text),
 gateway_load.json, serving.json, and for the evidence-vs-length table the evidence files in
 ``LENGTH_SOURCES`` and windows.jsonl; the ``*_tiny.json`` files of ``--tiny`` smoke runs are
 skipped. ``CURRENT`` pins that list: results/ holds these files (and what later runs add),
@@ -1151,6 +1152,54 @@ def portable_section(stem: str, data: dict[str, Any]) -> list[str]:
     return out + quality_section(data, "### Every method and keep rate")
 
 
+PEER_LABELS = {"text": "text mode", "llmlingua": "LongLLMLingua", "ragcompress": "ragcompress"}
+
+
+def peer_evidence_section(results: Path) -> list[str]:
+    """What each portable compressor keeps of the gold, as text (``peer_evidence*.jsonl``, ``bench
+    peer_evidence``): answer and evidence survival, text mode's paired lead on each peer, the
+    context each kept and its seconds per 1k prompt tokens."""
+    from benchmarks.suites import evidence, peer_evidence
+
+    out: list[str] = []
+    for path in sorted(results.glob("peer_evidence*.jsonl")):
+        if path.stem.endswith("_tiny"):
+            continue
+        rows = evidence.load_rows(path)
+        by = {(e["task"], e["method"], e["keep_rate"]): e for e in peer_evidence.summarize(rows)}
+        out += [
+            "## Portable mode: what each compressor keeps of the evidence (draft LM only)",
+            "",
+            "The cheap proxy of the table above, on more examples and no main model (`bench peer_evidence`, "
+            f"`benchmarks/results/{path.name}`): each compressor's output, the text an LLM behind it reads, against "
+            "the gold. *answer*: an accepted answer appears in it (yes/no answers left out); *evidence*: the share "
+            "of the gold evidence's word bigrams in it (a sentence kept whole scores 1, one thinned out less); "
+            "paired differences over the same examples, bootstrap 95% CIs.",
+            "",
+            "| task | keep | n | answer: text / LongLLMLingua / ragcompress | evidence: text | LongLLMLingua "
+            "| ragcompress | text − LongLLMLingua | text − ragcompress | context kept: text / LongLLMLingua / "
+            "ragcompress | s per 1k prompt tokens: text / LongLLMLingua / ragcompress |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for (task, method, keep), e in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2])):
+            if method != "text":
+                continue
+            peers = [by.get((task, m, keep)) for m in PEER_LABELS]
+
+            def each(field: str, spec: str, peers: list[dict[str, Any] | None] = peers) -> str:
+                return " / ".join("–" if p is None or p[field] is None else format(p[field], spec) for p in peers)
+
+            evidence_cells = " | ".join("–" if p is None else _ci(p["evidence"], p["evidence_ci"]) for p in peers)
+            out.append(
+                f"| {task} | {keep:.0%} | {e['n']} | {each('answer', '.2f')} | {evidence_cells} "
+                f"| {_ci(e.get('evidence_vs_llmlingua'), e.get('evidence_vs_llmlingua_ci'), sign=True)} "
+                f"| {_ci(e.get('evidence_vs_ragcompress'), e.get('evidence_vs_ragcompress_ci'), sign=True)} "
+                f"| {each('context_kept', '.0%')} | {each('s_per_1k', '.2f')} |"
+            )
+        out.append("")
+    return out
+
+
 def compression_time_table(rows: list[dict[str, Any]], near: int = 2048) -> list[str]:
     """Seconds each method spent before the main model's prefill, per call and per 1k prompt
     tokens, over all rows and over the prompts within ±15% of ``near`` tokens."""
@@ -1358,6 +1407,7 @@ HEADER = [
     "make bench-quality   # specprefill-rag bench quality  → benchmarks/results/quality.json",
     "specprefill-rag bench quality --quick                 # → benchmarks/results/quality_quick.json",
     "specprefill-rag bench evidence --n 200                # → benchmarks/results/evidence.jsonl (draft only)",
+    "specprefill-rag bench peer_evidence --dtype bfloat16  # → benchmarks/results/peer_evidence.jsonl (as text)",
     "specprefill-rag bench guesses --check                 # → benchmarks/results/guesses.jsonl (look-ahead forwards)",
     "# the main model served by vLLM (start it first: specprefill-rag serve qwen2.5-coder-1.5b-instruct)",
     "specprefill-rag bench ttft --backend vllm_server --server-url http://127.0.0.1:8000",
@@ -1562,6 +1612,7 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES, 
         lines += long_quality_section(long_quality, (quality or {}).get("models", {}).get("draft", ""))
     for stem, data in portable:
         lines += portable_section(stem, data)
+    lines += peer_evidence_section(results)
     gateway_load = load(results, "gateway_load")
     if gateway_load:
         lines += gateway_section(gateway_load)

@@ -426,3 +426,25 @@ def test_the_portable_section_sets_text_mode_beside_position_mode_and_longllmlin
     # Not also shown as another draft's run, and the LongLLMLingua line counts only its own calls.
     assert "## Other drafts" not in text
     assert "LongLLMLingua compression took 8 s per call" in part
+
+
+def test_the_peer_evidence_section_tables_each_compressor_and_text_modes_paired_lead(tmp_path: Path) -> None:
+    """``peer_evidence*.jsonl`` (``bench peer_evidence``) gets a table per task and keep rate: each
+    compressor's answer and evidence survival, text mode's paired difference to each peer, the
+    context kept and the seconds per 1k prompt tokens; a smoke run's ``_tiny`` file is skipped."""
+    def row(i: int, text: float, lingua: float) -> dict[str, object]:
+        return {"task": "squad", "id": str(i), "n_prompt": 2000, "results": {
+            "text@0.1": [text, text, text, 0.1, 2.0], "llmlingua@0.1": [lingua, lingua, lingua, 0.2, 6.0],
+            "ragcompress@0.1": [None, text, text, 0.1, 4.0]}}
+
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [row(0, 1.0, 0.0), row(1, 1.0, 1.0)]
+    (results / "peer_evidence_bf16.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (results / "peer_evidence_tiny.jsonl").write_text(json.dumps(row(2, 0.0, 0.0)) + "\n")
+    text = report.render(results, tmp_path / "b.md", tmp_path / "img").read_text()
+    part = text[text.index("## Portable mode: what each compressor keeps"):]
+    assert "`benchmarks/results/peer_evidence_bf16.jsonl`" in part and "tiny" not in part
+    # ragcompress's answer column is empty (None: a yes/no question), its evidence equal to text's.
+    assert ("| squad | 10% | 2 | 1.00 / 0.50 / – | 1.00 [0.16, 1.00] | 0.50 [0.00, 1.00] | 1.00 [0.16, 1.00] "
+            "| +0.50 [+0.00, +1.00] | +0.00 [+0.00, +0.00] | 10% / 20% / 10% | 1.00 / 3.00 / 2.00 |") in part

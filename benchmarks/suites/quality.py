@@ -114,12 +114,17 @@ def needle_accuracy(prediction: str, answers: Sequence[str]) -> float:
 _DIGIT_GROUPS = re.compile(r"(?<=\d)[,\u202f ](?=\d{3}\b)")  # 1,140 / 1 140 → 1140
 
 
+def answer_words(text: str) -> list[str]:
+    """``text``'s words as answers are compared: SQuAD-normalised, digit separators dropped."""
+    return normalize_answer(_DIGIT_GROUPS.sub("", text)).split()
+
+
 def contains_answer(prediction: str, answers: Sequence[str]) -> float:
     """1.0 when any accepted answer appears in the prediction (SQuAD-normalised, digit
     separators dropped, whole words)."""
 
     def norm(text: str) -> str:
-        return " " + normalize_answer(_DIGIT_GROUPS.sub("", text)) + " "
+        return " " + " ".join(answer_words(text)) + " "
 
     pred = norm(prediction)
     return float(any(norm(a).strip() and norm(a) in pred for a in answers))
