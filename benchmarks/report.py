@@ -58,6 +58,7 @@ CURRENT = (
     "quality_long_bf16.json",
     "quality_lookahead-4.json",
     "quality_quick.json",
+    "quality_text_bf16.json",
     "serving.json",
     "ttft.json",
     "ttft_bf16-draft.json",
