@@ -81,31 +81,6 @@ def measure(ex: quality.Example, context: str) -> tuple[float | None, float, flo
     return answer, recall, float(complete)
 
 
-# -- the compressors, each as the text an LLM would read -------------------------------------
-
-
-def _text(case: quality._Case, sel: Any) -> tuple[str, float]:
-    compression = case.engine.compress(case.ex.question, case.passages, selection=sel)
-    return "\n\n".join(p.text for p in compression.passages if p.text.strip()), compression.seconds
-
-
-def _llmlingua(case: quality._Case, sel: Any) -> tuple[str, float]:
-    assert case.lingua is not None
-    return case.lingua.compress([p.text for p in case.passages], case.ex.question, case.peer_budget(sel))
-
-
-def _ragcompress(case: quality._Case, sel: Any) -> tuple[str, float]:
-    assert case.ragcompress is not None
-    kept, seconds = case.ragcompress.compress([(p.id, p.text) for p in case.passages], case.ex.question,
-                                              case.peer_budget(sel))
-    return "\n\n".join(text for _, text in kept if text.strip()), seconds
-
-
-COMPRESSORS: dict[str, Callable[[quality._Case, Any], tuple[str, float]]] = {
-    "text": _text, "llmlingua": _llmlingua, "ragcompress": _ragcompress,
-}
-
-
 def _passages(ex: quality.Example) -> list[Any]:
     from specprefill_rag import Passage
 
@@ -122,7 +97,8 @@ def measure_example(engine: Any, ex: quality.Example, index: int, args: argparse
     for keep in args.keep_rates:
         sel = dataclasses.replace(engine.config.selection, keep_rate=keep, token_budget=None)
         for method in args.methods:
-            context, seconds = COMPRESSORS[method](case, sel)
+            kept, extra = quality.COMPRESSORS[method](case, sel)
+            context, seconds = "\n\n".join(p.text for p in kept), extra["compress_s"]
             answer, recall, complete = measure(ex, context)
             kept = count_tokens(context) / max(case.prompt.n_context, 1)
             results[f"{method}@{keep:g}"] = [answer, round(recall, 4), complete, round(kept, 4), round(seconds, 3)]

@@ -380,51 +380,66 @@ def _random(case: _Case, sel: Any) -> Outcome:
     return *answer(case.engine, prompt, selection_lib.plan_from_indices(prompt, kept)), {}
 
 
-def _llmlingua(case: _Case, sel: Any) -> Outcome:
+Compressed = tuple[list[Any], dict[str, Any]]  # a text compressor's kept passages (Passage), extra row fields
+
+
+def _llmlingua(case: _Case, sel: Any) -> Compressed:
+    """LongLLMLingua under the context tokens SpecPrefill kept: its compressed text as one passage."""
     from specprefill_rag import Passage
-    from specprefill_rag import selection as selection_lib
 
     assert case.lingua is not None
     budget = case.peer_budget(sel)
     compressed, seconds = case.lingua.compress([p.text for p in case.passages], case.ex.question, budget)
-    lprompt = case.engine.assemble(case.ex.question, [Passage(compressed or ".", id="compressed")])
-    text, prefilled = answer(case.engine, lprompt, selection_lib.full_plan(lprompt))
-    return text, prefilled, {"compress_s": seconds, "budget_tokens": budget}
+    return [Passage(compressed, id="compressed")] if compressed else [], {"compress_s": seconds,
+                                                                           "budget_tokens": budget}
 
 
-def _text(case: _Case, sel: Any) -> Outcome:
+def _text(case: _Case, sel: Any) -> Compressed:
     """Portable (text) mode, issue 51: the passages as ``engine.compress`` gives them (whole
-    sentences, a marker where a run was dropped), prefilled whole as an ordinary prompt, as any
-    LLM behind ``SpecPrefillCompressor`` or the gateway's text mode would read them."""
+    sentences, a marker where a run was dropped), as any LLM behind ``SpecPrefillCompressor`` or
+    the gateway's text mode would read them."""
     from specprefill_rag import Passage
-    from specprefill_rag import selection as selection_lib
 
     compression = case.engine.compress(case.ex.question, case.passages, selection=sel)
     kept = [Passage(p.text, id=p.id) for p in compression.passages if p.text.strip()]
-    tprompt = case.engine.assemble(case.ex.question, kept or [Passage(".", id="compressed")])
-    text, prefilled = answer(case.engine, tprompt, selection_lib.full_plan(tprompt))
-    return text, prefilled, {"compress_s": compression.seconds, "kept_context_tokens": sum(
+    return kept, {"compress_s": compression.seconds, "kept_context_tokens": sum(
         p.n_kept for p in compression.passages)}
 
 
-def _ragcompress(case: _Case, sel: Any) -> Outcome:
-    """``ragcompress`` under LongLLMLingua's budget; its kept sentences per passage, prefilled whole."""
+def _ragcompress(case: _Case, sel: Any) -> Compressed:
+    """``ragcompress`` under LongLLMLingua's budget: its kept sentences per passage."""
     from specprefill_rag import Passage
-    from specprefill_rag import selection as selection_lib
 
     assert case.ragcompress is not None
     budget = case.peer_budget(sel)
     kept, seconds = case.ragcompress.compress([(p.id, p.text) for p in case.passages], case.ex.question, budget)
-    rprompt = case.engine.assemble(case.ex.question, [Passage(t, id=pid) for pid, t in kept if t.strip()]
-                                   or [Passage(".", id="compressed")])
-    text, prefilled = answer(case.engine, rprompt, selection_lib.full_plan(rprompt))
-    return text, prefilled, {"compress_s": seconds, "budget_tokens": budget}
+    return [Passage(t, id=pid) for pid, t in kept if t.strip()], {"compress_s": seconds, "budget_tokens": budget}
+
+
+# Text compressor name → its kept passages for one example at one keep rate (``bench peer_evidence`` too).
+COMPRESSORS: dict[str, Callable[[_Case, Any], Compressed]] = {
+    "llmlingua": _llmlingua, "text": _text, "ragcompress": _ragcompress,
+}
+
+
+def _prefilled_whole(compressor: Callable[[_Case, Any], Compressed]) -> Callable[[_Case, Any], Outcome]:
+    """A runner that prefills ``compressor``'s kept passages whole, as an ordinary prompt."""
+
+    def run(case: _Case, sel: Any) -> Outcome:
+        from specprefill_rag import Passage
+        from specprefill_rag import selection as selection_lib
+
+        kept, extra = compressor(case, sel)
+        prompt = case.engine.assemble(case.ex.question, kept or [Passage(".", id="compressed")])
+        return *answer(case.engine, prompt, selection_lib.full_plan(prompt)), extra
+
+    return run
 
 
 # Method name → how it answers one example at one keep rate (the selection ``sel``).
 RUNNERS: dict[str, Callable[[_Case, Any], Outcome]] = {
     "specprefill": _specprefill, "reference": _reference, "contiguous": _contiguous, "random": _random,
-    "llmlingua": _llmlingua, "text": _text, "ragcompress": _ragcompress,
+    **{name: _prefilled_whole(compressor) for name, compressor in COMPRESSORS.items()},
 }
 
 
