@@ -163,7 +163,10 @@ def print_summary(entries: list[dict[str, Any]]) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specprefill-rag bench peer_evidence", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--main", default=DEFAULT_MAIN, help="its tokenizer lays out the prompt (the model is loaded too)")
+    p.add_argument("--main", default=None,
+                   help="the model whose tokenizer and chat template lay out the prompt (default: the draft "
+                        "itself, one set of weights, as SpecPrefillCompressor(model=...) runs; a model of the "
+                        "draft's family lays it out the same)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="the LM every compressor scores with")
     add_dtype_arg(p)
     evidence.add_task_args(p, tasks=["hotpotqa", "squad", "needle", "near_miss"], n=200, n_needle=100)
@@ -177,12 +180,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    name = result_name("peer_evidence", main=args.main, draft=args.draft, tiny=args.tiny)
+    name = result_name("peer_evidence", main=args.main or DEFAULT_MAIN, draft=args.draft, tiny=args.tiny)
     path, rows = evidence.open_results(args, f"{name}.jsonl")
     if args.summary:
         print_summary(summarize(rows, args.seed))
         return 0
-    engine = quality.build_engine(argparse.Namespace(**vars(args), lookahead=None, max_new_tokens=8))
+    # No answers here: the draft as its own main (SelfDrafting) loads one model, not two.
+    layout = {"main": args.main or args.draft, "lookahead": None, "max_new_tokens": 8}
+    engine = quality.build_engine(argparse.Namespace(**{**vars(args), **layout}))
     assert engine.draft is not None
     peers: dict[str, Any] = {}
     if "llmlingua" in args.methods:
