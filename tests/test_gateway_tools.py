@@ -254,6 +254,17 @@ def test_a_template_without_tools_is_refused_clearly():
         assert post(client, {**{k: v for k, v in request().items() if k != "tools"}, "max_tokens": 4})[0] == 200
 
 
+def test_a_draft_whose_template_lacks_tools_is_no_refusal():
+    """The main model renders tools; another family's draft (ChatML without tools) cannot: the
+    agent's turn is answered, prefilled whole, and the report says why."""
+    cross = tiny_engine(cross_family=True, tools=True)
+    with gateway(cross, call(query="fog")) as (client, backend):
+        status, answer = post(client, request(conversation("\n\n".join(DOCS))))
+        assert status == 200, answer
+        assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "search"
+        assert answer["specprefill"]["path"] == "draft_cannot_read" and not backend.plan.speculated
+
+
 @pytest.mark.parametrize(("text", "stream", "message"), [
     (call("rm", query="x"), False, "'rm', which is not among the tools"),
     (call(query=3), False, "arguments.query must be of type string"),

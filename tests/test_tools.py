@@ -162,15 +162,23 @@ def test_a_template_without_tools_is_refused():
         plain.chat(chat("x"))  # a tool message alone would be garbled too
 
 
-def test_the_refusal_names_the_model_whose_template_lacks_tools():
+def test_a_draft_whose_template_lacks_tools_leaves_the_agent_prompt_whole():
     """Another family's draft renders the prompt with its own template: where that one has no
-    tools, the error names the draft, not the main model (whose template renders them)."""
+    tools, the main model (whose template renders them) still answers, the prompt prefilled whole
+    as for a prompt over the draft's window, and the reason names the draft, not the main model."""
     cross = testing.tiny_engine(cross_family=True, tools=True)
     cross.backend.tokenizer.name_or_path = "main-with-tools"
     cross.draft.tokenizer.name_or_path = "draft-inst"
-    with pytest.raises(InputError, match="the chat template of 'draft-inst' does not support tool calling") as info:
-        cross.chat(chat("\n\n".join(DOCS)), [SEARCH])
-    assert "main-with-tools" not in str(info.value)
+    messages = chat("\n\n".join(DOCS))
+    result = cross.chat(messages, [SEARCH])
+    assert result.path.code == "draft_cannot_read" and not result.plan.speculated
+    assert "the chat template of 'draft-inst' does not support tool calling" in result.path.reason
+    assert "main-with-tools" not in result.path.reason
+    assert result.token_ids == cross.chat(messages, [SEARCH], mode="full").token_ids
+    prompt = cross.assemble(list(message_segments(messages, [SEARCH])))
+    assert not cross.draft_reads(prompt) and not cross.draft_fits(prompt)
+    with pytest.raises(InputError, match="'draft-inst' does not support tool calling"):
+        cross.score(prompt)  # asked outright, the draft's scores are refused, never made up
 
 
 def test_bad_tools_and_messages_are_refused(engine):

@@ -26,7 +26,7 @@ from ..caches import PromptMemo, ScoreMemo, digest
 from ..config import DraftConfig
 from ..errors import InputError
 from ..payoff import PrefillCosts
-from ..types import AssembledPrompt, PathChoice, SegmentKind, TokenScores
+from ..types import AssembledPrompt, PathChoice, Segment, SegmentKind, TokenScores
 from .batching import MicroBatcher, TurnLock, length_buckets
 from .model import DraftModel
 from .token_mapping import map_scores, needs_mapping
@@ -99,15 +99,33 @@ class DraftScorer:
         """``prompt`` and what the draft reads of it (``DraftReading``) under ``config`` (default the
         scorer's): itself, or its segments in the draft's own tokenizer and chat template, the question
         echoed where context follows it (rendered once per request, remembered under ``salt``)."""
-        echoed = prompt_lib.echoed_question(prompt.segments) if (config or self.config).echo_question else None
-        if not self.maps_tokens and echoed is None:
+        segments = self._own_segments(prompt, config)
+        if segments is None:
             return DraftReading(prompt, prompt, salt)
         if not prompt.segment_spans:
             raise InputError("the prompt carries no segment spans: build it with engine.assemble")
-        read = prompt_lib.assemble_cached(self.prompts, self.model.tokenizer, echoed or prompt.segments,
+        read = prompt_lib.assemble_cached(self.prompts, self.model.tokenizer, segments,
                                           protect_instructions=True, protect_tail_tokens=0, protect_history=True,
                                           salt=salt)
         return DraftReading(prompt, read, salt)
+
+    def _own_segments(self, prompt: AssembledPrompt, config: DraftConfig | None) -> Sequence[Segment] | None:
+        """The segments the draft renders in its own tokenizer and chat template (``render``), or None
+        when it reads the main prompt as it is."""
+        echoed = prompt_lib.echoed_question(prompt.segments) if (config or self.config).echo_question else None
+        return (echoed or prompt.segments) if self.maps_tokens or echoed is not None else None
+
+    def unrenderable(self, prompt: AssembledPrompt, config: DraftConfig | None = None) -> str | None:
+        """Why the draft cannot render ``prompt`` in its own chat template, or None: a draft of
+        another family whose template renders no tools cannot read an agent's prompt (tools, calls,
+        tool results), which is then prefilled whole (``choose``) rather than refused, since the
+        main model reads it."""
+        segments = self._own_segments(prompt, config)
+        try:
+            prompt_lib.check_tool_support(self.model.tokenizer, segments or ())
+        except InputError as error:
+            return f"the draft cannot render this prompt: {error}"
+        return None
 
     def overflow(self, reading: DraftReading, config: DraftConfig | None = None) -> str | None:
         """Why the draft cannot read ``reading`` in one pass (its rendering plus the look-ahead), or None."""
@@ -122,13 +140,18 @@ class DraftScorer:
 
     def fits(self, prompt: AssembledPrompt, config: DraftConfig | None = None) -> bool:
         """Whether the draft reads ``prompt`` in one pass (its own rendering, look-ahead included)."""
-        return self.overflow(self.render(prompt, config=config), config) is None
+        return self.unrenderable(prompt, config) is None and self.overflow(self.render(prompt, config=config),
+                                                                            config) is None
 
     def reading(self, prompt: AssembledPrompt, salt: str | None = None) -> DraftReading | None:
         """What the draft reads for ``prompt``, decided here once: in one pass, or in windows when
         it is longer than the draft's window (``DraftConfig.on_overflow="windows"``). None when the
         draft cannot read it and the prompt is prefilled whole (``"full"``, or windows that cannot
-        hold its context; logged); ``InputError`` under ``"raise"``."""
+        hold its context; logged), or that it cannot render (``unrenderable``); ``InputError`` under
+        ``"raise"``."""
+        if (problem := self.unrenderable(prompt)) is not None:
+            logger.warning("%s: prefilling the whole prompt", problem)
+            return None
         reading = self.render(prompt, salt)
         config = self.config
         reason = self.overflow(reading, config)
@@ -164,7 +187,9 @@ class DraftScorer:
         LLM's prefill, not this engine's."""
         reading = self.reading(prompt, salt)
         if reading is None:
-            return None, PathChoice("draft_cannot_read", "the prompt does not fit the draft's window and "
+            problem = self.unrenderable(prompt)
+            return None, PathChoice("draft_cannot_read", f"{problem}; the main model prefills it whole" if problem
+                                    else "the prompt does not fit the draft's window and "
                                     f"on_overflow={self.config.on_overflow!r} prefills it whole")
         if not (weigh_cost and self.config.skip_when_slower):
             return reading, None

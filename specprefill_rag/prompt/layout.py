@@ -152,7 +152,9 @@ def check_tool_support(tokenizer: Any, segments: Sequence[Segment]) -> None:
     """``InputError`` unless the chat template renders what the tool segments need: a template that
     never reads ``tools`` would drop the tools (and ``tool_calls`` the calls) without a word. The
     message names the tokenizer's model: the draft's template is checked too where it renders the
-    prompt itself (another family)."""
+    prompt itself (another family). Segments without tools need nothing."""
+    if not any(s.kind in _TOOL_KINDS for s in segments):
+        return
     template = getattr(tokenizer, "chat_template", None)
     template = " ".join(template.values()) if isinstance(template, dict) else str(template or "")
     kinds = {s.kind for s in segments}
@@ -240,8 +242,7 @@ def layout(tokenizer: Any, segments: Sequence[Segment], markup: Sequence[str] = 
                for n, m in enumerate(chat)]
     with_template = bool(getattr(tokenizer, "chat_template", None))
     tools = [json.loads(s.text) for s in segments if s.kind is SegmentKind.TOOL_SCHEMA]
-    if any(s.kind in _TOOL_KINDS for s in segments):
-        check_tool_support(tokenizer, segments)
+    check_tool_support(tokenizer, segments)
     if with_template:
         text = _template(tokenizer, _template_messages(segments, chat, markers), tools or None)
     else:
