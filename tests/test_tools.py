@@ -179,6 +179,9 @@ def test_a_draft_whose_template_lacks_tools_leaves_the_agent_prompt_whole():
     assert not cross.draft_reads(prompt) and not cross.draft_fits(prompt)
     with pytest.raises(InputError, match="'draft-inst' does not support tool calling"):
         cross.score(prompt)  # asked outright, the draft's scores are refused, never made up
+    cross.draft.tokenizer.name_or_path = "/models/" + "snapshots/" * 20 + "draft-inst"
+    with pytest.raises(InputError, match=r"template of '….*/snapshots/draft-inst' does not support"):
+        cross.score(prompt)  # a long path keeps its end, which names the model, and its closing quote
 
 
 def test_bad_tools_and_messages_are_refused(engine):

@@ -161,8 +161,9 @@ def check_tool_support(tokenizer: Any, segments: Sequence[Segment]) -> None:
     missing = "tools" if "tools" not in template else "tool_calls" \
         if SegmentKind.TOOL_CALL in kinds and "tool_calls" not in template else None
     if missing:
-        name = getattr(tokenizer, "name_or_path", None)
-        whose = f"the chat template of {str(name)!r:.120}" if name else "the chat template"
+        name = str(getattr(tokenizer, "name_or_path", None) or "")
+        name = name if len(name) <= 120 else f"…{name[-119:]}"  # a long local path: its end names the model
+        whose = f"the chat template of {name!r}" if name else "the chat template"
         raise InputError(
             f"{whose} does not support tool calling (it never reads `{missing}`): "
             "tools, tool calls and tool messages would be dropped or garbled; use a model whose template "
