@@ -49,6 +49,7 @@ CURRENT = (
     "gateway_load.json",
     "gpu_attention.json",
     "gpu_ttft.json",
+    "peer_evidence.jsonl",
     "prefix_cache.jsonl",
     "prefix_cache_bf16-draft_chat-long.jsonl",
     "prefix_cache_chat-long.jsonl",
