@@ -99,6 +99,12 @@ def served(server: VLLMServer) -> float:
     return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.MULTILINE))
 
 
+def running(server: VLLMServer) -> float:
+    """Requests the replica is serving now (its ``vllm:num_requests_running``)."""
+    text = metrics_text(server)
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.MULTILINE))
+
+
 def post(server: VLLMServer, body: dict) -> list[dict]:
     """The JSON objects of a ``/v1/completions`` answer: the streamed chunks, or the one body."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
@@ -208,8 +214,20 @@ def test_killed_replica_mid_stream_is_an_error_and_a_restarted_one_rejoins(repli
                         extra_args=["--health-check-interval-secs", "1"]).start(timeout=120)
     try:
         backend = create_backend("vllm_server", MODEL, base_url=router.url, read_timeout=60)
+        # The router is ready once one replica answers; the other joins its rotation after a health
+        # check (later on a busy machine). Short answers until round robin has reached both, so
+        # that the two streams below land one on each.
+        before = {name: served(replicas[name]) for name in ("a", "b")}
+        deadline = time.monotonic() + 120
+        while any(served(replicas[name]) == count for name, count in before.items()) and time.monotonic() < deadline:
+            assert list(backend.stream_tokens(plans[2][0], GEN)) == plans[2][1]
+        assert all(served(replicas[name]) > count for name, count in before.items()), "round robin never reached both"
         streams = [backend.stream_tokens(plan, long) for _ in range(2)]
         got: list[list[int]] = [[next(stream)] for stream in streams]  # both have started
+        deadline = time.monotonic() + 10  # the gauges follow the engine's steps
+        while (running(replicas["a"]), running(replicas["b"])) != (1, 1) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert running(replicas["a"]) == running(replicas["b"]) == 1, "one stream on each replica"
         os.killpg(replicas["b"].process.pid, signal.SIGKILL)
         outcomes = []
         for stream, tokens in zip(streams, got, strict=True):
