@@ -149,14 +149,18 @@ class DraftScorer:
         draft cannot read it and the prompt is prefilled whole (``"full"``, or windows that cannot
         hold its context; logged), or that it cannot render (``unrenderable``); ``InputError`` under
         ``"raise"``."""
+        return self._read(prompt, salt)[0]
+
+    def _read(self, prompt: AssembledPrompt, salt: str | None) -> tuple[DraftReading | None, str]:
+        """``reading``, and when it is None the reason the prompt is prefilled whole (``choose``)."""
         if (problem := self.unrenderable(prompt)) is not None:
             logger.warning("%s: prefilling the whole prompt", problem)
-            return None
+            return None, f"{problem}; the main model prefills it whole"
         reading = self.render(prompt, salt)
         config = self.config
         reason = self.overflow(reading, config)
         if reason is None:
-            return reading
+            return reading, ""
         if config.on_overflow == "raise":
             raise InputError(f"{reason}: shorten the context or use a draft with a longer window")
         if config.on_overflow == "windows":
@@ -166,9 +170,9 @@ class DraftScorer:
                 reason = f"{reason}, and it cannot be read in windows: {error}"
             else:
                 logger.info("%s: the draft reads it in %d windows", reason, len(windowed.windows or ()))
-                return windowed
+                return windowed, ""
         logger.warning("%s: prefilling the whole prompt (DraftConfig.on_overflow)", reason)
-        return None
+        return None, f"{reason}; on_overflow={config.on_overflow!r} prefills it whole"
 
     def _with_windows(self, reading: DraftReading, config: DraftConfig) -> DraftReading:
         """``reading`` with its windows decided (``DraftModel.windows``: None when it fits in one
@@ -185,12 +189,9 @@ class DraftScorer:
         ``saved_tokens`` pruning saves. An identical request's scores in the memo always pay (the
         draft does not run). Portable mode passes ``weigh_cost=False``: what it saves is another
         LLM's prefill, not this engine's."""
-        reading = self.reading(prompt, salt)
+        reading, why = self._read(prompt, salt)
         if reading is None:
-            problem = self.unrenderable(prompt)
-            return None, PathChoice("draft_cannot_read", f"{problem}; the main model prefills it whole" if problem
-                                    else "the prompt does not fit the draft's window and "
-                                    f"on_overflow={self.config.on_overflow!r} prefills it whole")
+            return None, PathChoice("draft_cannot_read", why)
         if not (weigh_cost and self.config.skip_when_slower):
             return reading, None
         if self.config.memo_entries:

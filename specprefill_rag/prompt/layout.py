@@ -153,11 +153,11 @@ def check_tool_support(tokenizer: Any, segments: Sequence[Segment]) -> None:
     never reads ``tools`` would drop the tools (and ``tool_calls`` the calls) without a word. The
     message names the tokenizer's model: the draft's template is checked too where it renders the
     prompt itself (another family). Segments without tools need nothing."""
-    if not any(s.kind in _TOOL_KINDS for s in segments):
+    kinds = {s.kind for s in segments}
+    if kinds.isdisjoint(_TOOL_KINDS):
         return
     template = getattr(tokenizer, "chat_template", None)
     template = " ".join(template.values()) if isinstance(template, dict) else str(template or "")
-    kinds = {s.kind for s in segments}
     missing = "tools" if "tools" not in template else "tool_calls" \
         if SegmentKind.TOOL_CALL in kinds and "tool_calls" not in template else None
     if missing:
