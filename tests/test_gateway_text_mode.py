@@ -32,6 +32,7 @@ from specprefill_rag.gateway.text_mode import WORD_JOINER, added_token_strings, 
 from specprefill_rag.prompt import chat_segments, special_token_ids  # noqa: E402
 from specprefill_rag.testing import tiny_engine  # noqa: E402
 from specprefill_rag.tools.cli_parser import build_parser  # noqa: E402
+from specprefill_rag.tools.cli_serve import vllm_server_options  # noqa: E402
 from specprefill_rag.wire import INVALID_PLAN  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -408,6 +409,13 @@ def test_the_command_line_flags():
     args = build_parser().parse_args(["gateway", "--default-mode", "text", "--fallback-text-mode",
                                       "--vllm-api-key", "sk-up"])
     assert args.default_mode == "text" and args.fallback_text_mode is True and args.vllm_api_key == "sk-up"
+    assert vllm_server_options(args)["plugin_retry_s"] == 5.0  # the backend's own default
+    mixed = build_parser().parse_args(["gateway", "--backend", "vllm_server", "--vllm-plugin-retry-s", "0"])
+    options = vllm_server_options(mixed)
+    assert options["plugin_retry_s"] == 0.0 and ConnectionOptions.take(dict(options)).plugin_retry_s == 0.0
+    negative = build_parser().parse_args(["gateway", "--vllm-plugin-retry-s", "-1"])
+    with pytest.raises(ConfigError, match="plugin_retry_s must be a number of seconds >= 0"):
+        ConnectionOptions.take(vllm_server_options(negative))
     args = build_parser().parse_args(["serve", "m", "--gateway-port", "1", "--default-mode", "full"])
     assert args.default_mode == "full" and args.fallback_text_mode is False
     with pytest.raises(SystemExit):

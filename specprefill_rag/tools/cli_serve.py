@@ -10,7 +10,7 @@ from typing import Any
 
 from ..gateway import require_installed as _require_gateway
 
-__all__ = ["gateway_command", "serve_command"]
+__all__ = ["gateway_command", "serve_command", "vllm_server_options"]
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -109,6 +109,12 @@ def _factory_engine(spec: str) -> Any:
     return obj()
 
 
+def vllm_server_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``vllm_server`` backend's keywords from ``gateway``'s flags (``create_backend``)."""
+    return {"base_url": args.vllm_url, "model": args.served_model_name, "max_context": args.max_model_len,
+            "api_key": args.vllm_api_key or None, "plugin_retry_s": args.vllm_plugin_retry_s}
+
+
 def gateway_command(args: argparse.Namespace) -> int:
     """``specprefill-rag gateway``: the gateway over an engine built here or by ``--engine``."""
     from ..config import SpecPrefillConfig
@@ -125,10 +131,7 @@ def gateway_command(args: argparse.Namespace) -> int:
             engine = SpecPrefillEngine(engine.backend, engine.draft, config)
         return _run_gateway(engine, args, host=args.host, port=args.port, model_name=None)
     config = _gateway_config(args, SpecPrefillConfig())
-    kwargs: dict[str, Any] = {}
-    if args.backend == "vllm_server":
-        kwargs = {"base_url": args.vllm_url, "model": args.served_model_name, "max_context": args.max_model_len,
-                  "api_key": args.vllm_api_key or None}
+    kwargs = vllm_server_options(args) if args.backend == "vllm_server" else {}
     print(f"Loading {'main ' + args.main if args.no_draft else f'draft {args.draft} and main {args.main}'} ...",
           flush=True)
     try:
