@@ -409,7 +409,8 @@ def test_the_command_line_flags():
     args = build_parser().parse_args(["gateway", "--default-mode", "text", "--fallback-text-mode",
                                       "--vllm-api-key", "sk-up"])
     assert args.default_mode == "text" and args.fallback_text_mode is True and args.vllm_api_key == "sk-up"
-    assert vllm_server_options(args)["plugin_retry_s"] == 5.0  # the backend's own default
+    unset = ConnectionOptions.take(vllm_server_options(args))
+    assert unset.plugin_retry_s == ConnectionOptions().plugin_retry_s == 5.0  # the backend's own default
     mixed = build_parser().parse_args(["gateway", "--backend", "vllm_server", "--vllm-plugin-retry-s", "0"])
     options = vllm_server_options(mixed)
     assert options["plugin_retry_s"] == 0.0 and ConnectionOptions.take(dict(options)).plugin_retry_s == 0.0

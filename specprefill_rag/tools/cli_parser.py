@@ -170,10 +170,11 @@ def _add_gateway(sub: Any) -> None:
                          help="the upstream's API key, sent as 'Authorization: Bearer KEY' (vLLM's --api-key, or an "
                          "OpenAI-compatible service's for text mode) (default: $SPECPREFILL_UPSTREAM_API_KEY; unset: "
                          "none)")
-    gateway.add_argument("--vllm-plugin-retry-s", type=float, default=5.0,
+    gateway.add_argument("--vllm-plugin-retry-s", type=float, default=None,
                          help="seconds a failed plugin check stands, in which planned requests fail (or fall back "
                          "to text mode) without another check; 0 checks before every plan: behind a router over "
-                         "a mixed fleet, where the check may reach a replica without the plugin (%(default)s)")
+                         "a mixed fleet, where the check may reach a replica without the plugin (default: the "
+                         "backend's, 5)")
     gateway.add_argument("--served-model-name", default=None,
                          help="the model's name on the vLLM server (default: asked at start)")
     gateway.add_argument("--max-model-len", type=int, default=None,

@@ -110,9 +110,13 @@ def _factory_engine(spec: str) -> Any:
 
 
 def vllm_server_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``vllm_server`` backend's keywords from ``gateway``'s flags (``create_backend``)."""
-    return {"base_url": args.vllm_url, "model": args.served_model_name, "max_context": args.max_model_len,
-            "api_key": args.vllm_api_key or None, "plugin_retry_s": args.vllm_plugin_retry_s}
+    """The ``vllm_server`` backend's keywords from ``gateway``'s flags (``create_backend``); an
+    unset ``--vllm-plugin-retry-s`` leaves the backend's default."""
+    options = {"base_url": args.vllm_url, "model": args.served_model_name, "max_context": args.max_model_len,
+               "api_key": args.vllm_api_key or None}
+    if args.vllm_plugin_retry_s is not None:
+        options["plugin_retry_s"] = args.vllm_plugin_retry_s
+    return options
 
 
 def gateway_command(args: argparse.Namespace) -> int:
