@@ -93,16 +93,20 @@ def plans(replicas):
     return [(plan, list(alone.stream_tokens(plan, GEN))) for plan in made]
 
 
+def summed(server: VLLMServer, name: str) -> float:
+    """The replica's own metric ``name``, summed over its labels."""
+    text = metrics_text(server)
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
+
+
 def served(server: VLLMServer) -> float:
     """Requests the replica finished (its own ``vllm:request_success_total``, all reasons)."""
-    text = metrics_text(server)
-    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.MULTILINE))
+    return summed(server, "vllm:request_success_total")
 
 
 def running(server: VLLMServer) -> float:
     """Requests the replica is serving now (its ``vllm:num_requests_running``)."""
-    text = metrics_text(server)
-    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.MULTILINE))
+    return summed(server, "vllm:num_requests_running")
 
 
 def post(server: VLLMServer, body: dict) -> list[dict]:
@@ -218,10 +222,14 @@ def test_killed_replica_mid_stream_is_an_error_and_a_restarted_one_rejoins(repli
         # check (later on a busy machine). Short answers until round robin has reached both, so
         # that the two streams below land one on each.
         before = {name: served(replicas[name]) for name in ("a", "b")}
+
+        def reached_both() -> bool:
+            return all(served(replicas[name]) > count for name, count in before.items())
+
         deadline = time.monotonic() + 120
-        while any(served(replicas[name]) == count for name, count in before.items()) and time.monotonic() < deadline:
+        while not reached_both() and time.monotonic() < deadline:
             assert list(backend.stream_tokens(plans[2][0], GEN)) == plans[2][1]
-        assert all(served(replicas[name]) > count for name, count in before.items()), "round robin never reached both"
+        assert reached_both(), "round robin never reached both"
         streams = [backend.stream_tokens(plan, long) for _ in range(2)]
         got: list[list[int]] = [[next(stream)] for stream in streams]  # both have started
         deadline = time.monotonic() + 10  # the gauges follow the engine's steps
