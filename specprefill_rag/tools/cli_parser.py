@@ -10,6 +10,7 @@ import argparse
 import os
 from typing import Any, get_args
 
+from ..backends.vllm_server import ConnectionOptions
 from ..config import LookaheadTokens
 from ..loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
@@ -174,7 +175,7 @@ def _add_gateway(sub: Any) -> None:
                          help="seconds a failed plugin check stands, in which planned requests fail (or fall back "
                          "to text mode) without another check; 0 checks before every plan: behind a router over "
                          "a mixed fleet, where the check may reach a replica without the plugin (default: the "
-                         "backend's, 5)")
+                         f"backend's, {ConnectionOptions.plugin_retry_s:g})")
     gateway.add_argument("--served-model-name", default=None,
                          help="the model's name on the vLLM server (default: asked at start)")
     gateway.add_argument("--max-model-len", type=int, default=None,
