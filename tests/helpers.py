@@ -9,6 +9,8 @@ import dataclasses
 import http.client
 import importlib.util
 import socket
+import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -186,6 +188,16 @@ PLAN_TEXT = (
     "letters from the mainland. The keeper's daughter counted ships and wrote their names in a "
     "blue notebook. "
 )
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Whether ``condition()`` became true within ``timeout`` seconds (polled every 0.1 s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
 
 
 def free_port() -> int:

