@@ -112,7 +112,8 @@ class ScoreMemo(Bounded[bytes, TokenScores]):
         found = self._get(key)
         if found is None:
             return None
-        return dataclasses.replace(found, seconds=0.0, from_memo=True, cached_tokens=0)
+        return dataclasses.replace(found, seconds=0.0, from_memo=True, cached_tokens=0, passages_cached=0,
+                                   passages_read=0)
 
 
 def _prompt_size(prompt: AssembledPrompt) -> int:

@@ -121,4 +121,6 @@ def _result(planned: PlannedPrompt, decoder: IncrementalDecoder, finish: str, *,
                             prompt_tokens=plan.n_prompt, prefilled_tokens=plan.n_kept, plan=plan, timings=timings,
                             prompt=planned.prompt, draft_memo_hit=scores is not None and scores.from_memo,
                             draft_cached_tokens=0 if scores is None else scores.cached_tokens,
+                            passages_cached=0 if scores is None else scores.passages_cached,
+                            passages_read=0 if scores is None else scores.passages_read,
                             draft_windows=0 if scores is None else scores.windows, path=planned.path)

@@ -198,6 +198,8 @@ class TokenScores:
     seconds: float  # wall time of draft prefill + look-ahead + scoring (0.0 from the memo)
     from_memo: bool = False  # the engine's memo had them (an identical request): the draft did not run
     cached_tokens: int = 0  # the prompt's first tokens the draft read from its prefix store, not again
+    passages_cached: int = 0  # passages whose reading the draft found in its passage store (read apart)
+    passages_read: int = 0  # passages the draft read apart now, and stored
     windows: int = 1  # passes the draft read the prompt in (more than 1: longer than its window)
 
 
@@ -306,6 +308,8 @@ class GenerationResult:
     prompt: AssembledPrompt | None = None  # the assembled prompt the plan was made from
     draft_memo_hit: bool = False  # the draft's scores came from the engine's memo: the draft did not run
     draft_cached_tokens: int = 0  # the prompt's first draft tokens read from the draft's prefix store
+    passages_cached: int = 0  # passages the draft's passage store served (DraftConfig.passages)
+    passages_read: int = 0  # passages the draft read apart for this request, and stored
     draft_windows: int = 0  # passes the draft's scores came from (>1: read in windows); 0: no draft scores
     path: PathChoice = PathChoice("planned", "a plan given to execute")  # pruned or whole, and why
     # When the prompt offered tools: the calls the model wrote (parsed from ``text`` only, never
@@ -334,6 +338,8 @@ class GenerationResult:
             "speculated": self.plan.speculated,
             "draft_memo_hit": self.draft_memo_hit,
             "draft_cached_tokens": self.draft_cached_tokens,
+            "passages_cached": self.passages_cached,
+            "passages_read": self.passages_read,
             "draft_windows": self.draft_windows,
             "path": self.path.code,
             "path_reason": self.path.reason,

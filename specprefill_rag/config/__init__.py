@@ -22,6 +22,8 @@ from .draft import (
     LayerChoice,
     LookaheadTokens,
     OverflowPolicy,
+    PassageReading,
+    RecomputeKind,
     ScoringConfig,
     TokenizerMapping,
 )
@@ -37,7 +39,9 @@ __all__ = [
     "LayerChoice",
     "LookaheadTokens",
     "OverflowPolicy",
+    "PassageReading",
     "PositionMode",
+    "RecomputeKind",
     "SelectionConfig",
     "ScoringConfig",
     "SelectionUnit",

@@ -20,12 +20,44 @@ LayerChoice = Literal["all", "upper_half", "lower_half", "middle_half"]
 TokenizerMapping = Literal["auto", "same", "offsets"]
 OverflowPolicy = Literal["windows", "full", "raise"]
 LookaheadTokens = Literal["siblings", "greedy"]
+RecomputeKind = Literal["none", "all", "first", "scored"]
 _Part = TypeVar("_Part")
 
 __all__ = [
-    "DraftConfig", "DraftRuntime", "LayerChoice", "LookaheadTokens", "OverflowPolicy", "ScoringConfig",
-    "TokenizerMapping",
+    "DraftConfig", "DraftRuntime", "LayerChoice", "LookaheadTokens", "OverflowPolicy", "PassageReading",
+    "RecomputeKind", "ScoringConfig", "TokenizerMapping",
 ]
+
+
+@dataclass(frozen=True)
+class PassageReading:
+    """How the draft reads passages apart (``ScoringConfig.passages``, ``draft.passage_reading``):
+    each passage against the prompt's anchor (the tokens before its first non-system segment) and
+    itself, kept in the draft's passage store and reused wherever it appears again, its rotary keys
+    re-rotated to where it sits; the rest of the prompt (the question, separators, the template's
+    tail) and the look-ahead read everything. A passage read alone misses what its neighbours say:
+    ``recompute`` chooses passage tokens whose layers from ``recompute_from`` on are read again
+    jointly, over every other token, on each request."""
+
+    # "none": no passage token is read jointly; "all": every one (from recompute_from on);
+    # "first": the first first_tokens of each passage; "scored": the recompute_share of the
+    # passages' tokens the question and the last token attend to most in a first pass.
+    recompute: RecomputeKind = "none"
+    recompute_from: int | None = None  # draft layer; None: the lowest aggregated layer
+    recompute_share: float = 0.15  # "scored": share of the passages' tokens, in (0, 1]
+    first_tokens: int = 8  # "first": tokens at the start of each passage
+
+    def __post_init__(self) -> None:
+        _check_types(self, ints=("recompute_from", "first_tokens"), numbers=("recompute_share",))
+        check_choice("recompute", self.recompute, RecomputeKind)
+        _check(self.recompute_from is None or self.recompute_from >= 0,
+               f"recompute_from must be a layer index >= 0 or None, got {self.recompute_from}")
+        _check(0.0 < self.recompute_share <= 1.0, f"recompute_share must be in (0, 1], got {self.recompute_share}")
+        _check(self.first_tokens >= 1, f"first_tokens must be >= 1, got {self.first_tokens}")
+
+    def start_layer(self, aggregated: list[int]) -> int:
+        """The layer recomputed tokens are read jointly from, for these ``aggregated`` layers."""
+        return min(aggregated) if self.recompute_from is None else self.recompute_from
 
 
 @dataclass(frozen=True)
@@ -92,8 +124,15 @@ class ScoringConfig:
     # the look-ahead answers it instead of continuing the tool's turn (scores carried back by
     # segment). False: the draft reads the main prompt as is (docs/tools.md has the measurements).
     echo_question: bool = True
+    # Read each passage once (``PassageReading``): the draft reads passages apart and keeps each
+    # reading in its passage store (DraftRuntime.passage_store_bytes), so a request costs it only
+    # the tokens outside passages and the look-ahead. Needs early exit and a draft whose layers
+    # can be run by hand (else it reads jointly). None: every token of every prompt, every request.
+    passages: PassageReading | None = None
 
     def __post_init__(self) -> None:
+        _check(self.passages is None or isinstance(self.passages, PassageReading),
+               f"passages must be a PassageReading or None, got {type(self.passages).__name__}")
         _check_types(self, ints=("lookahead", "pool_kernel", "lookahead_guesses"),
                      numbers=("lookahead_weight", "upper_keep"),
                      bools=("normalize", "early_exit", "lookahead_stop_at_eos", "echo_question"))
@@ -218,11 +257,18 @@ class DraftRuntime:
     # measurements of the engine's own requests; the first requests prune). For servers under load.
     # The answer's ``path`` says "draft_slower". False: every prompt the draft can read is pruned.
     skip_when_slower: bool = False
+    # The draft's passage store (ScoringConfig.passages): its readings of passages in memory, at
+    # most passage_store_bytes together, least recently used first out (``draft.passage_store``).
+    # passage_store_dir: a directory that keeps them beyond memory and restarts, at most
+    # passage_store_disk_bytes of files (None: memory only).
+    passage_store_bytes: int = 1 << 30
+    passage_store_dir: str | None = None
+    passage_store_disk_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
         _check_types(
             self, ints=("max_batch", "memo_entries", "memo_bytes", "prefix_cache_entries", "prefix_cache_bytes",
-                        "graph_max_tokens"),
+                        "graph_max_tokens", "passage_store_bytes", "passage_store_disk_bytes"),
             numbers=("batch_window_s", "batch_pad_limit"),
         )
         _check(self.max_batch >= 1, f"max_batch must be >= 1, got {self.max_batch}")
@@ -230,6 +276,11 @@ class DraftRuntime:
         _check(self.memo_bytes >= 0, f"memo_bytes must be >= 0, got {self.memo_bytes}")
         _check(self.prefix_cache_entries >= 0, f"prefix_cache_entries must be >= 0, got {self.prefix_cache_entries}")
         _check(self.prefix_cache_bytes >= 0, f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        _check(self.passage_store_bytes >= 0 and self.passage_store_disk_bytes >= 0,
+               "passage_store_bytes and passage_store_disk_bytes must be >= 0")
+        where = self.passage_store_dir
+        _check(where is None or (isinstance(where, str) and where != ""),
+               f"passage_store_dir must be a directory path or None, got {self.passage_store_dir!r:.80}")
         _check_types(self, bools=("cuda_graphs", "passes_in_order", "skip_when_slower"))
         _check(self.graph_max_tokens >= 1, f"graph_max_tokens must be >= 1, got {self.graph_max_tokens}")
         _check(

@@ -42,6 +42,8 @@ class DraftCapture:
     n_question: int = 0  # the first n_question queries are the question's tokens; the rest the look-ahead
     layer_ids: tuple[int, ...] = ()  # the draft layer of each entry (all layers unless a subset was asked)
     cached_tokens: int = 0  # the prompt's first tokens, read from the draft's prefix store (``prefix_store``)
+    passages_cached: int = 0  # its passages found in the draft's passage store (``passage_reading``)
+    passages_read: int = 0  # its passages the draft read now (and stored)
 
 
 class EarlyExit(Exception):
@@ -62,6 +64,12 @@ class Recorder:
         self.layers = layers  # None: every layer
         self.stop_after = stop_after  # layer after whose capture the current forward stops
         self.offset = 0  # prompt tokens before the current forward's first one (a stored head)
+        # Where each sequence's rows sit among the current forward's queries when it reads tokens
+        # that are not one run (``passage_reading``); None: at their prompt index less ``offset``.
+        self.query_index: list[torch.Tensor] | None = None
+        # Per sequence, when its passages were read apart: (head tokens from the prefix store,
+        # passages found in the passage store, passages read now); None: read jointly.
+        self.stores: list[tuple[int, int, int] | None] = [None] * len(self.lengths)
         empty = torch.empty(0, dtype=torch.int64)
         self.questions = [q if q is not None else empty for q in questions]
         # Prompt rows whose queries the prefill keeps: the question's tokens, then the last token.
@@ -80,9 +88,8 @@ class Recorder:
             self.scaling[layer] = float(scaling if scaling is not None else module.scaling)
             # index_select copies: a view would keep the whole prefill query tensor alive
             # (heads × n_prompt × head_dim per layer) until scoring ends.
-            self.queries[layer] = [
-                [query[b].index_select(1, (rows - self.offset).to(query.device))] for b, rows in enumerate(self.rows)
-            ]
+            index = self.query_index or [rows - self.offset for rows in self.rows]
+            self.queries[layer] = [[query[b].index_select(1, at.to(query.device))] for b, at in enumerate(index)]
         else:  # a look-ahead forward: every query row of it (one greedy token, or all siblings)
             self.lookahead_rows(layer, query)
         if layer == self.stop_after:
@@ -95,6 +102,14 @@ class Recorder:
             return
         for b, pieces in enumerate(self.queries[layer]):
             pieces.append(query[b].clone())
+
+    def adopt(self, b: int, other: Recorder) -> None:
+        """Take sequence ``b``'s rows from ``other``, a recorder of that prompt alone (a prompt read
+        on its own, ``passage_reading``): the look-ahead then records into this batch as usual."""
+        for layer, keys in other.keys.items():
+            self.keys.setdefault(layer, [torch.empty(0)] * len(self.lengths))[b] = keys[0]
+            self.queries.setdefault(layer, [[] for _ in self.lengths])[b] = other.queries[layer][0]
+            self.scaling[layer] = other.scaling[layer]
 
     def keep_lookahead(self, kept: torch.Tensor) -> None:
         """Keep only the look-ahead query rows ``kept`` (batch, rows recorded after the prompt)
@@ -122,9 +137,11 @@ class Recorder:
                 positions=torch.cat([question, torch.full((len(lookahead_ids[b]) + 1,), n - 1)]),
                 n_question=int(question.numel()),
                 layer_ids=tuple(layers),
-                cached_tokens=cached,
+                cached_tokens=cached if stores is None else stores[0],
+                passages_cached=0 if stores is None else stores[1],
+                passages_read=0 if stores is None else stores[2],
             )
-            for b, (question, n) in enumerate(zip(self.questions, self.lengths, strict=True))
+            for b, (question, n, stores) in enumerate(zip(self.questions, self.lengths, self.stores, strict=True))
         ]
 
 

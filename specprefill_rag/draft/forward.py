@@ -10,7 +10,8 @@ declared here.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,9 +21,16 @@ from ..errors import InputError
 from .capture import EarlyExit, Recorder, hooked, leaving, recording
 from .cuda_graphs import StepGraphs
 from .early_exit import DecoderParts
+from .lookahead_spec import LookaheadSpec
+from .passage_reading import PromptLayout, ReadingPlan, read_prompts, rotates_plainly
+from .passage_store import PassageStore
 from .prefix_store import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
 
-__all__ = ["DraftForward", "protected_heads"]
+__all__ = ["DraftForward", "LocalRead", "protected_heads"]
+
+LocalRead = Callable[[], tuple[Any, torch.Tensor]]  # a forward reading passages apart: (cache, hidden states)
+
+logger = logging.getLogger(__name__)
 
 
 def protected_heads(contexts: Sequence[torch.Tensor | None]) -> list[int]:
@@ -39,10 +47,13 @@ class DraftForward:
     tokenizer: Any
     config: DraftConfig  # the draft's default settings
     prefixes: PrefixStore  # keys and values of prompt heads read before
+    passages: PassageStore  # readings of passages read apart (``passage_reading``)
     graphs: StepGraphs | None  # the look-ahead's CUDA graphs (``DraftModel.capture_graphs``)
     end_ids: frozenset[int]  # the ids that end the draft's answer
     _plain_embedding: bool | None  # see _embeds_plainly
     _plain_cache: bool | None  # see _stores_heads
+    _plain_rotary: bool | None  # see _reads_apart
+    _fingerprint: str | None  # see fingerprint
 
     @property
     def n_layers(self) -> int:
@@ -118,6 +129,71 @@ class DraftForward:
                             tuple(layer.values for layer in layers), hidden, namespace)
         self.prefixes.add(entry)
         return entry
+
+    # -- passages read apart (``passage_reading``) -----------------------------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        """What the passage store's keys name this draft by: its path, precision, sizes and a
+        checksum of its first layer's weights (two drafts of one name with other weights differ)."""
+        if self._fingerprint is None:
+            config = self.model.config
+            first = next(iter(self.model.get_decoder().layers[0].parameters()))
+            self._fingerprint = (f"{getattr(config, '_name_or_path', '')}|{self.dtype}|{self.n_layers}|"
+                                 f"{float(first.detach().float().sum()):.6e}|{float(first.detach().float().abs().sum()):.6e}")
+        return self._fingerprint
+
+    def _reads_apart(self, spec: LookaheadSpec, ids: torch.Tensor, layouts: Sequence[PromptLayout | None] | None,
+                     pool_kernel: int) -> ReadingPlan | None:
+        """How this batch reads its passages apart, or None when it reads them jointly: no
+        ``spec.passages``, a prompt without a layout, passages or anchor, no early exit below the
+        last layer, a draft whose layers or rotary keys cannot be run and moved by hand.
+        ``pool_kernel``: the scoring's (``ScoringConfig.pool_kernel``)."""
+        reading, top = spec.passages, spec.top(self.n_layers)
+        if reading is None or not layouts or any(lay is None or not lay.units or lay.anchor < 1 for lay in layouts):
+            return None
+        parts = DecoderParts.of(self.model)
+        if parts is None or not spec.early_exit or top >= self.n_layers - 1 or (
+                spec.lookahead > 1 and spec.tokens == "greedy" and not self._embeds_plainly(parts, ids)):
+            return None
+        if self._plain_rotary is None:
+            self._plain_rotary = rotates_plainly(self.model, parts)
+            if not self._plain_rotary:
+                logger.warning("this draft's rotary keys cannot be moved by rotation: it reads passages jointly")
+        if not self._plain_rotary:
+            return None
+        start = reading.start_layer(list(spec.layers or range(self.n_layers)))
+        if start > top:
+            raise InputError(f"recompute_from={start} lies above the draft's exit layer {top}")
+        return ReadingPlan(reading, top, start, self.passages, self.fingerprint, parts.rotary.inv_freq, pool_kernel)
+
+    def _local_read(self, recorder: Recorder, token_ids: Sequence[torch.Tensor], layouts: Sequence[Any],
+                    plan: ReadingPlan, namespace: str) -> LocalRead:
+        """The prompts' forward with their passages read apart (``passage_reading.read_prompts``),
+        each head served by the prefix store: a (cache, hidden states leaving the exit) maker."""
+
+        def read() -> tuple[Any, torch.Tensor]:
+            heads = []
+            for ids, layout in zip(token_ids, layouts, strict=True):
+                found = self.prefixes.longest(ids[: layout.head], plan.exit_layer, namespace)
+                cached = 0 if found is None else found.n_tokens
+                heads.append((self._read_head(ids[: layout.head], plan.exit_layer, namespace), cached))
+            parts = DecoderParts.of(self.model)
+            assert parts is not None
+            return read_prompts(parts, plan, recorder, token_ids, layouts, heads, namespace)
+
+        return read
+
+    def _read_prompt(self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, *,
+                     stop_after: int | None, leave: Any, head: PrefixEntry | None, local: LocalRead | None
+                     ) -> tuple[Any, torch.Tensor | None]:
+        """(the KV cache, ``_prompt_forward``'s result) of the prompts' forward: joint, or with
+        their passages read apart (``local``: the hidden states leaving the exit layer)."""
+        if local is not None:
+            return local()
+        cache = self._cache(head, len(last))
+        return cache, self._prompt_forward(recorder, ids, mask, last, stop_after=stop_after, cache=cache, leave=leave,
+                                           head=head)
 
     def _cache(self, head: PrefixEntry | None, batch: int) -> Any:
         """A new KV cache for ``batch`` prompts, holding ``head``'s keys and values when given."""

@@ -25,7 +25,7 @@ from . import scoring
 from .capture import EarlyExit, Recorder, current_recorder, recording
 from .cuda_graphs import MIN_GRAPH_WIDTH, StepGraphs
 from .early_exit import DecoderParts, ExitedPrompts, LoopShape, reading_set, tree_mask, upper_greedy, upper_logits
-from .forward import DraftForward
+from .forward import DraftForward, LocalRead
 from .lookahead_spec import LookaheadSpec
 from .prefix_store import PrefixEntry
 
@@ -38,7 +38,8 @@ class LookaheadDrivers(DraftForward):
     """The look-ahead of a draft (``DraftModel``): siblings, greedy steps, and their CUDA graphs."""
 
     def _siblings(self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
-                  spec: LookaheadSpec, head: PrefixEntry | None = None) -> torch.Tensor:
+                  spec: LookaheadSpec, head: PrefixEntry | None = None, local: LocalRead | None = None
+                  ) -> torch.Tensor:
         """Two forwards: the prompt's, then the ``spec.steps`` likeliest next tokens of each prompt
         together, each at position n_b seeing its prompt and itself (``early_exit.tree_mask``).
         (batch, spec.steps).
@@ -47,16 +48,17 @@ class LookaheadDrivers(DraftForward):
         the layers above it read the ``spec.upper_keep`` share of each prompt's tokens only, the
         best by the recorded rows (question and last token), to find the likeliest next tokens
         (``early_exit.upper_logits``). Else: the full forward's logits. ``head``: the prompts'
-        shared start, read from the prefix store.
+        shared start, read from the prefix store. ``local``: their forward with the passages read
+        apart (``passage_reading``; with early exit only).
         """
         k, top = spec.steps, spec.top(self.n_layers)
-        cache = self._cache(head, len(last))
         parts = DecoderParts.of(self.model) if spec.early_exit and top < self.n_layers - 1 else None
         if parts is None:
-            logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache, head=head)
+            cache, logits = self._read_prompt(recorder, ids, mask, last, stop_after=None, leave=None, head=head,
+                                              local=None)
         else:
-            leaving = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache,
-                                           leave=parts.layers[top], head=head)
+            cache, leaving = self._read_prompt(recorder, ids, mask, last, stop_after=None, leave=parts.layers[top],
+                                               head=head, local=local)
             assert leaving is not None
             logits = upper_layer_logits(self, recorder, parts, leaving, last, top, spec.upper_keep)
         assert logits is not None
@@ -70,7 +72,8 @@ class LookaheadDrivers(DraftForward):
         return siblings
 
     def _greedy(self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
-                spec: LookaheadSpec, head: PrefixEntry | None = None) -> list[list[int]]:
+                spec: LookaheadSpec, head: PrefixEntry | None = None, local: LocalRead | None = None
+                ) -> list[list[int]]:
         """The reference's look-ahead: ``spec.steps`` greedy decode steps after the prompt's
         forward, with no host synchronisation inside the loop (verified guesses, or
         ``spec.stop_at_eos``: one per forward). Each prompt's tokens fed: ``spec.steps``, or with
@@ -88,11 +91,10 @@ class LookaheadDrivers(DraftForward):
         from transformers import DynamicCache
 
         top = spec.top(self.n_layers)
-        cache = self._cache(head, len(last))
         parts = DecoderParts.of(self.model) if spec.early_exit and top < self.n_layers - 1 else None
         if parts is not None and self._embeds_plainly(parts, ids):
-            leaving = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache,
-                                           leave=parts.layers[top], head=head)
+            cache, leaving = self._read_prompt(recorder, ids, mask, last, stop_after=None, leave=parts.layers[top],
+                                               head=head, local=local)
             assert leaving is not None
             # Only the steps' queries are recorded: the layers above ``top`` never are.
             upper = DynamicCache(config=self.model.config)
@@ -102,7 +104,8 @@ class LookaheadDrivers(DraftForward):
                                        end_ids=sorted(self._end_ids(spec)))
             recorder.keep_lookahead(kept)
             return [row[:n] for row, n in zip(found.tolist(), kept.sum(1).tolist(), strict=True)]
-        logits = self._prompt_forward(recorder, ids, mask, last, stop_after=None, cache=cache, head=head)
+        cache, logits = self._read_prompt(recorder, ids, mask, last, stop_after=None, leave=None, head=head,
+                                          local=None)
         assert logits is not None
         return self._decode_steps(recorder, cache, logits, mask, last, spec)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import DraftConfig, LookaheadTokens, check_choice
+from ..config import DraftConfig, LookaheadTokens, PassageReading, check_choice
 from ..errors import ConfigError
 
 __all__ = ["LookaheadSpec"]
@@ -40,6 +40,8 @@ class LookaheadSpec:
     guesses: int | None = _DEFAULT.lookahead_guesses
     stop_at_eos: bool = _DEFAULT.lookahead_stop_at_eos  # greedy tokens end with the draft's answer
     graphs: bool = True  # replay the look-ahead's CUDA graphs where captured (False: eager)
+    # Read passages apart (``passage_reading``) where the prompt's layout is given; None: jointly.
+    passages: PassageReading | None = None
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -69,6 +71,7 @@ class LookaheadSpec:
             guesses=config.lookahead_guesses,
             stop_at_eos=config.lookahead_stop_at_eos,
             graphs=config.cuda_graphs,
+            passages=config.passages,
         )
 
     @property

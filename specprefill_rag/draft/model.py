@@ -29,6 +29,8 @@ from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording, regis
 from .forward import protected_heads
 from .lookahead import LookaheadDrivers
 from .lookahead_spec import LookaheadSpec
+from .passage_reading import PromptLayout
+from .passage_store import PassageDisk, PassageStore
 from .prefix_store import PrefixStore
 from .windows import MIN_WINDOW_CONTEXT, read_windows, score_windowed
 
@@ -56,6 +58,12 @@ class DraftModel(LookaheadDrivers):
         self._plain_cache = None  # see _stores_heads
         # Keys and values of prompt heads read before (``prefix_store``; DraftConfig.prefix_cache_entries).
         self.prefixes = PrefixStore(self.config.prefix_cache_entries, self.config.prefix_cache_bytes)
+        # Readings of passages read apart (``passage_store``; DraftConfig.passages, passage_store_bytes).
+        disk = None if self.config.passage_store_dir is None else PassageDisk(self.config.passage_store_dir,
+                                                                              self.config.passage_store_disk_bytes)
+        self.passages = PassageStore(self.config.passage_store_bytes, disk)
+        self._plain_rotary = None  # see _reads_apart
+        self._fingerprint = None  # see fingerprint
         self.graphs = None  # the look-ahead's CUDA graphs (``capture_graphs``)
         # The ids that end the draft's answer (``DraftConfig.lookahead_stop_at_eos``).
         self.end_ids = eos_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer)
@@ -118,6 +126,7 @@ class DraftModel(LookaheadDrivers):
     def capture_batch(
         self, token_ids: Sequence[torch.Tensor], questions: Sequence[torch.Tensor | None] | None = None, *,
         spec: LookaheadSpec | None = None, heads: Sequence[int] | None = None, namespace: str = "",
+        layouts: Sequence[PromptLayout | None] | None = None,
     ) -> list[DraftCapture]:
         """``capture`` for several prompts in one right-padded forward per step.
 
@@ -128,6 +137,9 @@ class DraftModel(LookaheadDrivers):
         with the same tokens (``_shared_head``). ``spec.graphs``: replay the look-ahead's CUDA
         graphs where ``capture_graphs`` captured one for this shape (False: run it eagerly).
         ``namespace``: the requests' cache salt; the prefix store is read and written under it.
+        ``layouts``: where each prompt's passages sit (``passage_reading.prompt_layout``); with
+        ``spec.passages`` the passages are read apart and kept in the passage store under
+        ``namespace`` (``passage_reading``), the rest of each prompt read on every call.
         """
         spec = LookaheadSpec.from_config(self.config) if spec is None else spec
         spec = dataclasses.replace(spec, guesses=self._guesses(spec.guesses, spec.lookahead))
@@ -142,18 +154,23 @@ class DraftModel(LookaheadDrivers):
                             spec.recorded())
         ids, mask = self._right_padded(token_ids, lengths)
         last = torch.tensor(lengths, device=self.device) - 1  # (batch,) each prompt's last token
-        cached = self._shared_head(token_ids, lengths, recorder.questions, heads)
+        plan = self._reads_apart(spec, ids, layouts, self.config.pool_kernel)
+        local = None if plan is None else self._local_read(recorder, token_ids, layouts or (), plan, namespace)
+        cached = 0 if plan is not None else self._shared_head(token_ids, lengths, recorder.questions, heads)
         head = self._read_head(token_ids[0][:cached], self._exit_layer(lookahead, tokens, spec.early_exit, top, ids),
                                namespace) if cached else None
         with recording(recorder):
             if lookahead == 1:
-                cache = self._cache(head, len(lengths)) if head is not None else None
-                self._prompt_forward(recorder, ids, mask, last, stop_after=top if spec.early_exit else None,
-                                     cache=cache, head=head)
+                if local is not None:
+                    local()
+                else:
+                    cache = self._cache(head, len(lengths)) if head is not None else None
+                    self._prompt_forward(recorder, ids, mask, last, stop_after=top if spec.early_exit else None,
+                                         cache=cache, head=head)
                 return recorder.captures([[] for _ in lengths], cached)
             if tokens == "siblings":
-                return recorder.captures(self._siblings(recorder, ids, mask, last, spec, head).tolist(), cached)
-            return recorder.captures(self._greedy(recorder, ids, mask, last, spec, head), cached)
+                return recorder.captures(self._siblings(recorder, ids, mask, last, spec, head, local).tolist(), cached)
+            return recorder.captures(self._greedy(recorder, ids, mask, last, spec, head, local), cached)
 
     def score(
         self,
@@ -162,6 +179,7 @@ class DraftModel(LookaheadDrivers):
         question: torch.Tensor | None = None,
         context: torch.Tensor | None = None,
         config: DraftConfig | None = None,
+        layout: PromptLayout | None = None,
     ) -> TokenScores:
         """Importance of every prompt token, (n_prompt,) float32 on the CPU.
 
@@ -169,9 +187,11 @@ class DraftModel(LookaheadDrivers):
         ones (``DraftConfig.lookahead_weight`` splits the vote); None scores with the look-ahead
         alone. context: (n_prompt,) bool, the prunable tokens, over which each attention row is
         renormalised when ``config.normalize``. config: this call's settings (default: the
-        draft's own).
+        draft's own). layout: where the prompt's passages sit, which ``config.passages`` reads
+        apart (``passage_reading.prompt_layout``; None: read jointly).
         """
-        return self.score_batch([token_ids], questions=[question], contexts=[context], config=config)[0]
+        return self.score_batch([token_ids], questions=[question], contexts=[context], config=config,
+                                layouts=None if layout is None else [layout])[0]
 
     @torch.inference_mode()
     def score_batch(
@@ -183,6 +203,7 @@ class DraftModel(LookaheadDrivers):
         config: DraftConfig | None = None,
         namespace: str = "",
         windows: Sequence[Sequence[torch.Tensor] | None] | None = None,
+        layouts: Sequence[PromptLayout | None] | None = None,
     ) -> list[TokenScores]:
         """``score`` for several prompts of any lengths in one batched draft run (one padded
         prefill, one batched step per look-ahead token); each result equals the prompt's own
@@ -194,7 +215,9 @@ class DraftModel(LookaheadDrivers):
         Each prompt's protected start (its tokens before the first one ``contexts`` marks
         prunable) is its head (``capture``): an application's system prompt, a chat's earlier
         turns are read once and then served from the prefix store (``DraftConfig.prefix_cache_entries``),
-        under ``namespace`` (the requests' cache salt: prompts of other namespaces never share a head)."""
+        under ``namespace`` (the requests' cache salt: prompts of other namespaces never share a head).
+        ``layouts``: where each prompt's passages sit; ``config.passages`` reads them apart and keeps
+        each reading in the passage store (``capture_batch``). A prompt read in windows is read jointly."""
         cfg = config or self.config
         start = time.perf_counter()
         batch = len(token_ids)
@@ -212,9 +235,12 @@ class DraftModel(LookaheadDrivers):
             return self._score_windowed(token_ids, questions, contexts, windows, cfg, namespace)
         if cfg.prefix_cache_entries:  # 0: this call neither reads nor changes the store
             self.prefixes.resize(cfg.prefix_cache_entries, cfg.prefix_cache_bytes)
+        if cfg.passages is not None:
+            self.passages.resize(self.passages.entries, cfg.passage_store_bytes)
         spec = LookaheadSpec.from_config(cfg, lookahead=max(lookaheads), n_layers=self.n_layers)
         caps = self.capture_batch(token_ids, questions, spec=spec, namespace=namespace,
-                                  heads=protected_heads(contexts) if cfg.prefix_cache_entries else None)
+                                  heads=protected_heads(contexts) if cfg.prefix_cache_entries else None,
+                                  layouts=layouts)
         results = [self._scores(cap, lookahead, context, cfg)
                    for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True)]
         seconds = time.perf_counter() - start
@@ -240,7 +266,8 @@ class DraftModel(LookaheadDrivers):
         weights = scoring.query_weights(cap.n_question, lookahead, cfg.lookahead_weight)
         return TokenScores(scores=scoring.importance(per_layer, weights).cpu(),
                            lookahead_token_ids=cap.lookahead_token_ids[: lookahead - 1], seconds=0.0,
-                           cached_tokens=cap.cached_tokens)
+                           cached_tokens=cap.cached_tokens, passages_cached=cap.passages_cached,
+                           passages_read=cap.passages_read)
 
     def _score_windowed(self, token_ids: Sequence[torch.Tensor], questions: list[torch.Tensor | None],
                         contexts: list[torch.Tensor | None], windows: Sequence[Sequence[torch.Tensor] | None],

@@ -249,6 +249,8 @@ def _result(engine: SpecPrefillEngine, planned: PlannedPrompt, reply: _Reply, mo
         plan=plan, timings=timings, prompt=planned.prompt,
         draft_memo_hit=scores is not None and scores.from_memo,
         draft_cached_tokens=0 if scores is None else scores.cached_tokens,
+        passages_cached=0 if scores is None else scores.passages_cached,
+        passages_read=0 if scores is None else scores.passages_read,
         draft_windows=0 if scores is None else scores.windows, path=planned.path,
         passages=report, completion_tokens=generated, upstream_prompt_tokens=answer.prompt_tokens,
         upstream=reply.upstream, fallback=fallback,
