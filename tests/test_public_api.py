@@ -43,6 +43,7 @@ PACKAGES = [
     "specprefill_rag.gateway.fields",
     "specprefill_rag.gateway.messages",
     "specprefill_rag.gateway.metrics",
+    "specprefill_rag.gateway.openapi",
     "specprefill_rag.gateway.protocol",
     "specprefill_rag.gateway.responses",
     "specprefill_rag.gateway.runs",
