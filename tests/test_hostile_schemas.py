@@ -356,8 +356,13 @@ def test_a_grammar_failing_mid_answer_is_a_typed_error_never_a_500(client):
     assert events[1]["choices"][0]["delta"]["content"] == "{"  # the first text was sent: the status too
     assert events[-2]["error"]["type"] == "invalid_request_error"
     assert events[-2]["error"]["message"] == error["message"]
+    status, events, _ = post(client, completion(response_format=schema_format(MID_ANSWER), max_tokens=20,
+                                                stream=True), COMPLETIONS)
+    assert status == 200 and events[0]["choices"][0]["text"] == "{" and events[-1] == "[DONE]"
+    assert events[-2]["error"]["message"] == error["message"]
     text = client.get("/metrics").text
     assert 'specprefill_gateway_requests_total{endpoint="chat",mode="specprefill",status="400"} 2.0' in text
+    assert 'specprefill_gateway_requests_total{endpoint="completions",mode="specprefill",status="400"} 1.0' in text
 
 
 def test_tool_parameters_that_cannot_start_are_a_400_under_tool_choice_required(client):
