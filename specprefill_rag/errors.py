@@ -10,7 +10,9 @@ failure raises what.
     │   ├── ConfigTypeError (TypeError)  a config field of the wrong type
     │   └── ModelNotFoundError           a model name that is no packaged model, directory or GGUF
     ├── InputError (ValueError)          a request the model cannot answer as given
-    │   └── InputTypeError (TypeError)   passages or messages of the wrong type
+    │   ├── InputTypeError (TypeError)   passages or messages of the wrong type
+    │   ├── SchemaError                  JSON or a JSON schema over the limits (``path``: where)
+    │   └── GrammarError                 a grammar llguidance refuses, or cannot decode under
     ├── PlanError (ValueError)           a malformed prefill plan (client or vLLM plugin)
     ├── BackendError (RuntimeError)      the main model could not serve the request
     │   ├── ServerError                  the vLLM server answered with an error (``status``)
@@ -20,6 +22,9 @@ failure raises what.
     ├── UnsupportedVLLMError (RuntimeError)  the installed vLLM is not one the plugin was written for
     └── MissingDependencyError (ImportError)  an optional part is not installed; the message
                                               names the one ``pip install`` that adds it
+
+An error quotes what a client sent through ``excerpt``: at most ``QUOTE_CHARS`` characters of
+it, however large the value (a schema may be megabytes).
 
 Pure Python, no imports: the vLLM plugin's workers use ``PlanError`` too.
 """
@@ -31,18 +36,33 @@ __all__ = [
     "BackendTimeoutError",
     "ConfigError",
     "ConfigTypeError",
+    "GrammarError",
     "InputError",
     "InputTypeError",
     "MissingDependencyError",
     "ModelNotFoundError",
     "PlanError",
     "PluginMissingError",
+    "QUOTE_CHARS",
+    "SchemaError",
     "ServerError",
     "ServerStartError",
     "SpecPrefillError",
     "ToolCallError",
     "UnsupportedVLLMError",
+    "excerpt",
 ]
+
+QUOTE_CHARS = 200  # the most of a client's text an error message (or a log line) quotes
+
+
+def excerpt(text: str, limit: int = QUOTE_CHARS) -> str:
+    """``text`` as an error quotes it: whole when it has at most ``limit`` characters, else its
+    head and tail around an ellipsis, ``limit`` characters in all."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) * 2 // 3
+    return text[:head] + "…" + text[len(text) - (limit - 1 - head):]
 
 
 class SpecPrefillError(Exception):
@@ -67,6 +87,27 @@ class InputError(SpecPrefillError, ValueError):
 
 class InputTypeError(InputError, TypeError):
     """Passages or messages of a type the engine does not take."""
+
+
+class SchemaError(InputError):
+    """JSON nested deeper than the limit, or a JSON schema over the limits on what a grammar may
+    hold (``schema_limits``). ``path`` names where, as a request field (``tools[2].function.
+    parameters.properties.x``), at most ``QUOTE_CHARS`` characters."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class GrammarError(InputError):
+    """A grammar (a JSON schema's, the tool calls', your own Lark) that llguidance refuses: it does
+    not compile, overruns the compile budget, allows no first token, or fails while the answer is
+    decoded. ``param`` is the request field it came from (``"response_format"``, ``"tools"``) when
+    known. The message quotes llguidance's reason through ``excerpt``."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ToolCallError(SpecPrefillError, ValueError):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ from typing import Any, Protocol
 
 from . import grammar as grammar_lib
 from .config import GenerationConfig
-from .errors import InputError, ToolCallError
+from .errors import GrammarError, InputError, SchemaError, ToolCallError, excerpt
+from .schema_limits import SchemaChecker
 from .types import GenerationResult, Segment, SegmentKind, ToolCall, is_int, is_number
 
 __all__ = [
@@ -45,8 +45,6 @@ __all__ = [
     "parser_for",
     "register_parser",
 ]
-
-logger = logging.getLogger(__name__)
 
 RawCall = tuple[str, object]  # (name, arguments) as the model wrote them, before validation
 
@@ -126,7 +124,11 @@ class HermesParser:
         opener = grammar_lib.token_literal(tokenizer, self.opener)
         closer = grammar_lib.token_literal(tokenizer, self.closer)
         named = [t for t in tools if tool_choice in ("auto", "required") or t["function"]["name"] == tool_choice]
-        bodies = [f"body{n}: {grammar_lib.json_rule(_call_schema(tool))}" for n, tool in enumerate(named)]
+        checker = SchemaChecker()  # the limits over all the schemas of this one grammar
+        for n, tool in enumerate(tools):
+            if tool in named:
+                checker.check(tool["function"].get("parameters") or {}, f"tools[{n}].function.parameters")
+        bodies = [f"body{n}: {grammar_lib.json_rule(_call_schema(tool), checked=True)}" for n, tool in enumerate(named)]
         if tool_choice == "auto":
             start = "start: TEXT? " + ("call*" if parallel else "call?")
         else:
@@ -289,13 +291,14 @@ def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]], parser: Tool
     ``tool_choice``; ``ToolCallError`` on the first problem, and then no call at all."""
     schemas = {tool["function"]["name"]: tool["function"].get("parameters") or {} for tool in tools}
     if tool_choice not in ("auto", "required", "none") and tool_choice not in schemas:
-        raise InputError(f"tool_choice names {tool_choice!r}, which is not among the tools ({', '.join(schemas)})")
+        raise InputError(f"tool_choice names {tool_choice!r:.80}, which is not among the tools "
+                         f"({excerpt(', '.join(schemas))})")
     content, raw = parser.split(text)
     calls = []
     for number, (name, arguments) in enumerate(raw, start=1):
         if name not in schemas:
             raise ToolCallError(f"tool call {number} names {name!r:.60}, which is not among the tools "
-                                f"({', '.join(schemas)})")
+                                f"({excerpt(', '.join(schemas))})")
         if not isinstance(arguments, dict):
             raise ToolCallError(f"tool call {number} ({name}): arguments must be a JSON object, "
                                 f"got {type(arguments).__name__}")
@@ -311,26 +314,32 @@ def answer_setup(segments: Sequence[Segment], tokenizer: Any, generation: Genera
                  ) -> tuple[GenerationConfig, Callable[[GenerationResult], GenerationResult] | None]:
     """How a request decodes and what reads its answer: ``generation`` with the grammar of the
     tool calls (``GrammarWriter``) when ``segments`` offer tools, the backend decodes under a
-    grammar and the request brings none of its own (one that a tool's schema keeps from compiling
-    is dropped with a warning: the calls are then checked only); and ``answer_reader``'s reader.
-    Raises at once, before any model runs: ``answer_reader``'s errors, the request's grammar on a
-    backend without ``capabilities.grammar`` (``ConfigError``) or not compiling (``InputError``)."""
+    grammar and the request brings none of its own; and ``answer_reader``'s reader. Raises at
+    once, before any model runs: ``answer_reader``'s errors, the request's grammar on a backend
+    without ``capabilities.grammar`` (``ConfigError``), a tool schema over ``schema_limits``
+    (``SchemaError``) or a grammar that cannot be decoded under (``GrammarError``, ``param``
+    "tools" for the calls' grammar). Each grammar is compiled here, once, in the request's cache
+    namespace; the backend's matcher reuses it."""
     read = answer_reader(segments, tokenizer, generation.tool_choice, generation.parallel_tool_calls)
     eos = getattr(backend, "eos_token_ids", ())
+    namespace = generation.cache_salt
     if generation.grammar is not None:
         grammar_lib.check_support(backend, generation.grammar)
-        grammar_lib.check_grammar(generation.grammar, tokenizer, _vocab_size(backend, tokenizer), eos)
+        grammar_lib.check_grammar(generation.grammar, tokenizer, _vocab_size(backend, tokenizer), eos,
+                                  namespace=namespace)
     elif read is not None and grammar_lib.decodes_under_grammar(backend):
         parser = parser_for(tokenizer)
         if hasattr(parser, "grammar"):
             try:
                 written = parser.grammar(offered_tools(segments), generation.tool_choice,
                                          generation.parallel_tool_calls, tokenizer)
-                grammar_lib.check_grammar(written, tokenizer, _vocab_size(backend, tokenizer), eos)
-            except InputError as error:  # a tool schema llguidance cannot compile: checked, not constrained
-                logger.warning("tool calls decoded without a grammar: %s", error)
-            else:
-                generation = dataclasses.replace(generation, grammar=written)
+            except SchemaError:
+                raise
+            except InputError as error:
+                raise GrammarError(f"the tools' parameters make no grammar: {error}", "tools") from None
+            grammar_lib.check_grammar(written, tokenizer, _vocab_size(backend, tokenizer), eos, namespace=namespace,
+                                      param="tools")
+            generation = dataclasses.replace(generation, grammar=written)
     return generation, read
 
 
@@ -355,7 +364,8 @@ def answer_reader(segments: Sequence[Segment], parser: ToolCallParser | Any, too
         return None
     names = [tool["function"]["name"] for tool in tools]
     if tool_choice not in ("auto", "required", "none", *names):
-        raise InputError(f"tool_choice names {tool_choice!r}, which is not among the tools ({', '.join(names)})")
+        raise InputError(f"tool_choice names {tool_choice!r:.80}, which is not among the tools "
+                         f"({excerpt(', '.join(names))})")
     chosen: ToolCallParser = parser if hasattr(parser, "split") else parser_for(parser)
 
     def read(result: GenerationResult) -> GenerationResult:

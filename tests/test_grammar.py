@@ -10,7 +10,16 @@ import json
 import numpy as np
 import pytest
 
-from specprefill_rag import ConfigError, GenerationConfig, InputError, SpecPrefillEngine, ToolCallError, testing
+from specprefill_rag import (
+    ConfigError,
+    GenerationConfig,
+    GrammarError,
+    InputError,
+    SchemaError,
+    SpecPrefillEngine,
+    ToolCallError,
+    testing,
+)
 from specprefill_rag.backends.vllm_server import request_body
 from specprefill_rag.grammar import GrammarMatcher, json_grammar, token_literal
 from specprefill_rag.toolcalls import HermesParser
@@ -133,11 +142,15 @@ def test_the_vllm_server_backend_forwards_the_grammar(engine):
                                                     logprobs=False, stream=True)
 
 
-def test_a_schema_llguidance_cannot_compile_leaves_the_calls_checked_only(engine, caplog):
-    bad_pattern = {"type": "function", "function": {"name": "odd", "parameters": {
-        "type": "object", "properties": {"code": {"type": "string", "pattern": "(unclosed"}}, "required": ["code"]}}}
-    with caplog.at_level("WARNING", logger="specprefill_rag.toolcalls"):
-        with pytest.raises(ToolCallError):  # the random model, unconstrained, writes no call
-            engine.chat(MESSAGES, [bad_pattern], generation=GenerationConfig(max_new_tokens=8, tool_choice="odd"),
-                        mode="full")
-    assert "tool calls decoded without a grammar" in caplog.text
+def test_a_tool_schema_that_makes_no_grammar_is_refused_before_decoding(engine):
+    def odd(pattern: str) -> dict:
+        return {"type": "function", "function": {"name": "odd", "parameters": {
+            "type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}, "required": ["code"]}}}
+
+    generation = GenerationConfig(max_new_tokens=8, tool_choice="odd")
+    with pytest.raises(SchemaError, match="not a valid regular expression: a group is not closed") as info:
+        engine.chat(MESSAGES, [odd("(unclosed")], generation=generation, mode="full")
+    assert info.value.path == "tools[0].function.parameters.properties.code.pattern"
+    with pytest.raises(GrammarError, match="look-around, including look-ahead and look-behind") as grammar:
+        engine.chat(MESSAGES, [odd("(?<=a)b")], generation=generation, mode="full")
+    assert grammar.value.param == "tools" and len(str(grammar.value)) < 300  # the grammar's lines not quoted

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # Floors, lowest first: a module may import modules on its own floor or below, never above.
 FLOORS: list[set[str]] = [
-    {"errors", "types", "durable", "loading", "caches", "detokenize", "grammar"},
+    {"errors", "types", "durable", "loading", "caches", "detokenize", "grammar", "schema_limits"},
     {"prompt", "config", "streams", "wire", "toolcalls"},  # prompt: segments, render, length guard (a package)
     {"draft", "selection", "payoff", "compress"},  # draft: the wing (``specprefill_rag/draft/``), one entry
     {"vllm_plugin"},

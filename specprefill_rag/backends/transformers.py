@@ -161,7 +161,8 @@ class TransformersBackend(ModelIdentity):
         state = self.prefill(plan)
         matcher = None
         if generation.grammar is not None:
-            matcher = GrammarMatcher(generation.grammar, self.tokenizer, state.logits.shape[-1], self.eos_token_ids)
+            matcher = GrammarMatcher(generation.grammar, self.tokenizer, state.logits.shape[-1], self.eos_token_ids,
+                                     namespace=generation.cache_salt)  # compiled by the engine's check
         for step in range(max_new):
             logits = state.logits if matcher is None else matcher.mask(state.logits)
             token = sample_token(logits, generation, generator)

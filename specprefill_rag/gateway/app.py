@@ -54,6 +54,7 @@ from ..errors import ConfigError, InputError, PluginMissingError
 from . import GatewayMode, GatewayOptions, tools
 from .admission import check_media_type, tenant_salt, too_large
 from .metrics import GatewayMetrics
+from .openapi import CHAT_REQUEST, COMPLETION_REQUEST, request_body
 from .protocol import GatewayRequest, parse_chat, parse_completion
 from .responses import RETRY_AFTER_S, APIError, StreamChunks, error_body, new_id, now, response, to_api_error
 from .runs import ClientGone, EventStream, Run, sse, sse_error, unless_disconnected
@@ -347,18 +348,19 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
     if options is not None and fields:
         raise ConfigError("give GatewayOptions or its fields as keywords, not both")
     gateway = Gateway(engine, options or GatewayOptions(**fields))
-    # No docs pages and no schema: /openapi.json would describe the API to anyone, key or not.
+    # No docs pages and no schema: /openapi.json would describe the API to anyone, key or not
+    # (``app.openapi()`` still gives it, with the request bodies of ``openapi``, to tests and tools).
     app = FastAPI(title="SpecPrefill gateway", lifespan=_lifespan(gateway), docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
     app.exception_handler(APIError)(_api_error)
     app.exception_handler(StarletteHTTPException)(_http_error)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(CHAT_REQUEST))
     async def chat_completions(request: Request) -> Response:
         return await gateway.handle(request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(COMPLETION_REQUEST))
     async def completions(request: Request) -> Response:
         return await gateway.handle(request, "completions")
 
@@ -371,8 +373,8 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
     async def model(request: Request, model_id: str) -> dict[str, Any]:
         gateway.authorize(request)
         if model_id != gateway.model_name:
-            raise APIError(404, f"the model {model_id!r} does not exist; this gateway serves {gateway.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"the model {model_id!r:.100} does not exist; this gateway serves "
+                           f"{gateway.model_name!r}", param="model", code="model_not_found")
         return gateway.model_card()
 
     @app.get("/health")

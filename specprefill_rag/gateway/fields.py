@@ -1,16 +1,19 @@
 """Checks shared by the request parsers (``protocol`` and ``tools``): every refusal an
-OpenAI-shaped 400 naming the field, and every string read checked for valid Unicode."""
+OpenAI-shaped 400 naming the field, every string read checked for valid Unicode, and the JSON
+depth and schema limits (``schema_limits``) with the field path as ``param``."""
 
 from __future__ import annotations
 
 import reprlib
 from typing import Any
 
+from ..errors import SchemaError
+from ..schema_limits import SchemaChecker, check_depth
 from ..types import lone_surrogate
 from .messages import MAX_PARTS
 from .responses import APIError
 
-__all__ = ["at_most", "bad", "check_strings", "shown", "unsupported", "valid_text"]
+__all__ = ["at_most", "bad", "check_json_depth", "check_schema", "check_strings", "shown", "unsupported", "valid_text"]
 
 # Values quoted in error messages: short, and shallow (a client's value may be megabytes, or
 # nested thousands deep, which the built-in repr would recurse into).
@@ -59,3 +62,20 @@ def check_strings(value: object, param: str) -> None:
 def at_most(items: list[Any], param: str, what: str) -> None:
     if len(items) > MAX_PARTS:
         raise bad(f"{param} holds {len(items)} {what}, more than the gateway's limit of {MAX_PARTS}", param=param)
+
+
+def check_json_depth(value: object, param: str) -> None:
+    """400 naming the place when ``value`` nests deeper than ``schema_limits.MAX_JSON_DEPTH``
+    (``param``: where ``value`` sits, "" for the body)."""
+    try:
+        check_depth(value, param)
+    except SchemaError as error:
+        raise bad(str(error), param=error.path or None) from None
+
+
+def check_schema(checker: SchemaChecker, schema: object, param: str) -> None:
+    """400 naming the place when ``schema`` passes the schema limits (``checker``: the request's)."""
+    try:
+        checker.check(schema, param)
+    except SchemaError as error:
+        raise bad(str(error), param=error.path) from None

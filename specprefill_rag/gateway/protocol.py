@@ -1,13 +1,14 @@
 """OpenAI request bodies → ``GatewayRequest``: segments, mode, keep rate, generation settings.
 
 Requests are read as plain JSON objects and checked field by field, so every refusal is an
-OpenAI-shaped 400 naming the field (``param``). Fields the gateway cannot honour (``n > 1``,
-logprobs, penalties, ...) are refused rather than silently ignored; a JSON ``response_format``
-(``json_schema`` or ``json_object``) becomes the grammar the answer is decoded under; fields that
-change nothing about the answer (``user``, ``metadata``, ``store``, ...) and unknown fields are
-ignored, as vLLM does. Tools, ``tool_choice``, an assistant's ``tool_calls`` and tool messages
-are read by ``tools``. No web framework here: ``app.py`` moves these dicts over HTTP; the
-answers' shapes are in ``responses.py``.
+OpenAI-shaped 400 naming the field (``param``); the body's JSON depth and its schemas (the
+``response_format``'s, the tools' parameters) are held to ``schema_limits`` first. Fields the
+gateway cannot honour (``n > 1``, logprobs, penalties, ...) are refused rather than silently
+ignored; a JSON ``response_format`` (``json_schema`` or ``json_object``) becomes the grammar the
+answer is decoded under; fields that change nothing about the answer (``user``, ``metadata``,
+``store``, ...) and unknown fields are ignored, as vLLM does. Tools, ``tool_choice``, an
+assistant's ``tool_calls`` and tool messages are read by ``tools``. No web framework here:
+``app.py`` moves these dicts over HTTP; the answers' shapes are in ``responses.py``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from ..config import GenerationConfig, describe_choices
 from ..errors import ConfigError
 from ..grammar import json_grammar
 from ..prompt import has_tool_messages
+from ..schema_limits import SchemaChecker
 from ..types import RETRIEVER_SCORE_KEY, Passage, Segment, is_finite_number, is_int
 from . import GatewayMode, tools
-from .fields import at_most, bad, check_strings, shown, unsupported, valid_text
+from .fields import at_most, bad, check_json_depth, check_schema, check_strings, shown, unsupported, valid_text
 from .messages import DEFAULT_SHAPES, PromptShape, to_segments
 from .responses import Kind
 
@@ -78,7 +80,7 @@ _LEGACY = "the legacy function-calling API (functions, function_call, function m
 def _refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
     n = body.get("n")
     if n is not None and n != 1:
-        raise unsupported("n", f"n={n!r} (several choices per request)")
+        raise unsupported("n", f"n={shown(n)} (several choices per request)")
     if body.get("functions"):
         raise unsupported("functions", _LEGACY)
     if body.get("function_call") not in (None, "none"):
@@ -107,9 +109,10 @@ def _refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
             raise unsupported("suffix", "suffix")
 
 
-def _response_format(response_format: object) -> str | None:
+def _response_format(response_format: object, checker: SchemaChecker) -> str | None:
     """The grammar of a ``response_format``: None for text, JSON for ``json_object``, JSON under
-    ``json_schema.schema`` for ``json_schema`` (decoded under it, then valid by construction)."""
+    ``json_schema.schema`` for ``json_schema`` (decoded under it, then valid by construction), the
+    schema within the request's limits (``checker``)."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -127,7 +130,8 @@ def _response_format(response_format: object) -> str | None:
         raise bad(f"response_format.json_schema.schema must be a JSON schema object, got {shown(schema)}",
                   param="response_format")
     check_strings(schema, "response_format")
-    return json_grammar(schema)
+    check_schema(checker, schema, "response_format.json_schema.schema")
+    return json_grammar(schema, checked=True)
 
 
 def _generation(body: Mapping[str, Any], defaults: GenerationConfig) -> GenerationConfig:
@@ -329,7 +333,8 @@ def _parse(kind: Kind, body: Mapping[str, Any], messages: list[dict[str, Any]], 
     stream, include_usage = _stream_options(body)
     generation = _generation(body, defaults)
     mode, keep_rate, passages, question = _extension(body, default_mode)
-    offered = tools.parse_tools(body)
+    checker = SchemaChecker()  # the schema limits over all of this request's schemas
+    offered = tools.parse_tools(body, checker)
     turns = [(m["role"], m["content"]) for m in messages]
     if question is None:
         _check_question(turns)
@@ -340,7 +345,7 @@ def _parse(kind: Kind, body: Mapping[str, Any], messages: list[dict[str, Any]], 
         segments, shape = tools.agent_segments(messages, offered.tools, passages, question), "tools"
     else:
         segments, shape = to_segments(turns, passages=passages, question=question, shapes=shapes)
-    grammar = _response_format(body.get("response_format"))
+    grammar = _response_format(body.get("response_format"), checker)
     if grammar is not None and mode == "text":
         raise bad('text mode does not carry response_format yet: send it with specprefill.mode "specprefill" or '
                   '"full"', param="specprefill.mode", code="unsupported_parameter")
@@ -352,10 +357,12 @@ def _parse(kind: Kind, body: Mapping[str, Any], messages: list[dict[str, Any]], 
 def parse_chat(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: GatewayMode = "specprefill",
                shapes: tuple[PromptShape, ...] = DEFAULT_SHAPES) -> GatewayRequest:
     """A ``/v1/chat/completions`` body; ``APIError`` (400) or ``InputError`` when it cannot be served."""
+    check_json_depth(body, "")
     return _parse("chat", body, _messages(body), defaults, default_mode, shapes)
 
 
 def parse_completion(body: Mapping[str, Any], defaults: GenerationConfig, default_mode: GatewayMode = "specprefill",
                      shapes: tuple[PromptShape, ...] = DEFAULT_SHAPES) -> GatewayRequest:
     """A ``/v1/completions`` body: the prompt is read as one user message."""
+    check_json_depth(body, "")
     return _parse("completion", body, [{"role": "user", "content": _prompt(body)}], defaults, default_mode, shapes)

@@ -9,12 +9,24 @@ from __future__ import annotations
 import json
 import logging
 import time
+import traceback
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..errors import BackendError, BackendTimeoutError, ConfigError, InputError, PlanError, ServerError, ToolCallError
+from ..errors import (
+    BackendError,
+    BackendTimeoutError,
+    ConfigError,
+    GrammarError,
+    InputError,
+    PlanError,
+    SchemaError,
+    ServerError,
+    ToolCallError,
+    excerpt,
+)
 from ..types import GenerationResult, ToolCall
 
 __all__ = [
@@ -37,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 Kind = Literal["chat", "completion"]
 RETRY_AFTER_S = 1  # seconds a refused client is asked to wait (429, 503)
+# The longest error message sent: what a message quotes of a client is cut to ``errors.QUOTE_CHARS``
+# where it is written; this caps whatever slips through (an upstream's message, say).
+MAX_MESSAGE_CHARS = 1000
 
 
 class APIError(Exception):
@@ -52,6 +67,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        message = excerpt(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -75,6 +91,10 @@ def to_api_error(error: BaseException) -> APIError:
     if isinstance(error, ToolCallError):  # a valid request; the model's answer broke the tool-calling rules
         return APIError(422, f"the model did not answer with valid tool calls, so none is reported: {error}",
                         type="invalid_model_output", code="invalid_tool_call")
+    if isinstance(error, SchemaError):
+        return APIError(400, str(error), param=error.path or None)
+    if isinstance(error, GrammarError):  # the request's grammar: refused before the answer, or failing in it
+        return APIError(400, str(error), param=error.param)
     if isinstance(error, (InputError, ConfigError, PlanError)):
         return APIError(400, str(error))
     retry = {"Retry-After": str(RETRY_AFTER_S)}
@@ -91,8 +111,10 @@ def to_api_error(error: BaseException) -> APIError:
             return APIError(503, f"the main model is unreachable: {error}", type="upstream_error",
                             code="upstream_unavailable", headers=retry)
         return APIError(502, f"the main model failed: {error}", type="upstream_error", code="upstream_error")
-    logger.error("unexpected error in the gateway", exc_info=error)
-    return APIError(500, f"internal error in the SpecPrefill gateway: {type(error).__name__}: {error}",
+    # The stack, and the message cut short: it may quote a request.
+    stack = "".join(traceback.format_tb(error.__traceback__))
+    logger.error("unexpected error in the gateway: %s: %s\n%s", type(error).__name__, excerpt(str(error)), stack)
+    return APIError(500, f"internal error in the SpecPrefill gateway: {type(error).__name__}: {excerpt(str(error))}",
                     type="server_error", code="internal_error")
 
 

@@ -24,7 +24,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..engine import Mode
-from ..errors import PluginMissingError
+from ..errors import GrammarError, PluginMissingError
 from ..streams import AsyncTextStream
 from ..toolcalls import CallText
 from ..types import GenerationResult
@@ -114,9 +114,12 @@ class Run:
             self.stream = await self._text()
             return await self.next()
         mode: Mode = "full" if req.mode == "full" else "specprefill"
-        self.stream = await gateway.engine.astream(
-            list(req.segments), mode=mode, keep_rate=req.keep_rate, generation=req.generation
-        )
+        try:
+            self.stream = await gateway.engine.astream(
+                list(req.segments), mode=mode, keep_rate=req.keep_rate, generation=req.generation
+            )
+        except GrammarError as error:  # refused before any model ran; a grammar of the request's own is its schema's
+            raise GrammarError(str(error), error.param or "response_format") from None
         try:
             return await self.next()
         except PluginMissingError as error:  # before the first token: nothing was sent yet

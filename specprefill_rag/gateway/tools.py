@@ -25,8 +25,9 @@ from typing import Any
 from .. import toolcalls
 from ..errors import InputError
 from ..prompt import check_tool_support, message_segments, tool_schema
+from ..schema_limits import SchemaChecker
 from ..types import Passage, Segment, SegmentKind
-from .fields import at_most, bad, check_strings, shown, unsupported, valid_text
+from .fields import at_most, bad, check_json_depth, check_schema, check_strings, shown, unsupported, valid_text
 from .messages import MAX_PARTS
 from .responses import APIError
 
@@ -63,9 +64,11 @@ class ToolFields:
 # -- the request -----------------------------------------------------------------------------------
 
 
-def parse_tools(body: Mapping[str, Any]) -> ToolFields:
-    """``tools`` (functions only, unique names, valid Unicode throughout), ``tool_choice`` and
-    ``parallel_tool_calls``; 400 naming the field."""
+def parse_tools(body: Mapping[str, Any], checker: SchemaChecker | None = None) -> ToolFields:
+    """``tools`` (functions only, unique names, valid Unicode throughout, parameters within the
+    request's schema limits: ``checker``), ``tool_choice`` and ``parallel_tool_calls``; 400 naming
+    the field."""
+    checker = checker or SchemaChecker()
     raw = body.get("tools")
     raw = [] if raw is None else raw
     if not isinstance(raw, list):
@@ -78,6 +81,7 @@ def parse_tools(body: Mapping[str, Any]) -> ToolFields:
         check_strings(tool, param)
         if isinstance(tool, dict) and tool.get("type", "function") != "function":
             raise unsupported(f"{param}.type", f"tools of type {shown(tool.get('type'))} (only 'function')")
+        _check_parameters(tool, param, checker)
         try:
             schema = tool_schema(tool)
         except InputError as error:
@@ -92,6 +96,15 @@ def parse_tools(body: Mapping[str, Any]) -> ToolFields:
         raise bad(f"parallel_tool_calls must be true or false, got {shown(parallel)}", param="parallel_tool_calls")
     return ToolFields(tuple(offered), _choice(body.get("tool_choice"), [t["function"]["name"] for t in offered]),
                       parallel is not False)
+
+
+def _check_parameters(tool: object, param: str, checker: SchemaChecker) -> None:
+    """A tool's parameters (where ``prompt.tool_schema`` reads them) within the schema limits."""
+    function = tool.get("function", tool) if isinstance(tool, dict) else None
+    parameters = function.get("parameters") if isinstance(function, dict) else None
+    if isinstance(parameters, dict):
+        where = f"{param}.function.parameters" if function is not tool else f"{param}.parameters"
+        check_schema(checker, parameters, where)
 
 
 def _choice(value: object, names: Sequence[str]) -> str:
@@ -131,8 +144,11 @@ def _arguments(value: object, param: str) -> dict[str, Any]:
     if isinstance(value, str):
         try:
             value = json.loads(valid_text(value, param))
-        except (ValueError, RecursionError) as error:
+        except ValueError as error:
             raise bad(f"{param} is not JSON: {error}", param=param) from None
+        except RecursionError:
+            raise bad(f"{param} nests JSON arrays or objects too deeply", param=param) from None
+    check_json_depth(value, param)  # JSON text is a root of its own: the body's depth does not bound it
     if not isinstance(value, dict):
         raise bad(f"{param} must be a JSON object (or its JSON text), got {shown(value)}", param=param)
     check_strings(value, param)  # JSON escapes may have written a lone surrogate
