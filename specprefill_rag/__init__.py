@@ -10,7 +10,15 @@ rest (``prompt``, ``draft``, ``selection``, ``backends.base``, ...).
 
 from .backends import Backend, BackendCapabilities, available_backends, create_backend, register_backend
 from .compress import CompressedPassage, Compression
-from .config import DraftConfig, DraftRuntime, GenerationConfig, ScoringConfig, SelectionConfig, SpecPrefillConfig
+from .config import (
+    DraftConfig,
+    DraftRuntime,
+    GenerationConfig,
+    PassageReading,
+    ScoringConfig,
+    SelectionConfig,
+    SpecPrefillConfig,
+)
 from .draft import DraftModel
 from .engine import RequestOptions, SpecPrefillEngine
 from .errors import (
@@ -38,6 +46,7 @@ from .types import (
     GenerationResult,
     KeptSpan,
     Passage,
+    PassagesRead,
     PathChoice,
     PlannedPrompt,
     PrefillPlan,
@@ -73,6 +82,8 @@ __all__ = [
     "MissingDependencyError",
     "ModelNotFoundError",
     "Passage",
+    "PassageReading",
+    "PassagesRead",
     "PathChoice",
     "PlanError",
     "PlannedPrompt",

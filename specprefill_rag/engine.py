@@ -6,7 +6,7 @@ an async form; all return or end in a typed ``GenerationResult``.
 
 Planning is one pipeline, each stage written once:
 
-- ``_request_selection``: a request's options, checked (mode, keep rate, selection);
+- ``request_selection``: a request's options, checked (mode, keep rate, selection);
 - ``assemble``: question and passages (or segments) → the main model's prompt;
 - ``_choose``: the path: pruned, with what the draft reads (``DraftScorer.choose``), or prefilled
   whole and why (``payoff``: cannot help, cannot read, would not pay);
@@ -46,6 +46,7 @@ from .streams import AsyncTextStream, TextStream
 from .types import (
     AssembledPrompt,
     GenerationResult,
+    PassagesRead,
     PathChoice,
     PlannedPrompt,
     PrefillPlan,
@@ -53,11 +54,13 @@ from .types import (
     TokenScores,
 )
 
-__all__ = ["LazyEngine", "Mode", "RequestOptions", "SpecPrefillEngine"]
+__all__ = ["LazyEngine", "Mode", "RequestOptions", "SpecPrefillEngine", "request_selection"]
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["specprefill", "full"]
+READ_AHEAD_QUESTION = "?"  # the question of the prompts ``read_passages`` lays passages out in (never scored)
+READ_AHEAD_BATCH = 16  # passages per such prompt
 
 
 class RequestOptions(TypedDict, total=False):
@@ -70,6 +73,19 @@ class RequestOptions(TypedDict, total=False):
     selection: SelectionConfig | None
     generation: GenerationConfig | None
 PromptInput = str | Sequence[Segment]
+
+
+def request_selection(config: SpecPrefillConfig, mode: str, keep_rate: float | None,
+                      selection: SelectionConfig | None) -> SelectionConfig:
+    """The selection settings of one request (``selection``, else ``config``'s, with ``keep_rate``
+    applied), once ``mode`` is known to be one of ``Mode``."""
+    check_choice("mode", mode, Mode)
+    sel = selection or config.selection
+    if not isinstance(sel, SelectionConfig):
+        raise ConfigError(f"selection must be a SelectionConfig, got {type(sel).__name__}")
+    if keep_rate is not None:
+        sel = dataclasses.replace(sel, keep_rate=keep_rate, token_budget=None)  # validates
+    return sel
 
 
 def _torch_options(backend: str, dtype: str | torch.dtype, device: str | torch.device) -> dict[str, Any]:
@@ -235,25 +251,13 @@ class SpecPrefillEngine:
         """The prefill plan for ``prompt``, with the scores it was made from (``scores``, when
         given, are reused: e.g. one draft run across keep rates) and the selection's time.
         ``cache_salt``: the request's cache namespace (``GenerationConfig.cache_salt``)."""
-        sel = self._request_selection(mode, None, selection)
+        sel = request_selection(self.config, mode, None, selection)
         if scores is None:
             return self._plan(prompt, sel, *self._choose(prompt, mode, sel, cache_salt))
         whole = unpruned(prompt, mode, sel)
         if whole is not None:
             return selection_lib.prefilled_whole(prompt, whole, scores)
         return selection_lib.plan_scored(prompt, sel, scores)
-
-    def _request_selection(self, mode: str, keep_rate: float | None, selection: SelectionConfig | None
-                           ) -> SelectionConfig:
-        """The selection settings of one request (``selection``, else the engine's, with ``keep_rate``
-        applied), once ``mode`` is known to be one of ``Mode``."""
-        check_choice("mode", mode, Mode)
-        sel = selection or self.config.selection
-        if not isinstance(sel, SelectionConfig):
-            raise ConfigError(f"selection must be a SelectionConfig, got {type(sel).__name__}")
-        if keep_rate is not None:
-            sel = dataclasses.replace(sel, keep_rate=keep_rate, token_budget=None)  # validates
-        return sel
 
     def _require_scorer(self) -> DraftScorer:
         if self.scorer is None:
@@ -285,10 +289,34 @@ class SpecPrefillEngine:
         any LLM, planned as ``plan`` plans but never kept whole for this engine's own cost; errors as ``stream``."""
         started = time.perf_counter()
         items = compress_lib.check_request(question, passages, marker)
-        sel = self._request_selection("specprefill", keep_rate, selection)
+        sel = request_selection(self.config, "specprefill", keep_rate, selection)
         prompt = self.assemble(question, items, instructions=instructions, selection=sel, cache_salt=cache_salt)
         planned = self._plan(prompt, sel, *self._choose(prompt, "specprefill", sel, cache_salt, weigh_cost=False))
         return compress_lib.compression(planned, items, marker, time.perf_counter() - started)
+
+    def read_passages(self, passages: Passages, *, instructions: str | None = None, cache_salt: str | None = None
+                      ) -> PassagesRead:
+        """Read ``passages`` into the draft's passage store now, at indexing time, so that a question
+        that retrieves them later costs the draft only its own tokens (``DraftConfig.passages``; a
+        passage never read before is read on first sight anyway). ``instructions`` (default the
+        engine's) and ``cache_salt`` must be those of the later requests: a passage's reading
+        belongs to the system part it was read after and to its namespace. Read in prompts of up to
+        ``READ_AHEAD_BATCH`` passages (fewer where they would not fit the window)."""
+        scorer, items = self._require_scorer(), prompt_lib.as_passages(passages)
+        found = read = 0
+        start, size = 0, READ_AHEAD_BATCH
+        while start < len(items):
+            try:
+                prompt = self.assemble(READ_AHEAD_QUESTION, items[start: start + size], instructions=instructions,
+                                       cache_salt=cache_salt)
+            except InputError:
+                if size == 1:
+                    raise
+                size = max(1, size // 2)  # over the window: fewer passages per prompt
+                continue
+            got = scorer.read_passages(prompt, cache_salt)
+            found, read, start = found + got[0], read + got[1], start + size
+        return PassagesRead(found, read)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -330,7 +358,7 @@ class SpecPrefillEngine:
         the same salt.
         """
         started = time.perf_counter()
-        sel = self._request_selection(mode, keep_rate, selection)
+        sel = request_selection(self.config, mode, keep_rate, selection)
         gen = generation or self.config.generation
         prompt = self.assemble(question, passages, instructions=instructions, selection=sel, cache_salt=gen.cache_salt)
         gen, read_calls = toolcalls.answer_setup(prompt.segments, self.tokenizer, gen, self.backend)

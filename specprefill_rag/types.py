@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, TypeGuard
+from typing import Any, Literal, NamedTuple, TypeGuard
 
 import torch
 
@@ -29,6 +29,7 @@ __all__ = [
     "HeadReduction",
     "KeptSpan",
     "Passage",
+    "PassagesRead",
     "PathChoice",
     "PathCode",
     "PlannedPrompt",
@@ -241,6 +242,14 @@ class PrefillPlan:
     @property
     def keep_ratio(self) -> float:
         return self.n_kept / self.n_prompt if self.n_prompt else 1.0
+
+
+class PassagesRead(NamedTuple):
+    """What reading passages ahead did (``SpecPrefillEngine.read_passages``): how many the draft's
+    passage store held already and how many the draft read now."""
+
+    found: int
+    read: int
 
 
 # Which path a request took: pruned by the draft's scores, or prefilled whole and why.

@@ -261,3 +261,23 @@ def test_without_early_exit_or_a_layout_the_draft_reads_jointly(tokenizer):
     unlaid = draft.score(prompt.token_ids, question=prompt.positions_of(SegmentKind.QUESTION),
                          context=~prompt.protected, config=LOCAL)  # no layout given
     assert len(draft.passages) == 0 and unlaid.scores.shape == joint.scores.shape
+
+
+def test_an_engine_reads_passages_ahead_and_a_question_then_finds_them(tokenizer):
+    """``engine.read_passages`` at indexing time: the question that retrieves them reads none again."""
+    from specprefill_rag import GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
+    from specprefill_rag.backends.transformers import TransformersBackend
+
+    config = SpecPrefillConfig(draft=DraftConfig(lookahead=3, passages=PassageReading()),
+                               selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=64),
+                               generation=GenerationConfig(max_new_tokens=4))
+    engine = SpecPrefillEngine(TransformersBackend(make_model("qwen2", len(tokenizer)), tokenizer),
+                               _draft("llama", tokenizer), config)
+    assert engine.read_passages(PASSAGES) == (0, len(PASSAGES))
+    assert engine.read_passages(PASSAGES[:2]) == (2, 0)
+    result = engine.generate(QUESTION, PASSAGES, keep_rate=0.3)
+    assert (result.passages_cached, result.passages_read) == (len(PASSAGES), 0)
+    other = engine.generate(QUESTION, PASSAGES, keep_rate=0.3,
+                            generation=engine.config.generation.with_overrides(cache_salt="tenant-b"))
+    assert (other.passages_cached, other.passages_read) == (0, len(PASSAGES))  # another namespace reads anew
+    assert result.to_dict()["passages_cached"] == len(PASSAGES)

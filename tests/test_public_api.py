@@ -83,6 +83,8 @@ EXPECTED_TOP_LEVEL = [
     "MissingDependencyError",
     "ModelNotFoundError",
     "Passage",
+    "PassageReading",
+    "PassagesRead",
     "PathChoice",
     "PlanError",
     "PlannedPrompt",

@@ -21,15 +21,16 @@ from typing import Any
 import torch
 
 from ..config import DraftConfig
-from ..errors import InputError
+from ..errors import ConfigError, InputError
 from ..loading import eos_ids
 from ..types import TokenScores
 from . import scoring
 from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording, register
+from .early_exit import DecoderParts
 from .forward import protected_heads
 from .lookahead import LookaheadDrivers
 from .lookahead_spec import LookaheadSpec
-from .passage_reading import PromptLayout
+from .passage_reading import PromptLayout, store_passages
 from .passage_store import PassageDisk, PassageStore
 from .prefix_store import PrefixStore
 from .windows import MIN_WINDOW_CONTEXT, read_windows, score_windowed
@@ -245,6 +246,29 @@ class DraftModel(LookaheadDrivers):
                    for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True)]
         seconds = time.perf_counter() - start
         return [dataclasses.replace(r, seconds=seconds) for r in results]
+
+    @torch.inference_mode()
+    def read_passages(self, token_ids: torch.Tensor, layout: PromptLayout, config: DraftConfig | None = None,
+                      namespace: str = "") -> tuple[int, int]:
+        """Read the passages of a prompt (``token_ids`` (n,), where ``layout`` says they sit) into
+        the passage store under ``namespace``, without scoring anything: a later prompt that holds
+        them after the same anchor reads them from the store (``config.passages``, default the
+        draft's own). Returns (passages the store held already, passages read now). ``ConfigError``
+        when this draft or config cannot read passages apart."""
+        cfg = config or self.config
+        if cfg.passages is None:
+            raise ConfigError("reading passages ahead needs DraftConfig(passages=PassageReading(...))")
+        spec = LookaheadSpec.from_config(cfg, n_layers=self.n_layers)
+        ids = token_ids.to(torch.int64)
+        plan = self._reads_apart(spec, ids.unsqueeze(0).to(self.device), [layout], cfg.pool_kernel)
+        if plan is None:
+            raise ConfigError("this draft cannot read passages apart (it needs early exit below its last layer, "
+                              "layers it can run by hand and rotary keys it can move): it reads every prompt jointly")
+        self.passages.resize(self.passages.entries, cfg.passage_store_bytes)
+        head = self._read_head(ids[: layout.head], plan.exit_layer, namespace)
+        parts = DecoderParts.of(self.model)
+        assert parts is not None
+        return store_passages(parts, plan, ids, layout, head, namespace)
 
     def _scores(self, cap: DraftCapture, lookahead: int, context: torch.Tensor | None, cfg: DraftConfig
                 ) -> TokenScores:

@@ -37,7 +37,10 @@ from .capture import Recorder, recording
 from .early_exit import DecoderParts
 from .passage_store import PassageEntry, PassageStore, passage_key
 
-__all__ = ["PromptKV", "PromptLayout", "ReadingPlan", "prompt_layout", "read_prompts", "rerotate", "rotates_plainly"]
+__all__ = [
+    "PromptKV", "PromptLayout", "ReadingPlan", "prompt_layout", "read_prompts", "rerotate", "rotates_plainly",
+    "store_passages",
+]
 
 UNIT_KINDS = (SegmentKind.PASSAGE, SegmentKind.CONTEXT, SegmentKind.TOOL_RESULT)  # read apart
 ANCHOR_KINDS = (SegmentKind.INSTRUCTIONS, SegmentKind.TOOL_SCHEMA)  # the system part passages are read after
@@ -272,6 +275,16 @@ def _entries(parts: DecoderParts, plan: ReadingPlan, ids: torch.Tensor, layout: 
             plan.store.add(key, entry)
             found[key] = entry
     return [found[key] for key in keys], len(missing)
+
+
+def store_passages(parts: DecoderParts, plan: ReadingPlan, ids: torch.Tensor, layout: PromptLayout, head: Any,
+                   namespace: str) -> tuple[int, int]:
+    """Read the passages of a prompt (``ids``, its ``layout``, its ``head``'s prefix-store entry)
+    that the store does not hold yet, and keep them, with no question and no scores: what reading
+    a corpus at indexing time does. Returns (passages found, passages read)."""
+    ids = ids.to(head.hidden.device)
+    _, read = _entries(parts, plan, ids, layout, (list(head.keys), list(head.values)), namespace)
+    return len(layout.units) - read, read
 
 
 def _recompute_set(plan: ReadingPlan, layout: PromptLayout, first_scores: torch.Tensor | None) -> torch.Tensor:

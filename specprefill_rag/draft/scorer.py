@@ -29,6 +29,7 @@ from ..payoff import PrefillCosts
 from ..types import AssembledPrompt, PathChoice, Segment, SegmentKind, TokenScores
 from .batching import MicroBatcher, TurnLock, length_buckets
 from .model import DraftModel
+from .passage_reading import PromptLayout, prompt_layout
 from .token_mapping import map_scores, needs_mapping
 
 __all__ = ["DraftReading", "DraftScorer"]
@@ -54,6 +55,10 @@ class DraftReading:
     def question(self) -> torch.Tensor:
         """The draft-side indices of the question's tokens."""
         return self.read.positions_of(SegmentKind.QUESTION)
+
+    def layout(self) -> PromptLayout | None:
+        """Where the passages of what the draft reads sit (``passage_reading.prompt_layout``)."""
+        return prompt_layout(self.read.segment_index, [s.kind for s in self.read.segments])
 
     @property
     def maps(self) -> bool:
@@ -226,6 +231,16 @@ class DraftScorer:
             self.memo.put(key, scores)
         return scores
 
+    def read_passages(self, prompt: AssembledPrompt, salt: str | None = None) -> tuple[int, int]:
+        """Read the passages of ``prompt`` (the draft's own rendering of it) into the draft's
+        passage store under ``salt``, scoring nothing: (passages held already, passages read)."""
+        reading = self.render(prompt, salt)
+        layout = reading.layout()
+        if layout is None:
+            return 0, 0
+        with self._turns.turn() if self.config.passes_in_order else contextlib.nullcontext():
+            return self.model.read_passages(reading.read.token_ids, layout, self.config, salt or "")
+
     def score_many(self, prompts: Sequence[AssembledPrompt], config: DraftConfig | None = None
                    ) -> list[TokenScores]:
         """The scores of several prompts in one batched draft run, past the memo and the batcher
@@ -276,6 +291,7 @@ class DraftScorer:
                 config=config,
                 namespace=salts.pop() or "",
                 windows=[reading.windows for reading in readings],  # decided once, by ``reading``
+                layouts=None if config.passages is None else [reading.layout() for reading in readings],
             )
         self.costs.observe_draft(sum(d.n_tokens for d in read), scored[0].seconds)
         if not any(reading.maps for reading in readings):
