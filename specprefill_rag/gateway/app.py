@@ -53,6 +53,7 @@ from ..engine import SpecPrefillEngine
 from ..errors import ConfigError, InputError, PluginMissingError
 from . import GatewayMode, GatewayOptions, tools
 from .admission import check_media_type, tenant_salt, too_large
+from .limits import check_containers, check_totals
 from .metrics import GatewayMetrics
 from .protocol import GatewayRequest, parse_chat, parse_completion
 from .responses import RETRY_AFTER_S, APIError, StreamChunks, error_body, new_id, now, response, to_api_error
@@ -171,6 +172,7 @@ class Gateway:
         """The body as a request (in a worker thread: JSON, prompt shapes and segments take time
         linear in the body, up to tens of milliseconds for megabytes); its cache salt put in the
         tenant's namespace."""
+        check_containers(raw)  # before json.loads builds them: the request's caps in all (limits)
         try:
             body = json.loads(raw)
         except ValueError:
@@ -179,6 +181,7 @@ class Gateway:
             raise APIError(400, "the request body nests JSON arrays or objects too deeply") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        check_totals(body)
         parse = parse_chat if endpoint == "chat" else parse_completion
         try:
             req = parse(body, self.engine.config.generation, self.default_mode, self.shapes)
