@@ -18,6 +18,7 @@ docs/gateway.md, "Back-pressure and concurrency", states the limits and what a h
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,24 +33,33 @@ MAX_JSON_CONTAINERS = 4 * MAX_SEGMENTS
 # A JSON string (escapes included; skipped whole, so brackets in text do not count), else one byte:
 # a bracket, or a quote that opens no string (the body is no JSON: counting stops there, so no
 # quote is scanned from twice and the count stays linear whatever the bytes).
-_TOKEN = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|["{[]', re.DOTALL)
+_TOKEN = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|["{}[\]]', re.DOTALL)
+_QUOTE, _OPEN = 0x22, (0x7B, 0x5B)  # '"', '{' and '['
 
 
 def check_containers(raw: bytes, limit: int = MAX_JSON_CONTAINERS) -> None:
     """400 when the body holds more than ``limit`` JSON objects and arrays. Linear in the body and
     holding nothing: a count of the raw brackets, and only when that passes the limit (a body of
     code holds many in its text) a count of those outside strings, token by token, stopping one
-    past the limit."""
+    past the limit. A body refused so that also nests deeper than ``json.loads`` goes is refused
+    for that, as the decoder would have refused it."""
     if raw.count(b"{") + raw.count(b"[") <= limit:
         return
-    count = 0
+    count = depth = deepest = 0
     for token in _TOKEN.finditer(raw):
         if token.end() - token.start() > 1:  # a string
             continue
-        if raw[token.start()] == 0x22:  # an unclosed string: not JSON, which json.loads says
+        byte = raw[token.start()]
+        if byte == _QUOTE:  # an unclosed string: not JSON, which json.loads says
             return
-        count += 1
+        if byte not in _OPEN:
+            depth -= 1
+            continue
+        count, depth = count + 1, depth + 1
+        deepest = max(deepest, depth)
         if count > limit:
+            if deepest >= sys.getrecursionlimit():  # the C decoder counts its depth against it
+                raise APIError(400, "the request body nests JSON arrays or objects too deeply")
             raise APIError(400, f"the request body holds more than the gateway's limit of {limit} JSON objects and "
                            "arrays (messages, content parts, tool calls, ... in all): send fewer, longer parts")
 
