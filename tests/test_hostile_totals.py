@@ -76,6 +76,21 @@ def test_a_tool_result_is_counted_and_refused_before_it_is_split():
         assert split_tool_result(broken)[0] == [("", broken, False)], broken
 
 
+def test_megabytes_of_json_in_a_tool_result_are_never_decoded():
+    """Decoding 8 MB of ``{},`` to learn that it is one JSON value built 2.6M dicts (+200 MB); past
+    65,536 commas, colons and brackets a tool's output is read as text (one document here)."""
+    huge = '{"a": [' + "{}," * 2_600_000 + "{}]}"
+    tracemalloc.start()
+    try:
+        items, tail = split_tool_result(huge, 10)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert items == [("", huge, False)] and tail == "" and peak < 20 << 20, peak >> 20
+    small = '{"a": [' + "{}," * 100 + "{}]}"
+    assert split_tool_result(small) == ([("", small, True)], "")  # JSON as before: one atomic item
+
+
 def agent_chat(tool_messages: int, documents: int) -> list[dict]:
     chat: list[dict] = [{"role": "user", "content": "Find it."}]
     for i in range(tool_messages):

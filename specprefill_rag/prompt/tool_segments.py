@@ -50,6 +50,11 @@ _BLANK_LINE = re.compile(r"\n[ \t]*\n")
 _NOT_BLANK = re.compile(r"\S")
 _WHITESPACE = re.compile(r"[ \t\r\n]*")  # JSON's white space
 _FENCE = "```"
+# A tool's output is read as JSON (items, or one value) only when it holds at most this many commas,
+# colons and brackets, which bound the values decoding builds: megabytes of "{}," would otherwise
+# become millions of dicts (+200 MB for 8 MB) just to learn they are JSON. Beyond it (far past what
+# a context window holds) the output is documents of text.
+_MAX_JSON_VALUES = 4 * MAX_SEGMENTS
 
 
 def _name(name: object, what: str) -> str:
@@ -177,16 +182,19 @@ def _text_documents(text: str, limit: int | None) -> list[tuple[int, int]]:
 
 def _document_bounds(text: str, limit: int | None) -> tuple[list[tuple[int, int]], list[bool]]:
     """The documents of a tool's output (``split_tool_result``) as [start, end) bounds and whether
-    each is atomic; with ``limit``, at most ``limit + 1`` of them are found (then: too many)."""
-    bounds = _json_items(text, limit)
+    each is atomic; with ``limit``, at most ``limit + 1`` of them are found (then: too many). JSON
+    that would decode into more than ``_MAX_JSON_VALUES`` values is read as text: never built."""
+    decodable = sum(text.count(mark) for mark in ",:[{") <= _MAX_JSON_VALUES
+    bounds = _json_items(text, limit) if decodable else None
     if bounds is not None:
         return bounds, [True] * len(bounds)
     try:
-        json.loads(text)
-        stripped = text.strip()
-        if stripped:
-            start = text.index(stripped)
-            return [(start, start + len(stripped))], [True]
+        if decodable:
+            json.loads(text)
+            stripped = text.strip()
+            if stripped:
+                start = text.index(stripped)
+                return [(start, start + len(stripped))], [True]
     except (json.JSONDecodeError, RecursionError):
         pass
     bounds = _text_documents(text, limit)
