@@ -33,7 +33,6 @@ from ..types import Passage, Segment
 __all__ = [
     "DEFAULT_SHAPES",
     "MAX_PARTS",
-    "MAX_SEGMENTS",
     "PromptShape",
     "Recognised",
     "recognise",

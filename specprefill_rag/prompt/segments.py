@@ -16,7 +16,7 @@ their segments here:
 
 ``MAX_SEGMENTS`` bounds what splitting client text may make of one prompt: a text of a million
 blank lines must cost time linear in its length and memory bounded by the limit, not a million
-objects, so the splitters stop counting at the limit before they build anything.
+objects, so the splitters count before they build, and hold no more than the limit.
 
 Rendering segments with a chat template into token ids is ``render``'s job.
 """
