@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,7 @@ from servers import (  # noqa: E402
 )
 
 from specprefill_rag.config import GenerationConfig  # noqa: E402
+from specprefill_rag.gateway.admission import cache_namespace  # noqa: E402
 from specprefill_rag.gateway.messages import to_segments  # noqa: E402
 from specprefill_rag.testing import tiny_engine, tiny_tokenizer  # noqa: E402
 from specprefill_rag.types import Passage  # noqa: E402
@@ -142,6 +144,15 @@ def upstream_port() -> int:
     return free_port()
 
 
+CACHE_SECRET = b"the upstream gateway's cache secret"
+
+
+def secret_file(folder: Path) -> Path:
+    path = folder / "cache-secret"
+    path.write_bytes(CACHE_SECRET + b"\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, upstream_port) -> Iterator[tuple[GatewayProcess, GatewayProcess]]:
     """Both gateways, started together (their start-ups overlap)."""
@@ -157,7 +168,8 @@ def stack(tmp_path_factory, upstream_port) -> Iterator[tuple[GatewayProcess, Gat
                        tmp / "gateway.log"),
         GatewayProcess(["--backend", "vllm_server", "--vllm-url", f"http://127.0.0.1:{upstream_port}",
                         "--main", str(model_dir), "--no-draft", "--served-model-name", "tiny",
-                        "--max-model-len", "2048", "--max-queue", "1", "--model-name", "tiny-upstream"],
+                        "--max-model-len", "2048", "--max-queue", "1", "--model-name", "tiny-upstream",
+                        "--cache-secret-file", str(secret_file(tmp))],
                        tmp / "upstream_gateway.log"),
     ]
     try:
@@ -516,14 +528,15 @@ def test_upstream_error_is_502_and_mid_stream_error_is_an_event(upstream_gateway
 
 
 def test_cache_salt_reaches_the_upstream_on_both_endpoints(upstream_gateway, fake_vllm):
+    """As its namespace: an HMAC under the secret of --cache-secret-file (docs/gateway.md, Tenants)."""
     client = upstream_gateway.client()
     client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
                                    extra_body={"cache_salt": "tenant-a"})
-    assert fake_vllm.bodies[-1]["cache_salt"] == "tenant-a"
+    assert fake_vllm.bodies[-1]["cache_salt"] == cache_namespace(CACHE_SECRET, None, "tenant-a")
     client.completions.create(model="x", prompt="hi", extra_body={"cache_salt": "tenant-b"})
-    assert fake_vllm.bodies[-1]["cache_salt"] == "tenant-b"
+    assert fake_vllm.bodies[-1]["cache_salt"] == cache_namespace(CACHE_SECRET, None, "tenant-b")
     client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])
-    assert "cache_salt" not in fake_vllm.bodies[-1]  # none given: vLLM's shared namespace
+    assert fake_vllm.bodies[-1]["cache_salt"] == cache_namespace(CACHE_SECRET, None, None)  # none: the shared one
 
 
 def test_full_queue_is_429_and_a_hang_up_cancels_the_upstream_request(upstream_gateway, fake_vllm):

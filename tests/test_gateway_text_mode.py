@@ -11,6 +11,7 @@ sends no proof (a replica without the plugin behind a router). The kept text is 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,6 +29,7 @@ from specprefill_rag.backends.vllm_server import ConnectionOptions, VLLMServerBa
 from specprefill_rag.config import GenerationConfig  # noqa: E402
 from specprefill_rag.errors import ConfigError  # noqa: E402
 from specprefill_rag.gateway import GatewayOptions, create_app  # noqa: E402
+from specprefill_rag.gateway.admission import cache_namespace  # noqa: E402
 from specprefill_rag.gateway.text_mode import WORD_JOINER, added_token_strings, defuse  # noqa: E402
 from specprefill_rag.prompt import chat_segments, special_token_ids  # noqa: E402
 from specprefill_rag.testing import tiny_engine  # noqa: E402
@@ -237,15 +239,32 @@ def test_the_completions_endpoint_sends_a_chat_too(local, upstream):
 
 
 def test_the_generation_settings_reach_the_upstream(upstream):
-    with client(upstream_engine(upstream)) as c:
+    secret = b"the operator's cache secret"
+    with client(upstream_engine(upstream), cache_secret=secret) as c:
         response = c.post(CHAT, json=body(temperature=0.5, top_p=0.9, top_k=5, seed=7, stop=["\n\n", "END"],
                                           cache_salt="tenant-x", max_completion_tokens=6))
     assert response.status_code == 200, response.text
     [sent] = upstream.chats()
+    salt = cache_namespace(secret, None, "tenant-x")  # the client's salt, in its namespace (docs/gateway.md)
     assert {k: sent[k] for k in ("temperature", "top_p", "top_k", "seed", "stop", "cache_salt", "max_tokens")} == {
-        "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7, "stop": ["\n\n", "END"], "cache_salt": "tenant-x",
+        "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7, "stop": ["\n\n", "END"], "cache_salt": salt,
         "max_tokens": 6}
     assert sent["stream_options"] == {"include_usage": True}
+
+
+def test_a_computed_salt_reaches_the_upstream_as_the_senders_own(upstream):
+    """The attacker of issue 60 in text mode: whatever salt a client sends, the upstream gets its
+    HMAC under the gateway's secret with the client's tenant, never a tenant's namespace."""
+    with client(upstream_engine(upstream), api_key="shared", api_keys={"key-a": "alpha"}) as c:
+        secret = c.app.state.gateway.cache_secret  # type: ignore[attr-defined]
+        alpha = cache_namespace(secret, "alpha", None)
+        old = "tenant-" + hashlib.sha256(json.dumps(["alpha", None]).encode()).hexdigest()[:32]
+        for key, salt in (("key-a", None), ("shared", old), ("shared", alpha), ("shared", None), ("shared", "alpha")):
+            response = c.post(CHAT, json=body(**({"cache_salt": salt} if salt else {})),
+                              headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == 200, response.text
+    sent = [chat["cache_salt"] for chat in upstream.chats()]
+    assert sent[0] == alpha and alpha not in sent[1:] and len(set(sent)) == 5
 
 
 def test_an_upstream_api_key_goes_with_every_request_and_nowhere_else(upstream):

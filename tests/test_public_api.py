@@ -41,6 +41,7 @@ PACKAGES = [
     "specprefill_rag.gateway.admission",
     "specprefill_rag.gateway.app",
     "specprefill_rag.gateway.fields",
+    "specprefill_rag.gateway.limits",
     "specprefill_rag.gateway.messages",
     "specprefill_rag.gateway.metrics",
     "specprefill_rag.gateway.openapi",

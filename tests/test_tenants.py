@@ -9,6 +9,7 @@ checked in tests/test_vllm_server.py against a real server.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections.abc import Iterator
@@ -170,7 +171,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from specprefill_rag.gateway import create_app  # noqa: E402
-from specprefill_rag.gateway.app import tenant_salt  # noqa: E402
+from specprefill_rag.gateway.app import cache_namespace  # noqa: E402
 
 KEYS = {"key-a": "alpha", "key-a2": "alpha", "key-b": "beta"}
 
@@ -210,15 +211,18 @@ def test_tenants_and_salts_share_nothing_through_the_gateway(client, path):
     assert not post(client, "key-a", "s1", path=path)["draft_memo_hit"]  # a salt narrows a tenant's namespace
     assert post(client, "key-a", "s1", path=path)["draft_memo_hit"]
     assert not post(client, "key-b", "s1", path=path)["draft_memo_hit"]  # the same salt, another tenant
-    assert not post(client, "shared-key", path=path)["draft_memo_hit"]  # the shared key: vLLM's own rule
+    assert not post(client, "shared-key", path=path)["draft_memo_hit"]  # the shared key: a namespace of its own
     assert not post(client, "shared-key", "s1", path=path)["draft_memo_hit"]
-    assert post(client, "shared-key", "s1", path=path)["draft_memo_hit"]
+    assert post(client, "shared-key", "s1", path=path)["draft_memo_hit"]  # shared by the salt, as in vLLM
 
 
-def test_a_tenants_salt_cannot_reach_another_tenants_namespace():
-    salts = {tenant_salt(tenant, salt) for tenant in ("a", "a|b", "b") for salt in (None, "b", "x", "a|b")}
-    assert len(salts) == 12
-    assert tenant_salt("a", None) == tenant_salt("a", None)
+def test_no_salt_reaches_another_namespace_and_the_secret_keys_them_all():
+    secret, other = b"s" * 16, b"t" * 16
+    pairs = [(tenant, salt) for tenant in (None, "a", "a|b", "b", "null") for salt in (None, "b", "x", "a|b", "null")]
+    salts = {cache_namespace(secret, tenant, salt) for tenant, salt in pairs}
+    assert len(salts) == len(pairs)  # the shared namespace (None) is no tenant's, not even one named "null"
+    assert cache_namespace(secret, "a", None) == cache_namespace(secret, "a", None)
+    assert not salts & {cache_namespace(other, tenant, salt) for tenant, salt in pairs}  # another secret: others
 
 
 def test_the_cache_salt_is_checked_like_vllm_does(client):
@@ -264,3 +268,144 @@ def test_the_keys_file_maps_tenants_to_keys(tmp_path):
     path.write_text(json.dumps(["k1"]))
     with pytest.raises(ValueError, match="JSON object"):
         _read_api_keys(str(path))
+
+
+# -- the attacker (issue 60, cause 6): the shared key, a tenant's key, computed salts ----------------
+
+TOOL = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture
+def tool_engine():
+    """The ``engine`` fixture's settings with a chat template that renders tools, and room in the
+    memo and the prefix store for every namespace an attacker tries (no entry of alpha's evicted)."""
+    return tiny_engine(SpecPrefillConfig(
+        draft=DraftConfig(lookahead=2, prefix_cache_entries=64, memo_entries=64),
+        selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=32, chunk_size=8),
+        generation=GenerationConfig(max_new_tokens=2),
+    ), tools=True)
+
+
+def surface_body(surface: str, passages: list[Passage]) -> tuple[str, dict]:
+    """(path, body) of one request on ``surface`` whose context is ``passages``; the instructions
+    (the prompt's head, which the draft's prefix store keeps) are the same every time."""
+    texts = [p.text for p in passages]
+    system = {"role": "system", "content": INSTRUCTIONS}
+    if surface == "completions":
+        return "/v1/completions", {"model": "m", "max_tokens": 2, "prompt": QUESTION,
+                                   "specprefill": {"passages": texts}}
+    if surface == "tools":
+        call = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+        messages = [system, {"role": "user", "content": QUESTION},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "\n\n".join(texts)}]
+        return "/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": messages, "tools": [TOOL]}
+    extension = {"passages": texts} | ({"mode": "text"} if surface == "text" else {})
+    return "/v1/chat/completions", {"model": "m", "max_tokens": 2, "specprefill": extension,
+                                    "messages": [system, {"role": "user", "content": QUESTION}]}
+
+
+def guesses(secret: bytes, tenant: str) -> list[str]:
+    """Every salt an attacker might compute for ``tenant``'s namespace: the SHA-256 of public values
+    the gateway used before, the tenant's name, the derivation under guessed secrets, and the real
+    namespace itself (as if it had leaked from vLLM's logs)."""
+    old = "tenant-" + hashlib.sha256(json.dumps([tenant, None]).encode()).hexdigest()[:32]
+    return [old, tenant, cache_namespace(b"\0" * 32, tenant, None), cache_namespace(b"secret" * 3, tenant, None),
+            cache_namespace(secret, tenant, None), cache_namespace(secret, None, None)]
+
+
+@pytest.mark.parametrize("surface", ["chat", "completions", "text", "tools"])
+def test_an_attacker_reaches_no_tenants_namespace(tool_engine, surface):
+    """Alpha asks; then clients with the shared key or beta's key ask the same, sending no salt or
+    every salt they could compute for alpha. Each lands in a namespace of its own: no memo hit, the
+    prompt's head read whole (served from alpha's store, it would be ``head`` tokens shorter), and
+    the salt the backend gets is neither alpha's nor the one sent. With the old salts (a SHA-256 of
+    public values; the shared key's salt used as given) the old formula's guess hit alpha's memo
+    on every surface."""
+    forwarded: list[str | None] = []  # each request's cache_salt, as the main model's backend gets it
+    stream_tokens = tool_engine.backend.stream_tokens
+    tool_engine.backend.stream_tokens = lambda plan, generation: (forwarded.append(generation.cache_salt),
+                                                                  stream_tokens(plan, generation))[1]
+    read: list[int] = []  # tokens the first layer reads (the draft's forwards and the main model's)
+    layer = tool_engine.draft.model.get_decoder().layers[0]
+    hook = layer.register_forward_pre_hook(
+        lambda module, args, kwargs: read.append((args[0] if args else kwargs["hidden_states"]).shape[1]),
+        with_kwargs=True)
+    app = create_app(tool_engine, api_keys={"key-a": "alpha", "key-b": "beta"}, api_key="shared-key")
+    secret = app.state.gateway.cache_secret
+
+    def ask(key: str, salt: str | None, passages: list[Passage]) -> tuple[dict, str | None, int]:
+        path, body = surface_body(surface, passages)
+        body |= {"cache_salt": salt} if salt is not None else {}
+        read.clear()
+        response = client.post(path, json=body, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        return response.json()["specprefill"], forwarded[-1], sum(read)
+
+    try:
+        with TestClient(app, raise_server_exceptions=False) as client:
+            assert client.get("/ready").status_code == 200  # the warm-up's forwards are done
+            first, alphas, cold = ask("key-a", None, PASSAGES[:4])
+            again, alpha_again, _ = ask("key-a", None, PASSAGES[:4])
+            assert not first["draft_memo_hit"] and again["draft_memo_hit"]  # alpha's memo answers alpha
+            warm = ask("key-a", None, PASSAGES[4:])[2]  # its head served from alpha's store
+            assert alphas == alpha_again and alphas is not None
+            heads = {entry.namespace: entry.n_tokens for _, entry in tool_engine.draft.prefixes._snapshot()}
+            head = heads.get(alphas, 0)  # what a leak of alpha's store would serve
+            assert head > 32 or surface == "completions"  # a completion's head is too short to store
+            assert alphas in guesses(secret, "alpha")  # as if it had leaked
+            for key in ("shared-key", "key-b"):
+                for salt in [None, *guesses(secret, "alpha")]:
+                    ext, sent, tokens = ask(key, salt, PASSAGES[4:])  # a namespace's first request
+                    assert not ext["draft_memo_hit"], (key, salt)
+                    assert tokens == warm + head, (key, salt, tokens, warm, head)  # the head read, not served
+                    assert sent not in (alphas, salt, None), (key, salt)  # its own namespace, never the value sent
+                    ext, again_sent, _ = ask(key, salt, PASSAGES[:4])
+                    assert not ext["draft_memo_hit"] and again_sent == sent, (key, salt)  # True before: the leak
+            assert ask("key-a", None, PASSAGES[:4])[0]["draft_memo_hit"]  # alpha's entries are all still there
+    finally:
+        hook.remove()
+
+
+def test_replicas_with_one_secret_give_a_tenant_one_namespace(engine):
+    """Gateways given the same secret forward the same salt for a tenant (so vLLM's prefix cache
+    behind a router serves it whichever gateway it reached); gateways left to draw their own don't."""
+    forwarded: list[str | None] = []
+    stream_tokens = engine.backend.stream_tokens
+    engine.backend.stream_tokens = lambda plan, generation: (forwarded.append(generation.cache_salt),
+                                                             stream_tokens(plan, generation))[1]
+    shared = b"an operator's shared secret"
+    salts = []
+    for options in ({"cache_secret": shared}, {"cache_secret": shared}, {}, {}):
+        with TestClient(create_app(engine, api_keys=KEYS, **options)) as client:
+            assert client.get("/ready").status_code == 200  # the warm-up (no salt) is done
+            body, headers = chat("key-a")
+            assert client.post("/v1/chat/completions", json=body, headers=headers).status_code == 200
+            salts.append(forwarded[-1])
+    assert salts[0] == salts[1] == cache_namespace(shared, "alpha", None)
+    assert len(set(salts)) == 3  # each drawn secret is its own
+
+
+def test_the_cache_secret_is_an_option_never_shown():
+    from specprefill_rag.gateway import GatewayOptions
+
+    options = GatewayOptions(cache_secret=b"k" * 16, api_key="sk-shared", api_keys={"sk-alpha": "alpha"})
+    assert "kkkk" not in repr(options) and "sk-" not in repr(options)
+    for bad in (b"short", "a str secret of 32 characters..", 7):
+        with pytest.raises(ConfigError, match="cache_secret must be bytes, at least 16"):
+            GatewayOptions(cache_secret=bad)  # type: ignore[arg-type]
+
+
+def test_the_secret_file_is_read_and_checked(tmp_path):
+    from specprefill_rag.tools.cli_parser import build_parser
+    from specprefill_rag.tools.cli_serve import _read_cache_secret
+
+    path = tmp_path / "secret"
+    path.write_bytes(b"0123456789abcdef0123456789abcdef\n")
+    assert _read_cache_secret(str(path)) == b"0123456789abcdef0123456789abcdef"
+    path.write_bytes(b"  short\n")
+    with pytest.raises(ValueError, match="holds 5 bytes; a cache secret needs 16 or more") as refused:
+        _read_cache_secret(str(path))
+    assert "short" not in str(refused.value)  # the secret's bytes are never shown
+    args = build_parser().parse_args(["gateway", "--cache-secret-file", str(path)])
+    assert args.cache_secret_file == str(path)

@@ -342,7 +342,7 @@ def test_tenants_share_nothing_in_vllms_prefix_cache(server, hf_backend):
     from specprefill_rag.draft import DraftModel
     from specprefill_rag.engine import SpecPrefillEngine
     from specprefill_rag.gateway import create_app
-    from specprefill_rag.gateway.app import tenant_salt
+    from specprefill_rag.gateway.app import cache_namespace
 
     config = SpecPrefillConfig(selection=SelectionConfig(keep_rate=0.4, min_prompt_tokens=0),
                                generation=GenerationConfig(max_new_tokens=4))
@@ -355,7 +355,8 @@ def test_tenants_share_nothing_in_vllms_prefix_cache(server, hf_backend):
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "How long did the fog stay?"}],
             "specprefill": {"passages": [f"Run {run}. {TEXT_A}", TEXT_B], "mode": "full"}}
     bs = block_size(server)
-    with TestClient(create_app(engine, api_keys={"key-a": "alpha", "key-b": "beta"})) as client:
+    secret = b"a secret shared by the replicas"
+    with TestClient(create_app(engine, api_keys={"key-a": "alpha", "key-b": "beta"}, cache_secret=secret)) as client:
         def ask(key: str) -> dict:
             response = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
             assert response.status_code == 200, response.text
@@ -364,8 +365,8 @@ def test_tenants_share_nothing_in_vllms_prefix_cache(server, hf_backend):
         ask("key-a")
         plan = sent[-1]
         own = (plan.n_kept - 1) // bs * bs
-        assert complete(server, plan, tenant_salt("alpha", None))[0] == own  # alpha's blocks are cached
-        assert complete(server, plan, tenant_salt("beta", None))[0] == 0  # beta gets none of them
+        assert complete(server, plan, cache_namespace(secret, "alpha", None))[0] == own  # alpha's blocks are cached
+        assert complete(server, plan, cache_namespace(secret, "beta", None))[0] == 0  # beta gets none of them
         assert complete(server, plan, None)[0] == 0  # nor does a request without a salt
         assert complete(server, plan, "alpha")[0] == 0  # nor one that names alpha as its salt
         body["specprefill"]["mode"] = "specprefill"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ..errors import ConfigError, MissingDependencyError
+from .admission import MIN_SECRET_BYTES
 from .messages import DEFAULT_SHAPES, PromptShape
 
 if TYPE_CHECKING:
@@ -40,8 +41,12 @@ class GatewayOptions:
     ``api_key``: required as ``Authorization: Bearer KEY`` on ``/v1/*`` (None or "": open).
     ``api_keys``: more keys, each mapped to its tenant's name: a tenant's requests share cached
     work (the draft's caches, vLLM's prefix cache) only with requests of the same tenant and the
-    same ``cache_salt``; requests with ``api_key`` (or an open gateway's) use the client's
-    ``cache_salt`` as vLLM does. Either or both may be given; with any, a key is required.
+    same ``cache_salt``; requests with ``api_key`` (or an open gateway's) share it by their
+    ``cache_salt`` among themselves, never with a tenant's. Either or both may be given; with
+    any, a key is required. ``cache_secret``: the key of every request's cache namespace (an HMAC
+    of its tenant and ``cache_salt``; at least 16 bytes; None: 32 random bytes drawn when the app
+    is built). Give gateways behind one router the same secret so that a tenant's requests share
+    vLLM's prefix cache whichever gateway they reach.
     ``max_queue``: requests in flight (reading their body, waiting or running) before HTTP 429.
     ``max_concurrency``: requests generating at once (None: max(4, the draft's ``max_batch``)).
     ``model_name``: the id in ``/v1/models`` and in answers (None: the backend's); requests may
@@ -56,19 +61,25 @@ class GatewayOptions:
     in text mode (reported in its ``specprefill.fallback``) instead of failing with HTTP 502.
     """
 
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     max_queue: int = 64
     max_concurrency: int | None = None
     model_name: str | None = None
     shapes: Sequence[PromptShape] = field(default=DEFAULT_SHAPES)
     max_body_bytes: int = 8 << 20  # bytes; 8 MiB holds about two million tokens of English text
-    api_keys: Mapping[str, str] = field(default_factory=dict)  # API key -> tenant name
+    api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)  # API key -> tenant name
     max_body_bytes_in_flight: int | None = None  # bytes; None: 4 * max_body_bytes
     ready_cache_s: float = 2.0  # seconds
     default_mode: GatewayMode | None = None  # None: "specprefill" with a draft, else "full"
     fallback_text_mode: bool = False
+    cache_secret: bytes | None = field(default=None, repr=False)  # None: random per app; never shown
 
     def __post_init__(self) -> None:
+        secret = self.cache_secret
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES):
+            shown = f"{len(secret)} bytes" if isinstance(secret, bytes) else type(secret).__name__
+            raise ConfigError(f"cache_secret must be bytes, at least {MIN_SECRET_BYTES} of them (or None: random), "
+                              f"got {shown}")
         if self.default_mode is not None and self.default_mode not in get_args(GatewayMode):
             choices = ", ".join(repr(m) for m in get_args(GatewayMode))
             raise ConfigError(f"default_mode must be one of {choices} or None, got {self.default_mode!r:.40}")

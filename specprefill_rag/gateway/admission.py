@@ -1,18 +1,24 @@
-"""What a request is checked for before a byte of its body is read, and the tenants' cache salts.
+"""What a request is checked for before a byte of its body is read, and every request's cache salt.
 
 The gateway (``app.Gateway``) admits or refuses every request at once: the declared size (413), the
-media type (415), then draining, the queue and the bodies in flight (its own counters). A tenant's
-requests get a cache salt no other tenant can reach (``tenant_salt``).
+media type (415), then draining, the queue and the bodies in flight (its own counters). Every
+request's cache namespace is ``cache_namespace``: an HMAC, under the gateway's secret, of its tenant
+and the ``cache_salt`` it sent, so no request reaches a namespace that is not its own.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import secrets
 
 from .responses import APIError
 
-__all__ = ["check_media_type", "tenant_salt", "too_large"]
+__all__ = ["MIN_SECRET_BYTES", "cache_namespace", "check_media_type", "new_secret", "too_large"]
+
+MIN_SECRET_BYTES = 16  # a cache secret shorter than this could be guessed
+_DOMAIN = b"specprefill-rag cache namespace v1\0"  # what these HMACs are of: no other use of the secret
 
 
 def too_large(size: int | None, limit: int) -> APIError:
@@ -35,7 +41,18 @@ def check_media_type(content_type: str | None) -> None:
                    code="unsupported_media_type")
 
 
-def tenant_salt(tenant: str, salt: str | None) -> str:
-    """The cache salt of a request of ``tenant`` that sent ``salt`` (None: none): a digest of
-    both, so no tenant, whatever salt it sends, reaches another tenant's namespace."""
-    return "tenant-" + hashlib.sha256(json.dumps([tenant, salt]).encode()).hexdigest()[:32]
+def new_secret() -> bytes:
+    """A random cache secret (32 bytes), for a gateway whose operator gave none."""
+    return secrets.token_bytes(32)
+
+
+def cache_namespace(secret: bytes, tenant: str | None, salt: str | None) -> str:
+    """The cache salt of a request of ``tenant`` (None: the shared API key, or an open gateway)
+    that sent ``salt`` (None: none): an HMAC-SHA-256 under ``secret`` of both.
+
+    Every request's salt is made so, the tenant's or not: a client's ``cache_salt`` is only ever an
+    input, so a client that sends another tenant's namespace (or anything) lands in a namespace of
+    its own, and without the secret nobody can compute a namespace, not even a client of the same
+    vLLM that bypasses the gateway. Each engine cache and vLLM key on the result alone."""
+    message = _DOMAIN + json.dumps([tenant, salt]).encode()
+    return "ns-" + hmac.new(secret, message, hashlib.sha256).hexdigest()[:32]

@@ -7,7 +7,8 @@ with ``Retry-After``. Parsing (JSON, prompt shapes, segments: linear in the body
 worker thread. Of the admitted, at most ``max_concurrency`` generate at a time, through
 ``engine.astream``: every model step runs in a worker thread, so the event loop only moves
 bytes. Concurrent requests score in one draft batch when the engine's ``DraftConfig.max_batch``
-allows; requests of different ``cache_salt`` (tenants) share no cache and no batch.
+allows; requests of different cache namespaces (tenants, ``cache_salt``, keyed with the gateway's
+secret) share no cache and no batch.
 
 Failures before the first token are plain HTTP errors (400, 413, 502, 503, 504, OpenAI-shaped);
 after it, an ``{"error": ...}`` event ends the stream, and every stream ends with ``[DONE]``. A
@@ -52,7 +53,8 @@ from starlette.requests import ClientDisconnect
 from ..engine import SpecPrefillEngine
 from ..errors import ConfigError, InputError, PluginMissingError
 from . import GatewayMode, GatewayOptions, tools
-from .admission import check_media_type, tenant_salt, too_large
+from .admission import cache_namespace, check_media_type, new_secret, too_large
+from .limits import check_containers, check_totals
 from .metrics import GatewayMetrics
 from .openapi import CHAT_REQUEST, COMPLETION_REQUEST, request_body
 from .protocol import GatewayRequest, parse_chat, parse_completion
@@ -61,7 +63,7 @@ from .runs import ClientGone, EventStream, Run, sse, sse_error, unless_disconnec
 from .text_mode import TextMode, added_token_strings
 from .text_mode import warm_up as warm_up_text
 
-__all__ = ["Gateway", "create_app", "run_app", "tenant_salt"]
+__all__ = ["Gateway", "cache_namespace", "create_app", "run_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,10 @@ class Gateway:
         self.engine = engine
         self.api_key = options.api_key or None
         self.tenants = dict(options.api_keys)  # API key -> tenant name
+        self.cache_secret = options.cache_secret or new_secret()  # keys every request's cache namespace
+        if options.cache_secret is None:
+            logger.info("cache namespaces are keyed with a secret drawn at start: gateways behind one router share "
+                        "a tenant's vLLM prefix cache only when given the same one (--cache-secret-file)")
         self.max_queue = options.max_queue
         self.max_body_bytes = options.max_body_bytes
         assert options.max_body_bytes_in_flight is not None  # GatewayOptions fills it in
@@ -170,8 +176,9 @@ class Gateway:
 
     def _parse(self, raw: bytes, endpoint: str, tenant: str | None) -> GatewayRequest:
         """The body as a request (in a worker thread: JSON, prompt shapes and segments take time
-        linear in the body, up to tens of milliseconds for megabytes); its cache salt put in the
-        tenant's namespace."""
+        linear in the body, up to tens of milliseconds for megabytes); its cache salt replaced by
+        its namespace (``admission.cache_namespace``: the tenant's and the salt's HMAC)."""
+        check_containers(raw)  # before json.loads builds them: the request's caps in all (limits)
         try:
             body = json.loads(raw)
         except ValueError:
@@ -180,15 +187,14 @@ class Gateway:
             raise APIError(400, "the request body nests JSON arrays or objects too deeply") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        check_totals(body)
         parse = parse_chat if endpoint == "chat" else parse_completion
         try:
             req = parse(body, self.engine.config.generation, self.default_mode, self.shapes)
         except (InputError, ConfigError) as error:
             raise APIError(400, str(error)) from None
         req = dataclasses.replace(req, call_opener=tools.check_support(req.segments, self.engine.tokenizer))
-        if tenant is None:
-            return req
-        salt = tenant_salt(tenant, req.generation.cache_salt)
+        salt = cache_namespace(self.cache_secret, tenant, req.generation.cache_salt)  # every request's, keyed
         return dataclasses.replace(req, generation=dataclasses.replace(req.generation, cache_salt=salt))
 
     async def handle(self, request: Request, endpoint: str) -> Response:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import InputError
-from ..prompt import chat_segments, split_documents
+from ..prompt import MAX_SEGMENTS, chat_segments, split_documents
 from ..types import Passage, Segment
 
 __all__ = [
@@ -41,10 +41,12 @@ __all__ = [
 
 Role = Literal["user", "system"]
 
-# At most this many messages, content parts, passages, and documents recognised in one message,
-# per request: each becomes objects, template text and selection units, so a megabyte of blank
+# At most this many messages, content parts in one message, passages, and documents recognised in
+# one message: each becomes objects, template text and selection units, so a megabyte of blank
 # lines or empty strings must not become a million of them. Recognised documents beyond it are
-# joined back into fewer passages (nothing is lost); the explicit forms get HTTP 400.
+# joined back into fewer passages (nothing is lost); the explicit forms get HTTP 400. In all, a
+# request makes at most ``MAX_SEGMENTS`` segments (passages, tool documents, calls, turns) and holds
+# at most as many content parts (``limits``): more is HTTP 400, found while splitting.
 MAX_PARTS = 4096
 
 
@@ -145,8 +147,9 @@ class _Block:
     inner: str
 
 
-def _blocks(text: str) -> list[_Block] | None:
-    """The outermost ``<document>`` / ``<context>`` blocks, in one pass over the tags (linear).
+def _blocks(text: str, limit: int = MAX_PARTS) -> list[_Block] | None:
+    """The outermost ``<document>`` / ``<context>`` blocks, in one pass over the tags (linear),
+    at most ``limit + 1`` of them (the pass stops there: too many).
 
     Tags inside an open block are data (a retrieved document may quote the tags); a block
     closes at its own matching tag, counted by depth. None when the tags do not pair up (a
@@ -168,6 +171,8 @@ def _blocks(text: str) -> list[_Block] | None:
                 inner = text[opened.end():tag.start()]
                 blocks.append(_Block(opened.start(), tag.end(), name, opened.group("attrs") or "", inner))
                 opened = None
+                if len(blocks) > limit:
+                    return blocks
     return blocks if opened is None else None
 
 
@@ -181,16 +186,22 @@ class Recognised:
     instructions: str = ""  # instruction text a user-message shape carried
 
 
-def _tagged(text: str) -> Recognised | None:
+def _too_many() -> InputError:
+    return InputError(f"the messages hold more than {MAX_SEGMENTS} segments in all (recognised documents and "
+                      "turns): send fewer, longer documents")
+
+
+def _tagged(text: str, budget: int) -> Recognised | None:
     """Documents given in tags: each ``<document>`` block one passage (its ``id`` attribute the
     passage id), each ``<context>`` block documents joined by blank lines; the text outside the
-    blocks (a ``<documents>`` wrapper right around them dropped) is the rest."""
+    blocks (a ``<documents>`` wrapper right around them dropped) is the rest. More than ``budget``
+    passages is an ``InputError``, raised before the next block is split."""
     blocks = _blocks(text)
     if not blocks:
         return None
     if len(blocks) > MAX_PARTS:
-        raise InputError(f"a message holds {len(blocks)} <document>/<context> blocks, more than the gateway's limit "
-                         f"of {MAX_PARTS}: send fewer, longer documents")
+        raise InputError(f"a message holds more than the gateway's limit of {MAX_PARTS} <document>/<context> "
+                         "blocks: send fewer, longer documents")
     passages: list[Passage] = []
     for block in blocks:
         if block.name == "document":
@@ -198,6 +209,8 @@ def _tagged(text: str) -> Recognised | None:
             passages.append(Passage(block.inner.strip(), id=found.group(1) if found else None))
         else:
             passages.extend(split_documents(block.inner, MAX_PARTS))
+        if len(passages) > budget:
+            raise _too_many()
     head, tail = text[:blocks[0].start], text[blocks[-1].end:]
     wrapper = _WRAPPER_OPEN.search(head)
     closing = _WRAPPER_CLOSE.match(tail)
@@ -208,12 +221,14 @@ def _tagged(text: str) -> Recognised | None:
     return Recognised("tagged", tuple(p for p in passages if p.text), rest.strip())
 
 
-def recognise(text: str, role: Role, shapes: Sequence[PromptShape] = DEFAULT_SHAPES) -> Recognised | None:
+def recognise(text: str, role: Role, shapes: Sequence[PromptShape] = DEFAULT_SHAPES, *,
+              budget: int = MAX_SEGMENTS) -> Recognised | None:
     """Documents in one message (the last user message or a system message), or None.
 
     The documented ``shapes`` are tried first: each matches the whole message on its template's
     own literal text, so documents inside it are data whatever they contain (tags included).
     Only a message that follows none of them is read for ``<document>`` / ``<context>`` tags.
+    ``budget``: the passages the request may still make; more is an ``InputError``.
     """
     stripped = text.strip()
     for shape in shapes:
@@ -225,11 +240,13 @@ def recognise(text: str, role: Role, shapes: Sequence[PromptShape] = DEFAULT_SHA
         passages = tuple(split_documents(match.group("context"), MAX_PARTS))
         if not passages:
             continue
+        if len(passages) > budget:
+            raise _too_many()
         parts = [v.strip() for k, v in match.groupdict().items() if k.startswith("instructions") and v and v.strip()]
         if role == "user":
             return Recognised(shape.name, passages, match.group("question").strip(), "\n".join(parts))
         return Recognised(shape.name, passages, "\n".join(parts))
-    return _tagged(text)
+    return _tagged(text, budget)
 
 
 def _last_user(turns: Sequence[tuple[str, str]]) -> int:
@@ -267,7 +284,8 @@ def to_segments(
         return chat_segments(turns, split_documents(rest, MAX_PARTS)), "extension"
     found: list[Passage] = []
     shape = "chat"
-    recognised = recognise(turns[at][1], "user", shapes)
+    budget = MAX_SEGMENTS - len(turns)  # each turn makes a segment at most
+    recognised = recognise(turns[at][1], "user", shapes, budget=budget)
     extra_instructions = ""
     if recognised is not None:
         shape = recognised.shape
@@ -277,7 +295,7 @@ def to_segments(
     for i, (role, text) in enumerate(turns):
         if role != "system":
             continue
-        in_system = recognise(text, "system", shapes)
+        in_system = recognise(text, "system", shapes, budget=budget - len(found))
         if in_system is not None:
             shape = in_system.shape if shape == "chat" else shape
             turns[i] = ("system", in_system.rest)

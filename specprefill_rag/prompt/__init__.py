@@ -22,6 +22,7 @@ from .render import (
     special_token_ids,
 )
 from .segments import (
+    MAX_SEGMENTS,
     Passages,
     as_passages,
     build_segments,
@@ -30,9 +31,17 @@ from .segments import (
     request_segments,
     split_documents,
 )
-from .tool_segments import echoed_question, has_tool_messages, message_segments, split_tool_result, tool_schema
+from .tool_segments import (
+    count_documents,
+    echoed_question,
+    has_tool_messages,
+    message_segments,
+    split_tool_result,
+    tool_schema,
+)
 
 __all__ = [
+    "MAX_SEGMENTS",
     "Passages",
     "as_passages",
     "assemble",
@@ -41,6 +50,7 @@ __all__ = [
     "chat_segments",
     "check_length",
     "check_tool_support",
+    "count_documents",
     "cut_levels",
     "echoed_question",
     "has_tool_messages",

@@ -12,21 +12,27 @@ their segments here:
 * ``as_passages`` / ``passage_segments``: what counts as a passage (a ``Passage`` or a str), and
   its segment (a passage without an id gets its number);
 * ``split_documents``: documents joined by blank lines (LangChain's separator, LlamaIndex's
-  ``context_str``) back into passages.
+  ``context_str``) back into passages, at most a limit of them (read one at a time, never all).
+
+``MAX_SEGMENTS`` bounds what splitting client text may make of one prompt: a text of a million
+blank lines must cost time linear in its length and memory bounded by the limit, not a million
+objects, so the splitters count before they build, and hold no more than the limit.
 
 Rendering segments with a chat template into token ids is ``render``'s job.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import cast
 
 from ..errors import InputError, InputTypeError
 from ..types import Passage, Segment, SegmentKind
 
 __all__ = [
+    "MAX_SEGMENTS",
     "Passages",
     "as_passages",
     "build_segments",
@@ -40,6 +46,13 @@ _ROLE_NAMES = {"tool": "Tool", "function": "Function"}
 _CHAT_ROLES = {"user": "user", "human": "user", "assistant": "assistant", "ai": "assistant"}
 # A blank line: what joins documents (LangChain's default separator, LlamaIndex's context_str).
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
+
+# At most this many segments in one prompt built from split text (tool documents, recognised
+# passages, tool calls, turns): four times the gateway's per-message limit (``gateway.messages.
+# MAX_PARTS``). A real RAG or agent prompt holds tens to hundreds; what a context window can hold
+# at a few tokens each stays under it. More is an ``InputError``, found while splitting.
+MAX_SEGMENTS = 16_384
+_CHUNK = 1 << 16  # characters split at blank lines at a time
 
 
 Passages = Sequence[Passage | str] | Passage | str
@@ -166,15 +179,42 @@ def chat_segments(
     return tuple(segments)
 
 
+def _pieces(text: str) -> Iterator[list[str]]:
+    """The text between the blank lines of ``text``, a chunk of about ``_CHUNK`` characters at a
+    time (cut at a blank line: the stripped pieces are those of the whole text's split), so a text
+    of a million blank lines never holds a million pieces at once."""
+    at = 0
+    while at < len(text):
+        gap = _BLANK_LINE.search(text, at + _CHUNK) if at + _CHUNK < len(text) else None
+        cut = gap.end() if gap is not None else len(text)
+        yield _BLANK_LINE.split(text[at:cut])
+        at = cut
+
+
+def _documents(text: str) -> Iterator[str]:
+    """The documents of ``text`` joined by blank lines, stripped, the blank ones skipped."""
+    return itertools.chain.from_iterable(filter(None, map(str.strip, pieces)) for pieces in _pieces(text))
+
+
+def _count_documents(text: str) -> int:
+    return sum(sum(map(bool, map(str.strip, pieces))) for pieces in _pieces(text))
+
+
 def split_documents(text: str, limit: int | None = None) -> list[Passage]:
     """Documents joined by blank lines (LangChain's default separator, LlamaIndex's context_str).
 
     ``limit``: at most this many passages; more pieces are joined back, consecutive ones together
     in groups of equal count, so no text is lost and a message of a million blank lines costs no
-    more objects than the limit (the gateway's bound on client text)."""
-    parts = [part.strip() for part in _BLANK_LINE.split(text)]
-    parts = [part for part in parts if part]
-    if limit is not None and len(parts) > limit:
-        size = -(-len(parts) // limit)
-        parts = ["\n\n".join(parts[i:i + size]) for i in range(0, len(parts), size)]
-    return [Passage(part) for part in parts]
+    more objects than the limit (the gateway's bound on client text): the pieces are counted
+    first, one at a time, and only ``limit`` of them are ever held."""
+    if limit is None:
+        return [Passage(part) for part in _documents(text)]
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    count = _count_documents(text)
+    if count <= limit:
+        return [Passage(part) for part in _documents(text)]
+    size = -(-count // limit)
+    pieces = _documents(text)
+    groups = iter(lambda: list(itertools.islice(pieces, size)), [])
+    return [Passage("\n\n".join(group)) for group in groups]

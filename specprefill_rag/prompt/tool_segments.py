@@ -23,6 +23,7 @@ between a tool message's documents is kept in ``metadata["lead"]`` (before each)
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -30,9 +31,10 @@ from typing import Any
 
 from ..errors import InputError, InputTypeError
 from ..types import Passage, Segment, SegmentKind
-from .segments import Passages, _question, chat_segments, passage_segments
+from .segments import MAX_SEGMENTS, Passages, _question, chat_segments, passage_segments
 
 __all__ = [
+    "count_documents",
     "echoed_question",
     "has_tool_messages",
     "message_segments",
@@ -45,7 +47,14 @@ __all__ = [
 # OpenAI's rule for a function's name: what every chat template can print without escaping.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
+_NOT_BLANK = re.compile(r"\S")
+_WHITESPACE = re.compile(r"[ \t\r\n]*")  # JSON's white space
 _FENCE = "```"
+# A tool's output is read as JSON (items, or one value) only when it holds at most this many commas,
+# colons and brackets, which bound the values decoding builds: megabytes of "{}," would otherwise
+# become millions of dicts (+200 MB for 8 MB) just to learn they are JSON. Beyond it (far past what
+# a context window holds) the output is documents of text.
+_MAX_JSON_VALUES = 4 * MAX_SEGMENTS
 
 
 def _name(name: object, what: str) -> str:
@@ -119,55 +128,96 @@ def tool_call_segments(calls: Sequence[object], message: int) -> list[Segment]:
     return segments
 
 
-def _json_items(text: str) -> list[tuple[int, int]] | None:
-    """[start, end) of each item of the JSON array ``text``, or None if it is not one."""
+def _skip_space(text: str, at: int) -> int:
+    found = _WHITESPACE.match(text, at)  # matches always (maybe nothing)
+    return found.end() if found is not None else at
+
+
+class _TooMany(InputError):
+    """More documents than a limit: ``message_segments`` names its own limit instead."""
+
+
+def _json_items(text: str, limit: int | None = None) -> list[tuple[int, int]] | None:
+    """[start, end) of each item of the JSON array ``text``, or None if it is not one. Read item by
+    item (one item built at a time, then dropped); with ``limit``, reading stops at ``limit + 1``
+    items (too many, whatever follows)."""
     stripped = text.strip()
     if not (stripped.startswith("[") and stripped.endswith("]")):
         return None
-    try:
-        if not isinstance(json.loads(stripped), list):
-            return None
-    except (json.JSONDecodeError, RecursionError):
-        return None
     decoder = json.JSONDecoder()
     items: list[tuple[int, int]] = []
-    at = text.index("[") + 1
-    while True:
-        while at < len(text) and text[at] in " \t\r\n,":
-            at += 1
-        if text[at] == "]":
-            return items
-        _, end = decoder.raw_decode(text, at)
-        items.append((at, end))
-        at = end
-
-
-def split_tool_result(text: str) -> tuple[list[tuple[str, str, bool]], str]:
-    """A tool's output as (lead, item, atomic) triples and a tail, ``"".join(lead + item) + tail``
-    being ``text``: the items of a JSON array (atomic); a JSON object or value alone (one atomic
-    item); else documents joined by blank lines, a document holding a code fence atomic."""
-    bounds = _json_items(text)
-    if bounds is None:
+    at = _skip_space(text, text.index("[") + 1)
+    if text.startswith("]", at):
+        return items if not text[at + 1:].strip() else None
+    while limit is None or len(items) <= limit:
         try:
+            _, end = decoder.raw_decode(text, at)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        items.append((at, end))
+        at = _skip_space(text, end)
+        if text.startswith("]", at):
+            return items if not text[at + 1:].strip() else None
+        if not text.startswith(",", at):
+            return None
+        at = _skip_space(text, at + 1)
+    return items
+
+
+def _text_documents(text: str, limit: int | None) -> list[tuple[int, int]]:
+    """[start, end) of each document of ``text`` joined by blank lines (white space around it
+    left out), found one at a time: at most ``limit + 1`` of them."""
+    bounds: list[tuple[int, int]] = []
+    at = 0
+    for gap in itertools.chain(_BLANK_LINE.finditer(text), [None]):
+        end = len(text) if gap is None else gap.start()
+        first = _NOT_BLANK.search(text, at, end)
+        if first is not None:
+            bounds.append((first.start(), at + len(text[at:end].rstrip())))
+            if limit is not None and len(bounds) > limit:
+                break
+        at = len(text) if gap is None else gap.end()
+    return bounds
+
+
+def _document_bounds(text: str, limit: int | None) -> tuple[list[tuple[int, int]], list[bool]]:
+    """The documents of a tool's output (``split_tool_result``) as [start, end) bounds and whether
+    each is atomic; with ``limit``, at most ``limit + 1`` of them are found (then: too many). JSON
+    that would decode into more than ``_MAX_JSON_VALUES`` values is read as text: never built."""
+    decodable = sum(text.count(mark) for mark in ",:[{") <= _MAX_JSON_VALUES
+    bounds = _json_items(text, limit) if decodable else None
+    if bounds is not None:
+        return bounds, [True] * len(bounds)
+    try:
+        if decodable:
             json.loads(text)
             stripped = text.strip()
             if stripped:
                 start = text.index(stripped)
-                return [(text[:start], stripped, True)], text[start + len(stripped):]
-        except (json.JSONDecodeError, RecursionError):
-            pass
-        bounds = []
-        at = 0
-        for gap in [*_BLANK_LINE.finditer(text), None]:
-            end = len(text) if gap is None else gap.start()
-            piece = text[at:end]
-            if piece.strip():
-                first = at + len(piece) - len(piece.lstrip())
-                bounds.append((first, at + len(piece.rstrip())))
-            at = len(text) if gap is None else gap.end()
-        atomic = [_FENCE in text[a:b] for a, b in bounds]
-    else:
-        atomic = [True] * len(bounds)
+                return [(start, start + len(stripped))], [True]
+    except (json.JSONDecodeError, RecursionError):
+        pass
+    bounds = _text_documents(text, limit)
+    return bounds, [_FENCE in text[a:b] for a, b in bounds]
+
+
+def count_documents(text: str, limit: int) -> int:
+    """How many documents ``split_tool_result`` makes of ``text``, counted up to ``limit + 1``
+    (one past: too many) without building them: a text of a million blank lines or JSON items
+    costs time linear in its length and holds ``limit`` bounds at most."""
+    return len(_document_bounds(text, limit)[0])
+
+
+def split_tool_result(text: str, limit: int | None = None) -> tuple[list[tuple[str, str, bool]], str]:
+    """A tool's output as (lead, item, atomic) triples and a tail, ``"".join(lead + item) + tail``
+    being ``text``: the items of a JSON array (atomic); a JSON object or value alone (one atomic
+    item); else documents joined by blank lines, a document holding a code fence atomic.
+
+    ``limit``: more documents than this is an ``InputError``, found before any is built."""
+    bounds, atomic = _document_bounds(text, limit)
+    if limit is not None and len(bounds) > limit:
+        raise _TooMany(f"a tool result holds more than {limit} documents (texts separated by blank lines, or "
+                       "items of a JSON array): return fewer, longer documents")
     items: list[tuple[str, str, bool]] = []
     at = 0
     for (a, b), whole in zip(bounds, atomic, strict=True):
@@ -176,17 +226,20 @@ def split_tool_result(text: str) -> tuple[list[tuple[str, str, bool]], str]:
     return items, text[at:]
 
 
-def _result_segments(content: str, message: int, call_id: str | None, documents: Sequence[Passage] | None
-                     ) -> list[Segment]:
+def _result_segments(content: str, message: int, call_id: str | None, documents: Sequence[Passage] | None,
+                     limit: int | None = None) -> list[Segment]:
     """The ``TOOL_RESULT`` segments of one tool message (one per document; ids ``<call id>:<n>``, or
-    the documents' own ids when the client handed them in and ``content`` is their blank-line join)."""
+    the documents' own ids when the client handed them in and ``content`` is their blank-line join);
+    more than ``limit`` of them is an ``InputError`` raised before they are built."""
     base = call_id or f"turn-{message}"
     if documents and content == "\n\n".join(d.text for d in documents):
+        if limit is not None and len(documents) > limit:
+            raise _TooMany(f"a tool result holds more than {limit} documents: return fewer, longer documents")
         items = [("" if n == 0 else "\n\n", d.text, False) for n, d in enumerate(documents)]
         ids = [d.id or f"{base}:{n}" for n, d in enumerate(documents, start=1)]
         tail = ""
     else:
-        items, tail = split_tool_result(content)
+        items, tail = split_tool_result(content, limit)
         ids = [f"{base}:{n}" for n in range(1, len(items) + 1)]
     if not items:
         items, ids = [("", "", False)], [f"{base}:1"]
@@ -219,10 +272,14 @@ def message_segments(
     passages: Passages = (),
     *,
     instructions: str | None = None,
+    max_segments: int | None = MAX_SEGMENTS,
 ) -> tuple[Segment, ...]:
     """Segments of an agent chat (the module docstring), oldest message first. A chat without
     tools, tool calls or tool messages is ``chat_segments``' (the same segments, the same prompt).
-    A tool message may carry ``documents``: the ``Passage`` list its content was joined from."""
+    A tool message may carry ``documents``: the ``Passage`` list its content was joined from.
+
+    ``max_segments``: more segments in all is an ``InputError``, raised as soon as a message's
+    documents or calls pass it, before they are built (None: no limit)."""
     for n, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise InputTypeError(f"message {n} must be a dict with a 'role', got {message!r:.80}")
@@ -240,6 +297,7 @@ def message_segments(
     segments.extend(tool_schema_segments(tools))
     for n, message in enumerate(messages):
         role, text = message["role"], _content(message, n)
+        left = None if max_segments is None else max_segments - len(segments)
         if role == "system":
             continue
         if n == users[-1]:
@@ -251,15 +309,28 @@ def message_segments(
             if text.strip():
                 segments.append(Segment(SegmentKind.HISTORY, text.strip(), f"turn-{n}", {"message": n},
                                         role="assistant"))
-            segments.extend(tool_call_segments(message.get("tool_calls") or (), n))
+            calls = message.get("tool_calls") or ()
+            if left is not None and len(calls) > left:
+                raise _over(max_segments, n)
+            segments.extend(tool_call_segments(calls, n))
         elif role == "tool":
             call_id = message.get("tool_call_id")
-            documents = message.get("documents")
-            segments.extend(_result_segments(text, n, str(call_id) if call_id else None, documents))
+            try:
+                segments.extend(_result_segments(text, n, str(call_id) if call_id else None,
+                                                 message.get("documents"), left))
+            except _TooMany:
+                raise _over(max_segments, n) from None
         else:
             raise InputError(f"message {n} has the role {role!r:.40}; an agent chat takes system, user, "
                              "assistant and tool messages")
+    if max_segments is not None and len(segments) > max_segments:
+        raise _over(max_segments, len(messages) - 1)
     return tuple(segments)
+
+
+def _over(limit: int | None, n: int) -> InputError:
+    return InputError(f"the chat holds more than {limit} segments in all (tool documents, tool calls, turns, "
+                      f"passages), passed at message {n}: return fewer, longer documents")
 
 
 def echoed_question(segments: Sequence[Segment]) -> tuple[Segment, ...] | None:

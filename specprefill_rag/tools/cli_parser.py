@@ -82,6 +82,10 @@ def _gateway_args(group: Any) -> None:
     add("--api-keys-file", default=os.environ.get("SPECPREFILL_API_KEYS_FILE"),
         help="a JSON object of tenant name -> API key (or list of keys): each tenant's requests share cached "
         "work only with the same tenant's (default: $SPECPREFILL_API_KEYS_FILE; unset: none)")
+    add("--cache-secret-file", default=os.environ.get("SPECPREFILL_CACHE_SECRET_FILE"),
+        help="a file holding the secret (16 bytes or more) every request's cache namespace is keyed with; give "
+        "gateways behind one router the same file so a tenant shares vLLM's prefix cache across them (default: "
+        "$SPECPREFILL_CACHE_SECRET_FILE; unset: a random secret at each start)")
     add("--keep-rate", type=float, default=None, help="default share of the context prefilled (default: the engine's)")
     add("--max-new-tokens", type=int, default=None,
         help="answer length when a request sets no max_tokens (default: the engine's)")

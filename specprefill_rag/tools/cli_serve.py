@@ -73,6 +73,20 @@ def _read_api_keys(path: str) -> dict[str, str]:
     return keys
 
 
+def _read_cache_secret(path: str) -> bytes:
+    """The cache secret in the file at ``path`` (white space around it dropped, so a line written by
+    ``echo`` or ``openssl rand -hex 32 > FILE`` reads as its text); ``ValueError`` when it is too
+    short to be a secret. The secret itself is never printed."""
+    from ..gateway.admission import MIN_SECRET_BYTES
+
+    with open(path, "rb") as file:
+        secret = file.read().strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{path} holds {len(secret)} bytes; a cache secret needs {MIN_SECRET_BYTES} or more "
+                         "(e.g. openssl rand -hex 32)")
+    return secret
+
+
 def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int, model_name: str | None) -> int:
     from ..gateway import create_app, run_app
 
@@ -82,7 +96,12 @@ def _run_gateway(engine: Any, args: argparse.Namespace, *, host: str, port: int,
     except (OSError, ValueError) as error:
         print(f"error: --api-keys-file: {error}", file=sys.stderr)
         return 2
-    app = create_app(engine, api_key=args.api_key, api_keys=api_keys, max_queue=args.max_queue,
+    try:
+        secret = _read_cache_secret(args.cache_secret_file) if args.cache_secret_file else None
+    except (OSError, ValueError) as error:
+        print(f"error: --cache-secret-file: {error}", file=sys.stderr)
+        return 2
+    app = create_app(engine, api_key=args.api_key, api_keys=api_keys, cache_secret=secret, max_queue=args.max_queue,
                      max_concurrency=args.max_concurrency, model_name=args.model_name or model_name,
                      max_body_bytes=args.max_body_bytes, max_body_bytes_in_flight=args.max_body_bytes_in_flight,
                      default_mode=args.default_mode, fallback_text_mode=args.fallback_text_mode)
