@@ -46,6 +46,7 @@ from .streams import AsyncTextStream, TextStream
 from .types import (
     AssembledPrompt,
     GenerationResult,
+    Passage,
     PassagesRead,
     PathChoice,
     PlannedPrompt,
@@ -54,7 +55,7 @@ from .types import (
     TokenScores,
 )
 
-__all__ = ["LazyEngine", "Mode", "RequestOptions", "SpecPrefillEngine", "request_selection"]
+__all__ = ["LazyEngine", "Mode", "RequestOptions", "SpecPrefillEngine", "read_ahead", "request_selection"]
 
 logger = logging.getLogger(__name__)
 
@@ -300,23 +301,8 @@ class SpecPrefillEngine:
         that retrieves them later costs the draft only its own tokens (``DraftConfig.passages``; a
         passage never read before is read on first sight anyway). ``instructions`` (default the
         engine's) and ``cache_salt`` must be those of the later requests: a passage's reading
-        belongs to the system part it was read after and to its namespace. Read in prompts of up to
-        ``READ_AHEAD_BATCH`` passages (fewer where they would not fit the window)."""
-        scorer, items = self._require_scorer(), prompt_lib.as_passages(passages)
-        found = read = 0
-        start, size = 0, READ_AHEAD_BATCH
-        while start < len(items):
-            try:
-                prompt = self.assemble(READ_AHEAD_QUESTION, items[start: start + size], instructions=instructions,
-                                       cache_salt=cache_salt)
-            except InputError:
-                if size == 1:
-                    raise
-                size = max(1, size // 2)  # over the window: fewer passages per prompt
-                continue
-            got = scorer.read_passages(prompt, cache_salt)
-            found, read, start = found + got[0], read + got[1], start + size
-        return PassagesRead(found, read)
+        belongs to the system part it was read after and to its namespace (``read_ahead``)."""
+        return read_ahead(self, self._require_scorer(), prompt_lib.as_passages(passages), instructions, cache_salt)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -410,6 +396,27 @@ class SpecPrefillEngine:
         """``stream`` as an async iterator of text deltas (``.result`` once exhausted)."""
         stream = await asyncio.to_thread(self.stream, question, passages, **options)
         return AsyncTextStream(stream)
+
+
+def read_ahead(engine: SpecPrefillEngine, scorer: DraftScorer, items: Sequence[Passage], instructions: str | None,
+               salt: str | None) -> PassagesRead:
+    """``SpecPrefillEngine.read_passages``: the passages laid out as ``engine``'s prompts lay them
+    out, up to ``READ_AHEAD_BATCH`` per prompt (fewer where they would not fit the window), each
+    prompt's passages read into the store by ``scorer``."""
+    found = read = 0
+    start, size = 0, READ_AHEAD_BATCH
+    while start < len(items):
+        try:
+            prompt = engine.assemble(READ_AHEAD_QUESTION, items[start: start + size], instructions=instructions,
+                                     cache_salt=salt)
+        except InputError:
+            if size == 1:
+                raise
+            size = max(1, size // 2)  # over the window: fewer passages per prompt
+            continue
+        got = scorer.read_passages(prompt, salt)
+        found, read, start = found + got[0], read + got[1], start + size
+    return PassagesRead(found, read)
 
 
 class LazyEngine:
