@@ -27,12 +27,13 @@ from specprefill_rag.config import PassageReading
 from specprefill_rag.draft import DraftModel
 from specprefill_rag.draft.capture import recording
 from specprefill_rag.draft.early_exit import DecoderParts
-from specprefill_rag.draft.passage_reading import PromptLayout, prompt_layout, rerotate, rotates_plainly
+from specprefill_rag.draft.passage_kv import rerotate, rotates_plainly
+from specprefill_rag.draft.passage_reading import PromptLayout, prompt_layout
 from specprefill_rag.draft.passage_store import PassageDisk, PassageEntry, PassageStore, passage_key
 from specprefill_rag.types import SegmentKind
 
-LOCAL = DraftConfig(passages=PassageReading(), memo_entries=0)
-JOINT = DraftConfig(memo_entries=0)
+LOCAL = DraftConfig(passages=PassageReading(), memo_entries=0, prefix_cache_entries=0)  # the passage store alone
+JOINT = DraftConfig(memo_entries=0, prefix_cache_entries=0)
 
 
 def _draft(family, tokenizer, layers: int = 8) -> DraftModel:
@@ -65,16 +66,19 @@ def test_the_layout_reads_passages_after_the_system_part(tokenizer):
     layout = prompt_layout(prompt.segment_index, [s.kind for s in prompt.segments])
     passages = [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.PASSAGE]
     assert [tuple(prompt.segment_index[s:e].unique().tolist()) for s, e in layout.units] == [(i,) for i in passages]
-    assert layout.anchor == layout.head == layout.units[0][0]  # no history: the anchor is the whole head
+    system = int((prompt.segment_index == 0).nonzero()[-1]) + 1  # the end of the instructions' text
+    assert layout.anchor == system < layout.head == layout.units[0][0]
     history = prompt_lib.assemble(tokenizer, prompt_lib.chat_segments(
         [("system", "Be brief."), ("user", "hello there"), ("assistant", "hi"), ("user", QUESTION)], PASSAGES))
     layout = prompt_layout(history.segment_index, [s.kind for s in history.segments])
-    first_history = int((history.segment_index == 1).nonzero()[0])  # the segment after the instructions
-    assert layout.anchor == first_history < layout.head  # passages are read after the system part only
+    assert layout.anchor == int((history.segment_index == 0).nonzero()[-1]) + 1 < layout.head
+    rag = prompt_lib.assemble(tokenizer, prompt_lib.build_segments(QUESTION, PASSAGES, "Be brief."))
+    rag_layout = prompt_layout(rag.segment_index, [s.kind for s in rag.segments])
+    assert torch.equal(rag.token_ids[: rag_layout.anchor], history.token_ids[: layout.anchor])
     assert prompt_layout(torch.tensor([-1, 0, 0, -1, 1]), [SegmentKind.INSTRUCTIONS, SegmentKind.QUESTION]) is None
     odd = prompt_layout(torch.tensor([0, -1, 1, 1, 2, 2, -1, 1]), [SegmentKind.INSTRUCTIONS, SegmentKind.PASSAGE,
                                                                   SegmentKind.TOOL_RESULT])
-    assert odd == PromptLayout(2, ((2, 4), (4, 6), (7, 8)))  # runs of one segment each, in order
+    assert odd == PromptLayout(1, ((2, 4), (4, 6), (7, 8)))  # runs of one segment each, in order
 
 
 @pytest.mark.parametrize("shift", [1, 37, 900])
@@ -128,15 +132,21 @@ def test_every_passage_token_read_again_from_layer_0_gives_the_joint_scores(fami
     torch.testing.assert_close(local.scores, joint.scores, atol=1e-6, rtol=1e-4)
 
 
-def test_a_prompt_of_one_passage_reads_the_same_apart(family, tokenizer):
+def test_a_passage_read_after_everything_before_it_reads_as_jointly(family, tokenizer):
+    """One passage whose anchor is all that precedes it: read apart, it sees what it sees jointly,
+    at the same positions, so the whole reading (fresh tokens, look-ahead) equals the joint one."""
     draft = _draft(family, tokenizer)
     prompt = _prompt(tokenizer, PASSAGES[:1])
-    joint, local = _score(draft, prompt, JOINT), _score(draft, prompt, LOCAL)
+    laid = prompt_layout(prompt.segment_index, [s.kind for s in prompt.segments])
+    whole = PromptLayout(laid.head, laid.units)  # the anchor runs up to the passage
+    joint = _score(draft, prompt, JOINT)
+    local = draft.score_batch([prompt.token_ids], questions=[prompt.positions_of(SegmentKind.QUESTION)],
+                              contexts=[~prompt.protected], config=LOCAL, layouts=[whole])[0]
     assert local.lookahead_token_ids == joint.lookahead_token_ids
     torch.testing.assert_close(local.scores, joint.scores, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("recompute", ["none", "first", "scored", "all"])
+@pytest.mark.parametrize("recompute", ["none", "first", "scored", "deviation", "all"])
 def test_a_warm_request_reads_the_cold_scores_and_no_passage_token(family, tokenizer, recompute):
     draft = _draft(family, tokenizer)
     prompt = _prompt(tokenizer)
@@ -147,9 +157,13 @@ def test_a_warm_request_reads_the_cold_scores_and_no_passage_token(family, token
     warm = _score(draft, prompt, config)
     assert draft.passages.counts.hits == len(PASSAGES)
     torch.testing.assert_close(warm.scores, cold.scores, atol=0, rtol=0)
+    start = min(LOCAL.layer_indices(draft.n_layers))
+    depths = {len(entry.keys) for _, entry in draft.passages._snapshot()}
+    assert depths == ({start} if recompute == "all" else {max(LOCAL.layer_indices(draft.n_layers)) + 1})
     layout = prompt_layout(prompt.segment_index, [s.kind for s in prompt.segments])
     fresh = prompt.n_tokens - layout.head - sum(e - s for s, e in layout.units)
-    assert counter.seen[0] == fresh  # layer 0 of the warm prompt's forward: no passage token
+    assert counter.seen[:2] == [layout.head, fresh]  # layer 0: the head (no prefix store here), no passage
+    assert warm.passages_cached == len(PASSAGES) and warm.passages_read == 0
     assert max(counter.seen) < sum(e - s for s, e in layout.units)  # nothing reads the passages again
     moved = _prompt(tokenizer, [PASSAGES[2], PASSAGES[0], PASSAGES[3], PASSAGES[1]])  # other positions
     _score(draft, moved, config)
@@ -281,3 +295,24 @@ def test_an_engine_reads_passages_ahead_and_a_question_then_finds_them(tokenizer
                             generation=engine.config.generation.with_overrides(cache_salt="tenant-b"))
     assert (other.passages_cached, other.passages_read) == (0, len(PASSAGES))  # another namespace reads anew
     assert result.to_dict()["passages_cached"] == len(PASSAGES)
+    again = engine.generate("Which passage is about colours?", PASSAGES, keep_rate=0.3)  # a follow-up
+    assert (again.passages_cached, again.passages_read) == (0, 0) and again.draft_cached_tokens > 0
+
+
+@pytest.mark.parametrize("recompute", ["none", "all"])
+def test_a_follow_up_over_the_same_passages_reads_its_question_only(tokenizer, recompute):
+    """The reading up to the question goes to the prefix store: a follow-up over the same passages in
+    the same order reads only its question and tail, and scores as the first request read them."""
+    draft = _draft("llama", tokenizer)
+    config = DraftConfig(passages=PassageReading(recompute=recompute), memo_entries=0)
+    first = _prompt(tokenizer)
+    cold = _score(draft, first, config)
+    assert (cold.passages_cached, cold.passages_read) == (0, len(PASSAGES))
+    follow = _prompt(tokenizer, question="Which passage is about colours?")
+    counter = LayerTokens(draft.model)
+    warm = _score(draft, follow, config)
+    question = int(follow.positions_of(SegmentKind.QUESTION)[0])
+    assert warm.cached_tokens == question and (warm.passages_cached, warm.passages_read) == (0, 0)
+    assert counter.seen[0] == follow.n_tokens - question  # the question and the tail only
+    alone = _score(_draft("llama", tokenizer), follow, config)  # the same reading, from a cold draft
+    torch.testing.assert_close(warm.scores, alone.scores, atol=1e-5, rtol=1e-4)

@@ -1,7 +1,8 @@
-"""The draft's prefix store: a prompt that begins with a head the draft read before (a shared
-system prompt, a chat's earlier turns) is read from where the head ends, and its scores equal a
-whole read's. Counted with hooks on the decoder layers: the warm prompt's forward runs over the
-tokens after the head only."""
+"""The draft's prefix store: a prompt that begins with tokens the draft read before (a shared
+system prompt, a chat's earlier turns, the same passages under a follow-up question) is read from
+where they end, and its scores equal a whole read's. A head runs up to the prompt's question; any
+start a prompt shares with a stored head serves. Counted with hooks on the decoder layers: the
+warm prompt's forwards run over the tokens after the shared start only."""
 
 from __future__ import annotations
 
@@ -58,26 +59,30 @@ def test_a_stored_head_gives_a_whole_reads_scores_and_the_forward_skips_it(famil
     whole = _score(draft, second, 100, dataclasses.replace(config, prefix_cache_entries=0))
     assert whole.cached_tokens == 0 and len(draft.prefixes) == 0
     cold = _score(draft, first, 100, config)
-    assert cold.cached_tokens == 100 and len(draft.prefixes) == 1  # read, then stored
+    assert cold.cached_tokens == 0 and len(draft.prefixes) == 1  # nothing held before; its head stored
     counter = LayerTokens(draft.model)
     warm = _score(draft, second, 100, config)
-    assert warm.cached_tokens == 100
-    assert counter.seen[0] == 180  # the prompt's forward: the tokens after the head only
+    n = second.numel()
+    assert warm.cached_tokens == 100  # the system prompt both begin with
+    assert counter.seen[:2] == [n - 12 - 100, 12]  # the head read on from there, then the question and tail
     assert warm.lookahead_token_ids == whole.lookahead_token_ids
     torch.testing.assert_close(warm.scores, whole.scores, atol=1e-6, rtol=1e-5)
+    counter.seen.clear()
+    follow_up = _score(draft, second, 100, config, question=torch.arange(n - 12, n - 5))
+    assert follow_up.cached_tokens == n - 12 and counter.seen[0] == 12  # the same context: its question only
 
 
 def test_a_chat_turn_extends_the_previous_turns_head(tokenizer):
-    """Turn k + 1's head is turn k's head and more: only the new part is read, once."""
+    """Turn k + 1 begins with what turn k's head begins with: only the rest is read, once."""
     draft = DraftModel(make_model("qwen2", len(tokenizer), layers=6), tokenizer)
     turns = _ids(tokenizer, 220, seed=4)  # system prompt and earlier turns
     passages = _ids(tokenizer, 120, seed=5)
-    _score(draft, torch.cat([turns[:90], passages]), 90, DraftConfig())
+    _score(draft, torch.cat([turns[:90], passages]), 90, DraftConfig())  # stores 90 + 108 tokens
     counter = LayerTokens(draft.model)
     later = torch.cat([turns, passages])
     got = _score(draft, later, 220, DraftConfig())
-    assert counter.seen[:2] == [130, 120]  # the head from token 90 on, then the prompt after the head
-    assert got.cached_tokens == 220 and len(draft.prefixes) == 2
+    assert counter.seen[:2] == [340 - 12 - 90, 12]  # the head from token 90 on, then the question and tail
+    assert got.cached_tokens == 90 and len(draft.prefixes) == 2
     whole = _score(draft, later, 220, DraftConfig(prefix_cache_entries=0))
     torch.testing.assert_close(got.scores, whole.scores, atol=1e-6, rtol=1e-5)
 
@@ -89,7 +94,9 @@ def test_a_batch_shares_a_head_only_when_every_prompt_begins_with_it(tokenizer):
     questions = [torch.arange(p.numel() - 8, p.numel() - 2) for p in prompts]
     contexts = [torch.arange(p.numel()) >= 64 for p in prompts]
     batched = draft.score_batch(prompts, questions=questions, contexts=contexts)
-    assert [s.cached_tokens for s in batched] == [64, 64, 64]
+    assert [s.cached_tokens for s in batched] == [0, 0, 0]  # the start they share, read now and stored
+    again = draft.score_batch(prompts, questions=questions, contexts=contexts)
+    assert [s.cached_tokens for s in again] == [64, 64, 64]
     off = DraftConfig(prefix_cache_entries=0)
     for ids, question, context, got in zip(prompts, questions, contexts, batched, strict=True):
         alone = draft.score(ids, question=question, context=context, config=off)
@@ -102,11 +109,12 @@ def test_a_batch_shares_a_head_only_when_every_prompt_begins_with_it(tokenizer):
 def test_the_head_stops_before_the_question_and_short_heads_are_read_whole(tokenizer):
     draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
     ids = _ids(tokenizer, 200, seed=7)
-    # A question inside the protected start: its queries are recorded, so the head ends before it.
-    got = _score(draft, ids, 150, DraftConfig(), question=torch.arange(120, 130))
-    assert got.cached_tokens == 120
-    short = _score(draft, _ids(tokenizer, 200, seed=8), MIN_PREFIX_TOKENS - 1, DraftConfig())
-    assert short.cached_tokens == 0
+    # A question inside the context: its queries are recorded, so the head ends before it.
+    _score(draft, ids, 150, DraftConfig(), question=torch.arange(120, 130))
+    assert [entry.n_tokens for _, entry in draft.prefixes._snapshot()] == [120]
+    assert _score(draft, ids, 150, DraftConfig(), question=torch.arange(120, 130)).cached_tokens == 120
+    _score(draft, _ids(tokenizer, 200, seed=8), 10, DraftConfig(), question=torch.arange(MIN_PREFIX_TOKENS - 1, 40))
+    assert len(draft.prefixes) == 1  # a head under MIN_PREFIX_TOKENS is read with the rest, not stored
     unmarked = draft.score(ids, question=torch.arange(190, 195))  # no context mask: no head
     assert unmarked.cached_tokens == 0
 
@@ -121,10 +129,12 @@ def test_the_store_finds_the_longest_head_and_keeps_its_bounds():
     store.add(_entry(40))
     store.add(_entry(60))
     assert store.longest(torch.arange(100), 1).n_tokens == 60
-    assert store.longest(torch.arange(50), 1).n_tokens == 40
+    part = store.longest(torch.arange(50), 1)  # the first 50 tokens of the 60 one
+    assert part.n_tokens == 50 and part.keys[0].shape[2] == 50 and part.hidden.shape[1] == 50
+    assert store.longest(torch.cat([torch.arange(45), torch.zeros(55, dtype=torch.int64)]), 1).n_tokens == 45
     assert store.longest(torch.arange(100), 2) is None  # another exit layer: other tensors
-    assert store.longest(torch.cat([torch.arange(30), torch.zeros(70, dtype=torch.int64)]), 1) is None
-    store.longest(torch.arange(50), 1)  # 40 is now the most recent
+    assert store.longest(torch.cat([torch.arange(30), torch.zeros(70, dtype=torch.int64)]), 1) is None  # too short
+    store.longest(torch.arange(40), 1)  # 40 (whole) is now the most recent
     store.add(_entry(80))  # evicts 60
     assert [e.n_tokens for e in (store.longest(torch.arange(100), 1),)] == [80] and len(store) == 2
     store.resize(entries=2, max_bytes=_entry(80).nbytes)  # only the newest fits
@@ -150,9 +160,14 @@ def test_the_engine_reads_a_shared_system_prompt_once_and_plans_as_before():
         ref = plain.generate(f"How wide is river {i}?", passages, instructions=SYSTEM)
         assert torch.equal(got.plan.position_ids, ref.plan.position_ids) and got.token_ids == ref.token_ids
         head = int(got.prompt.protected.to(torch.int8).argmin())  # the first prunable token
-        assert got.draft_cached_tokens == head > MIN_PREFIX_TOKENS and ref.draft_cached_tokens == 0
-        assert got.to_dict()["draft_cached_tokens"] == head
-    assert len(engine.draft.prefixes) == 1  # one system prompt, one entry
+        # From the second request on: the system prompt (and the first words the passages share)
+        assert (got.draft_cached_tokens == 0 if i == 0 else head <= got.draft_cached_tokens < head + 12)
+        assert ref.draft_cached_tokens == 0
+        assert head > MIN_PREFIX_TOKENS and got.to_dict()["draft_cached_tokens"] == got.draft_cached_tokens
+    assert len(engine.draft.prefixes) == 3  # each request's head; the system prompt they share served
+    again = engine.generate("And the widest?", passages, instructions=SYSTEM)  # a follow-up: the same passages
+    question = int(again.prompt.positions_of(SegmentKind.QUESTION)[0])
+    assert question - 8 <= again.draft_cached_tokens <= question  # all but the question's own line
 
 
 def test_chat_history_is_read_once_per_turn_through_the_engine():
@@ -162,17 +177,19 @@ def test_chat_history_is_read_once_per_turn_through_the_engine():
         segments = [*history, *(Segment(SegmentKind.CONTEXT, f"Passage {turn}.{j}: lake {j} is {j * 7 + turn} m deep.")
                                 for j in range(6)), Segment(SegmentKind.QUESTION, f"How deep is lake {turn}?")]
         result = engine.generate(segments)
-        assert result.draft_cached_tokens == int(result.prompt.protected.to(torch.int8).argmin())
+        start = int(result.prompt.protected.to(torch.int8).argmin())  # the first prunable token
+        assert (result.draft_cached_tokens == 0) if turn == 0 else (MIN_PREFIX_TOKENS < result.draft_cached_tokens
+                                                                     < start)
         history += [Segment(SegmentKind.HISTORY, f"How deep is lake {turn}?", role="user"),
                     Segment(SegmentKind.HISTORY, result.text or "I do not know.", role="assistant")]
-    assert len(engine.draft.prefixes) == 3  # the system prompt, then each turn's longer head
+    assert len(engine.draft.prefixes) == 3  # each turn's head
 
 
 def test_cross_family_drafts_use_the_store_too():
     engine = tiny_engine(cross_family=True)
     passages = [[Passage(f"Passage {i}.{j}: tower {j} is {30 + i + j} m tall.") for j in range(8)] for i in range(2)]
     results = [engine.generate(f"How tall is tower {i}?", p, instructions=SYSTEM) for i, p in enumerate(passages)]
-    assert results[1].draft_cached_tokens > MIN_PREFIX_TOKENS and len(engine.draft.prefixes) == 1
+    assert results[1].draft_cached_tokens > MIN_PREFIX_TOKENS and len(engine.draft.prefixes) == 2
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -192,4 +209,4 @@ def test_a_call_with_the_store_off_neither_reads_nor_empties_it(tokenizer):
     _score(draft, ids, 100, DraftConfig())
     off = _score(draft, ids, 100, DraftConfig(prefix_cache_entries=0))
     assert off.cached_tokens == 0 and len(draft.prefixes) == 1
-    assert _score(draft, ids, 100, DraftConfig()).cached_tokens == 100
+    assert _score(draft, ids, 100, DraftConfig()).cached_tokens == 200 - 12

@@ -348,10 +348,9 @@ def test_an_attacker_reaches_no_tenants_namespace(tool_engine, surface):
             first, alphas, cold = ask("key-a", None, PASSAGES[:4])
             again, alpha_again, _ = ask("key-a", None, PASSAGES[:4])
             assert not first["draft_memo_hit"] and again["draft_memo_hit"]  # alpha's memo answers alpha
-            warm = ask("key-a", None, PASSAGES[4:])[2]  # its head served from alpha's store
+            served, _, warm = ask("key-a", None, PASSAGES[4:])  # its head served from alpha's store
             assert alphas == alpha_again and alphas is not None
-            heads = {entry.namespace: entry.n_tokens for _, entry in tool_engine.draft.prefixes._snapshot()}
-            head = heads.get(alphas, 0)  # what a leak of alpha's store would serve
+            head = served["draft_cached_tokens"]  # what a leak of alpha's store would serve
             assert head > 32 or surface == "completions"  # a completion's head is too short to store
             assert alphas in guesses(secret, "alpha")  # as if it had leaked
             for key in ("shared-key", "key-b"):

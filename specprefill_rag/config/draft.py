@@ -20,7 +20,7 @@ LayerChoice = Literal["all", "upper_half", "lower_half", "middle_half"]
 TokenizerMapping = Literal["auto", "same", "offsets"]
 OverflowPolicy = Literal["windows", "full", "raise"]
 LookaheadTokens = Literal["siblings", "greedy"]
-RecomputeKind = Literal["none", "all", "first", "scored"]
+RecomputeKind = Literal["none", "all", "first", "scored", "deviation"]
 _Part = TypeVar("_Part")
 
 __all__ = [
@@ -39,12 +39,14 @@ class PassageReading:
     ``recompute`` chooses passage tokens whose layers from ``recompute_from`` on are read again
     jointly, over every other token, on each request."""
 
-    # "none": no passage token is read jointly; "all": every one (from recompute_from on);
-    # "first": the first first_tokens of each passage; "scored": the recompute_share of the
-    # passages' tokens the question and the last token attend to most in a first pass.
+    # "none": no passage token is read jointly; "all": every one (from recompute_from on: the store
+    # then keeps only the layers below it); "first": the first first_tokens of each passage;
+    # "scored": the recompute_share of the passages' tokens the question and the last token attend
+    # to most in a first pass; "deviation": every token through layer recompute_from jointly, then
+    # the recompute_share whose hidden states that moved most (CacheBlend) on through the rest.
     recompute: RecomputeKind = "none"
     recompute_from: int | None = None  # draft layer; None: the lowest aggregated layer
-    recompute_share: float = 0.15  # "scored": share of the passages' tokens, in (0, 1]
+    recompute_share: float = 0.15  # "scored", "deviation": share of the passages' tokens, in (0, 1]
     first_tokens: int = 8  # "first": tokens at the start of each passage
 
     def __post_init__(self) -> None:

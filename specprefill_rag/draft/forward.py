@@ -22,21 +22,24 @@ from .capture import EarlyExit, Recorder, hooked, leaving, recording
 from .cuda_graphs import StepGraphs
 from .early_exit import DecoderParts
 from .lookahead_spec import LookaheadSpec
-from .passage_reading import PromptLayout, ReadingPlan, read_prompts, rotates_plainly
+from .passage_kv import rotates_plainly
+from .passage_reading import PromptLayout, ReadingPlan, read_prompts, with_head
 from .passage_store import PassageStore
 from .prefix_store import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
 
-__all__ = ["DraftForward", "LocalRead", "protected_heads"]
+__all__ = ["DraftForward", "LocalRead", "prompt_heads"]
 
 LocalRead = Callable[[], tuple[Any, torch.Tensor]]  # a forward reading passages apart: (cache, hidden states)
 
 logger = logging.getLogger(__name__)
 
 
-def protected_heads(contexts: Sequence[torch.Tensor | None]) -> list[int]:
-    """Each prompt's protected start: its tokens before the first prunable one (``contexts``
-    (n,) bool); none without a mask or a prunable token."""
-    return [0 if c is None or not bool(c.any()) else int(c.to(torch.int8).argmax()) for c in contexts]
+def prompt_heads(contexts: Sequence[torch.Tensor | None]) -> list[int]:
+    """Each prompt's head for the prefix store: its tokens up to the end of its context (the last
+    prunable one, ``contexts`` (n,) bool: the system prompt, earlier turns, the passages), which a
+    follow-up over the same context shares; none without a mask or a prunable token. (The store
+    stops a head before the question and the last token: ``_shared_head``.)"""
+    return [0 if c is None or not bool(c.any()) else int(c.nonzero()[-1]) + 1 for c in contexts]
 
 
 class DraftForward:
@@ -83,8 +86,8 @@ class DraftForward:
     def _shared_head(self, token_ids: Sequence[torch.Tensor], lengths: list[int], questions: list[torch.Tensor],
                      heads: Sequence[int] | None) -> int:
         """How many first tokens of the batch the prefix store may serve: the shortest of
-        ``heads`` when every prompt begins with the same tokens, before every question token and
-        each prompt's last token (their queries are recorded); 0 when that is under
+        ``heads``, before every question token and each prompt's last token (their queries are
+        recorded), as far as every prompt begins with the same tokens; 0 when that is under
         ``MIN_PREFIX_TOKENS``, the store is off, or this draft's cache is not plain."""
         if not heads or self.prefixes.entries == 0:
             return 0
@@ -92,10 +95,11 @@ class DraftForward:
             raise InputError("pass one head length per prompt")
         starts = [int(q.min()) for q in questions if q.numel()]
         p = min(min(int(h) for h in heads), min(lengths) - 1, *starts)
-        if p < MIN_PREFIX_TOKENS or not self._stores_heads():
-            return 0
         first = token_ids[0][:p].to(torch.int64).cpu()
-        return p if all(torch.equal(t[:p].to(torch.int64).cpu(), first) for t in token_ids[1:]) else 0
+        for t in token_ids[1:]:  # a batch shares the start all its prompts begin with
+            same = (t[:p].to(torch.int64).cpu() != first[:p]).nonzero()
+            p = int(same[0]) if same.numel() else p
+        return 0 if p < MIN_PREFIX_TOKENS or not self._stores_heads() else p
 
     def _exit_layer(self, lookahead: int, tokens: LookaheadTokens, early_exit: bool, top: int, ids: torch.Tensor
                     ) -> int:
@@ -110,12 +114,13 @@ class DraftForward:
             return last
         return top
 
-    def _read_head(self, head_ids: torch.Tensor, exit_layer: int, namespace: str) -> PrefixEntry:
+    def _read_head(self, head_ids: torch.Tensor, exit_layer: int, namespace: str, keep: bool = True) -> PrefixEntry:
         """The store's entry for ``head_ids`` (p,) in ``namespace``: stored, or read on from the
-        longest head stored there that it begins with (a chat's previous turn), or from nothing,
-        and then stored."""
+        longest start stored there that it shares (a chat's previous turn, the same system prompt
+        before other passages), or from nothing, and then stored. ``keep=False``: read from
+        nothing, and not stored (a call with the store off)."""
         head_ids = head_ids.to(torch.int64).cpu()
-        found = self.prefixes.longest(head_ids, exit_layer, namespace)
+        found = self.prefixes.longest(head_ids, exit_layer, namespace) if keep else None
         if found is not None and found.n_tokens == head_ids.numel():
             return found
         done = 0 if found is None else found.n_tokens
@@ -127,7 +132,8 @@ class DraftForward:
         layers = cache.layers[: exit_layer + 1]
         entry = PrefixEntry(head_ids, exit_layer, tuple(layer.keys for layer in layers),
                             tuple(layer.values for layer in layers), hidden, namespace)
-        self.prefixes.add(entry)
+        if keep:
+            self.prefixes.add(entry)
         return entry
 
     # -- passages read apart (``passage_reading``) -----------------------------------------------
@@ -168,19 +174,29 @@ class DraftForward:
         return ReadingPlan(reading, top, start, self.passages, self.fingerprint, parts.rotary.inv_freq, pool_kernel)
 
     def _local_read(self, recorder: Recorder, token_ids: Sequence[torch.Tensor], layouts: Sequence[Any],
-                    plan: ReadingPlan, namespace: str) -> LocalRead:
+                    plan: ReadingPlan, namespace: str, keep: bool) -> LocalRead:
         """The prompts' forward with their passages read apart (``passage_reading.read_prompts``),
-        each head served by the prefix store: a (cache, hidden states leaving the exit) maker."""
+        each head served by the prefix store (``keep``: the store is on for the call), and each
+        reading up to the question stored there: a (cache, hidden states leaving the exit) maker."""
 
         def read() -> tuple[Any, torch.Tensor]:
-            heads = []
-            for ids, layout in zip(token_ids, layouts, strict=True):
-                found = self.prefixes.longest(ids[: layout.head], plan.exit_layer, namespace)
-                cached = 0 if found is None else found.n_tokens
-                heads.append((self._read_head(ids[: layout.head], plan.exit_layer, namespace), cached))
+            heads, laid = [], []
+            for b, (ids, layout) in enumerate(zip(token_ids, layouts, strict=True)):
+                end = int(recorder.rows[b].min())  # the question (or the last token) is read every time
+                stored = self.prefixes.longest(ids[:end], plan.exit_layer, namespace) if keep else None
+                m = 0 if stored is None else stored.n_tokens
+                laid.append(with_head(layout, m))
+                if stored is not None and m >= laid[-1].head:  # the store holds the whole head
+                    heads.append((stored.start(laid[-1].head), laid[-1].head))
+                else:
+                    heads.append((self._read_head(ids[: layout.head], plan.exit_layer, namespace, keep), m))
             parts = DecoderParts.of(self.model)
             assert parts is not None
-            return read_prompts(parts, plan, recorder, token_ids, layouts, heads, namespace)
+            cache, hidden, starts = read_prompts(parts, plan, recorder, token_ids, laid, heads, namespace)
+            for entry in starts:  # a follow-up over the same passages reads its question only
+                if entry is not None and keep:
+                    self.prefixes.add(entry)
+            return cache, hidden
 
         return read
 

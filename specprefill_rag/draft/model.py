@@ -27,7 +27,7 @@ from ..types import TokenScores
 from . import scoring
 from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording, register
 from .early_exit import DecoderParts
-from .forward import protected_heads
+from .forward import prompt_heads
 from .lookahead import LookaheadDrivers
 from .lookahead_spec import LookaheadSpec
 from .passage_reading import PromptLayout, store_passages
@@ -156,10 +156,13 @@ class DraftModel(LookaheadDrivers):
         ids, mask = self._right_padded(token_ids, lengths)
         last = torch.tensor(lengths, device=self.device) - 1  # (batch,) each prompt's last token
         plan = self._reads_apart(spec, ids, layouts, self.config.pool_kernel)
-        local = None if plan is None else self._local_read(recorder, token_ids, layouts or (), plan, namespace)
-        cached = 0 if plan is not None else self._shared_head(token_ids, lengths, recorder.questions, heads)
-        head = self._read_head(token_ids[0][:cached], self._exit_layer(lookahead, tokens, spec.early_exit, top, ids),
-                               namespace) if cached else None
+        local = None if plan is None else self._local_read(recorder, token_ids, layouts or (), plan, namespace,
+                                                           keep=heads is not None)
+        shared = 0 if plan is not None else self._shared_head(token_ids, lengths, recorder.questions, heads)
+        exit_layer = self._exit_layer(lookahead, tokens, spec.early_exit, top, ids)
+        stored = self.prefixes.longest(token_ids[0][:shared], exit_layer, namespace) if shared else None
+        cached = 0 if stored is None else stored.n_tokens  # what the store held before this call
+        head = self._read_head(token_ids[0][:shared], exit_layer, namespace) if shared else None
         with recording(recorder):
             if lookahead == 1:
                 if local is not None:
@@ -240,7 +243,7 @@ class DraftModel(LookaheadDrivers):
             self.passages.resize(self.passages.entries, cfg.passage_store_bytes)
         spec = LookaheadSpec.from_config(cfg, lookahead=max(lookaheads), n_layers=self.n_layers)
         caps = self.capture_batch(token_ids, questions, spec=spec, namespace=namespace,
-                                  heads=protected_heads(contexts) if cfg.prefix_cache_entries else None,
+                                  heads=prompt_heads(contexts) if cfg.prefix_cache_entries else None,
                                   layouts=layouts)
         results = [self._scores(cap, lookahead, context, cfg)
                    for cap, lookahead, context in zip(caps, lookaheads, contexts, strict=True)]

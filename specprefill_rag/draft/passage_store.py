@@ -41,23 +41,25 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PassageEntry:
     """The draft's reading of one passage of ``n_tokens`` tokens, read at positions ``start`` …
-    (after an anchor of ``start`` tokens): per layer 0 … exit its keys and values (kv_heads, m,
-    head_dim), the hidden states (m, d_model) leaving the exit layer, and those entering the
-    layer tokens are recomputed from (None when the reading recomputes none)."""
+    (after an anchor of ``start`` tokens): per layer 0 … (the exit, or the layer every token is
+    recomputed from) its keys and values (kv_heads, m, head_dim), the hidden states (m, d_model)
+    leaving the exit layer, and those entering the layer tokens are recomputed from (None when
+    the reading recomputes none)."""
 
     token_ids: torch.Tensor  # (m,) int64, on the CPU: checked against the passage on every hit
     start: int
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None  # None when the reading recomputes every token up to the exit
     entering: torch.Tensor | None = None
+    following: torch.Tensor | None = None  # (m, d_model) leaving that layer (a deviation recompute)
 
     @property
     def n_tokens(self) -> int:
         return int(self.token_ids.numel())
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (*self.keys, *self.values, self.hidden, *(() if self.entering is None else (self.entering,)))
+        return (*self.keys, *self.values, *(t for t in (self.hidden, self.entering, self.following) if t is not None))
 
     @property
     def nbytes(self) -> int:
@@ -65,11 +67,11 @@ class PassageEntry:
 
 
 def bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, d_model: int, dtype: torch.dtype,
-                    entering: bool) -> int:
-    """What one cached passage token costs: keys and values of ``n_layers`` layers, the hidden
-    states leaving the last of them (and entering the recomputed layer when ``entering``), the id."""
+                    states: int) -> int:
+    """What one cached passage token costs: keys and values of ``n_layers`` layers, ``states``
+    hidden states of ``d_model`` (leaving the exit, entering a recomputed layer, ...), its id."""
     size = torch.empty(0, dtype=dtype).element_size()
-    return (2 * n_layers * kv_heads * head_dim + d_model * (2 if entering else 1)) * size + 8
+    return (2 * n_layers * kv_heads * head_dim + d_model * states) * size + 8
 
 
 def passage_key(draft: str, settings: object, anchor: torch.Tensor, passage: torch.Tensor, namespace: str) -> bytes:
@@ -165,11 +167,12 @@ class PassageDisk:
 
 def _tensors_of(entry: PassageEntry) -> dict[str, torch.Tensor]:
     """The entry's tensors by name, each a CPU copy of its own (safetensors refuses shared storage)."""
-    out = {"token_ids": entry.token_ids, "start": torch.tensor([entry.start]), "hidden": entry.hidden}
+    out = {"token_ids": entry.token_ids, "start": torch.tensor([entry.start])}
     for i, (k, v) in enumerate(zip(entry.keys, entry.values, strict=True)):
         out[f"keys.{i}"], out[f"values.{i}"] = k, v
-    if entry.entering is not None:
-        out["entering"] = entry.entering
+    for name in ("hidden", "entering", "following"):
+        if getattr(entry, name) is not None:
+            out[name] = getattr(entry, name)
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in out.items()}
 
 
@@ -179,10 +182,12 @@ def _entry_of(tensors: dict[str, torch.Tensor]) -> PassageEntry:
         token_ids=tensors["token_ids"], start=int(tensors["start"][0]),
         keys=tuple(tensors[f"keys.{i}"] for i in range(layers)),
         values=tuple(tensors[f"values.{i}"] for i in range(layers)),
-        hidden=tensors["hidden"], entering=tensors.get("entering"),
+        hidden=tensors.get("hidden"), entering=tensors.get("entering"), following=tensors.get("following"),
     )
     m = entry.n_tokens
-    if not layers or any(t.shape[-2] != m for t in (*entry.keys, *entry.values)) or entry.hidden.shape[0] != m:
+    states = [t for t in (entry.hidden, entry.entering, entry.following) if t is not None]
+    if not states or any(t.shape[-2] != m for t in (*entry.keys, *entry.values)) or any(t.shape[0] != m
+                                                                                        for t in states):
         raise ValueError("its tensors do not fit its token ids")
     return entry
 
