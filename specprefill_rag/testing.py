@@ -153,11 +153,16 @@ def tiny_engine(
     name: str = "tiny-llama",
     cross_family: bool = False,
     tools: bool = False,
+    draft_layers: int | None = None,
 ) -> SpecPrefillEngine:
     """A 2-layer random Llama serving as its own draft, on the transformers backend.
 
     ``cross_family=True``: the draft is instead another random Llama with ``tiny_inst_tokenizer``,
     so its scores reach the main tokens through character offsets (``engine.maps_tokens``).
+    ``draft_layers``: the draft is instead a random Llama of its own with that many layers (seed
+    1, the main model's tokenizer), built with ``config.draft`` (its passage store's directory
+    too): with 8 or more, early exit sits below its last layer, so it can read passages apart
+    (``DraftConfig.passages``).
     Without ``config``: a 2-query look-ahead, keep rate 0.3 over 8-token chunks from 32-token
     prompts on, and 4 generated tokens, so tests stay fast.
     """
@@ -173,6 +178,10 @@ def tiny_engine(
         "llama", len(tokenizer), layers=2, hidden_size=32, max_position_embeddings=max_position_embeddings
     )
     backend = TransformersBackend(model, tokenizer, name=name)
+    if draft_layers is not None:
+        draft_model = tiny_model("llama", len(tokenizer), seed=1, layers=draft_layers, hidden_size=32,
+                                 max_position_embeddings=max_position_embeddings)
+        return SpecPrefillEngine(backend, DraftModel(draft_model, tokenizer, config.draft), config)
     if not cross_family:
         return SpecPrefillEngine(backend, DraftModel(model, tokenizer), config)
     draft_tokenizer = tiny_inst_tokenizer()

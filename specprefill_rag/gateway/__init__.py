@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP gateway: any OpenAI client gets SpecPrefill with no code change.
 
 ``create_app(engine)`` builds a FastAPI app serving ``/v1/chat/completions``,
-``/v1/completions``, ``/v1/models``, ``/health``, ``/ready`` and ``/metrics``; ``run_app`` serves it
+``/v1/completions``, ``/v1/passages`` (warm the draft's passage store), ``/v1/models``, ``/health``,
+``/ready`` and ``/metrics``; ``run_app`` serves it
 with uvicorn and drains on SIGTERM; ``specprefill-rag gateway`` and ``specprefill-rag serve MODEL --gateway-port 8080``
 do both from the command line. See docs/gateway.md.
 

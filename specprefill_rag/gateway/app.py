@@ -29,7 +29,8 @@ text as an ordinary chat to the backend's server, any OpenAI-compatible one (``t
 ``fallback_text_mode`` a planned request whose vLLM has no plugin is answered so instead of failing.
 
 The request's life (slots, engine stream, events) is ``runs``; the checks before its body is read
-are ``admission``; this module holds the gateway's state, its routes and serving it.
+are ``admission``; a warm call (``POST /v1/passages``) is ``passages``; this module holds the
+gateway's state, its routes and serving it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -54,9 +54,10 @@ from ..engine import SpecPrefillEngine
 from ..errors import ConfigError, InputError, PluginMissingError
 from . import GatewayMode, GatewayOptions, tools
 from .admission import cache_namespace, check_media_type, new_secret, too_large
-from .limits import check_containers, check_totals
+from .limits import check_totals, decode_body
 from .metrics import GatewayMetrics
-from .openapi import CHAT_REQUEST, COMPLETION_REQUEST, request_body
+from .openapi import CHAT_REQUEST, COMPLETION_REQUEST, PASSAGES_REQUEST, request_body
+from .passages import warm_passages
 from .protocol import GatewayRequest, parse_chat, parse_completion
 from .responses import RETRY_AFTER_S, APIError, StreamChunks, error_body, new_id, now, response, to_api_error
 from .runs import ClientGone, EventStream, Run, sse, sse_error, unless_disconnected
@@ -96,6 +97,8 @@ class Gateway:
                              tokens=added_token_strings(engine.tokenizer))
         self.fallback_text_mode = options.fallback_text_mode
         self.metrics = GatewayMetrics()
+        if engine.draft is not None:
+            self.metrics.watch_passages(engine.draft.passages)
         self.slots = asyncio.Semaphore(self.max_concurrency)
         self.admitted = 0  # requests in flight: reading their body, waiting for a slot or running
         self.body_bytes = 0  # of the admitted requests' bodies not parsed yet (declared, else the limit)
@@ -178,15 +181,7 @@ class Gateway:
         """The body as a request (in a worker thread: JSON, prompt shapes and segments take time
         linear in the body, up to tens of milliseconds for megabytes); its cache salt replaced by
         its namespace (``admission.cache_namespace``: the tenant's and the salt's HMAC)."""
-        check_containers(raw)  # before json.loads builds them: the request's caps in all (limits)
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON") from None
-        except RecursionError:  # the C decoder counts its depth against the recursion limit
-            raise APIError(400, "the request body nests JSON arrays or objects too deeply") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        body = decode_body(raw)  # its containers counted before any is built: the request's caps in all (limits)
         check_totals(body)
         parse = parse_chat if endpoint == "chat" else parse_completion
         try:
@@ -285,6 +280,7 @@ class Gateway:
             "fallback_text_mode": self.fallback_text_mode,
             "text_upstream": self.text.upstream.base_url if self.text.upstream is not None else "local",
             "keep_rate": config.selection.keep_rate, "draft_max_batch": config.draft.max_batch,
+            "read_passages": "joint" if config.draft.passages is None else "apart",
             "in_flight": self.admitted, "running": self.running,
             "max_queue": self.max_queue, "max_concurrency": self.max_concurrency, "draining": self.draining,
         }
@@ -369,6 +365,10 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
     @app.post("/v1/completions", openapi_extra=request_body(COMPLETION_REQUEST))
     async def completions(request: Request) -> Response:
         return await gateway.handle(request, "completions")
+
+    @app.post("/v1/passages", openapi_extra=request_body(PASSAGES_REQUEST))
+    async def passages(request: Request) -> Response:
+        return await warm_passages(gateway, request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -4,6 +4,7 @@ are read one by one, so a hostile body costs time linear in its size and memory 
 The per-message limits (``messages.MAX_PARTS``: messages, a message's content parts, passages, a
 message's documents) bound one message; these bound the request:
 
+* ``decode_body``: the body as a JSON object, decoded only once ``check_containers`` passed;
 * ``check_containers``: at most ``MAX_JSON_CONTAINERS`` JSON objects and arrays in the body,
   counted on the raw bytes (strings skipped) before ``json.loads`` builds any: eight megabytes of
   ``{"type": "text", "text": ""}`` parts would otherwise be 300,000 dicts (80 MB) before a check;
@@ -17,6 +18,7 @@ docs/gateway.md, "Back-pressure and concurrency", states the limits and what a h
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Mapping
@@ -25,7 +27,7 @@ from typing import Any
 from ..prompt import MAX_SEGMENTS, count_documents
 from .responses import APIError
 
-__all__ = ["MAX_JSON_CONTAINERS", "check_containers", "check_totals"]
+__all__ = ["MAX_JSON_CONTAINERS", "check_containers", "check_totals", "decode_body"]
 
 # JSON objects and arrays in one request body: four per segment a request may make (a message, its
 # content list, a part; a call and its function), far above what a context window's worth holds.
@@ -62,6 +64,21 @@ def check_containers(raw: bytes, limit: int = MAX_JSON_CONTAINERS) -> None:
                 raise APIError(400, "the request body nests JSON arrays or objects too deeply")
             raise APIError(400, f"the request body holds more than the gateway's limit of {limit} JSON objects and "
                            "arrays (messages, content parts, tool calls, ... in all): send fewer, longer parts")
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object: its objects and arrays counted first (``check_containers``),
+    then decoded; 400 for a body that is no JSON, nests too deeply or is not an object."""
+    check_containers(raw)  # before json.loads builds them
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
+    except RecursionError:  # the C decoder counts its depth against the recursion limit
+        raise APIError(400, "the request body nests JSON arrays or objects too deeply") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
 
 
 def _tool_text(content: object) -> str:

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one gateway: requests by mode and status, TTFT and its parts, keep ratio.
+"""Prometheus metrics of one gateway: requests by mode and status, TTFT and its parts, keep ratio,
+and the draft's passage store (what it found, read anew, holds).
 
 Each gateway has its own registry (two apps in one process never collide); ``/metrics``
 serves it in the Prometheus text format. Names and labels are listed in docs/gateway.md.
@@ -6,15 +7,69 @@ serves it in the Prometheus text format. Names and labels are listed in docs/gat
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Protocol
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ..types import GenerationResult
 from .text_mode import TextModeResult
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "PassageStoreView"]
 
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 _RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class _StoreCounts(Protocol):
+    @property
+    def hits(self) -> int: ...
+    @property
+    def misses(self) -> int: ...
+    @property
+    def disk_hits(self) -> int: ...
+
+
+class _Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+class PassageStoreView(Protocol):
+    """What the metrics read of the draft's passage store (``DraftModel.passages``)."""
+
+    @property
+    def counts(self) -> _StoreCounts: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def disk(self) -> _Sized | None: ...
+    def __len__(self) -> int: ...
+
+
+class _PassageStoreCollector(Collector):
+    """The passage store's own counts, read when ``/metrics`` is scraped (the store keeps them)."""
+
+    def __init__(self, store: PassageStoreView) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        store, counts = self.store, self.store.counts
+        for name, value, what in (
+                ("hits", counts.hits, "Passages the draft found read already (in memory or on disk), by requests "
+                 "and warm calls"),
+                ("disk_hits", counts.disk_hits, "Of the passages found, those read back from the store's disk tier"),
+                ("misses", counts.misses, "Passages the draft did not hold and read anew (then kept)")):
+            yield CounterMetricFamily(f"specprefill_gateway_passage_store_{name}", what, value=value)
+        held = GaugeMetricFamily("specprefill_gateway_passage_store_bytes", "Bytes of passage readings the store "
+                                 "holds, by tier: memory, disk", labels=["tier"])
+        held.add_metric(["memory"], store.nbytes)
+        held.add_metric(["disk"], store.disk.nbytes if store.disk is not None else 0)
+        yield held
+        yield GaugeMetricFamily("specprefill_gateway_passage_store_passages", "Passage readings held in memory",
+                                value=len(store))
 
 
 class GatewayMetrics:
@@ -50,6 +105,10 @@ class GatewayMetrics:
         self.memo_hits = Counter("specprefill_gateway_draft_memo_hits", "Pruned prompts whose draft scores came "
                                  "from the engine's memo (an identical request before): the draft did not run",
                                  registry=r)
+
+    def watch_passages(self, store: PassageStoreView) -> None:
+        """Report the draft's passage store (its counts and bytes, read at each scrape)."""
+        self.registry.register(_PassageStoreCollector(store))
 
     def finished(self, endpoint: str, mode: str, status: int, result: GenerationResult | None = None) -> None:
         """Count one answered request; a complete ``result`` also feeds the histograms."""

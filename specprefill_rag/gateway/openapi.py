@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CHAT_REQUEST", "COMPLETION_REQUEST", "request_body"]
+__all__ = ["CHAT_REQUEST", "COMPLETION_REQUEST", "PASSAGES_REQUEST", "request_body"]
 
 _STRING: dict[str, Any] = {"type": "string"}
 _TEXT: dict[str, Any] = {"type": "string", "pattern": "\\S"}  # says something
@@ -87,6 +87,15 @@ CHAT_REQUEST: dict[str, Any] = {"type": "object", "required": ["messages"], "pro
 COMPLETION_REQUEST: dict[str, Any] = {"type": "object", "required": ["prompt"], "properties": {
     **_COMMON,
     "prompt": {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "maxItems": 1, "items": _TEXT}]},
+}}
+
+# ``POST /v1/passages`` (``passages``): a corpus to read ahead, after a system part, in a namespace.
+PASSAGES_REQUEST: dict[str, Any] = {"type": "object", "required": ["passages"], "additionalProperties": False,
+                                    "properties": {
+    "passages": {"type": "array", "minItems": 1, "items": {"anyOf": [_STRING, {
+        "type": "object", "required": ["text"], "properties": {"text": _STRING, "id": _STRING}}]}},
+    "instructions": _STRING,
+    "cache_salt": {"type": "string", "minLength": 1},
 }}
 
 

@@ -100,12 +100,16 @@ class Run:
     def result(self) -> GenerationResult | None:
         return self.stream.result if self.stream is not None else None
 
-    async def start(self) -> str | None:
-        """Wait for a generation slot, start the engine stream; the first text delta (None: no text)."""
+    async def take_slot(self) -> None:
+        """Wait for a generation slot (``close`` frees it): the engine's model work is bounded by them."""
         await self.gateway.slots.acquire()
         self.running = True
         self.gateway.running += 1
         self.gateway.metrics.running.inc()
+
+    async def start(self) -> str | None:
+        """Wait for a generation slot, start the engine stream; the first text delta (None: no text)."""
+        await self.take_slot()
         req = self.request
         assert req is not None
         gateway = self.gateway

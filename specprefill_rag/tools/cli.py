@@ -1,4 +1,4 @@
-"""``specprefill-rag`` command line: demo, ask, serve, gateway, bench, prepare.
+"""``specprefill-rag`` command line: demo, ask, encode, serve, gateway, bench, prepare.
 
 The CLI is the one place that prints; the library logs.
 """
@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import MissingDependencyError
 from .cli_parser import build_parser as _parser
+from .cli_parser import passage_options
 from .cli_serve import gateway_command, serve_command
 
 __all__ = ["main"]
@@ -32,8 +33,9 @@ def _build_engine(args: argparse.Namespace) -> Any:
 
     draft = {"lookahead": args.lookahead, "lookahead_tokens": args.lookahead_tokens,
              "lookahead_stop_at_eos": args.lookahead_stop_at_eos, "echo_question": args.echo_question}
+    draft = {name: value for name, value in draft.items() if value is not None}
     config = SpecPrefillConfig(
-        draft=DraftConfig(**{name: value for name, value in draft.items() if value is not None}),
+        draft=DraftConfig(**draft, **passage_options(args, DraftConfig().passages)),
         selection=SelectionConfig(keep_rate=args.keep_rate),
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens),
         instructions=DEMO_INSTRUCTIONS,
@@ -100,11 +102,16 @@ def _baseline_note(main_model: Any) -> str:
             "the speedup above is measured against a slower baseline than the machine offers (--dtype auto).")
 
 
-def _retrieve(args: argparse.Namespace, question: str) -> list[Any]:
-    from .retrieval import Retriever, demo_documents, load_documents
+def _documents(args: argparse.Namespace) -> list[Any]:
+    from .retrieval import demo_documents, load_documents
 
-    documents = load_documents(args.docs) if args.docs else demo_documents()
-    retriever = Retriever.from_documents(documents)
+    return load_documents(args.docs) if args.docs else demo_documents()
+
+
+def _retrieve(args: argparse.Namespace, question: str) -> list[Any]:
+    from .retrieval import Retriever
+
+    retriever = Retriever.from_documents(_documents(args))
     return retriever.retrieve(question, top_k=args.top_k)
 
 
@@ -116,6 +123,8 @@ def _summary(label: str, result: Any) -> str:
     else:
         parts.append(f"(main prefill {t.prefill_s:.1f} s)")
     parts.append(f"prefilled {result.prefilled_tokens}/{result.prompt_tokens} tokens")
+    if result.passages_cached or result.passages_read:  # the draft read passages apart
+        parts.append(f"passages {result.passages_cached} from the store, {result.passages_read} read")
     if t.decode_tokens_per_s:
         parts.append(f"decode {t.decode_tokens_per_s:.1f} tok/s")
     return "  ".join(parts)
@@ -168,6 +177,35 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
+ENCODE_BATCH = 64  # passages read per call, between two progress lines
+
+
+def _encode(args: argparse.Namespace) -> int:
+    """Read every passage of the documents (split as ``ask`` and ``demo`` retrieve them) into the
+    draft's passage store on disk, laid out as the engine's own prompts lay them out."""
+    from .retrieval import split_passages
+
+    documents = _documents(args)
+    passages = split_passages(documents)
+    engine = _build_engine(args)
+    store = engine.draft.passages
+    print(f"Reading {len(passages)} passages of {len(documents)} documents into {args.passage_store} ...",
+          flush=True)
+    found = read = 0
+    started = time.perf_counter()
+    for start in range(0, len(passages), ENCODE_BATCH):
+        got = engine.read_passages(passages[start: start + ENCODE_BATCH])
+        found, read = found + got.found, read + got.read
+        done = min(start + ENCODE_BATCH, len(passages))
+        if done < len(passages):
+            print(f"  {done}/{len(passages)} passages, {time.perf_counter() - started:.1f} s", flush=True)
+    seconds = time.perf_counter() - started
+    on_disk = store.disk.nbytes if store.disk is not None else 0
+    print(f"{found} passages were in the store, {read} read now, in {seconds:.1f} s; the store holds "
+          f"{on_disk / 2**20:.1f} MiB on disk ({on_disk} bytes, {len(store)} passages in memory, "
+          f"{store.nbytes} bytes)")
+    return 0
+
 
 def _bench(args: argparse.Namespace) -> int:
     """Run ``python -m benchmarks.suites.<suite>`` (``benchmarks.report`` for ``report``) in the
@@ -210,8 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         commands = {
-            "demo": _demo, "ask": _ask, "serve": serve_command, "gateway": gateway_command, "bench": _bench,
-            "prepare": _prepare,
+            "demo": _demo, "ask": _ask, "encode": _encode, "serve": serve_command, "gateway": gateway_command,
+            "bench": _bench, "prepare": _prepare,
         }
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, MissingDependencyError) as error:

@@ -1,7 +1,7 @@
 """The ``specprefill-rag`` command line's arguments: one parser, a subparser per command.
 
-The commands themselves are in ``cli`` (demo, ask, bench, prepare) and ``cli_serve`` (serve,
-gateway).
+The commands themselves are in ``cli`` (demo, ask, encode, bench, prepare) and ``cli_serve``
+(serve, gateway). ``passage_options`` turns the passage-reading flags into ``DraftConfig`` fields.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import os
 from typing import Any, get_args
 
 from ..backends.vllm_server import ConnectionOptions
-from ..config import LookaheadTokens
+from ..config import GenerationConfig, LookaheadTokens, PassageReading, SelectionConfig
 from ..loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
-__all__ = ["DESCRIPTION", "build_parser"]
+__all__ = ["DESCRIPTION", "build_parser", "passage_options"]
 
-DESCRIPTION = """``specprefill-rag`` command line: demo, ask, serve, gateway, bench, prepare.
+DESCRIPTION = """``specprefill-rag`` command line: demo, ask, encode, serve, gateway, bench, prepare.
 
 The CLI is the one place that prints; the library logs.
 """
@@ -56,10 +56,55 @@ def _lookahead_args(parser: Any) -> None:
     )
 
 
-def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: int, max_new_tokens: int) -> None:
+def _passage_args(parser: Any) -> None:
+    """--read-passages / --passage-store: how the draft reads passages (``passage_options``)."""
+    parser.add_argument(
+        "--read-passages", default=None, choices=["joint", "apart"],
+        help="how the draft reads retrieved passages: joint (every prompt whole, every time) or apart (each "
+        "passage once, against the system part, kept and reused wherever it comes again; DraftConfig.passages, "
+        "docs/configuration.md) (default: the library's DraftConfig; apart with --passage-store)",
+    )
+    parser.add_argument(
+        "--passage-store", default=None, metavar="DIR",
+        help="a directory that keeps the draft's passage readings beyond memory and restarts, as "
+        "`specprefill-rag encode` fills it (DraftConfig.passage_store_dir; reads passages apart) "
+        "(default: memory only)",
+    )
+
+
+def passage_options(args: argparse.Namespace, current: PassageReading | None = None) -> dict[str, Any]:
+    """The ``DraftConfig`` fields ``--read-passages`` and ``--passage-store`` set (none when neither
+    is given): ``passages`` (``current``, else ``PassageReading()``, for apart; None for joint) and
+    ``passage_store_dir``. A store reads apart; with ``joint`` it is a ``ValueError``."""
+    mode, store = args.read_passages, args.passage_store
+    if store is not None and mode == "joint":
+        raise ValueError("--passage-store keeps passages the draft reads apart: drop --read-passages joint")
+    options: dict[str, Any] = {}
+    if mode == "joint":
+        options["passages"] = None
+    elif mode == "apart" or store is not None:
+        options["passages"] = current or PassageReading()
+    if store is not None:
+        options["passage_store_dir"] = store
+    return options
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    """The models and how the draft runs: what ``cli._build_engine`` builds an engine from."""
     add = parser.add_argument
     add("--main", default=DEFAULT_MAIN, help="main model: packaged short name, HF directory or .gguf (%(default)s)")
     add("--draft", default=DEFAULT_DRAFT, help="draft model; another tokenizer is mapped (%(default)s)")
+    parser.add_argument(
+        "--lookahead", type=int, default=None, help="draft look-ahead queries L (default: the library's DraftConfig)"
+    )
+    _lookahead_args(parser)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _device_args(parser, whose="the draft and the main model")
+
+
+def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: int, max_new_tokens: int) -> None:
+    _model_args(parser)
+    add = parser.add_argument
     add(
         "--keep-rate", type=float, default=keep_rate,
         help="fraction of the context (retrieved passages) prefilled; the question and instructions "
@@ -67,12 +112,7 @@ def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: in
     )
     add("--top-k", type=int, default=top_k, help="passages retrieved (default: %(default)s)")
     add("--max-new-tokens", type=int, default=max_new_tokens, help="answer length limit (default: %(default)s)")
-    parser.add_argument(
-        "--lookahead", type=int, default=None, help="draft look-ahead queries L (default: the library's DraftConfig)"
-    )
-    _lookahead_args(parser)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    _device_args(parser, whose="the draft and the main model")
+    _passage_args(parser)
 
 
 def _gateway_args(group: Any) -> None:
@@ -114,6 +154,7 @@ def _gateway_args(group: Any) -> None:
         help="prompt heads (system prompt, a chat's earlier turns) whose draft keys and values are kept, so a "
         "request that begins with one is read from where it ends, DraftConfig.prefix_cache_entries "
         "(default: the engine's, 8; 0: off)")
+    _passage_args(group)
     add("--default-mode", default=None, choices=["specprefill", "full", "text"],
         help="mode of a request whose specprefill.mode is unset: specprefill (the kept tokens at their original "
         "positions: the main model here or a vLLM with the plugin), full, or text (the kept text as an ordinary "
@@ -207,6 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--docs", required=True, help="directory or file of .md/.txt documents")
     ask.add_argument("--full", action="store_true", help="full prefill instead of SpecPrefill")
     _engine_args(ask, keep_rate=0.2, top_k=8, max_new_tokens=128)
+
+    encode = sub.add_parser(
+        "encode", help="read every passage of your documents ahead of questions into a passage store on disk, "
+        "which ask, demo, serve and gateway read with --passage-store DIR (docs/configuration.md)",
+    )
+    encode.add_argument("--docs", default=None, help="directory or file of .md/.txt documents (default: bundled)")
+    encode.add_argument("--passage-store", required=True, metavar="DIR",
+                        help="the store's directory, created if missing (DraftConfig.passage_store_dir)")
+    _model_args(encode)
+    # Nothing is answered: the engine is built with the library's selection and generation settings.
+    encode.set_defaults(read_passages="apart", keep_rate=SelectionConfig().keep_rate,
+                        max_new_tokens=GenerationConfig().max_new_tokens)
 
     _add_serve(sub)
     _add_gateway(sub)

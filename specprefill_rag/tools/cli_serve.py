@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from ..gateway import require_installed as _require_gateway
+from .cli_parser import passage_options
 
 __all__ = ["gateway_command", "serve_command", "vllm_server_options"]
 
@@ -47,7 +48,9 @@ def _gateway_config(args: argparse.Namespace, base: Any) -> Any:
              "prefix_cache_entries": args.draft_prefix_cache, "lookahead_stop_at_eos": args.lookahead_stop_at_eos,
              "skip_when_slower": args.skip_draft_when_slower, "batch_pad_limit": args.draft_batch_pad_limit,
              "passes_in_order": args.draft_passes_in_order, "echo_question": args.echo_question}
-    if draft := {name: value for name, value in draft.items() if value is not None}:
+    draft = {name: value for name, value in draft.items() if value is not None}
+    draft.update(passage_options(args, config.draft.passages))  # passages=None (joint) is a setting too
+    if draft:
         config = dataclasses.replace(config, draft=dataclasses.replace(config.draft, **draft))
     if args.max_new_tokens is not None:
         config = dataclasses.replace(config, generation=dataclasses.replace(
@@ -149,6 +152,10 @@ def gateway_command(args: argparse.Namespace) -> int:
         engine = _factory_engine(args.engine)
         if not isinstance(engine, SpecPrefillEngine):
             raise ValueError(f"--engine {args.engine} returned {type(engine).__name__}, not a SpecPrefillEngine")
+        if args.passage_store is not None and (engine.draft is None or
+                                               engine.draft.config.passage_store_dir != args.passage_store):
+            raise ValueError("--passage-store cannot reach the draft --engine built: give its DraftModel "
+                             "DraftConfig(passage_store_dir=...) in the factory")
         config = _gateway_config(args, engine.config)
         if config != engine.config:  # the draft batcher is built from the config: a new engine, same models
             engine = SpecPrefillEngine(engine.backend, engine.draft, config)

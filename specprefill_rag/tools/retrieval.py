@@ -45,6 +45,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DOCUMENT_SUFFIXES = (".md", ".txt")
+# Words per passage: what the retriever indexes and ``specprefill-rag encode`` reads ahead alike.
+PASSAGE_WORDS = 120
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _HEADING = re.compile(r"^#{1,6}\s+(.*\S)\s*$")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -211,7 +213,7 @@ def _units(text: str, max_words: int) -> list[str]:
     return units
 
 
-def split_passages(documents: Iterable[Document], *, max_words: int = 120) -> list[Passage]:
+def split_passages(documents: Iterable[Document], *, max_words: int = PASSAGE_WORDS) -> list[Passage]:
     """Cut documents into passages of at most about ``max_words`` words, at paragraph breaks.
 
     Paragraphs (blank-line separated blocks) are packed greedily and never cut, except one
@@ -275,7 +277,7 @@ class Retriever:
         cls,
         documents: Iterable[Document],
         *,
-        max_words: int = 120,
+        max_words: int = PASSAGE_WORDS,
         embedder: SentenceTransformer | None = None,
     ) -> Retriever:
         """Split ``documents`` with :func:`split_passages` and index the passages."""

@@ -15,6 +15,10 @@ metadata. How messages map to segments (see docs/integrations.md):
   prunable context segment ``"Tool: <text>"``;
 - ``passages=[Document | Passage | str, ...]`` passed to ``invoke``/``stream`` (or ``bind``)
   → one prunable passage segment each, with the document's id (else its 1-based number).
+
+``read_documents`` reads documents into the draft's passage store ahead of the calls that will
+send them as passages (beside ``vector_store.add_documents``), when the engine's draft reads
+passages apart (``DraftConfig(passages=PassageReading())``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from specprefill_rag import (
     GenerationResult,
     InputTypeError,
     Passage,
+    PassagesRead,
     Segment,
     SpecPrefillEngine,
 )
@@ -264,6 +269,27 @@ class ChatSpecPrefill(BaseChatModel):
     def _shown(self, request: dict[str, Any]) -> Callable[[str], str]:
         """What of each streamed delta to show (``toolcalls.content_filter``)."""
         return content_filter(request["question"], self._get_engine().tokenizer)
+
+    # -- reading ahead ----------------------------------------------------------------------
+
+    def read_documents(self, documents: Sequence[PassageLike] | PassageLike, *, instructions: str | None = None
+                       ) -> PassagesRead:
+        """Read ``documents`` into the draft's passage store now (``SpecPrefillEngine.read_passages``),
+        as calls with them as ``passages`` (``create_specprefill_rag_chain``'s) will send them, so those
+        calls cost the draft only their other tokens. ``instructions``: the system message those calls
+        send (the chain's ``instructions``); None: this model's ``instructions``, else the engine's, as
+        such a call without a system message has. Returns the passages found already and read now."""
+        engine = self._get_engine()
+        if isinstance(documents, (str, Document, Passage)):  # one alone is one passage, as in ``passages=``
+            documents = [documents]
+        items = [_to_passage(item, number) for number, item in enumerate(documents, start=1)]
+        return engine.read_passages(items, instructions=instructions or self.instructions or engine.config.instructions,
+                                    cache_salt=engine.config.generation.cache_salt)
+
+    async def aread_documents(self, documents: Sequence[PassageLike] | PassageLike, *,
+                              instructions: str | None = None) -> PassagesRead:
+        """``read_documents`` in a worker thread (the event loop is never blocked)."""
+        return await asyncio.to_thread(self.read_documents, documents, instructions=instructions)
 
     # -- tools ------------------------------------------------------------------------------
 

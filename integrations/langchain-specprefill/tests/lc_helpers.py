@@ -13,6 +13,11 @@ from langchain_core.documents import Document  # noqa: E402
 from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from specprefill_rag import (  # noqa: E402
+    DraftConfig,
+    GenerationConfig,
+    PassageReading,
+    SelectionConfig,
+    SpecPrefillConfig,
     SpecPrefillEngine,
     testing,
 )
@@ -85,3 +90,14 @@ def qwen_engine() -> SpecPrefillEngine:
     from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
     return SpecPrefillEngine.from_pretrained(DEFAULT_MAIN, DEFAULT_DRAFT)
+
+
+def tiny_reading_engine() -> SpecPrefillEngine:
+    """The tiny engine with a draft of 8 layers that reads passages apart and keeps each reading
+    (``DraftConfig.passages``), its score memo off: a fresh passage store each call."""
+    config = SpecPrefillConfig(
+        draft=DraftConfig(lookahead=2, memo_entries=0, passages=PassageReading()),
+        selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=32, chunk_size=8),
+        generation=GenerationConfig(max_new_tokens=2),
+    )
+    return testing.tiny_engine(config, max_position_embeddings=2048, draft_layers=8)

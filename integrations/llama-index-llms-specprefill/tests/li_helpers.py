@@ -9,6 +9,11 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMCompletionEndEvent
 from specprefill_rag import (
+    DraftConfig,
+    GenerationConfig,
+    PassageReading,
+    SelectionConfig,
+    SpecPrefillConfig,
     SpecPrefillEngine,
     testing,
 )
@@ -83,3 +88,14 @@ def scripted_engine(text: str, *then: str) -> SpecPrefillEngine:
     then each of ``then`` (``testing.ScriptedBackend``)."""
     inner = tiny_tool_engine()
     return SpecPrefillEngine(testing.ScriptedBackend(inner.backend, text, *then), inner.draft, inner.config)
+
+
+def tiny_reading_engine() -> SpecPrefillEngine:
+    """The tiny engine with a draft of 8 layers that reads passages apart and keeps each reading
+    (``DraftConfig.passages``), its score memo off: a fresh passage store each call."""
+    config = SpecPrefillConfig(
+        draft=DraftConfig(lookahead=2, memo_entries=0, passages=PassageReading()),
+        selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=32, chunk_size=8),
+        generation=GenerationConfig(max_new_tokens=2),
+    )
+    return testing.tiny_engine(config, max_position_embeddings=4096, draft_layers=8)

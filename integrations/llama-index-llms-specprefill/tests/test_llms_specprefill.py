@@ -33,8 +33,8 @@ def recorder():
 
 
 def test_public_api():
-    assert package.__all__ == ["DocumentsTool", "PassageIdPostprocessor", "SpecPrefillLLM", "messages_to_segments",
-                               "split_context", "tool_result_message"]
+    assert package.__all__ == ["DocumentsTool", "PassageIdPostprocessor", "SpecPrefillLLM", "SpecPrefillPassageReader",
+                               "messages_to_segments", "split_context", "tool_result_message"]
     assert issubclass(SpecPrefillLLM, FunctionCallingLLM)
 
 

@@ -2,6 +2,7 @@
 
 from llama_index.llms.specprefill.base import SpecPrefillLLM
 from llama_index.llms.specprefill.chat import messages_to_segments
+from llama_index.llms.specprefill.ingestion import SpecPrefillPassageReader
 from llama_index.llms.specprefill.passages import PassageIdPostprocessor, split_context
 from llama_index.llms.specprefill.tools import DocumentsTool, tool_result_message
 
@@ -9,6 +10,7 @@ __all__ = [
     "DocumentsTool",
     "PassageIdPostprocessor",
     "SpecPrefillLLM",
+    "SpecPrefillPassageReader",
     "messages_to_segments",
     "split_context",
     "tool_result_message",

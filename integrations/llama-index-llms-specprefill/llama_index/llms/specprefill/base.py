@@ -52,7 +52,7 @@ from .tools import engine_tool_choice, first_call_only, openai_tools, tool_calli
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
 
-__all__ = ["SpecPrefillLLM"]
+__all__ = ["SpecPrefillLLM", "rag_instructions"]
 
 dispatcher = instrument.get_dispatcher(__name__)
 
@@ -141,8 +141,7 @@ class SpecPrefillLLM(FunctionCallingLLM):
         passages = split_context(context, self.passage_id_key)
         if not passages:
             return None
-        instructions = self.system_prompt or self.instructions or self.engine.config.instructions
-        return list(build_segments(question, passages, instructions))
+        return list(build_segments(question, passages, rag_instructions(self)))
 
     def _prompt_segments(self, prompt: str) -> list[Segment]:
         """A plain prompt: one prunable context segment after the ``system_prompt``, if any."""
@@ -371,6 +370,12 @@ class SpecPrefillLLM(FunctionCallingLLM):
                     yield r.delta
 
         return gen()
+
+
+def rag_instructions(llm: SpecPrefillLLM) -> str | None:
+    """The instructions of a query-engine call (``predict`` with a RAG template): ``system_prompt``,
+    else ``instructions``, else the engine's; ``SpecPrefillPassageReader`` reads passages after them."""
+    return llm.system_prompt or llm.instructions or llm.engine.config.instructions
 
 
 def _forced(llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
