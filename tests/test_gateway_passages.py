@@ -139,15 +139,23 @@ def test_a_warmed_passage_serves_only_the_same_system_part(client):
         "found": 0, "read": n}  # no instructions: requests without a system message
     assert ask_rag(system=INSTRUCTIONS) == (0, n)
     assert ask_rag(system=None) == (n, 0)
-    assert ask_rag(system=f"  {INSTRUCTIONS}\n") == (n, 0)  # stripped, as the gateway strips it
-    # A chat with an earlier turn reads its passages after that turn's opening, not the system part's.
+    # Stripped, as the gateway strips it: the prompt two lines up, which the prefix store holds whole.
+    assert ask_rag(system=f"  {INSTRUCTIONS}\n") == (0, 0)
+    # A chat with earlier turns reads its passages after the same system part: the passages read under
+    # these instructions (by the request above; a warm call finds them all) serve it.
+    assert warm(client, {"passages": PASSAGES, "instructions": INSTRUCTIONS})[1] == {"found": n, "read": 0}
     history = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Hello?"},
                {"role": "assistant", "content": "Hi."}, {"role": "user", "content": QUESTION}]
     first = ask(client, history, specprefill={"passages": PASSAGES})
-    assert (first["passages_cached"], first["passages_read"]) == (0, n)
+    assert (first["passages_cached"], first["passages_read"]) == (n, 0)
+    # The same conversation and passages under another question: the prefix store holds it all.
     again = ask(client, history[:3] + [{"role": "user", "content": "And which sleeps six?"}],
                 specprefill={"passages": PASSAGES})
-    assert (again["passages_cached"], again["passages_read"]) == (n, 0)  # the conversation's next turns find them
+    assert (again["passages_cached"], again["passages_read"]) == (0, 0) and again["draft_cached_tokens"] > 0
+    # Its next turn (the last exchange now history, the passages after it): the passage store serves them.
+    later = ask(client, [*history, {"role": "assistant", "content": "The hut."},
+                         {"role": "user", "content": "And which sleeps six?"}], specprefill={"passages": PASSAGES})
+    assert (later["passages_cached"], later["passages_read"]) == (n, 0)
 
 
 def test_recognised_rag_shapes_match_their_instruction_sentences(client):

@@ -68,8 +68,9 @@ def tiny_model(vocab_size: int, layers: int, hidden: int, *, seed: int, max_posi
     return LlamaForCausalLM(config).eval()
 
 
-def tiny_engine(config: Any = None) -> Any:
-    """A SpecPrefillEngine over two tiny random Llama models (draft 2 layers, main 4)."""
+def tiny_engine(config: Any = None, *, draft_layers: int = 2) -> Any:
+    """A SpecPrefillEngine over two tiny random Llama models (draft ``draft_layers`` layers, main 4;
+    a draft reads passages apart from 8 layers on: early exit below its last layer)."""
     from specprefill_rag import SpecPrefillEngine
     from specprefill_rag.backends.transformers import TransformersBackend
     from specprefill_rag.draft import DraftModel
@@ -77,5 +78,5 @@ def tiny_engine(config: Any = None) -> Any:
     tokenizer = _essay_tokenizer()
     vocab = len(tokenizer)
     backend = TransformersBackend(tiny_model(vocab, 4, 128, seed=1), tokenizer, name="tiny-main")
-    draft = DraftModel(tiny_model(vocab, 2, 64, seed=2), tokenizer)
+    draft = DraftModel(tiny_model(vocab, draft_layers, 64, seed=2), tokenizer)
     return SpecPrefillEngine(backend, draft, config)

@@ -240,7 +240,7 @@ class DraftModel(LookaheadDrivers):
         if cfg.prefix_cache_entries:  # 0: this call neither reads nor changes the store
             self.prefixes.resize(cfg.prefix_cache_entries, cfg.prefix_cache_bytes)
         if cfg.passages is not None:
-            self.passages.resize(self.passages.entries, cfg.passage_store_bytes)
+            self.passages.configure(cfg.passage_store_bytes, cfg.passage_store_dir, cfg.passage_store_disk_bytes)
         spec = LookaheadSpec.from_config(cfg, lookahead=max(lookaheads), n_layers=self.n_layers)
         caps = self.capture_batch(token_ids, questions, spec=spec, namespace=namespace,
                                   heads=prompt_heads(contexts) if cfg.prefix_cache_entries else None,
@@ -267,7 +267,7 @@ class DraftModel(LookaheadDrivers):
         if plan is None:
             raise ConfigError("this draft cannot read passages apart (it needs early exit below its last layer, "
                               "layers it can run by hand and rotary keys it can move): it reads every prompt jointly")
-        self.passages.resize(self.passages.entries, cfg.passage_store_bytes)
+        self.passages.configure(cfg.passage_store_bytes, cfg.passage_store_dir, cfg.passage_store_disk_bytes)
         head = self._read_head(ids[: layout.head], plan.exit_layer, namespace)
         parts = DecoderParts.of(self.model)
         assert parts is not None

@@ -202,6 +202,17 @@ class PassageStore(Bounded[bytes, PassageEntry]):
         self.disk = disk
         self.counts = StoreCounts()
 
+    def configure(self, max_bytes: int, directory: str | None, disk_bytes: int) -> None:
+        """The bounds and disk tier a call asks for (``DraftRuntime.passage_store_*``): the memory
+        budget, and the disk tier in ``directory`` (opened when it is another; None: none)."""
+        self.resize(self.entries, max_bytes)
+        if directory is None:
+            self.disk = None
+        elif self.disk is None or self.disk.directory != Path(directory):
+            self.disk = PassageDisk(directory, disk_bytes)
+        else:
+            self.disk.max_bytes = disk_bytes
+
     def find(self, key: bytes, token_ids: torch.Tensor) -> PassageEntry | None:
         entry = self._get(key)
         on_disk = False

@@ -267,14 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks from a source checkout: ttft | quality | evidence | peer_evidence | guesses | lookahead_cost "
-        "| windows | gateway_load | serving | draft_batch | tool_rag | prefix_cache | plugin_step (benchmarks/suites/) "
+        "| windows | gateway_load | serving | draft_batch | tool_rag | reuse | prefix_cache | plugin_step "
+        "(benchmarks/suites/) "
         "| report "
         "(`bench SUITE --help`: options)",
         add_help=False,
     )
     bench.add_argument(
         "suite", choices=["ttft", "quality", "evidence", "peer_evidence", "guesses", "lookahead_cost", "windows",
-                  "gateway_load", "prefix_cache", "plugin_step", "serving", "draft_batch", "tool_rag", "report"]
+                  "gateway_load", "prefix_cache", "plugin_step", "serving", "draft_batch", "tool_rag", "reuse",
+                  "report"]
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to the suite")
 
