@@ -23,7 +23,8 @@ from .engine import SpecPrefillEngine
 
 __all__ = [
     "CHATML", "CHATML_TOOLS", "INST_TEMPLATE", "LoopTicks", "ScriptedBackend", "counting_loop_ticks",
-    "recording_score_maps", "small_real_engine", "tiny_engine", "tiny_inst_tokenizer", "tiny_model", "tiny_tokenizer",
+    "recording_score_maps", "small_real_engine", "tiny_engine", "tiny_inst_tokenizer", "tiny_model",
+    "tiny_reading_engine", "tiny_tokenizer",
 ]
 
 CHATML = (
@@ -190,6 +191,19 @@ def tiny_engine(
         max_position_embeddings=max_position_embeddings,
     )
     return SpecPrefillEngine(backend, DraftModel(draft, draft_tokenizer), config)
+
+
+def tiny_reading_engine(max_position_embeddings: int = 2048) -> SpecPrefillEngine:
+    """``tiny_engine`` with a draft of 8 layers that reads passages apart and keeps each reading
+    (``DraftConfig.passages``), its score memo off so that every request is scored."""
+    from .config import PassageReading
+
+    config = SpecPrefillConfig(
+        draft=DraftConfig(lookahead=2, memo_entries=0, passages=PassageReading()),
+        selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=32, chunk_size=8),
+        generation=GenerationConfig(max_new_tokens=2),
+    )
+    return tiny_engine(config, max_position_embeddings=max_position_embeddings, draft_layers=8)
 
 
 class ScriptedBackend:

@@ -212,6 +212,7 @@ def test_metrics_show_the_store(client, engine):
 def test_the_disk_tier_warms_a_gateway_that_starts_later(tmp_path):
     n = len(PASSAGES)
     with serve(reading_engine(tmp_path)) as first:
+        assert first.get("/ready").status_code == 200  # the warm-up (which reads a passage too) is done
         assert warm(first, {"passages": PASSAGES})[1] == {"found": 0, "read": n}
         on_disk = store_metric(first, "bytes", tier="disk")
         assert on_disk > 0

@@ -28,6 +28,7 @@ from ..types import Passage
 from .admission import cache_namespace
 from .fields import at_most, bad, shown, valid_text
 from .limits import decode_body
+from .protocol import passage_item
 from .responses import APIError, to_api_error
 from .runs import ClientGone
 
@@ -60,19 +61,6 @@ def check_reads_apart(engine: SpecPrefillEngine) -> None:
                        code="passages_not_read_apart")
 
 
-def _passage(item: object, n: int) -> Passage:
-    param = f"passages[{n}]"
-    if isinstance(item, str):
-        return Passage(valid_text(item, param))
-    if isinstance(item, dict) and isinstance(item.get("text"), str):
-        pid = item.get("id")
-        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, (str, int))):
-            raise bad(f"{param}.id must be a string, got {shown(pid)}", param=f"{param}.id")
-        pid = None if pid is None else valid_text(str(pid), f"{param}.id")
-        return Passage(valid_text(item["text"], f"{param}.text"), id=pid)
-    raise bad(f"{param} must be a string or an object with a string 'text'", param=param)
-
-
 def parse_warm(body: Mapping[str, Any]) -> WarmRequest:
     """The warm call in ``body``; 400 naming the field for anything else."""
     unknown = sorted(set(body) - _FIELDS)
@@ -89,7 +77,7 @@ def parse_warm(body: Mapping[str, Any]) -> WarmRequest:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad(f"cache_salt must be a non-empty string if provided, got {shown(salt)}", param="cache_salt")
-    return WarmRequest(tuple(_passage(item, n) for n, item in enumerate(raw)),
+    return WarmRequest(tuple(passage_item(item, f"passages[{n}]") for n, item in enumerate(raw)),
                        valid_text(instructions or "", "instructions"),
                        None if salt is None else valid_text(salt, "cache_salt"))
 

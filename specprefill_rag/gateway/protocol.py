@@ -29,7 +29,7 @@ from .fields import at_most, bad, check_json_depth, check_schema, check_strings,
 from .messages import DEFAULT_SHAPES, PromptShape, to_segments
 from .responses import Kind
 
-__all__ = ["GatewayRequest", "parse_chat", "parse_completion"]
+__all__ = ["GatewayRequest", "parse_chat", "parse_completion", "passage_item"]
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 _EXTENSION_KEYS = {"keep_rate", "mode", "passages", "question"}
@@ -223,19 +223,20 @@ def _extension(body: Mapping[str, Any], default_mode: GatewayMode
         if not isinstance(raw, list):
             raise bad("specprefill.passages must be a list", param="specprefill.passages")
         at_most(raw, "specprefill.passages", "passages")
-        passages = [_passage(item, n) for n, item in enumerate(raw)]
+        passages = [passage_item(item, f"specprefill.passages[{n}]") for n, item in enumerate(raw)]
     return mode, None if keep_rate is None else float(keep_rate), passages, question
 
 
-def _passage(item: object, n: int) -> Passage:
-    param = f"specprefill.passages[{n}]"
+def passage_item(item: object, param: str) -> Passage:
+    """One passage a client sent at ``param``: a string, or an object with a string ``text``, an
+    optional ``id`` (a string or an integer) and ``metadata`` (the retriever's score, checked)."""
     if isinstance(item, str):
         return Passage(valid_text(item, param))
     if isinstance(item, dict) and isinstance(item.get("text"), str):
         pid = item.get("id")
         metadata = item.get("metadata") or {}
-        if pid is not None and not isinstance(pid, (str, int)):
-            raise bad(f"{param}.id must be a string", param=f"{param}.id")
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, (str, int))):
+            raise bad(f"{param}.id must be a string, got {shown(pid)}", param=f"{param}.id")
         if not isinstance(metadata, dict):
             raise bad(f"{param}.metadata must be an object", param=f"{param}.metadata")
         score = metadata.get(RETRIEVER_SCORE_KEY)  # the retriever's score, which selection weighs

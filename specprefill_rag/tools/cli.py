@@ -130,10 +130,34 @@ def _summary(label: str, result: Any) -> str:
     return "  ".join(parts)
 
 
+# The demo's second question, over the passages retrieved for the first: a follow-up.
+FOLLOW_UP = "Which tracked vehicle is the usual one for trips to Brandvik Hut along the coast?"
+
+
+def _side_by_side(engine: Any, question: str, passages: list[Any], steps: tuple[int, int]) -> tuple[Any, Any]:
+    """``question`` answered with full prefill, then with SpecPrefill, each answer printed; then
+    both timing lines and the speedup. ``steps``: the step numbers of the two answers."""
+    total = 2 * (1 + int(steps[0] > 1))
+    print(f"\n[{steps[0]}/{total}] Full prefill (baseline) ...", flush=True)
+    full = engine.generate(question, passages, mode="full")
+    print(f"      answer: {full.text.strip()}")
+    keep = engine.config.selection.keep_rate
+    print(f"[{steps[1]}/{total}] SpecPrefill, keep rate {keep:.0%} ...", flush=True)
+    spec = engine.generate(question, passages)
+    print(f"      answer: {spec.text.strip()}")
+    print("\n" + _summary("full", full))
+    print(_summary("SpecPrefill", spec))
+    speedup = full.timings.ttft_s / spec.timings.ttft_s
+    print(f"TTFT speedup: {speedup:.2f}x ({_precisions(engine)})   prefilled: {spec.keep_ratio:.1%} of the prompt")
+    return full, spec
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .retrieval import demo_questions
 
     question = args.question or demo_questions()[0].question
+    follow_up = args.follow_up if args.follow_up is not None else (
+        None if args.question or args.docs else FOLLOW_UP)
     passages = _retrieve(args, question)
     engine = _build_engine(args)
     prompt = engine.assemble(question, passages)
@@ -141,18 +165,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"Retrieved {len(passages)} passages; prompt is {prompt.n_tokens} tokens.")
     print("Warming up both models ...", flush=True)
     engine.warm_up()
-
-    print("\n[1/2] Full prefill (baseline) ...", flush=True)
-    full = engine.generate(question, passages, mode="full")
-    print(f"      answer: {full.text.strip()}")
-    print(f"[2/2] SpecPrefill, keep rate {args.keep_rate:.0%} ...", flush=True)
-    spec = engine.generate(question, passages)
-    print(f"      answer: {spec.text.strip()}")
-
-    print("\n" + _summary("full", full))
-    print(_summary("SpecPrefill", spec))
-    speedup = full.timings.ttft_s / spec.timings.ttft_s
-    print(f"TTFT speedup: {speedup:.2f}x ({_precisions(engine)})   prefilled: {spec.keep_ratio:.1%} of the prompt")
+    _, spec = _side_by_side(engine, question, passages, (1, 2))
     if note := _baseline_note(getattr(engine.backend, "model", None)):
         print(note)
     print("\nKept per passage (retrieval rank, id, kept/total tokens):")
@@ -162,6 +175,10 @@ def _demo(args: argparse.Namespace) -> int:
             rank += 1
             bar = "#" * round(20 * span.keep_ratio)
             print(f"  {rank:2d}. {str(span.id):<28} {span.n_kept:4d}/{span.n_tokens:<4d} {bar}")
+    if follow_up:
+        print(f"\nFollow-up over the same passages: {follow_up}")
+        print("(the draft has read them: it reads the new question only, cold above, warm here)")
+        _side_by_side(engine, follow_up, passages, (3, 4))
     return 0
 
 

@@ -241,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="answer a question over the bundled documents, full prefill vs SpecPrefill")
     demo.add_argument("--question", default=None, help="question (default: the bundled demo question)")
     demo.add_argument("--docs", default=None, help="directory or file of .md/.txt documents (default: bundled)")
+    demo.add_argument("--follow-up", default=None,
+                      help="a second question over the same passages, answered warm (default: the bundled one "
+                      "without --question or --docs; '' for none)")
     _engine_args(demo, keep_rate=0.1, top_k=12, max_new_tokens=40)
 
     ask = sub.add_parser("ask", help="answer one question over your documents with SpecPrefill")

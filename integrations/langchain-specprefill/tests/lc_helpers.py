@@ -13,11 +13,6 @@ from langchain_core.documents import Document  # noqa: E402
 from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from specprefill_rag import (  # noqa: E402
-    DraftConfig,
-    GenerationConfig,
-    PassageReading,
-    SelectionConfig,
-    SpecPrefillConfig,
     SpecPrefillEngine,
     testing,
 )
@@ -93,11 +88,5 @@ def qwen_engine() -> SpecPrefillEngine:
 
 
 def tiny_reading_engine() -> SpecPrefillEngine:
-    """The tiny engine with a draft of 8 layers that reads passages apart and keeps each reading
-    (``DraftConfig.passages``), its score memo off: a fresh passage store each call."""
-    config = SpecPrefillConfig(
-        draft=DraftConfig(lookahead=2, memo_entries=0, passages=PassageReading()),
-        selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=32, chunk_size=8),
-        generation=GenerationConfig(max_new_tokens=2),
-    )
-    return testing.tiny_engine(config, max_position_embeddings=2048, draft_layers=8)
+    """``testing.tiny_reading_engine``: a draft that reads passages apart, a fresh store each call."""
+    return testing.tiny_reading_engine(max_position_embeddings=2048)

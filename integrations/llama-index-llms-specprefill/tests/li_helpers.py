@@ -9,11 +9,6 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMCompletionEndEvent
 from specprefill_rag import (
-    DraftConfig,
-    GenerationConfig,
-    PassageReading,
-    SelectionConfig,
-    SpecPrefillConfig,
     SpecPrefillEngine,
     testing,
 )
@@ -91,11 +86,5 @@ def scripted_engine(text: str, *then: str) -> SpecPrefillEngine:
 
 
 def tiny_reading_engine() -> SpecPrefillEngine:
-    """The tiny engine with a draft of 8 layers that reads passages apart and keeps each reading
-    (``DraftConfig.passages``), its score memo off: a fresh passage store each call."""
-    config = SpecPrefillConfig(
-        draft=DraftConfig(lookahead=2, memo_entries=0, passages=PassageReading()),
-        selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=32, chunk_size=8),
-        generation=GenerationConfig(max_new_tokens=2),
-    )
-    return testing.tiny_engine(config, max_position_embeddings=4096, draft_layers=8)
+    """``testing.tiny_reading_engine``: a draft that reads passages apart, a fresh store each call."""
+    return testing.tiny_reading_engine(max_position_embeddings=4096)
