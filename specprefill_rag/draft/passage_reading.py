@@ -114,10 +114,13 @@ class ReadingPlan:
 
     @property
     def unit(self) -> UnitReading:
-        """What a passage's reading keeps: every recomputed layer of every token is left out."""
-        every = self.reading.recompute == "all"
-        return UnitReading(self.start_layer if every else self.exit_layer + 1, self.exit_layer, self.start_layer,
-                           self.reading.recompute == "deviation")
+        """What a passage's reading keeps: under ``"all"`` the layers below the start layer and the
+        states entering it (every later layer is recomputed); under any other rule every layer to
+        the exit and the states entering and leaving the start layer, so that the rules other
+        than ``"all"`` share one reading of each passage."""
+        if self.reading.recompute == "all":
+            return UnitReading(self.start_layer, self.exit_layer, self.start_layer, False)
+        return UnitReading(self.exit_layer + 1, self.exit_layer, self.start_layer, self.start_layer < self.exit_layer)
 
     def key(self, anchor: torch.Tensor, passage: torch.Tensor, namespace: str) -> bytes:
         return passage_key(self.draft, ("passages-v2", self.unit), anchor, passage, namespace)

@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks from a source checkout: ttft | quality | evidence | peer_evidence | guesses | lookahead_cost "
-        "| windows | gateway_load | serving | draft_batch | tool_rag | reuse | prefix_cache | plugin_step "
+        "| windows | gateway_load | serving | draft_batch | tool_rag | reuse | reading | prefix_cache | plugin_step "
         "(benchmarks/suites/) "
         "| report "
         "(`bench SUITE --help`: options)",
@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "suite", choices=["ttft", "quality", "evidence", "peer_evidence", "guesses", "lookahead_cost", "windows",
                   "gateway_load", "prefix_cache", "plugin_step", "serving", "draft_batch", "tool_rag", "reuse",
-                  "report"]
+                  "reading", "report"]
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options passed to the suite")
 
