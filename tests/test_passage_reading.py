@@ -24,7 +24,7 @@ from helpers import PASSAGES, QUESTION, make_model
 from specprefill_rag import DraftConfig
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag.config import PassageReading
-from specprefill_rag.draft import DraftModel
+from specprefill_rag.draft import DraftModel, DraftScorer
 from specprefill_rag.draft.capture import recording
 from specprefill_rag.draft.early_exit import DecoderParts
 from specprefill_rag.draft.passage_kv import rerotate, rotates_plainly
@@ -45,7 +45,7 @@ def _prompt(tokenizer, passages=PASSAGES, question: str = QUESTION):
 
 
 def _score(draft, prompt, config, namespace: str = ""):
-    layout = prompt_layout(prompt.segment_index, [s.kind for s in prompt.segments])
+    layout = prompt_layout(prompt.token_ids, prompt.segment_index, [s.kind for s in prompt.segments])
     return draft.score_batch([prompt.token_ids], questions=[prompt.positions_of(SegmentKind.QUESTION)],
                              contexts=[~prompt.protected], config=config, namespace=namespace, layouts=[layout])[0]
 
@@ -62,23 +62,41 @@ class LayerTokens:
 
 
 def test_the_layout_reads_passages_after_the_system_part(tokenizer):
+    """A RAG prompt's passages are read after its head; a chat's with earlier turns, after the head a
+    RAG prompt of the same system part has (``DraftScorer.layout``): both find the same readings."""
     prompt = _prompt(tokenizer)
-    layout = prompt_layout(prompt.segment_index, [s.kind for s in prompt.segments])
+    layout = prompt_layout(prompt.token_ids, prompt.segment_index, [s.kind for s in prompt.segments])
     passages = [i for i, s in enumerate(prompt.segments) if s.kind is SegmentKind.PASSAGE]
     assert [tuple(prompt.segment_index[s:e].unique().tolist()) for s, e in layout.units] == [(i,) for i in passages]
-    system = int((prompt.segment_index == 0).nonzero()[-1]) + 1  # the end of the instructions' text
-    assert layout.anchor == system < layout.head == layout.units[0][0]
+    assert torch.equal(layout.anchor, prompt.token_ids[: layout.head]) and layout.head == layout.units[0][0]
+    scorer = DraftScorer(_draft("llama", tokenizer), tokenizer, LOCAL)
+    assert scorer.layout(scorer.render(prompt)) == layout  # the canonical anchor of a RAG prompt: its own head
     history = prompt_lib.assemble(tokenizer, prompt_lib.chat_segments(
-        [("system", "Be brief."), ("user", "hello there"), ("assistant", "hi"), ("user", QUESTION)], PASSAGES))
-    layout = prompt_layout(history.segment_index, [s.kind for s in history.segments])
-    assert layout.anchor == int((history.segment_index == 0).nonzero()[-1]) + 1 < layout.head
-    rag = prompt_lib.assemble(tokenizer, prompt_lib.build_segments(QUESTION, PASSAGES, "Be brief."))
-    rag_layout = prompt_layout(rag.segment_index, [s.kind for s in rag.segments])
-    assert torch.equal(rag.token_ids[: rag_layout.anchor], history.token_ids[: layout.anchor])
-    assert prompt_layout(torch.tensor([-1, 0, 0, -1, 1]), [SegmentKind.INSTRUCTIONS, SegmentKind.QUESTION]) is None
-    odd = prompt_layout(torch.tensor([0, -1, 1, 1, 2, 2, -1, 1]), [SegmentKind.INSTRUCTIONS, SegmentKind.PASSAGE,
-                                                                  SegmentKind.TOOL_RESULT])
-    assert odd == PromptLayout(1, ((2, 4), (4, 6), (7, 8)))  # runs of one segment each, in order
+        [("system", "Answer the question."), ("user", "hello there"), ("assistant", "hi"), ("user", QUESTION)],
+        PASSAGES))
+    chat = scorer.layout(scorer.render(history))
+    assert torch.equal(chat.anchor, layout.anchor) and chat.head > len(chat.anchor)  # history sits between
+    assert prompt_layout(torch.arange(5), torch.tensor([-1, 0, 0, -1, 1]),
+                         [SegmentKind.INSTRUCTIONS, SegmentKind.QUESTION]) is None
+    odd = prompt_layout(torch.arange(8), torch.tensor([0, -1, 1, 1, 2, 2, -1, 1]),
+                        [SegmentKind.INSTRUCTIONS, SegmentKind.PASSAGE, SegmentKind.TOOL_RESULT])
+    assert odd == PromptLayout(torch.arange(2), ((2, 4), (4, 6), (7, 8)))  # runs of one segment each, in order
+
+
+def test_a_chat_finds_the_passages_a_rag_prompt_read(tokenizer):
+    from specprefill_rag import GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
+    from specprefill_rag.backends.transformers import TransformersBackend
+
+    config = SpecPrefillConfig(draft=DraftConfig(lookahead=2, passages=PassageReading(), memo_entries=0),
+                               selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=64),
+                               generation=GenerationConfig(max_new_tokens=2))
+    engine = SpecPrefillEngine(TransformersBackend(make_model("qwen2", len(tokenizer)), tokenizer),
+                               _draft("llama", tokenizer), config)
+    assert engine.read_passages(PASSAGES, instructions="Answer the question.") == (0, len(PASSAGES))
+    chat = engine.chat([{"role": "system", "content": "Answer the question."}, {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": "hello"}, {"role": "user", "content": QUESTION}],
+                       passages=PASSAGES)
+    assert (chat.passages_cached, chat.passages_read) == (len(PASSAGES), 0)
 
 
 @pytest.mark.parametrize("shift", [1, 37, 900])
@@ -100,15 +118,15 @@ def test_a_passages_reading_equals_a_plain_forward_of_the_anchor_and_it(family, 
     draft = _draft(family, tokenizer)
     prompt = _prompt(tokenizer)
     _score(draft, prompt, LOCAL)  # reads the passages (batched, padded) into the store
-    layout = prompt_layout(prompt.segment_index, [s.kind for s in prompt.segments])
+    layout = prompt_layout(prompt.token_ids, prompt.segment_index, [s.kind for s in prompt.segments])
     exit_layer = max(LOCAL.layer_indices(draft.n_layers))
     for (s, e) in layout.units:
-        ids = torch.cat([prompt.token_ids[: layout.anchor], prompt.token_ids[s:e]]).unsqueeze(0)
+        ids = torch.cat([layout.anchor, prompt.token_ids[s:e]]).unsqueeze(0)
         with torch.no_grad(), recording(None):
             out = draft.model(input_ids=ids, use_cache=True, output_hidden_states=True)
         entry = next(x for _, x in draft.passages._snapshot() if torch.equal(x.token_ids, prompt.token_ids[s:e]))
-        assert entry.start == layout.anchor and len(entry.keys) == exit_layer + 1
-        a = layout.anchor
+        a = layout.anchor.numel()
+        assert entry.start == a and len(entry.keys) == exit_layer + 1
         torch.testing.assert_close(entry.hidden, out.hidden_states[exit_layer + 1][0, a:], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(entry.entering, out.hidden_states[2][0, a:], atol=1e-4, rtol=1e-4)
         for i in (0, exit_layer):
@@ -137,8 +155,8 @@ def test_a_passage_read_after_everything_before_it_reads_as_jointly(family, toke
     at the same positions, so the whole reading (fresh tokens, look-ahead) equals the joint one."""
     draft = _draft(family, tokenizer)
     prompt = _prompt(tokenizer, PASSAGES[:1])
-    laid = prompt_layout(prompt.segment_index, [s.kind for s in prompt.segments])
-    whole = PromptLayout(laid.head, laid.units)  # the anchor runs up to the passage
+    laid = prompt_layout(prompt.token_ids, prompt.segment_index, [s.kind for s in prompt.segments])
+    whole = PromptLayout(prompt.token_ids[: laid.head], laid.units)  # the anchor: all that precedes it
     joint = _score(draft, prompt, JOINT)
     local = draft.score_batch([prompt.token_ids], questions=[prompt.positions_of(SegmentKind.QUESTION)],
                               contexts=[~prompt.protected], config=LOCAL, layouts=[whole])[0]
@@ -160,7 +178,7 @@ def test_a_warm_request_reads_the_cold_scores_and_no_passage_token(family, token
     start = min(LOCAL.layer_indices(draft.n_layers))
     depths = {len(entry.keys) for _, entry in draft.passages._snapshot()}
     assert depths == ({start} if recompute == "all" else {max(LOCAL.layer_indices(draft.n_layers)) + 1})
-    layout = prompt_layout(prompt.segment_index, [s.kind for s in prompt.segments])
+    layout = prompt_layout(prompt.token_ids, prompt.segment_index, [s.kind for s in prompt.segments])
     fresh = prompt.n_tokens - layout.head - sum(e - s for s, e in layout.units)
     assert counter.seen[:2] == [layout.head, fresh]  # layer 0: the head (no prefix store here), no passage
     assert warm.passages_cached == len(PASSAGES) and warm.passages_read == 0

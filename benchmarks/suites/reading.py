@@ -50,12 +50,14 @@ READINGS: dict[str, DraftConfig] = {
 
 def score_example(draft: Any, tokenizer: Any, ex: Any, readings: Sequence[str], keep_rates: Sequence[float]
                   ) -> dict[str, Any]:
-    """One example's row: each reading's metrics per keep rate, seconds and look-ahead tokens."""
-    from specprefill_rag.draft.passage_reading import prompt_layout
+    """One example's row: each reading's metrics per keep rate, seconds and look-ahead tokens. The
+    passages' layout is the engine's (``DraftScorer.layout``: the anchor it reads them after)."""
+    from specprefill_rag.draft import DraftScorer
     from specprefill_rag.types import SegmentKind
 
     prompt = evidence.assemble(tokenizer, ex)
-    layout = prompt_layout(prompt.segment_index, [s.kind for s in prompt.segments])
+    scorer = DraftScorer(draft, tokenizer, READINGS["none"])
+    layout = scorer.layout(scorer.render(prompt))
     question = prompt.positions_of(SegmentKind.QUESTION)
     gold = evidence.gold_mask(prompt, ex)
     row: dict[str, Any] = {"task": ex.task, "id": ex.id, "n": prompt.n_tokens,

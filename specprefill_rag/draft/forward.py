@@ -156,7 +156,8 @@ class DraftForward:
         last layer, a draft whose layers or rotary keys cannot be run and moved by hand.
         ``pool_kernel``: the scoring's (``ScoringConfig.pool_kernel``)."""
         reading, top = spec.passages, spec.top(self.n_layers)
-        if reading is None or not layouts or any(lay is None or not lay.units or lay.anchor < 1 for lay in layouts):
+        if reading is None or not layouts or any(lay is None or not lay.units or not lay.anchor.numel()
+                                                 for lay in layouts):
             return None
         parts = DecoderParts.of(self.model)
         if parts is None or not spec.early_exit or top >= self.n_layers - 1 or (
@@ -187,9 +188,10 @@ class DraftForward:
                 m = 0 if stored is None else stored.n_tokens
                 laid.append(with_head(layout, m))
                 if stored is not None and m >= laid[-1].head:  # the store holds the whole head
-                    heads.append((stored.start(laid[-1].head), laid[-1].head))
+                    head = stored.start(laid[-1].head)
                 else:
-                    heads.append((self._read_head(ids[: layout.head], plan.exit_layer, namespace, keep), m))
+                    head = self._read_head(ids[: layout.head], plan.exit_layer, namespace, keep)
+                heads.append((head, self._anchor(layout, ids, head, plan.exit_layer, namespace, keep), m))
             parts = DecoderParts.of(self.model)
             assert parts is not None
             cache, hidden, starts = read_prompts(parts, plan, recorder, token_ids, laid, heads, namespace)
@@ -199,6 +201,15 @@ class DraftForward:
             return cache, hidden
 
         return read
+
+    def _anchor(self, layout: PromptLayout, ids: torch.Tensor, head: PrefixEntry, exit_layer: int, namespace: str,
+                keep: bool = True) -> PrefixEntry:
+        """The prefix-store entry of ``layout.anchor``: a start of ``head`` when the prompt begins
+        with it (a RAG prompt), else read (or found) in the store (``keep``: the store is on)."""
+        a = layout.anchor.numel()
+        if a <= head.n_tokens and torch.equal(head.token_ids[:a], layout.anchor):
+            return head.start(a)
+        return self._read_head(layout.anchor, exit_layer, namespace, keep)
 
     def _read_prompt(self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, *,
                      stop_after: int | None, leave: Any, head: PrefixEntry | None, local: LocalRead | None

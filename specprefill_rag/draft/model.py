@@ -271,7 +271,8 @@ class DraftModel(LookaheadDrivers):
         head = self._read_head(ids[: layout.head], plan.exit_layer, namespace)
         parts = DecoderParts.of(self.model)
         assert parts is not None
-        return store_passages(parts, plan, ids, layout, head, namespace)
+        return store_passages(parts, plan, ids, layout, self._anchor(layout, ids, head, plan.exit_layer, namespace),
+                              namespace)
 
     def _scores(self, cap: DraftCapture, lookahead: int, context: torch.Tensor | None, cfg: DraftConfig
                 ) -> TokenScores:

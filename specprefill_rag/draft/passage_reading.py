@@ -4,10 +4,10 @@ Joint reading runs the draft's layers 0 … exit over every prompt token on ever
 prompt is cut into its head (the tokens before its first passage, or the longest start the
 prefix store holds: read before, jointly or as here), its passages (``PromptLayout.units``) and
 the rest (separators, the question, the template's tail: the *fresh* tokens). Each passage is
-read against the prompt's *anchor* (its first tokens, up to the first segment that is not the
-system part: its tokens up to the end of the system prompt, which a RAG prompt and a chat
-share) and itself only, at positions right after the anchor; that reading depends on
-nothing else, so the passage store (``passage_store``) keeps it and any later prompt holding the
+read against an *anchor* (the tokens a RAG prompt of the same system part holds before its first
+passage: the prompt's own head, or for a chat with earlier turns or tool messages the canonical
+layout ``DraftScorer.anchor`` renders) and itself only, at positions right after the anchor; that
+reading depends on nothing else, so the passage store (``passage_store``) keeps it and any later prompt holding the
 same passage after the same anchor reuses it. At request time the passages' keys are re-rotated to
 where they sit (``passage_kv.rerotate``), and only the fresh tokens run through layers 0 … exit,
 attending to the head, the passages and each other in prompt order. The question's and the last
@@ -24,7 +24,6 @@ highest, or the share whose hidden states a joint pass of that one layer moves m
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +40,10 @@ from .passage_kv import PromptKV, UnitReading, read_units, rerotate, run_layers
 from .passage_store import PassageEntry, PassageStore, passage_key
 from .prefix_store import MIN_PREFIX_TOKENS, PrefixEntry
 
-__all__ = ["PromptLayout", "ReadingPlan", "prompt_layout", "read_prompts", "store_passages", "with_head"]
+__all__ = [
+    "ANCHOR_KINDS", "PromptLayout", "ReadingPlan", "canonical_anchor", "prompt_layout", "read_prompts",
+    "store_passages", "with_head",
+]
 
 UNIT_KINDS = (SegmentKind.PASSAGE, SegmentKind.CONTEXT, SegmentKind.TOOL_RESULT)  # read apart
 ANCHOR_KINDS = (SegmentKind.INSTRUCTIONS, SegmentKind.TOOL_SCHEMA)  # the system part passages are read after
@@ -49,17 +51,25 @@ ANCHOR_KINDS = (SegmentKind.INSTRUCTIONS, SegmentKind.TOOL_SCHEMA)  # the system
 
 @dataclass(frozen=True)
 class PromptLayout:
-    """Where a prompt's passages sit: every passage is read after its first ``anchor`` tokens;
-    ``units`` are the passages' [start, end) token ranges, in order, after the anchor; ``head``:
+    """Where a prompt's passages sit: every passage is read after the token ids ``anchor`` (the
+    prompt's own tokens before its first passage, or the system part's canonical layout: see
+    ``DraftScorer``); ``units`` are the passages' [start, end) token ranges, in order; ``head``:
     the tokens before them that are read as one (the first passage's start unless set)."""
 
-    anchor: int
+    anchor: torch.Tensor  # (a,) int64 token ids, on the CPU
     units: tuple[tuple[int, int], ...]
     head: int = -1
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "anchor", self.anchor.to(torch.int64).cpu())
         if self.head < 0:
-            object.__setattr__(self, "head", self.units[0][0] if self.units else self.anchor)
+            object.__setattr__(self, "head", self.units[0][0] if self.units else 0)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, PromptLayout) and torch.equal(self.anchor, other.anchor)
+                and (self.units, self.head) == (other.units, other.head))
+
+    __hash__ = None  # type: ignore[assignment]
 
     def after(self, m: int) -> PromptLayout:
         """This layout with its first ``m`` tokens read already: the passages that end after them
@@ -69,12 +79,12 @@ class PromptLayout:
         return PromptLayout(self.anchor, units, max(head, self.head))
 
 
-def prompt_layout(segment_index: torch.Tensor, kinds: Sequence[SegmentKind]) -> PromptLayout | None:
-    """The layout of a prompt whose token i belongs to segment ``segment_index[i]`` (-1: template)
-    of kind ``kinds[...]``: each maximal run of one passage, context or tool-result segment's
-    tokens is a unit; the anchor ends after the last token of the system part (instructions, tool
-    schemas) before the first other segment, or at that segment (at the first unit) when there
-    is no system part. None when the prompt holds no unit."""
+def prompt_layout(token_ids: torch.Tensor, segment_index: torch.Tensor, kinds: Sequence[SegmentKind]
+                  ) -> PromptLayout | None:
+    """The layout of a prompt (``token_ids`` (n,)) whose token i belongs to segment
+    ``segment_index[i]`` (-1: template) of kind ``kinds[...]``: each maximal run of one passage,
+    context or tool-result segment's tokens is a unit; the anchor is every token before the first
+    unit. None when the prompt holds no unit."""
     index = segment_index.to(torch.int64).cpu()
     n = index.numel()
     if n == 0:
@@ -88,15 +98,16 @@ def prompt_layout(segment_index: torch.Tensor, kinds: Sequence[SegmentKind]) -> 
         return None
     bounds = change.nonzero().flatten().tolist() + [n]
     units = tuple((start, next(b for b in bounds if b > start)) for start in starts)
-    system = torch.tensor([k in ANCHOR_KINDS for k in kinds] + [False], dtype=torch.bool)
-    in_system = system[index.clamp(min=-1)] & (index >= 0)
-    other = ((index >= 0) & ~in_system).nonzero().flatten()
-    first_other = min(units[0][0], int(other[0]) if other.numel() else n)
-    before = in_system[:first_other].nonzero().flatten()
-    # The system part's last token: the anchor stops there, before the template's glue that varies
-    # with what follows (a chat turn, the context block), so a RAG prompt and a chat share it.
-    anchor = int(before[-1]) + 1 if before.numel() else first_other
-    return PromptLayout(anchor, units)
+    return PromptLayout(token_ids[: units[0][0]], units)
+
+
+def canonical_anchor(token_ids: torch.Tensor, segment_index: torch.Tensor, kinds: Sequence[SegmentKind]
+                     ) -> torch.Tensor | None:
+    """A canonical prompt's anchor (``token_ids``, ``segment_index``: a prompt of the system part's
+    segments, one passage and a question, as ``DraftScorer.anchor`` renders it): its tokens
+    before the passage. None when it holds no passage."""
+    layout = prompt_layout(token_ids, segment_index, kinds)
+    return None if layout is None else layout.anchor
 
 
 @dataclass(frozen=True)
@@ -131,8 +142,7 @@ def _entries(parts: DecoderParts, plan: ReadingPlan, ids: torch.Tensor, layout: 
              ) -> tuple[list[PassageEntry], int]:
     """Each unit's entry: from the store, or read now (misses of the same passage once) and
     stored; and how many passages were read now. ``anchor_kv``: the anchor's keys and values."""
-    anchor_ids = ids[: layout.anchor]
-    keys = [plan.key(anchor_ids, ids[s:e], namespace) for s, e in layout.units]
+    keys = [plan.key(layout.anchor, ids[s:e], namespace) for s, e in layout.units]
     found: dict[bytes, PassageEntry] = {}
     missing: dict[bytes, torch.Tensor] = {}
     for key, (s, e) in zip(keys, layout.units, strict=True):
@@ -150,16 +160,16 @@ def _entries(parts: DecoderParts, plan: ReadingPlan, ids: torch.Tensor, layout: 
     return [found[key] for key in keys], len(missing)
 
 
-def _anchor_kv(head: PrefixEntry, anchor: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    return [k[:, :, :anchor] for k in head.keys], [v[:, :, :anchor] for v in head.values]
+def _anchor_kv(anchor: PrefixEntry) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return list(anchor.keys), list(anchor.values)
 
 
 def store_passages(parts: DecoderParts, plan: ReadingPlan, ids: torch.Tensor, layout: PromptLayout,
-                   head: PrefixEntry, namespace: str) -> tuple[int, int]:
-    """Read the passages of a prompt (``ids``, its ``layout``, its ``head``'s prefix-store entry)
-    that the store does not hold yet, and keep them, with no question and no scores: what reading
-    a corpus at indexing time does. Returns (passages found, passages read)."""
-    _, read = _entries(parts, plan, ids.to(head.hidden.device), layout, _anchor_kv(head, layout.anchor), namespace)
+                   anchor: PrefixEntry, namespace: str) -> tuple[int, int]:
+    """Read the passages of a prompt (``ids``, its ``layout``; ``anchor``: the prefix-store entry of
+    ``layout.anchor``) that the store does not hold yet, and keep them, with no question and no
+    scores: what reading a corpus at indexing time does. Returns (passages found, passages read)."""
+    _, read = _entries(parts, plan, ids.to(anchor.hidden.device), layout, _anchor_kv(anchor), namespace)
     return len(layout.units) - read, read
 
 
@@ -271,14 +281,15 @@ def _recomputed(parts: DecoderParts, plan: ReadingPlan, prompt: _Prompt, layout:
 
 
 def read_prompt(parts: DecoderParts, plan: ReadingPlan, ids: torch.Tensor, question: torch.Tensor | None,
-                layout: PromptLayout, head: PrefixEntry, namespace: str, layers: frozenset[int] | None
-                ) -> tuple[Recorder, PromptKV, torch.Tensor]:
+                layout: PromptLayout, states: tuple[PrefixEntry, PrefixEntry], namespace: str,
+                layers: frozenset[int] | None) -> tuple[Recorder, PromptKV, torch.Tensor]:
     """One prompt read with its passages apart: (its recorder, with the rows a joint reading
     records and in ``stores`` the passages found and read; its keys and values of layers 0 …
-    exit in prompt order; the hidden states (n, d_model) leaving the exit layer). ``head``: the
-    prefix store's entry of its first ``layout.head`` tokens; ``layers``: the recorded layers."""
-    n = ids.numel()
-    entries, read = _entries(parts, plan, ids, layout, _anchor_kv(head, layout.anchor), namespace)
+    exit in prompt order; the hidden states (n, d_model) leaving the exit layer). ``states``: the
+    prefix store's entries of its first ``layout.head`` tokens and of ``layout.anchor``;
+    ``layers``: the recorded layers."""
+    n, (head, anchor) = ids.numel(), states
+    entries, read = _entries(parts, plan, ids, layout, _anchor_kv(anchor), namespace)
     prompt = _assemble(plan, ids, layout, head, entries)
     recorder = Recorder([n], [question], layers)
     recorder.stores[0] = (0, len(layout.units) - read, read)
@@ -316,21 +327,22 @@ def _kept_start(ids: torch.Tensor, recorder: Recorder, kv: PromptKV, hidden: tor
 
 
 def read_prompts(parts: DecoderParts, plan: ReadingPlan, batch: Recorder, token_ids: Sequence[torch.Tensor],
-                 layouts: Sequence[PromptLayout], heads: Sequence[tuple[PrefixEntry, int]], namespace: str
-                 ) -> tuple[Any, torch.Tensor, list[PrefixEntry | None]]:
+                 layouts: Sequence[PromptLayout], heads: Sequence[tuple[PrefixEntry, PrefixEntry, int]],
+                 namespace: str) -> tuple[Any, torch.Tensor, list[PrefixEntry | None]]:
     """``read_prompt`` for each prompt of a right-padded batch, their rows into ``batch``: (a KV
     cache of layers 0 … exit, (batch, kv_heads, width, head_dim) each, zeros after each prompt;
     the hidden states (batch, width, d_model) leaving the exit layer; each prompt's reading up to
     its question, for the prefix store). ``heads``: each prompt's head (a prefix-store entry of
-    ``layout.head`` tokens) and how many of its tokens the store already held."""
+    ``layout.head`` tokens), its anchor's entry, and how many head tokens the store already held."""
     from transformers import DynamicCache
 
     width = max(int(t.numel()) for t in token_ids)
     caches, hiddens, starts = [], [], []
-    for b, (ids, layout, (head, cached)) in enumerate(zip(token_ids, layouts, heads, strict=True)):
+    for b, (ids, layout, (head, anchor, cached)) in enumerate(zip(token_ids, layouts, heads, strict=True)):
         question = batch.questions[b] if batch.questions[b].numel() else None
         ids = ids.to(head.hidden.device)
-        recorder, kv, hidden = read_prompt(parts, plan, ids, question, layout, head, namespace, batch.layers)
+        recorder, kv, hidden = read_prompt(parts, plan, ids, question, layout, (head, anchor), namespace,
+                                           batch.layers)
         batch.adopt(b, recorder)
         _, found, read = recorder.stores[0] or (0, 0, 0)
         batch.stores[b] = (cached, found, read)
@@ -349,4 +361,4 @@ def read_prompts(parts: DecoderParts, plan: ReadingPlan, batch: Recorder, token_
 def with_head(layout: PromptLayout, stored: int) -> PromptLayout:
     """``layout`` after a stored start of ``stored`` tokens (``PromptLayout.after``); unchanged when
     the store holds less than the tokens before its first passage."""
-    return layout.after(stored) if stored > layout.head else dataclasses.replace(layout)
+    return layout.after(stored) if stored > layout.head else layout

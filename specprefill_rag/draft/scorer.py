@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -29,12 +31,14 @@ from ..payoff import PrefillCosts
 from ..types import AssembledPrompt, PathChoice, Segment, SegmentKind, TokenScores
 from .batching import MicroBatcher, TurnLock, length_buckets
 from .model import DraftModel
-from .passage_reading import PromptLayout, prompt_layout
+from .passage_reading import ANCHOR_KINDS, PromptLayout, canonical_anchor, prompt_layout
 from .token_mapping import map_scores, needs_mapping
 
 __all__ = ["DraftReading", "DraftScorer"]
 
 logger = logging.getLogger(__name__)
+
+ANCHORS_KEPT = 64  # system parts whose anchor ``DraftScorer.anchor`` remembers
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,6 @@ class DraftReading:
         """The draft-side indices of the question's tokens."""
         return self.read.positions_of(SegmentKind.QUESTION)
 
-    def layout(self) -> PromptLayout | None:
-        """Where the passages of what the draft reads sit (``passage_reading.prompt_layout``)."""
-        return prompt_layout(self.read.segment_index, [s.kind for s in self.read.segments])
 
     @property
     def maps(self) -> bool:
@@ -96,6 +97,8 @@ class DraftScorer:
         # and the draft's own renderings of them.
         self.memo = ScoreMemo(config.memo_entries, config.memo_bytes)
         self.prompts = PromptMemo(config.memo_entries, config.memo_bytes)
+        self._anchors: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # system part -> its anchor (``anchor``)
+        self._anchors_lock = threading.Lock()
 
     # -- what the draft reads ------------------------------------------------------------------
 
@@ -231,11 +234,41 @@ class DraftScorer:
             self.memo.put(key, scores)
         return scores
 
+    def layout(self, reading: DraftReading) -> PromptLayout | None:
+        """Where the passages of what the draft reads sit (``passage_reading.prompt_layout``), each
+        read after the anchor a RAG prompt of the same system part has (``anchor``): a chat with
+        earlier turns, or an agent's tool results, finds the passages a RAG prompt read, and
+        passages read ahead (``read_passages``)."""
+        read = reading.read
+        layout = prompt_layout(read.token_ids, read.segment_index, [s.kind for s in read.segments])
+        anchor = None if layout is None else self.anchor(read.segments)
+        return layout if layout is None or anchor is None else dataclasses.replace(layout, anchor=anchor)
+
+    def anchor(self, segments: Sequence[Segment]) -> torch.Tensor | None:
+        """The anchor passages are read after under the system part of ``segments``: the tokens a
+        prompt of that system part, one passage and a question holds before the passage, in the
+        draft's tokenizer and template (remembered per system part)."""
+        system = tuple(s for s in segments if s.kind in ANCHOR_KINDS)
+        key = PromptMemo.key(system, "anchor")
+        with self._anchors_lock:
+            if (found := self._anchors.get(key)) is not None:
+                self._anchors.move_to_end(key)
+                return found
+        canonical = prompt_lib.assemble(self.model.tokenizer, [*system, Segment(SegmentKind.PASSAGE, "A"),
+                                                               Segment(SegmentKind.QUESTION, "?")])
+        anchor = canonical_anchor(canonical.token_ids, canonical.segment_index, [s.kind for s in canonical.segments])
+        if anchor is not None:
+            with self._anchors_lock:
+                self._anchors[key] = anchor
+                while len(self._anchors) > ANCHORS_KEPT:
+                    self._anchors.popitem(last=False)
+        return anchor
+
     def read_passages(self, prompt: AssembledPrompt, salt: str | None = None) -> tuple[int, int]:
         """Read the passages of ``prompt`` (the draft's own rendering of it) into the draft's
         passage store under ``salt``, scoring nothing: (passages held already, passages read)."""
         reading = self.render(prompt, salt)
-        layout = reading.layout()
+        layout = self.layout(reading)
         if layout is None:
             return 0, 0
         with self._turns.turn() if self.config.passes_in_order else contextlib.nullcontext():
@@ -291,7 +324,7 @@ class DraftScorer:
                 config=config,
                 namespace=salts.pop() or "",
                 windows=[reading.windows for reading in readings],  # decided once, by ``reading``
-                layouts=None if config.passages is None else [reading.layout() for reading in readings],
+                layouts=None if config.passages is None else [self.layout(reading) for reading in readings],
             )
         self.costs.observe_draft(sum(d.n_tokens for d in read), scored[0].seconds)
         if not any(reading.maps for reading in readings):
