@@ -130,7 +130,7 @@ class ScoringConfig:
     # reading in its passage store (DraftRuntime.passage_store_bytes), so a request costs it only
     # the tokens outside passages and the look-ahead. Needs early exit and a draft whose layers
     # can be run by hand (else it reads jointly). None: every token of every prompt, every request.
-    passages: PassageReading | None = None
+    passages: PassageReading | None = PassageReading(recompute="all")
 
     def __post_init__(self) -> None:
         _check(self.passages is None or isinstance(self.passages, PassageReading),
