@@ -129,11 +129,12 @@ def test_a_length_is_capped_by_the_window_and_says_so(tmp_path: Path):
 def test_the_phase_marks_leave_the_draft_as_it_was(tokenizer):
     from helpers import make_model
 
+    from benchmarks.lib import gpu_timing
     from specprefill_rag.draft import DraftModel
 
     draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
-    clock = gpu_ttft.Clock(torch.device("cpu"))
-    with gpu_ttft.draft_phases(draft, clock):
+    clock = gpu_timing.Clock(torch.device("cpu"))
+    with gpu_timing.draft_phases(draft, clock):
         draft.score(torch.randint(0, len(tokenizer), (200,)), question=torch.arange(180, 200))
     assert set(clock.marks) == {"prompt_start", "prompt_end", "scoring_start", "scoring_end"}
     assert "_prompt_forward" not in vars(draft) and "_scores" not in vars(draft)
