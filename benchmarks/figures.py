@@ -280,7 +280,7 @@ def quality_caption(series: Sequence[Series], sources: Sequence[str]) -> str:
 # -- serving: p95 TTFT against the request rate ---------------------------------------------
 
 SIDE_LABELS = {"direct": "vLLM alone (full prefill)", "gateway": "gateway (SpecPrefill)",
-               "gateway_skip": "gateway, --skip-draft-when-slower"}
+               "gateway_skip": "gateway, --skip-draft-when-slower", "gateway_apart": "gateway, passages read apart"}
 
 
 def serving_vs_rate(data: dict[str, Any], out: Path) -> list[Series]:

@@ -154,3 +154,121 @@ def test_a_short_ladder_through_a_real_gateway_over_the_tiny_engine(tmp_path):
     assert all(s["answered"] == s["requests"] == 4 for s in per_rate.values())
     assert serving.goodput(per_rate, slo_s=60.0) == 40.0 and serving.goodput(per_rate, slo_s=0.0) is None
     assert serving.paths(result["rows"]) == {"gateway": {"20.0": {"pruned": 4}, "40.0": {"pruned": 4}}}
+
+
+def _lexical_retriever():
+    """A deterministic stand-in for the dense retriever (no embedder): the demo passages sharing
+    the most words of four letters or more with the question, ties in collection order."""
+    import re
+
+    from specprefill_rag.tools.retrieval import demo_documents, split_passages
+
+    texts = [p.text for p in split_passages(demo_documents())]
+    words = [set(re.findall(r"[a-z]{4,}", t.lower())) for t in texts]
+
+    def retrieve(question: str, k: int) -> list[str]:
+        asked = set(re.findall(r"[a-z]{4,}", question.lower()))
+        return [texts[i] for i in sorted(range(len(texts)), key=lambda i: (-len(asked & words[i]), i))[:k]]
+
+    return retrieve
+
+
+def test_the_reuse_mix_draws_recurring_passages_from_a_seeded_stream():
+    """A default-size mix (the default ladder's requests) retrieves every passage it sends at
+    least twice, popular passages across many sessions; the same seed gives the same requests."""
+    from benchmarks.lib import reuse_mix
+
+    args = serving.parse_args(["--mix", "reuse"])
+    mix, pool, retrieve = serving.mix_of(args), reuse_mix.question_pool(args.pool), _lexical_retriever()
+    assert len(pool) == len(set(pool)) == 32 and pool[0].startswith("Which vehicle")  # the demo questions first
+    n = args.requests * len(args.rates)
+    items = reuse_mix.draw(mix, pool, retrieve, n)
+    stats = reuse_mix.mix_stats(items)
+    assert stats["requests"] == n == 80 and stats["sessions"] == 40
+    assert stats["min_draws"] >= 2 and stats["mean_draws"] > 4 and stats["mean_sessions_per_passage"] > 2
+    assert stats["repeat_share"] > 0.5 and stats["distinct_prompts"] < n  # popular openers come again
+    # a follow-up re-sends its session's retrieved set, after the next session's opener
+    assert [(i["session"], i["turn"]) for i in items[:5]] == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1)]
+    assert items[2]["passages"] == items[0]["passages"] and items[2]["question"] != items[0]["question"]
+    assert all(len(i["passages"]) == args.top_k for i in items)
+    assert reuse_mix.draw(mix, pool, retrieve, n) == items
+    assert reuse_mix.draw(serving.mix_of(serving.parse_args(["--mix", "reuse", "--seed", "1"])), pool, retrieve,
+                          n) != items
+    uniform = reuse_mix.mix_stats(reuse_mix.draw(reuse_mix.ReuseMix(zipf=0.0), pool, retrieve, n))
+    assert uniform["distinct_prompts"] > stats["distinct_prompts"]  # popularity makes prompts recur
+    with pytest.raises(ValueError, match="follow_ups"):
+        reuse_mix.ReuseMix(follow_ups=-1)
+
+
+def test_the_passage_reading_side_reaches_the_gateway_command(monkeypatch):
+    """--mix reuse runs direct, today's gateway (joint reading pinned) and gateway_apart (passages
+    read apart, its disk tier where asked), each gateway process with its own flags."""
+    from benchmarks.suites import gateway_load
+
+    args = serving.parse_args(["--mix", "reuse", "--passage-store", "/tmp/ps", "--warm-passages"])
+    assert args.sides == ["direct", "gateway", "gateway_apart"] and args.warm_passages
+    assert serving.side_flags("gateway", args) == ["--read-passages", "joint"]
+    assert serving.side_flags("gateway", serving.parse_args([])) == []  # the demo mix: today's command
+    command = gateway_load.gateway_command(args, "http://127.0.0.1:1", 5, serving.side_flags("gateway_apart", args))
+    at = command.index("--read-passages")
+    assert command[at + 1] == "apart" and command[command.index("--passage-store") + 1] == "/tmp/ps"
+    assert command[command.index("--port") + 1] == "5" and "--draft-memo" in command
+
+    started = []
+
+    class Recorded:
+        def __init__(self, args, url, log, extra):
+            self.port = 100 + len(started)
+            started.append((url, log.name, list(extra)))
+
+        def stop(self):
+            started.append("stopped")
+
+    monkeypatch.setattr(serving, "Gateway", Recorded)
+    sides = serving.start_sides(args, "http://127.0.0.1:9")
+    assert list(sides) == ["gateway_apart"]
+    assert started == [("http://127.0.0.1:9", "gateway_apart.log", ["--read-passages", "apart", "--passage-store",
+                                                                     "/tmp/ps"])]
+    started.clear()
+    both = serving.parse_args(["--sides", "direct", "gateway_skip", "gateway_apart"])
+    assert list(serving.start_sides(both, "u")) == ["gateway_skip", "gateway_apart"]
+    assert [flags for _, _, flags in started] == [["--skip-draft-when-slower"], ["--read-passages", "apart"]]
+
+    class Failing(Recorded):
+        def __init__(self, args, url, log, extra):
+            if "apart" in extra:
+                raise RuntimeError("the gateway exited with code 1")
+            super().__init__(args, url, log, extra)
+
+    started.clear()
+    monkeypatch.setattr(serving, "Gateway", Failing)
+    with pytest.raises(RuntimeError, match="exited"):
+        serving.start_sides(both, "u")
+    assert started[-1] == "stopped"  # the skip side started before it is not left running
+
+
+def test_a_warmed_passage_reading_gateway_serves_the_ladder_from_its_store(tmp_path):
+    """End to end, bounded: a gateway over the tiny engine whose draft reads passages apart,
+    warmed through POST /v1/passages; every answer of a short ladder says its passages came
+    from the store, and the summary sums them per side and rate."""
+    from servers import START_TIMEOUT_S, GatewayProcess
+
+    from benchmarks.lib import reuse_mix
+
+    passages = ["The grass is green. The sky is blue. " * 4, "The passkey is 48213. " * 3, "The fox is quick. " * 5]
+    gateway = GatewayProcess(["--engine", "specprefill_rag.testing:tiny_reading_engine"], tmp_path / "gateway.log")
+    try:
+        gateway.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        warmed = reuse_mix.warm_corpus(gateway.port, passages, serving.SYSTEM)
+        items = [{"question": f"what is the passkey, {i}?", "ids": [0] * 40, "passages": passages[i:] + passages[:i]}
+                 for i in range(3)]
+        send = serving._senders(items, (0, "unused"), {"gateway_apart": gateway.port}, max_tokens=2)["gateway_apart"]
+        result = serving.ladder({"gateway_apart": send}, [40.0], 3, seed=2)
+    finally:
+        gateway.stop()
+    assert warmed["warmed"] and (warmed["read"], warmed["found"]) == (3, 0)
+    rows = result["rows"]
+    assert all(r["status"] == 200 and r["passages_cached"] == 3 and r["passages_read"] == 0 for r in rows), rows
+    assert all("draft_cached_tokens" in r for r in rows)
+    served = reuse_mix.served(rows)["gateway_apart"]["40.0"]
+    assert served["answers"] == 3 and served["passages_cached"] == 9 and served["cached_share"] == 1.0

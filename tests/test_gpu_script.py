@@ -89,6 +89,47 @@ def test_the_first_pair_keeps_the_earlier_runs_tables(tiny_run):
         "cells_compared"]
 
 
+def test_the_warm_cells_read_each_passage_once_then_serve_it_from_the_stores(tiny_run):
+    """Per length of both pairs: the first request reads every passage apart, the same request
+    again finds them all in the passage store, a follow-up finds its prompt up to its question in
+    the prefix store; each case's TTFT is its three stages, its speedup and r over the full
+    prefill of the same prompt."""
+    from benchmarks.lib import warm_ttft
+
+    assert tiny_run["settings"]["warm"] and tiny_run["targets"]["warm_speedup_at_4k"] == 4.0
+    for run in tiny_run["runs"]:
+        for row in run["lengths"]:
+            warm = row["warm"]
+            assert warm["reads_apart"] and row["n_tokens"] - 16 <= warm["n_tokens"] <= row["n_tokens"]
+            assert warm["passages"] >= 3
+            assert warm["reading"]["recompute"] and warm["store_bytes_per_token"] > 0
+            (cell,) = warm["cells"]
+            cold, hot, follow = (cell[case] for case in warm_ttft.CASES)
+            assert (cold["passages_read"], cold["passages_cached"]) == (warm["passages"], 0)
+            assert (hot["passages_cached"], hot["passages_read"], hot["cached_tokens"]) == (warm["passages"], 0, 0)
+            assert follow["passages_cached"] == follow["passages_read"] == 0
+            assert follow["cached_tokens"] > warm["passage_tokens"]  # everything up to the question
+            for case in warm_ttft.CASES:
+                c = cell[case]
+                assert c["speedup"] == pytest.approx(cell["ttft_full_s"] / c["ttft_s"])
+                assert c["r"] == pytest.approx(c["draft_s"] / cell["ttft_full_s"])
+                assert c["ttft_s"] == pytest.approx(c["draft_s"] + c["selection_s"] + c["prefill_s"], rel=0.05)
+                assert 0 < c["keep_ratio"] < 1
+
+
+def test_the_warm_prompts_fill_the_length_with_shared_passages():
+    from benchmarks.lib import warm_ttft
+    from specprefill_rag.types import SegmentKind
+
+    for n in (256, 4096):
+        asked, other = warm_ttft.rag_prompts(n, seed=n)
+        assert n - 16 <= asked.n_tokens <= n and other.n_tokens <= n
+        passages = [s.text for s in asked.segments if s.kind is SegmentKind.PASSAGE]
+        assert passages == [s.text for s in other.segments if s.kind is SegmentKind.PASSAGE] and len(passages) >= 3
+        assert asked.segments[-1].text != other.segments[-1].text  # another question
+    assert max(warm_ttft.tokenizer().get_vocab().values()) < gpu_ttft.TINY_DRAFT["vocab_size"]
+
+
 def test_a_length_out_of_memory_is_skipped_and_named(tmp_path: Path, monkeypatch):
     run_length = gpu_ttft.run_length
 
@@ -121,19 +162,21 @@ def test_a_length_is_capped_by_the_window_and_says_so(tmp_path: Path):
     out = tmp_path / "capped.json"
     window = gpu_ttft.TINY_DRAFT["max_position_embeddings"]
     assert gpu_ttft.main(["--tiny", "--pairs", "qwen-0.5b-32b", "--lengths", str(window), "--no-extras",
-                          "--out", str(out)]) == 0
+                          "--no-warm", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["runs"][0]["lengths"]
     assert row["target_tokens"] == window and row["n_tokens"] == window - gpu_ttft.HEADROOM
+    assert "warm" not in row  # --no-warm
 
 
 def test_the_phase_marks_leave_the_draft_as_it_was(tokenizer):
     from helpers import make_model
 
+    from benchmarks.lib import gpu_timing
     from specprefill_rag.draft import DraftModel
 
     draft = DraftModel(make_model("llama", len(tokenizer), layers=4), tokenizer)
-    clock = gpu_ttft.Clock(torch.device("cpu"))
-    with gpu_ttft.draft_phases(draft, clock):
+    clock = gpu_timing.Clock(torch.device("cpu"))
+    with gpu_timing.draft_phases(draft, clock):
         draft.score(torch.randint(0, len(tokenizer), (200,)), question=torch.arange(180, 200))
     assert set(clock.marks) == {"prompt_start", "prompt_end", "scoring_start", "scoring_end"}
     assert "_prompt_forward" not in vars(draft) and "_scores" not in vars(draft)

@@ -42,6 +42,7 @@ from typing import Any
 
 from benchmarks.lib.machine import add_dtype_arg, command_line, machine_info, resolved_dtype, served_dtype
 from benchmarks.lib.results import ROOT, write_results
+from benchmarks.lib.reuse_mix import ANSWER_FACTS
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, DTYPES
 
 SYSTEM = "Answer the question using the context. Be concise."
@@ -68,12 +69,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 def stream(port: int, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
            ) -> dict[str, Any]:
     """POST an SSE request; returns status, TTFT (first chunk with text), the whole text and, from
-    the gateway, the path the request took (``specprefill.path``: None from vLLM)."""
+    the gateway, the path the request took (``specprefill.path``: None from vLLM) and what its
+    draft found in its stores (``ANSWER_FACTS`` of the ``specprefill`` object, when present)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=READY_TIMEOUT_S)
     began = time.perf_counter()
     ttft: float | None = None
     text = ""
     taken = None  # the gateway's specprefill.path
+    facts: dict[str, Any] = {}
     try:
         conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
@@ -84,20 +87,21 @@ def stream(port: int, path: str, body: dict[str, Any], headers: dict[str, str] |
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            taken = (chunk.get("specprefill") or {}).get("path", taken)
+            extension = chunk.get("specprefill") or {}
+            taken = extension.get("path", taken)
+            facts.update({k: extension[k] for k in ANSWER_FACTS if k in extension})
             for choice in chunk.get("choices", []):
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 if piece and ttft is None:
                     ttft = time.perf_counter() - began
                 text += piece
-        return {"status": 200, "ttft_s": ttft, "text": text, "path": taken}
+        return {"status": 200, "ttft_s": ttft, "text": text, "path": taken, **facts}
     finally:
         conn.close()
 
 
 def prompts(tokenizer: Any, n: int, top_k: int) -> list[dict[str, Any]]:
     """``n`` RAG prompts over the demo documents: question, passages and the full prompt's ids."""
-    from specprefill_rag import prompt as prompt_lib
     from specprefill_rag.tools.retrieval import Retriever, demo_documents, demo_questions, split_passages
 
     retriever = Retriever(split_passages(demo_documents()))
@@ -106,10 +110,30 @@ def prompts(tokenizer: Any, n: int, top_k: int) -> list[dict[str, Any]]:
     for i in range(n):
         question = questions[i % len(questions)].question
         passages = [p.text for p in retriever.retrieve(question, top_k=top_k + i // len(questions))]
-        segments = prompt_lib.chat_segments([("system", SYSTEM), ("user", question)], passages)
-        ids = prompt_lib.assemble(tokenizer, segments).token_ids.tolist()
-        out.append({"question": question, "passages": passages, "ids": ids})
+        out.append({"question": question, "passages": passages, "ids": rag_ids(tokenizer, question, passages)})
     return out
+
+
+def rag_ids(tokenizer: Any, question: str, passages: Sequence[str]) -> list[int]:
+    """The token ids of the RAG prompt the gateway builds of ``SYSTEM``, ``question`` and
+    ``passages``: what the direct side sends vLLM."""
+    from specprefill_rag import prompt as prompt_lib
+
+    segments = prompt_lib.chat_segments([("system", SYSTEM), ("user", question)], list(passages))
+    return [int(i) for i in prompt_lib.assemble(tokenizer, segments).token_ids.tolist()]
+
+
+def gateway_command(args: argparse.Namespace, vllm_url: str, port: int, extra: Sequence[str] = ()) -> list[str]:
+    """The command line of ``specprefill-rag gateway`` over ``vllm_url`` on ``port`` for these
+    ``args`` (models, keep rate, concurrency, dtype, threads), then the flags ``extra``."""
+    command = [sys.executable, "-m", "specprefill_rag.tools.cli", "gateway", "--backend", "vllm_server",
+               "--vllm-url", vllm_url, "--main", args.main, "--draft", args.draft,
+               "--keep-rate", str(args.keep_rate), "--max-concurrency", str(args.clients),
+               "--max-queue", str(max(64, args.clients)), "--port", str(port), "--log-level", "warning",
+               "--dtype", args.dtype, "--draft-memo", "0"]  # rounds repeat their prompts: every request is scored
+    if args.gateway_threads:
+        command += ["--threads", str(args.gateway_threads)]
+    return command + list(extra)
 
 
 class Gateway:
@@ -118,14 +142,7 @@ class Gateway:
     def __init__(self, args: argparse.Namespace, vllm_url: str, log: Path, extra: Sequence[str] = ()) -> None:
         self.port = free_port()
         self._log = open(log, "wb")  # noqa: SIM115
-        command = [sys.executable, "-m", "specprefill_rag.tools.cli", "gateway", "--backend", "vllm_server",
-                   "--vllm-url", vllm_url, "--main", args.main, "--draft", args.draft,
-                   "--keep-rate", str(args.keep_rate), "--max-concurrency", str(args.clients),
-                   "--max-queue", str(max(64, args.clients)), "--port", str(self.port), "--log-level", "warning",
-                   "--dtype", args.dtype, "--draft-memo", "0"]  # rounds repeat their prompts: every request is scored
-        if args.gateway_threads:
-            command += ["--threads", str(args.gateway_threads)]
-        command += list(extra)
+        command = gateway_command(args, vllm_url, self.port, extra)
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -22,6 +22,12 @@ full TTFT / (draft + selection + pruned prefill); efficiency = speedup / (1 / (r
 draft forward / full main prefill, k = the share prefilled. A length that would pass the time
 budget or that does not fit the GPU's memory is skipped, and the results say so.
 
+Per length, the warm cells beside the cold ones (``benchmarks/lib/warm_ttft.py``; ``--no-warm``
+leaves them out): a RAG prompt built through segments, its passages read apart
+(``DraftConfig.passages``) on first sight, then served from the passage store, then a follow-up
+over them from the prefix store; each with its TTFT, speedup over the full prefill of that prompt
+and the draft's share r, and the store's bytes per cached token.
+
 Per pair, once: the pruned prefill's logits against the all-ones-mask path the backend took
 before, and the host synchronisations inside a pruned prefill and a scoring call (CUDA's sync
 debug mode). ``--profile``: the torch profiler over one pruned prefill, one scoring call and one
@@ -38,12 +44,14 @@ position rewrite in vLLM's V2 runner (``runner_v2_check.gpu_check``).
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \\
     python -m benchmarks.suites.gpu_ttft --profile --out $OUT/gpu_ttft.json   # H100/H200: <= 6 min
     python -m benchmarks.suites.gpu_ttft --tiny                # both pairs, tiny shapes, CPU: seconds
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m benchmarks.suites.gpu_ttft \\
+        --pairs llama-1b-8b --lengths 2048 4096 8192 --no-extras --out $OUT/gpu_ttft_warm.json
+        # the read-once issue's GPU target: 1B -> 8B, keep 10%, warm >= 4x at 4k (H100: ~2 min)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import math
@@ -55,14 +63,16 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.lib import runner_v2_check
+from benchmarks.lib import runner_v2_check, warm_ttft
+from benchmarks.lib.gpu_timing import TimedPrompt, first_token, full_prefill_s, plan_of, pruned_ttft, sync, timed
 from benchmarks.lib.lookahead import compared_lookahead, lookahead_label, lookahead_variants, summarise_length
 from benchmarks.lib.machine import cold, dtype_name, machine_info
 from benchmarks.lib.results import write_results
@@ -92,8 +102,8 @@ QWEN2_5_32B: dict[str, Any] = dict(
     vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-6,
     use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
-TINY_DRAFT: dict[str, Any] = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+TINY_DRAFT: dict[str, Any] = dict(  # 8 layers: its early exit sits below its last, so it reads passages apart
+    hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=8192,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
@@ -160,34 +170,6 @@ def synthetic_prompt(n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch
     return ids, protected, segment
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def plan_of(ids: torch.Tensor, kept: torch.Tensor, n_prompt: int) -> Any:
-    """The ``PrefillPlan`` of ``ids[kept]`` at positions ``kept`` (all of them: a full prefill)."""
-    from specprefill_rag.types import PrefillPlan
-
-    return PrefillPlan(token_ids=ids[kept], position_ids=kept, next_position=n_prompt, n_prompt=n_prompt,
-                       kept_spans=(), speculated=kept.numel() < n_prompt)
-
-
-def first_token(backend: Any, plan: Any) -> int:
-    """The backend's prefill of ``plan`` and its first (greedy) token: what a TTFT waits for."""
-    from specprefill_rag.backends.transformers import sample_token
-    from specprefill_rag.config import GenerationConfig
-
-    state = backend.prefill(plan)
-    return sample_token(state.logits, GenerationConfig(), None)  # int(): the host waits for the device
-
-
-def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = fn(*args)
-    return time.perf_counter() - start, out
-
-
 @dataclass
 class Context:
     """One pair, built: the main model behind the library's backend, the draft, its plain-forward
@@ -205,99 +187,13 @@ class Context:
         return self.draft.device
 
 
-class Clock:
-    """Named marks on the device's timeline: CUDA events (read after a synchronisation, none
-    added) on a GPU, ``perf_counter`` on a CPU. A name is marked once (its first time)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: dict[str, Any] = {}
-
-    def mark(self, name: str) -> None:
-        if name in self.marks:
-            return
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks[name] = event
-        else:
-            self.marks[name] = time.perf_counter()
-
-    def seconds(self, start: str, end: str) -> float | None:
-        if start not in self.marks or end not in self.marks:
-            return None
-        if self.cuda:
-            return float(self.marks[start].elapsed_time(self.marks[end])) / 1e3
-        return float(self.marks[end] - self.marks[start])
-
-
-@contextlib.contextmanager
-def draft_phases(draft: Any, clock: Clock) -> Iterator[None]:
-    """While open, the draft's prompt forward (``_prompt_forward``) and its scoring (``_scores``)
-    mark their start and end on ``clock``: instance attributes that call the draft's own methods,
-    removed afterwards (the library's code runs unchanged). A draft without them: no marks."""
-    steps = {"_prompt_forward": ("prompt_start", "prompt_end"), "_scores": ("scoring_start", "scoring_end")}
-    wrapped = []
-    for name, (before, after) in steps.items():
-        original = getattr(draft, name, None)
-        if original is None:
-            continue
-
-        def step(*args: Any, _original: Any = original, _marks: tuple[str, str] = (before, after),
-                 **kwargs: Any) -> Any:
-            clock.mark(_marks[0])
-            out = _original(*args, **kwargs)
-            clock.mark(_marks[1])
-            return out
-
-        setattr(draft, name, step)
-        wrapped.append(name)
-    try:
-        yield
-    finally:
-        for name in wrapped:
-            delattr(draft, name)
-
-
 def spec_ttft(ctx: Context, ids: torch.Tensor, protected: torch.Tensor, segment: torch.Tensor, keep: float,
               config: Any = None) -> dict[str, Any]:
-    """SpecPrefill's TTFT at ``keep`` with the draft's config (or ``config``), phase by phase."""
-    from specprefill_rag import SelectionConfig
-    from specprefill_rag import selection as selection_lib
-
-    draft, n = ctx.draft, ids.numel()
-    clock = Clock(ctx.device)
-    sync(ctx.device)
-    start = time.perf_counter()
-    clock.mark("start")
-    with draft_phases(draft, clock):
-        # The engine's path: the question's tokens query the context (ends with .cpu(): synchronised).
-        scores = draft.score(ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected,
-                             config=cold(config or draft.config))  # repetitions: nothing read from a store
-    clock.mark("draft_end")
-    scored = time.perf_counter()
-    sel = SelectionConfig(keep_rate=keep, unit="chunk", min_prompt_tokens=0)  # synthetic ids: no sentences
-    kept = selection_lib.select(scores.scores, protected, segment, sel)
-    plan = plan_of(ids, kept, n)
-    selected = time.perf_counter()
-    first_token(ctx.main, plan)
-    end = time.perf_counter()
-    phases = {
-        "draft_prefill_s": clock.seconds("prompt_start", "prompt_end"),
-        "lookahead_s": clock.seconds("prompt_end", "scoring_start"),
-        "scoring_s": clock.seconds("scoring_start", "scoring_end"),
-    }
-    known = [v for v in phases.values() if v is not None]
-    phases["draft_other_s"] = (clock.seconds("start", "draft_end") or 0.0) - sum(known) if known else None
-    return {
-        "ttft_s": end - start,
-        "draft_s": scored - start,
-        "selection_s": selected - scored,
-        "prefill_s": end - selected,
-        "keep_ratio": kept.numel() / n,
-        "n_kept": int(kept.numel()),
-        "phases": phases,
-    }
+    """SpecPrefill's TTFT at ``keep`` with the draft's config (or ``config``), phase by phase;
+    nothing read from a store (repetitions send the same prompt)."""
+    n = ids.numel()
+    prompt = TimedPrompt(ids, protected, segment, torch.arange(n - QUESTION_TOKENS, n))
+    return pruned_ttft(ctx.draft, ctx.main, prompt, keep, cold(config or ctx.draft.config))
 
 
 def scoring_s(draft: Any, ids: torch.Tensor, protected: torch.Tensor, config: Any) -> float:
@@ -306,12 +202,6 @@ def scoring_s(draft: Any, ids: torch.Tensor, protected: torch.Tensor, config: An
     start = time.perf_counter()
     draft.score(ids, question=torch.arange(n - QUESTION_TOKENS, n), context=~protected, config=cold(config))
     return time.perf_counter() - start  # .cpu() at the end of scoring synchronises
-
-
-def full_prefill_s(backend: Any, ids: torch.Tensor) -> float:
-    """Seconds of ``backend``'s prefill of the whole prompt, first token included."""
-    sync(backend.device)
-    return timed(first_token, backend, plan_of(ids, torch.arange(ids.numel()), ids.numel()))[0]
 
 
 def phase_medians(rows: list[dict[str, Any]], full: list[dict[str, float]]) -> dict[str, float | None]:
@@ -776,6 +666,8 @@ def run_pair(pair: Pair, args: argparse.Namespace, device: str, dtype: torch.dty
         t0 = time.perf_counter()
         try:
             row = run_length(ctx, target, args, extras)
+            if args.warm:  # the same length with the passages read before (warm_ttft)
+                row["warm"] = guarded(f"warm {target}", partial(warm_length, ctx, row["n_tokens"], args), args, payload)
         except Exception as error:
             if not out_of_memory(error):
                 raise
@@ -797,6 +689,13 @@ def run_pair(pair: Pair, args: argparse.Namespace, device: str, dtype: torch.dty
         run["reason"] = "; ".join(sorted({s["why"] for s in run["skipped_lengths"]})) or "no length measured"
     write()
     return ctx
+
+
+def warm_length(ctx: Context, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The warm cells at ``n`` tokens (``warm_ttft.warm_length``), printed."""
+    row = warm_ttft.warm_length(ctx.draft, ctx.main, n, args.keep_rates, args.reps)
+    warm_ttft.report(ctx.pair.key, row)
+    return row
 
 
 def guarded(what: str, measure: Callable[[], Any], args: argparse.Namespace, payload: dict[str, Any]) -> Any:
@@ -861,6 +760,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--time-budget-s", type=float, default=360.0,
                    help="stop before a length whose estimated cost would pass this (default: 6 min)")
     p.add_argument("--concurrency", type=int, default=8, help="requests scored in one batch (0: skip)")
+    p.add_argument("--no-warm", dest="warm", action="store_false",
+                   help="leave out the warm cells (passages read before: benchmarks/lib/warm_ttft.py)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.lengths = sorted(args.lengths or ([256, 512] if args.tiny else [2048, 4096, 8192, 16384, 32768]))
@@ -894,9 +795,9 @@ def new_payload(args: argparse.Namespace, device: str, dtype: torch.dtype, argv:
                      "draft_config_timed": dataclasses.asdict(cold(config)),  # nothing reused between repetitions
                      "lookahead_label": lookahead_label(config, torch.device(device).type),
                      "compared_keep_rates": list(COMPARED_KEEP), "time_budget_s": args.time_budget_s,
-                     "profile": args.profile, "extras": args.extras,
+                     "profile": args.profile, "extras": args.extras, "warm": args.warm,
                      "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") if device == "cuda" else None},
-        "targets": {"efficiency": 0.85, "capture_overhead": 1.10, "memory": 1.15},
+        "targets": {"efficiency": 0.85, "capture_overhead": 1.10, "memory": 1.15, "warm_speedup_at_4k": 4.0},
         "runs": [{"backend": "transformers", "pair": p.key, "status": "skipped", "reason": "not reached"}
                  for p in args.pairs],
         "memory": None,

@@ -11,6 +11,10 @@ passages, ``gateway_load``'s prompts) are sent at their arrival times:
     gateway       POST gateway /v1/chat/completions with the same question and passages, streamed
     gateway_skip  the same to a second gateway run with ``--skip-draft-when-slower``, which
                   prefills a prompt whole when the draft's queue would cost more than pruning saves
+    gateway_apart a third gateway run with ``--read-passages apart``: its draft reads each passage
+                  once and keeps the reading (its passage store; ``--passage-store DIR`` adds the
+                  disk tier), so a passage seen before costs it nothing (``--warm-passages``:
+                  the whole demo collection read ahead through ``POST /v1/passages`` first)
 
 ``--sides`` picks them; the order rotates per rate. Per rate and side: TTFT p50/p95/p99,
 end-to-end latency, answered requests per second. The SLO is ``--slo-multiple`` times one
@@ -18,9 +22,27 @@ request's full-prefill TTFT measured alone at the start (median of 3, stated in 
 goodput of a side is the highest rate of the ladder at which it, and every lower rate, keeps p95
 TTFT within the SLO. vLLM's main model and the gateway's draft run in one precision (``--dtype``).
 One request alone through the gateway is timed too (median of 3): the single-request speedup the
-loaded rates are held against. Each gateway row records the path its request took.
+loaded rates are held against. Each gateway row records the path its request took and what its
+draft found in its stores (``passages_cached``, ``passages_read``, ``draft_cached_tokens``; summed
+per side and rate in ``summary.served``).
+
+``--mix`` chooses the prompts. ``demo`` (default): gateway_load's, each demo question with its
+retrieved passages, the same ``--requests`` prompts at every rate. ``reuse``: a workload where
+passages recur as in real RAG traffic (``benchmarks/lib/reuse_mix.py``): sessions open with a
+question drawn by popularity (Zipf, ``--zipf``) from a pool of ``--pool`` questions over the demo
+collection and its top-k retrieved set, then ``--follow-ups`` other questions re-send that set;
+one seeded stream of ``3 + --requests × rates`` requests, the first 3 timed alone and each rate
+sending the next ``--requests`` of it (the stores carry over from rate to rate, as a server's
+would), the same prompts to every side. Under it the sides are direct, gateway (pinned to
+``--read-passages joint``, its prefix store on: today's gateway) and gateway_apart, each gateway
+timed alone too; ``summary.mix`` says how much of the stream recurs, ``summary.warm`` whether
+gateway_apart was warmed. Its file is ``results/serving_reuse.json``.
 
     specprefill-rag bench serving                       # → benchmarks/results/serving.json
+    specprefill-rag bench serving --mix reuse --warm-passages --dtype auto  # → results/serving_reuse.json
+        # the read-once issue's goodput under load: Qwen 0.5B -> 1.5B, both in one precision (auto:
+        # bf16 on a CPU that multiplies bf16 natively, else fp32); without --warm-passages
+        # gateway_apart warms itself on first sight
     specprefill-rag bench serving --rates 0.05 0.1 --requests 4 --main smollm2-135m-instruct \\
         --draft smollm2-135m-instruct --out /tmp/s.json    # a quick run
 """
@@ -36,6 +58,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from benchmarks.lib import reuse_mix
 from benchmarks.lib.machine import add_dtype_arg, command_line, machine_info
 from benchmarks.lib.results import write_results
 from benchmarks.suites.gateway_load import (
@@ -44,6 +67,7 @@ from benchmarks.suites.gateway_load import (
     Gateway,
     percentile,
     prompts,
+    rag_ids,
     served_dtypes,
     serving_stack,
     stream,
@@ -51,7 +75,9 @@ from benchmarks.suites.gateway_load import (
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, DTYPES
 
 Send = Callable[[int], dict[str, Any]]  # request i → {"status", "ttft_s", ...}
-SIDES = ("direct", "gateway", "gateway_skip")
+SIDES = ("direct", "gateway", "gateway_skip", "gateway_apart")
+DEFAULT_SIDES = {"demo": ["direct", "gateway", "gateway_skip"], "reuse": ["direct", "gateway", "gateway_apart"]}
+ALONE = 3  # requests timed alone before the ladder (their median)
 
 
 def arrival_times(rate: float, n: int, seed: int) -> list[float]:
@@ -137,8 +163,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=16,
                    help="requests the gateway and vLLM run at once (the gateway's --max-concurrency, vLLM's "
                    "--max-num-seqs) (%(default)s)")
-    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES),
-                   help="what each rate is sent to (default: all three)")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=None,
+                   help="what each rate is sent to (default: direct gateway gateway_skip; with --mix reuse: "
+                   "direct gateway gateway_apart)")
+    p.add_argument("--mix", choices=sorted(DEFAULT_SIDES), default="demo",
+                   help="the prompts: demo (each demo question once, the same at every rate) or reuse (passages "
+                   "recur: a popularity draw from a question pool, follow-ups; module docstring) (%(default)s)")
+    mix = reuse_mix.ReuseMix()
+    p.add_argument("--pool", type=int, default=mix.pool, help="--mix reuse: questions in the pool (%(default)s)")
+    p.add_argument("--zipf", type=float, default=mix.zipf,
+                   help="--mix reuse: popularity exponent of the openers' draw, 0 uniform (%(default)s)")
+    p.add_argument("--follow-ups", type=int, default=mix.follow_ups,
+                   help="--mix reuse: questions per session after its opener, over its retrieved set (%(default)s)")
+    p.add_argument("--warm-passages", action="store_true",
+                   help="read the demo collection into gateway_apart's passage store (POST /v1/passages) before "
+                   "the first request")
+    p.add_argument("--passage-store", default=None, metavar="DIR",
+                   help="gateway_apart's --passage-store (the disk tier; default: memory only)")
     p.add_argument("--vllm-client-rate", type=float, default=None,
                    help="also send the ladder's prompts at this rate through vLLM's own benchmark client "
                    "(vllm.benchmarks.serve, openai-chat) to vLLM and to the gateway (default: skip)")
@@ -147,8 +188,76 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--server-dtype", default=None, choices=DTYPES,
                    help="with --vllm-url: the dtype that server runs the main model in, recorded as the main model's")
     p.add_argument("--gateway-threads", type=int, default=None, help="torch threads of the gateway process")
-    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/serving.json)")
-    return p.parse_args(argv)
+    p.add_argument("--out", default=None,
+                   help="result JSON (default benchmarks/results/serving.json; --mix reuse: serving_reuse.json)")
+    args = p.parse_args(argv)
+    args.sides = args.sides or list(DEFAULT_SIDES[args.mix])
+    return args
+
+
+def mix_of(args: argparse.Namespace) -> reuse_mix.ReuseMix:
+    """The reuse mix ``args`` ask for (seeded by ``--seed``, ``--top-k`` passages per session)."""
+    return reuse_mix.ReuseMix(pool=args.pool, zipf=args.zipf, follow_ups=args.follow_ups, top_k=args.top_k,
+                              seed=args.seed)
+
+
+def side_flags(side: str, args: argparse.Namespace) -> list[str]:
+    """The flags a gateway side adds to the stack's command (``gateway_load.gateway_command``):
+    the base gateway pinned to joint reading under ``--mix reuse`` (today's gateway, whatever the
+    library's default becomes), the skip and passage-reading sides their own."""
+    if side == "gateway":
+        return ["--read-passages", "joint"] if args.mix == "reuse" else []
+    if side == "gateway_skip":
+        return ["--skip-draft-when-slower"]
+    if side == "gateway_apart":
+        return ["--read-passages", "apart", *(["--passage-store", args.passage_store] if args.passage_store else [])]
+    raise ValueError(f"{side!r} is not a gateway side")
+
+
+def start_sides(args: argparse.Namespace, vllm_url: str) -> dict[str, Gateway]:
+    """A gateway process per side of ``args.sides`` beyond the stack's own (side → its process);
+    those started are stopped when a later one fails."""
+    started: dict[str, Gateway] = {}
+    try:
+        for side in args.sides:
+            if side not in ("direct", "gateway"):
+                log = ROOT / "benchmarks" / ".cache" / "serving" / f"{side}.log"
+                started[side] = Gateway(args, vllm_url, log, side_flags(side, args))
+    except BaseException:
+        for gateway in started.values():
+            gateway.stop()
+        raise
+    return started
+
+
+def ladder_items(args: argparse.Namespace, tokenizer: Any) -> tuple[list[dict[str, Any]], int]:
+    """The prompts every side sends (question, passages, the full prompt's ``ids``) and the index
+    of the ladder's first: demo, gateway_load's prompts (timed alone and cycled at every rate: 0);
+    reuse, ``ALONE`` + requests × rates of the mix (the first ``ALONE`` timed alone)."""
+    if args.mix == "demo":
+        return prompts(tokenizer, args.requests, args.top_k), 0
+    from specprefill_rag.tools.retrieval import Retriever, demo_documents, split_passages
+
+    retriever = Retriever(split_passages(demo_documents()))
+
+    def retrieve(question: str, k: int) -> list[str]:
+        return [p.text for p in retriever.retrieve(question, top_k=k)]
+
+    items = reuse_mix.draw(mix_of(args), reuse_mix.question_pool(args.pool), retrieve,
+                           ALONE + args.requests * len(args.rates))
+    return [{**item, "ids": rag_ids(tokenizer, item["question"], item["passages"])} for item in items], ALONE
+
+
+def warm(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, Any]:
+    """``--warm-passages``: the demo collection read into gateway_apart's store before any request."""
+    if not (args.warm_passages and "gateway_apart" in ports):
+        return {"warmed": False}
+    from specprefill_rag.tools.retrieval import demo_documents, split_passages
+
+    done = reuse_mix.warm_corpus(ports["gateway_apart"], [p.text for p in split_passages(demo_documents())], SYSTEM)
+    print(f"warmed gateway_apart: {done['read']} passages read, {done['found']} held, {done['seconds']:.1f} s",
+          flush=True)
+    return done
 
 
 def _senders(items: list[dict[str, Any]], vllm: tuple[int, str], gateways: dict[str, int], max_tokens: int
@@ -173,15 +282,21 @@ def _senders(items: list[dict[str, Any]], vllm: tuple[int, str], gateways: dict[
     return {"direct": direct, **{side: gateway(port) for side, port in gateways.items()}}
 
 
-def ladder(senders: dict[str, Send], rates: Sequence[float], n: int, seed: int) -> dict[str, Any]:
-    """Every side at every rate (the order rotating per rate): rows and summaries."""
+def _shifted(send: Send, by: int) -> Send:
+    """``send`` with request i sent as request ``by + i``."""
+    return lambda i: send(by + i)
+
+
+def ladder(senders: dict[str, Send], rates: Sequence[float], n: int, seed: int, first: int = 0) -> dict[str, Any]:
+    """Every side at every rate (the order rotating per rate): rows and summaries. Rate k sends
+    requests ``first + k·n`` … ``first + k·n + n - 1`` (a sender cycles over fewer prompts)."""
     rows: list[dict[str, Any]] = []
     per_rate: dict[str, dict[float, dict[str, Any]]] = {side: {} for side in senders}
     for step, rate in enumerate(rates):
         times = arrival_times(rate, n, seed + step)
         order = list(senders)[step % len(senders):] + list(senders)[:step % len(senders)]
         for side in order:
-            done = open_loop(senders[side], times)
+            done = open_loop(_shifted(senders[side], first + step * n), times)
             rows += [{"side": side, "rate": rate, **row} for row in done]
             s = per_rate[side][rate] = rate_summary(done)
             print(f"{rate:g}/s {side:12s} p50 {s['p50_ttft_s']:.2f} s  p95 {s['p95_ttft_s']:.2f} s  "
@@ -193,42 +308,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specprefill_rag.loading import load_tokenizer, resolve_model_dir
 
     args = parse_args(argv)
-    with serving_stack(args, "serving") as stack:
-        skip = None
-        if "gateway_skip" in args.sides:
-            skip = Gateway(args, f"http://127.0.0.1:{stack.vllm[0]}", ROOT / "benchmarks" / ".cache" / "serving"
-                           / "gateway_skip.log", ["--skip-draft-when-slower"])
+    with serving_stack(args, "serving", side_flags("gateway", args)) as stack:
+        others = start_sides(args, f"http://127.0.0.1:{stack.vllm[0]}")
         try:
-            items = prompts(load_tokenizer(resolve_model_dir(args.main)), args.requests, args.top_k)
-            ports = {"gateway": stack.gateway.port, **({"gateway_skip": skip.port} if skip else {})}
-            senders = _senders(items, stack.vllm, ports, args.max_tokens)
-            alone = {side: alone_ttft(senders[side]) for side in ("direct", "gateway")}
-            slo_s = args.slo_multiple * alone["direct"]
-            print(f"alone: full prefill TTFT {alone['direct']:.2f} s, gateway {alone['gateway']:.2f} s "
-                  f"({alone['direct'] / alone['gateway']:.2f}x); SLO p95 TTFT <= {slo_s:.2f} s", flush=True)
-            result = ladder({side: senders[side] for side in args.sides}, args.rates, args.requests, args.seed)
-            if args.vllm_client_rate:
-                result["vllm_client"] = standard_client(args, stack, items)
+            items, first = ladder_items(args, load_tokenizer(resolve_model_dir(args.main)))
+            ports = {"gateway": stack.gateway.port, **{side: g.port for side, g in others.items()}}
+            result = measure(args, stack, items, first, ports)
         finally:
-            if skip is not None:
-                skip.stop()
-    per_rate = result["per_rate"]
-    summary = {"alone_ttft_s": alone["direct"], "alone_gateway_ttft_s": alone["gateway"],
-               "alone_speedup": alone["direct"] / alone["gateway"], "slo_s": slo_s,
-               "goodput_per_s": {side: goodput(per_rate[side], slo_s) for side in per_rate},
-               "paths": paths(result["rows"]), "vllm_client": result.get("vllm_client"),
-               "per_rate": {side: {str(r): v for r, v in per_rate[side].items()} for side in per_rate}}
+            for gateway in others.values():
+                gateway.stop()
+    summary = summarise(args, result, items[first:] if first else items)
+    name = "serving_reuse" if args.mix == "reuse" else "serving"
+    keys = ["rates", "requests", "slo_multiple", "seed", "top_k", "keep_rate", "max_tokens", "clients", "sides",
+            "dtype", "mix", *(("pool", "zipf", "follow_ups", "warm_passages", "passage_store") if first else ())]
     payload = {
         "benchmark": "serving", "command": command_line(argv, "serving"), "machine": machine_info(),
         "models": {"main": args.main, "draft": args.draft}, "dtypes": served_dtypes(args, stack.server),
-        "settings": {k: getattr(args, k) for k in ("rates", "requests", "slo_multiple", "seed", "top_k", "keep_rate",
-                                                    "max_tokens", "clients", "sides", "dtype")},
-        "summary": summary, "rows": result["rows"],
+        "settings": {k: getattr(args, k) for k in keys}, "summary": summary, "rows": result["rows"],
     }
-    path = write_results("serving", payload, args.out)
+    path = write_results(name, payload, args.out)
     print(json.dumps(summary["goodput_per_s"]))
     print(f"wrote {path}")
     return 0
+
+
+def measure(args: argparse.Namespace, stack: Any, items: list[dict[str, Any]], first: int, ports: dict[str, int]
+            ) -> dict[str, Any]:
+    """gateway_apart warmed (``--warm-passages``), each request alone (direct and every gateway
+    side but the skipping one), then the ladder (and vLLM's own client where asked)."""
+    senders = _senders(items, stack.vllm, ports, args.max_tokens)
+    warmed = warm(args, ports)
+    alone = {side: alone_ttft(senders[side]) for side in senders if side != "gateway_skip"}
+    slo_s = args.slo_multiple * alone["direct"]
+    print("alone: full prefill TTFT " + f"{alone['direct']:.2f} s, " + ", ".join(
+        f"{side} {t:.2f} s ({alone['direct'] / t:.2f}x)" for side, t in alone.items() if side != "direct")
+        + f"; SLO p95 TTFT <= {slo_s:.2f} s", flush=True)
+    result = ladder({side: senders[side] for side in args.sides}, args.rates, args.requests, args.seed, first)
+    if args.vllm_client_rate:
+        result["vllm_client"] = standard_client(args, stack, items)
+    return {**result, "alone": alone, "slo_s": slo_s, "warm": warmed}
+
+
+def summarise(args: argparse.Namespace, result: dict[str, Any], sent: list[dict[str, Any]]) -> dict[str, Any]:
+    """The file's summary: the alone TTFTs and the SLO, each side's goodput, per-rate summaries,
+    paths, what the gateways' stores served, and under ``--mix reuse`` how much of the requests
+    the ladder ``sent`` recur and whether gateway_apart was warmed."""
+    per_rate, alone, slo_s = result["per_rate"], result["alone"], result["slo_s"]
+    summary = {"alone_ttft_s": alone["direct"], "alone_gateway_ttft_s": alone["gateway"],
+               "alone_speedup": alone["direct"] / alone["gateway"], "alone_ttft_by_side": alone, "slo_s": slo_s,
+               "goodput_per_s": {side: goodput(per_rate[side], slo_s) for side in per_rate},
+               "paths": paths(result["rows"]), "served": reuse_mix.served(result["rows"]),
+               "vllm_client": result.get("vllm_client"),
+               "per_rate": {side: {str(r): v for r, v in per_rate[side].items()} for side in per_rate}}
+    if args.mix == "reuse":
+        summary.update(mix=reuse_mix.mix_stats(sent), warm=result["warm"])
+    return summary
 
 
 def standard_client(args: argparse.Namespace, stack: Any, items: list[dict[str, Any]]) -> dict[str, Any]:
