@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from specprefill_rag import PassageReading, SpecPrefillEngine, loading
+from specprefill_rag import DraftConfig, SpecPrefillEngine, loading
 from specprefill_rag.testing import tiny_engine
 from specprefill_rag.tools import cli, retrieval
 
@@ -27,6 +27,8 @@ DOCS = {
     "ops/radio.md": "# Radio\n\n" + "The radio room opens at dawn and the passkey is 48213 today. " * 6
     + "\n\n" + "The quick brown fox jumps over the lazy dog by the radio mast. " * 6,
 }
+
+DEFAULT_READING = DraftConfig().passages  # what --read-passages apart and no flag give
 
 
 class HashEmbedder:
@@ -77,7 +79,7 @@ def test_encode_fills_a_store_that_ask_then_reads(docs: Path, tmp_path: Path, bu
     assert f"0 passages were in the store, {n} read now" in out and "MiB on disk" in out
     assert len(list(store.glob("*.safetensors"))) == n
     draft = built[-1].config.draft
-    assert draft.passages == PassageReading() and draft.passage_store_dir == str(store)
+    assert draft.passages == DEFAULT_READING and draft.passage_store_dir == str(store)
 
     assert cli.main(["encode", "--docs", str(docs), "--passage-store", str(store)]) == 0  # a new engine: from disk
     assert f"{n} passages were in the store, 0 read now" in capsys.readouterr().out
@@ -96,7 +98,9 @@ def test_ask_reads_apart_in_memory_or_jointly(docs: Path, built: list[SpecPrefil
     assert cli.main([*question, "--read-passages", "apart"]) == 0
     assert "passages 0 from the store, 3 read" in capsys.readouterr().err  # a store in memory only
     assert built[-1].draft.passages.disk is None and len(built[-1].draft.passages) == 3
-    assert cli.main(question) == 0  # the library's default
+    assert cli.main(question) == 0  # the library's default: apart too
+    assert built[-1].config.draft.passages == DEFAULT_READING and "3 read" in capsys.readouterr().err
+    assert cli.main([*question, "--read-passages", "joint"]) == 0
     assert built[-1].config.draft.passages is None and "passages" not in capsys.readouterr().err
     assert cli.main([*question, "--read-passages", "joint", "--passage-store", "x"]) == 2
     assert "drop --read-passages joint" in capsys.readouterr().err
@@ -133,9 +137,9 @@ def test_the_passage_flags_reach_the_draft_config(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cli, "_retrieve", lambda args, question: [])
     monkeypatch.setattr(vllm_process, "VLLMServer", FakeVLLM)
     monkeypatch.setattr("signal.signal", lambda *args: None)
-    for flags, passages, where in ((["--passage-store", "/s"], PassageReading(), "/s"),
-                                   (["--read-passages", "apart"], PassageReading(), None),
-                                   (["--read-passages", "joint"], None, None), ([], None, None)):
+    for flags, passages, where in ((["--passage-store", "/s"], DEFAULT_READING, "/s"),
+                                   (["--read-passages", "apart"], DEFAULT_READING, None),
+                                   (["--read-passages", "joint"], None, None), ([], DEFAULT_READING, None)):
         with pytest.raises(_Built):
             cli.main([*argv, *flags])
         assert (configs[-1].passages, configs[-1].passage_store_dir) == (passages, where)
