@@ -32,7 +32,8 @@ from specprefill_rag.draft.passage_reading import PromptLayout, prompt_layout
 from specprefill_rag.draft.passage_store import PassageDisk, PassageEntry, PassageStore, passage_key
 from specprefill_rag.types import SegmentKind
 
-LOCAL = DraftConfig(passages=PassageReading(), memo_entries=0, prefix_cache_entries=0)  # the passage store alone
+LOCAL = DraftConfig(passages=PassageReading(recompute="none"), memo_entries=0,
+                    prefix_cache_entries=0)  # the passage store alone, every layer of a passage in it
 JOINT = DraftConfig(memo_entries=0, prefix_cache_entries=0)
 
 
@@ -87,7 +88,7 @@ def test_a_chat_finds_the_passages_a_rag_prompt_read(tokenizer):
     from specprefill_rag import GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
     from specprefill_rag.backends.transformers import TransformersBackend
 
-    config = SpecPrefillConfig(draft=DraftConfig(lookahead=2, passages=PassageReading(), memo_entries=0),
+    config = SpecPrefillConfig(draft=DraftConfig(lookahead=2, memo_entries=0),
                                selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=64),
                                generation=GenerationConfig(max_new_tokens=2))
     engine = SpecPrefillEngine(TransformersBackend(make_model("qwen2", len(tokenizer)), tokenizer),
@@ -300,7 +301,7 @@ def test_an_engine_reads_passages_ahead_and_a_question_then_finds_them(tokenizer
     from specprefill_rag import GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
     from specprefill_rag.backends.transformers import TransformersBackend
 
-    config = SpecPrefillConfig(draft=DraftConfig(lookahead=3, passages=PassageReading()),
+    config = SpecPrefillConfig(draft=DraftConfig(lookahead=3),
                                selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=64),
                                generation=GenerationConfig(max_new_tokens=4))
     engine = SpecPrefillEngine(TransformersBackend(make_model("qwen2", len(tokenizer)), tokenizer),

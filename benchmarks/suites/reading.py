@@ -35,15 +35,15 @@ from specprefill_rag import DraftConfig, PassageReading, SelectionConfig
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, load_tokenizer
 
 READINGS: dict[str, DraftConfig] = {
-    "joint": DraftConfig(),
-    "none": DraftConfig(passages=PassageReading()),
+    "joint": DraftConfig(passages=None),
+    "none": DraftConfig(passages=PassageReading(recompute="none")),
     "first8": DraftConfig(passages=PassageReading(recompute="first", first_tokens=8)),
     "scored15": DraftConfig(passages=PassageReading(recompute="scored", recompute_share=0.15)),
     "scored30": DraftConfig(passages=PassageReading(recompute="scored", recompute_share=0.3)),
     "dev15": DraftConfig(passages=PassageReading(recompute="deviation", recompute_share=0.15)),
     "dev30": DraftConfig(passages=PassageReading(recompute="deviation", recompute_share=0.3)),
     "dev50": DraftConfig(passages=PassageReading(recompute="deviation", recompute_share=0.5)),
-    "all": DraftConfig(passages=PassageReading(recompute="all")),
+    "all": DraftConfig(passages=PassageReading()),  # the library's default
     "all8": DraftConfig(passages=PassageReading(recompute="all", recompute_from=8)),
 }
 

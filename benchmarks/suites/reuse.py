@@ -42,6 +42,7 @@ from benchmarks.lib.machine import add_dtype_arg, model_dtypes, offline
 from benchmarks.lib.metrics import bootstrap_ci
 from benchmarks.lib.results import RESULTS_DIR, append_jsonl, read_jsonl
 from benchmarks.suites.ttft import build_passages, essay_passages
+from specprefill_rag import PassageReading
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
 QUESTIONS = (
@@ -187,7 +188,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--questions", type=int, default=5, help="questions per workload and length")
     p.add_argument("--keep-rate", type=float, default=0.1)
-    p.add_argument("--recompute", default="none", help="PassageReading.recompute of the 'apart' reading")
+    p.add_argument("--recompute", default=PassageReading().recompute,
+                   help="PassageReading.recompute of the 'apart' reading (default: the library's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     add_dtype_arg(p)

@@ -39,12 +39,13 @@ class PassageReading:
     ``recompute`` chooses passage tokens whose layers from ``recompute_from`` on are read again
     jointly, over every other token, on each request."""
 
-    # "none": no passage token is read jointly; "all": every one (from recompute_from on: the store
-    # then keeps only the layers below it); "first": the first first_tokens of each passage;
+    # "all" (the default, measured: the one that keeps joint reading's evidence): every passage
+    # token is read again jointly from recompute_from on, so the store keeps only the layers below
+    # it; "none": no passage token is read jointly; "first": the first first_tokens of each passage;
     # "scored": the recompute_share of the passages' tokens the question and the last token attend
     # to most in a first pass; "deviation": every token through layer recompute_from jointly, then
     # the recompute_share whose hidden states that moved most (CacheBlend) on through the rest.
-    recompute: RecomputeKind = "none"
+    recompute: RecomputeKind = "all"
     recompute_from: int | None = None  # draft layer; None: the lowest aggregated layer
     recompute_share: float = 0.15  # "scored", "deviation": share of the passages' tokens, in (0, 1]
     first_tokens: int = 8  # "first": tokens at the start of each passage
@@ -130,7 +131,7 @@ class ScoringConfig:
     # reading in its passage store (DraftRuntime.passage_store_bytes), so a request costs it only
     # the tokens outside passages and the look-ahead. Needs early exit and a draft whose layers
     # can be run by hand (else it reads jointly). None: every token of every prompt, every request.
-    passages: PassageReading | None = PassageReading(recompute="all")
+    passages: PassageReading | None = PassageReading()
 
     def __post_init__(self) -> None:
         _check(self.passages is None or isinstance(self.passages, PassageReading),

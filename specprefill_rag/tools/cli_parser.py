@@ -83,7 +83,7 @@ def passage_options(args: argparse.Namespace, current: PassageReading | None = N
     if mode == "joint":
         options["passages"] = None
     elif mode == "apart" or store is not None:
-        options["passages"] = current or DraftConfig().passages or PassageReading(recompute="all")
+        options["passages"] = current or DraftConfig().passages or PassageReading()
     if store is not None:
         options["passage_store_dir"] = store
     return options

@@ -79,6 +79,15 @@ async def test_the_async_pipeline_reads_in_a_thread(recorder):
 
 
 def test_an_engine_that_reads_jointly_refuses_to_read_ahead():
-    reader = SpecPrefillPassageReader(llm=SpecPrefillLLM(engine=tiny_engine()))
+    reader = SpecPrefillPassageReader(llm=SpecPrefillLLM(engine=joint_engine()))
     with pytest.raises(ConfigError, match="DraftConfig\\(passages=PassageReading"):
         reader(nodes())
+
+
+def joint_engine():
+    """The tiny engine with its draft reading every prompt jointly (``DraftConfig(passages=None)``)."""
+    import dataclasses
+
+    engine = tiny_engine()
+    engine.config = dataclasses.replace(engine.config, draft=dataclasses.replace(engine.config.draft, passages=None))
+    return engine

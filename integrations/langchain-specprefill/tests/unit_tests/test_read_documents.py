@@ -64,5 +64,14 @@ async def test_aread_documents_reads_in_a_thread():
 
 def test_an_engine_that_reads_jointly_refuses():
     with pytest.raises(ConfigError, match="DraftConfig\\(passages=PassageReading"):
-        ChatSpecPrefill(engine=tiny_engine()).read_documents(corpus_documents())
+        ChatSpecPrefill(engine=joint_engine()).read_documents(corpus_documents())
 
+
+
+def joint_engine():
+    """The tiny engine with its draft reading every prompt jointly (``DraftConfig(passages=None)``)."""
+    import dataclasses
+
+    engine = tiny_engine()
+    engine.config = dataclasses.replace(engine.config, draft=dataclasses.replace(engine.config.draft, passages=None))
+    return engine
