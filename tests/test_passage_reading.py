@@ -34,7 +34,7 @@ from specprefill_rag.types import SegmentKind
 
 LOCAL = DraftConfig(passages=PassageReading(recompute="none"), memo_entries=0,
                     prefix_cache_entries=0)  # the passage store alone, every layer of a passage in it
-JOINT = DraftConfig(memo_entries=0, prefix_cache_entries=0)
+JOINT = DraftConfig(memo_entries=0, prefix_cache_entries=0, passages=None)
 
 
 def _draft(family, tokenizer, layers: int = 8) -> DraftModel:
@@ -144,7 +144,7 @@ def test_a_passages_reading_equals_a_plain_forward_of_the_anchor_and_it(family, 
 def test_every_passage_token_read_again_from_layer_0_gives_the_joint_scores(family, tokenizer, config):
     draft = _draft(family, tokenizer)
     prompt = _prompt(tokenizer)
-    joint = _score(draft, prompt, dataclasses.replace(config, memo_entries=0))
+    joint = _score(draft, prompt, dataclasses.replace(config, memo_entries=0, passages=None))
     again = PassageReading(recompute="all", recompute_from=0)
     local = _score(draft, prompt, dataclasses.replace(config, memo_entries=0, passages=again))
     assert local.lookahead_token_ids == joint.lookahead_token_ids
@@ -286,7 +286,7 @@ def test_the_disk_tier_survives_a_kill_mid_write(tmp_path):
 def test_without_early_exit_or_a_layout_the_draft_reads_jointly(tokenizer):
     draft = _draft("llama", tokenizer)
     prompt = _prompt(tokenizer)
-    full = DraftConfig(early_exit=False, memo_entries=0)
+    full = DraftConfig(early_exit=False, memo_entries=0, passages=None)
     joint = _score(draft, prompt, full)
     local = _score(draft, prompt, dataclasses.replace(full, passages=PassageReading()))
     torch.testing.assert_close(local.scores, joint.scores, atol=1e-6, rtol=1e-4)

@@ -10,6 +10,7 @@ declared here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -180,11 +181,15 @@ class DraftForward:
         each head served by the prefix store (``keep``: the store is on for the call), and each
         reading up to the question stored there: a (cache, hidden states leaving the exit) maker."""
 
+        # A prompt's reading with its passages read apart is stored apart from joint readings (the
+        # same tokens, other states): a start found is always one read the way this call reads.
+        apart = f"{namespace}\x00apart:{plan.reading}:{plan.unit}"
+
         def read() -> tuple[Any, torch.Tensor]:
             heads, laid = [], []
             for b, (ids, layout) in enumerate(zip(token_ids, layouts, strict=True)):
                 end = int(recorder.rows[b].min())  # the question (or the last token) is read every time
-                stored = self.prefixes.longest(ids[:end], plan.exit_layer, namespace) if keep else None
+                stored = self.prefixes.longest(ids[:end], plan.exit_layer, apart) if keep else None
                 m = 0 if stored is None else stored.n_tokens
                 laid.append(with_head(layout, m))
                 if stored is not None and m >= laid[-1].head:  # the store holds the whole head
@@ -197,7 +202,7 @@ class DraftForward:
             cache, hidden, starts = read_prompts(parts, plan, recorder, token_ids, laid, heads, namespace)
             for entry in starts:  # a follow-up over the same passages reads its question only
                 if entry is not None and keep:
-                    self.prefixes.add(entry)
+                    self.prefixes.add(dataclasses.replace(entry, namespace=apart))
             return cache, hidden
 
         return read
