@@ -127,6 +127,10 @@ def test_the_warm_prompts_fill_the_length_with_shared_passages():
         passages = [s.text for s in asked.segments if s.kind is SegmentKind.PASSAGE]
         assert passages == [s.text for s in other.segments if s.kind is SegmentKind.PASSAGE] and len(passages) >= 3
         assert asked.segments[-1].text != other.segments[-1].text  # another question
+    # Below the head's own length: the shortest prompt (one passage of one word), not a hang.
+    asked, _ = warm_ttft.rag_prompts(8, seed=8)
+    passages = [s.text for s in asked.segments if s.kind is SegmentKind.PASSAGE]
+    assert asked.n_tokens > 8 and len(passages) == 1 and " " not in passages[0]
     assert max(warm_ttft.tokenizer().get_vocab().values()) < gpu_ttft.TINY_DRAFT["vocab_size"]
 
 

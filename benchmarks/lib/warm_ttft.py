@@ -65,9 +65,9 @@ def _words(rng: random.Random, count: int) -> str:
 
 
 def rag_prompts(n: int, seed: int) -> tuple[Any, Any]:
-    """Two assembled RAG prompts of ``n`` tokens (at most: a word may not fit) over the same system
-    part and passages (``PASSAGE_TOKENS`` words each, the last one filling the length), with two
-    questions."""
+    """Two assembled RAG prompts of ``n`` tokens (at most: a word may not fit; where the head and
+    one word already pass ``n``, that shortest prompt) over the same system part and passages
+    (``PASSAGE_TOKENS`` words each, the last one filling the length), with two questions."""
     from specprefill_rag import prompt as prompt_lib
 
     tok, rng = tokenizer(), random.Random(seed)
@@ -87,7 +87,7 @@ def rag_prompts(n: int, seed: int) -> tuple[Any, Any]:
         passages.append(_words(rng, rest - (per - size)))
     elif rest > 0:
         passages[-1] += " " + _words(rng, rest)
-    while length(passages) > n:
+    while length(passages) > n and " " in passages[-1]:  # one word left: the shortest prompt
         passages[-1] = passages[-1].rsplit(" ", 1)[0]
     asked, other = (prompt_lib.assemble(tok, prompt_lib.build_segments(q, passages, system)) for q in questions)
     return asked, other
