@@ -9,7 +9,6 @@ import pytest
 from li_helpers import CompletionRecorder, tiny_engine, tiny_reading_engine
 from llama_index.core import MockEmbedding, VectorStoreIndex
 from llama_index.core.ingestion import IngestionPipeline
-from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.schema import TextNode
 from specprefill_rag import ConfigError, PassagesRead
 
@@ -23,15 +22,6 @@ def nodes() -> list[TextNode]:
     return [TextNode(text=f"Hut {i} stands {100 + i} metres above the fjord and sleeps {i + 2} people. " * 2,
                      id_=f"hut-{i}", metadata={"file_name": f"hut{i}.md", "hidden": "x"},
                      excluded_llm_metadata_keys=["hidden"]) for i in range(5)]
-
-
-@pytest.fixture
-def recorder():
-    handler = CompletionRecorder()
-    root = get_dispatcher()
-    root.add_event_handler(handler)
-    yield handler
-    root.event_handlers.remove(handler)
 
 
 def query(llm: SpecPrefillLLM, recorder: CompletionRecorder, ingested: list[TextNode], marked: bool) -> dict:

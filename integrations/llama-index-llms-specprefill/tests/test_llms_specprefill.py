@@ -7,10 +7,9 @@ import concurrent.futures
 import time
 
 import pytest
-from li_helpers import CompletionRecorder, tiny_cross_family_engine, tiny_engine
+from li_helpers import tiny_cross_family_engine, tiny_engine
 from llama_index.core import Document, MockEmbedding, VectorStoreIndex
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
-from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import NodeWithScore
@@ -21,15 +20,6 @@ from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM,
 
 QA = PromptTemplate("Context:\n{context_str}\nQuery: {query_str}\nAnswer: ")
 CONTEXT = "The sky is blue. " * 20 + "\n\n" + "The passkey is 48213. " * 8
-
-
-@pytest.fixture
-def recorder():
-    handler = CompletionRecorder()
-    root = get_dispatcher()
-    root.add_event_handler(handler)
-    yield handler
-    root.event_handlers.remove(handler)
 
 
 def test_public_api():
