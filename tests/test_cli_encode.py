@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from specprefill_rag import DraftConfig, SpecPrefillEngine, loading
+from specprefill_rag import PassageReading, SpecPrefillEngine, loading
 from specprefill_rag.testing import tiny_engine
 from specprefill_rag.tools import cli, retrieval
 
@@ -28,7 +28,7 @@ DOCS = {
     + "\n\n" + "The quick brown fox jumps over the lazy dog by the radio mast. " * 6,
 }
 
-DEFAULT_READING = DraftConfig().passages  # what --read-passages apart and no flag give
+DEFAULT_READING = PassageReading()  # what --read-passages apart gives; no flag: joint
 
 
 class HashEmbedder:
@@ -98,8 +98,8 @@ def test_ask_reads_apart_in_memory_or_jointly(docs: Path, built: list[SpecPrefil
     assert cli.main([*question, "--read-passages", "apart"]) == 0
     assert "passages 0 from the store, 3 read" in capsys.readouterr().err  # a store in memory only
     assert built[-1].draft.passages.disk is None and len(built[-1].draft.passages) == 3
-    assert cli.main(question) == 0  # the library's default: apart too
-    assert built[-1].config.draft.passages == DEFAULT_READING and "3 read" in capsys.readouterr().err
+    assert cli.main(question) == 0  # the library's default: joint
+    assert built[-1].config.draft.passages is None and "passages" not in capsys.readouterr().err
     assert cli.main([*question, "--read-passages", "joint"]) == 0
     assert built[-1].config.draft.passages is None and "passages" not in capsys.readouterr().err
     assert cli.main([*question, "--read-passages", "joint", "--passage-store", "x"]) == 2
@@ -139,7 +139,7 @@ def test_the_passage_flags_reach_the_draft_config(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr("signal.signal", lambda *args: None)
     for flags, passages, where in ((["--passage-store", "/s"], DEFAULT_READING, "/s"),
                                    (["--read-passages", "apart"], DEFAULT_READING, None),
-                                   (["--read-passages", "joint"], None, None), ([], DEFAULT_READING, None)):
+                                   (["--read-passages", "joint"], None, None), ([], None, None)):
         with pytest.raises(_Built):
             cli.main([*argv, *flags])
         assert (configs[-1].passages, configs[-1].passage_store_dir) == (passages, where)

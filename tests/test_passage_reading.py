@@ -88,7 +88,7 @@ def test_a_chat_finds_the_passages_a_rag_prompt_read(tokenizer):
     from specprefill_rag import GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
     from specprefill_rag.backends.transformers import TransformersBackend
 
-    config = SpecPrefillConfig(draft=DraftConfig(lookahead=2, memo_entries=0),
+    config = SpecPrefillConfig(draft=DraftConfig(lookahead=2, memo_entries=0, passages=PassageReading()),
                                selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=64),
                                generation=GenerationConfig(max_new_tokens=2))
     engine = SpecPrefillEngine(TransformersBackend(make_model("qwen2", len(tokenizer)), tokenizer),
@@ -301,7 +301,7 @@ def test_an_engine_reads_passages_ahead_and_a_question_then_finds_them(tokenizer
     from specprefill_rag import GenerationConfig, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
     from specprefill_rag.backends.transformers import TransformersBackend
 
-    config = SpecPrefillConfig(draft=DraftConfig(lookahead=3),
+    config = SpecPrefillConfig(draft=DraftConfig(lookahead=3, passages=PassageReading()),
                                selection=SelectionConfig(keep_rate=0.3, min_prompt_tokens=64),
                                generation=GenerationConfig(max_new_tokens=4))
     engine = SpecPrefillEngine(TransformersBackend(make_model("qwen2", len(tokenizer)), tokenizer),

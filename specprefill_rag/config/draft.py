@@ -127,11 +127,14 @@ class ScoringConfig:
     # the look-ahead answers it instead of continuing the tool's turn (scores carried back by
     # segment). False: the draft reads the main prompt as is (docs/tools.md has the measurements).
     echo_question: bool = True
-    # Read each passage once (``PassageReading``): the draft reads passages apart and keeps each
-    # reading in its passage store (DraftRuntime.passage_store_bytes), so a request costs it only
-    # the tokens outside passages and the look-ahead. Needs early exit and a draft whose layers
-    # can be run by hand (else it reads jointly). None: every token of every prompt, every request.
-    passages: PassageReading | None = PassageReading()
+    # Read each passage once (``PassageReading()``): the draft reads passages apart and keeps each
+    # reading's lower layers in its passage store (DraftRuntime.passage_store_bytes), so a passage
+    # seen before costs it only the layers from the lowest aggregated one on. Needs early exit and
+    # a draft whose layers can be run by hand (else it reads jointly). None (the default): every
+    # token of every prompt jointly, a repeated head served by the prefix store. PassageReading()
+    # holds joint reading's evidence with the Qwen 0.5B draft and not (yet) with SmolLM2-135M
+    # (docs/findings.md#reading-each-passage-once): an option until it holds for every draft.
+    passages: PassageReading | None = None
 
     def __post_init__(self) -> None:
         _check(self.passages is None or isinstance(self.passages, PassageReading),

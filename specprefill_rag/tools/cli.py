@@ -35,7 +35,7 @@ def _build_engine(args: argparse.Namespace) -> Any:
              "lookahead_stop_at_eos": args.lookahead_stop_at_eos, "echo_question": args.echo_question}
     draft = {name: value for name, value in draft.items() if value is not None}
     config = SpecPrefillConfig(
-        draft=DraftConfig(**draft, **passage_options(args, DraftConfig().passages)),
+        draft=DraftConfig(**draft, **passage_options(args)),
         selection=SelectionConfig(keep_rate=args.keep_rate),
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens),
         instructions=DEMO_INSTRUCTIONS,

@@ -11,7 +11,7 @@ import os
 from typing import Any, get_args
 
 from ..backends.vllm_server import ConnectionOptions
-from ..config import DraftConfig, GenerationConfig, LookaheadTokens, PassageReading, SelectionConfig
+from ..config import GenerationConfig, LookaheadTokens, PassageReading, SelectionConfig
 from ..loading import DEFAULT_DRAFT, DEFAULT_MAIN
 
 __all__ = ["DESCRIPTION", "build_parser", "passage_options"]
@@ -62,7 +62,7 @@ def _passage_args(parser: Any) -> None:
         "--read-passages", default=None, choices=["joint", "apart"],
         help="how the draft reads retrieved passages: joint (every prompt whole, every time) or apart (each "
         "passage once, after the prompt's head, kept and reused wherever it comes again; DraftConfig.passages, "
-        "docs/configuration.md) (default: the library's DraftConfig; apart with --passage-store)",
+        "docs/configuration.md) (default: joint; apart with --passage-store)",
     )
     parser.add_argument(
         "--passage-store", default=None, metavar="DIR",
@@ -74,7 +74,7 @@ def _passage_args(parser: Any) -> None:
 
 def passage_options(args: argparse.Namespace, current: PassageReading | None = None) -> dict[str, Any]:
     """The ``DraftConfig`` fields ``--read-passages`` and ``--passage-store`` set (none when neither
-    is given): ``passages`` (``current``, else the library's default reading, for apart; None for joint) and
+    is given): ``passages`` (``current``, else ``PassageReading()``, for apart; None for joint) and
     ``passage_store_dir``. A store reads apart; with ``joint`` it is a ``ValueError``."""
     mode, store = args.read_passages, args.passage_store
     if store is not None and mode == "joint":
@@ -83,7 +83,7 @@ def passage_options(args: argparse.Namespace, current: PassageReading | None = N
     if mode == "joint":
         options["passages"] = None
     elif mode == "apart" or store is not None:
-        options["passages"] = current or DraftConfig().passages or PassageReading()
+        options["passages"] = current or PassageReading()
     if store is not None:
         options["passage_store_dir"] = store
     return options
