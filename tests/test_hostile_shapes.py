@@ -90,7 +90,7 @@ def parse_time(message: str, role: str) -> float:
     return time.perf_counter() - started
 
 
-FLOOR_S = 0.002  # below this a time is noise: a quadratic shape takes seconds at 100 KB already
+FLOOR_S = 0.005  # below this a time is noise (a busy machine): a quadratic shape takes seconds at 100 KB
 
 
 GROWTH_LIMIT = 30  # x10 the size: linear is 10, quadratic 100; cache misses push linear to ~16
