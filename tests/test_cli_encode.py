@@ -28,7 +28,7 @@ DOCS = {
     + "\n\n" + "The quick brown fox jumps over the lazy dog by the radio mast. " * 6,
 }
 
-DEFAULT_READING = PassageReading()  # what --read-passages apart gives; no flag: joint
+APART = PassageReading()  # what --read-passages apart and --passage-store give; no flag: joint
 
 
 class HashEmbedder:
@@ -79,7 +79,7 @@ def test_encode_fills_a_store_that_ask_then_reads(docs: Path, tmp_path: Path, bu
     assert f"0 passages were in the store, {n} read now" in out and "MiB on disk" in out
     assert len(list(store.glob("*.safetensors"))) == n
     draft = built[-1].config.draft
-    assert draft.passages == DEFAULT_READING and draft.passage_store_dir == str(store)
+    assert draft.passages == APART and draft.passage_store_dir == str(store)
 
     assert cli.main(["encode", "--docs", str(docs), "--passage-store", str(store)]) == 0  # a new engine: from disk
     assert f"{n} passages were in the store, 0 read now" in capsys.readouterr().out
@@ -137,8 +137,8 @@ def test_the_passage_flags_reach_the_draft_config(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cli, "_retrieve", lambda args, question: [])
     monkeypatch.setattr(vllm_process, "VLLMServer", FakeVLLM)
     monkeypatch.setattr("signal.signal", lambda *args: None)
-    for flags, passages, where in ((["--passage-store", "/s"], DEFAULT_READING, "/s"),
-                                   (["--read-passages", "apart"], DEFAULT_READING, None),
+    for flags, passages, where in ((["--passage-store", "/s"], APART, "/s"),
+                                   (["--read-passages", "apart"], APART, None),
                                    (["--read-passages", "joint"], None, None), ([], None, None)):
         with pytest.raises(_Built):
             cli.main([*argv, *flags])
