@@ -6,7 +6,7 @@ check: a 400 after 14 s (11 s of CPU), +458 MB of memory, ``/health`` up to 0.6 
 Now splitting stops at ``prompt.MAX_SEGMENTS`` segments in all, content parts and tool documents
 are counted across messages before any is split (``gateway.limits``), and the JSON objects and
 arrays of a body are counted before it is decoded. Each hostile body below is a 400 naming what
-was over, within 1 s of CPU and +50 MB of memory (tracemalloc), while ``/health`` answers.
+was over, within 2 s of CPU and +50 MB of memory (tracemalloc), while ``/health`` answers.
 """
 
 from __future__ import annotations
@@ -199,7 +199,9 @@ def test_a_hostile_body_is_a_fast_400_in_bounded_memory(client, name):
     started = time.process_time()
     error = refused(client, name)
     cpu = time.process_time() - started
-    assert cpu < 1.0, (name, cpu)  # 11-17 s before the caps
+    # 11-17 s before the caps, 0.06-0.8 s with them on a quiet 2-core machine; process_time counts
+    # every thread of the test process, so the bound leaves room for a busy one (CI read 1.04 s).
+    assert cpu < 2.0, (name, cpu)
     if error["param"] is not None:
         assert re.fullmatch(r"messages\[\d+\]\.content", error["param"]), error
     tracemalloc.start()

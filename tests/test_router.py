@@ -42,7 +42,7 @@ from specprefill_rag.tools.router import VLLMRouter  # noqa: E402
 from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer  # noqa: E402
 from specprefill_rag.wire import PROOF_FIELD, plan_proof  # noqa: E402
 
-pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.full, pytest.mark.timeout(1800)]
 
 GEN = GenerationConfig(max_new_tokens=6)
 MAX_MODEL_LEN = 2048
@@ -207,7 +207,7 @@ def test_killed_replica_mid_stream_is_an_error_and_a_restarted_one_rejoins(repli
     each replica; ``b`` is killed (SIGKILL) mid-stream. The stream it served ends with a
     ``BackendError``, never as a shorter answer reported complete; ``a``'s ends whole. Restarted,
     ``b`` serves through the same router again."""
-    long = GenerationConfig(max_new_tokens=300)
+    long = GenerationConfig(max_new_tokens=600)  # seconds of decoding: the kill lands mid-stream
     alone = create_backend("vllm_server", MODEL, base_url=replicas["a"].url, read_timeout=300)
     counting = torch.tensor(alone.tokenizer(", ".join(str(i) for i in range(1, 121)) + ",")["input_ids"])
     plan = make_plan(counting, sparse(counting.numel(), seed=0))  # the model counts on: a long answer
@@ -232,12 +232,19 @@ def test_killed_replica_mid_stream_is_an_error_and_a_restarted_one_rejoins(repli
         assert reached_both(), "round robin never reached both"
 
         def side_by_side() -> tuple[list, list[list[int]]] | None:
-            """Two long streams started, one running on each replica; None (both closed) if not. On a
-            busy machine the second can start only after the first has run to its end."""
+            """Two long streams started, one each way round the router, and ``b`` serving one of them
+            now; None (both closed) if not. ``a``'s may already have run to its end on a busy
+            machine (the two need not overlap: an ended stream is read whole after the kill too);
+            two on ``b`` or none are a retry."""
+            before_a = served(replicas["a"])
             streams = [backend.stream_tokens(plan, long) for _ in range(2)]
             got: list[list[int]] = [[next(stream)] for stream in streams]  # both have started
-            # The gauges follow the engine's steps: give them a few.
-            if wait_for(lambda: (running(replicas["a"]), running(replicas["b"])) == (1, 1), timeout=10):
+
+            def one_each() -> bool:  # the gauges follow the engine's steps: give them a few
+                on_a = running(replicas["a"]) + served(replicas["a"]) - before_a
+                return running(replicas["b"]) == 1 and on_a == 1
+
+            if wait_for(one_each, timeout=20):
                 return streams, got
             for stream in streams:
                 stream.close()  # cancels the requests on the servers
