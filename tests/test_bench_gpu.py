@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.full
 def test_gpu_script_dry_run_on_cpu(tmp_path: Path) -> None:
     from benchmarks.suites import gpu_ttft
 

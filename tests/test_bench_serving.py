@@ -135,6 +135,7 @@ def test_vllm_clients_prompt_is_one_the_gateway_splits_into_the_passages():
     assert summary({"completed": 5, "median_ttft_ms": 1500.0, "p95_ttft_ms": 3000.0})["p95_ttft_s"] == 3.0
 
 
+@pytest.mark.full
 def test_a_short_ladder_through_a_real_gateway_over_the_tiny_engine(tmp_path):
     """The gateway side of ``bench serving`` end to end, bounded: a gateway process over the tiny
     engine, two rates of four Poisson arrivals each, every request answered with its path."""
@@ -247,6 +248,7 @@ def test_the_passage_reading_side_reaches_the_gateway_command(monkeypatch):
     assert started[-1] == "stopped"  # the skip side started before it is not left running
 
 
+@pytest.mark.full
 def test_a_warmed_passage_reading_gateway_serves_the_ladder_from_its_store(tmp_path):
     """End to end, bounded: a gateway over the tiny engine whose draft reads passages apart,
     warmed through POST /v1/passages; every answer of a short ladder says its passages came

@@ -16,6 +16,7 @@ from benchmarks import report
 from benchmarks.suites import quality
 
 
+@pytest.mark.full
 @needs_data
 def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
     from benchmarks.suites import ttft

@@ -20,7 +20,7 @@ from specprefill_rag import (
 )
 from specprefill_rag.backends.transformers import TransformersBackend
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.full]
 
 DRAFT = "smollm2-135m-instruct"
 MAIN = "qwen2.5-coder-0.5b-instruct"

@@ -468,6 +468,7 @@ def test_ready_only_while_the_upstream_answers(upstream_gateway, upstream_port):
     assert status == 503 and json.loads(body)["checks"]["upstream"].startswith("failed: ")
 
 
+@pytest.mark.full
 def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
     """SIGTERM mid-stream: the stream ends whole, /ready and new requests get 503 meanwhile, and
     the process exits once nothing is in flight, well inside the drain timeout."""

@@ -160,6 +160,7 @@ def test_a_pair_past_the_time_budget_is_skipped_with_the_reason(tmp_path: Path):
     assert [s["n_tokens"] for s in run["skipped_lengths"]] == [256, 512]
 
 
+@pytest.mark.full
 def test_a_length_is_capped_by_the_window_and_says_so(tmp_path: Path):
     """The Qwen pair's window is 32,768: its "32k" prompt leaves room for the look-ahead and the
     answer; the row keeps the length asked for beside the one measured."""

@@ -114,6 +114,7 @@ def assert_linear(make: Callable[[int], str], role: str, label: str) -> None:
     assert not times, f"{label}: parse times (100 KB, 1 MB) {times}"
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("shape", list(MARKERS))
 @pytest.mark.parametrize("role", ["user", "system"])
 def test_every_shape_is_recognised_in_linear_time(shape, role):

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.suites import quality
 from specprefill_rag import GenerationConfig, Passage, SelectionConfig, SpecPrefillConfig, SpecPrefillEngine
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real_model, pytest.mark.full, pytest.mark.timeout(900)]
 
 CASES = ("lighthouse-automation", "drug-max-daily-dose", "satellite-launch-site", "school-blazer-colour")
 

@@ -30,7 +30,7 @@ from specprefill_rag.grammar import json_grammar  # noqa: E402
 from specprefill_rag.toolcalls import HermesParser, parse_tool_calls  # noqa: E402
 from specprefill_rag.types import PrefillPlan  # noqa: E402
 
-pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.full, pytest.mark.timeout(900)]
 
 GREEDY = GenerationConfig(max_new_tokens=8)
 CHUNK = 64  # max_num_batched_tokens: prompts of ~300 tokens prefill in 5+ chunks

@@ -785,6 +785,7 @@ def stock_server(tmp_path_factory):
 
 @pytest.mark.real_model
 @pytest.mark.vllm
+@pytest.mark.full
 @pytest.mark.timeout(900)
 def test_server_without_plugin_refuses_plans_and_serves_full_ones(stock_server):
     from helpers import make_plan, prompt_ids, reference, sparse

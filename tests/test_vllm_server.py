@@ -42,6 +42,9 @@ from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer  # noqa
 from specprefill_rag.types import PrefillPlan  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(900)]
+# The quick tier (`make test`) runs one real vLLM server case, test_plan_matches_transformers;
+# the rest of the module runs in `make test-all`.
+FULL = pytest.mark.full
 
 GREEDY = GenerationConfig(max_new_tokens=8)
 MAX_MODEL_LEN = 4096
@@ -74,6 +77,7 @@ def hf_backend():
     return TransformersBackend.from_pretrained(MODEL, dtype="float32")  # the server's precision (above)
 
 
+@FULL
 def test_backend_from_registry(backend, server):
     assert backend.name == "vllm_server" and backend.capabilities.exact_positions
     assert backend.max_context == MAX_MODEL_LEN
@@ -81,6 +85,7 @@ def test_backend_from_registry(backend, server):
     assert backend.tokenizer("hello")["input_ids"]
 
 
+@FULL
 def test_full_plan_is_a_stock_request_and_matches_transformers(backend, hf_backend):
     ids = prompt_ids(hf_backend.tokenizer, repeats=2)
     plan = make_plan(ids, list(range(ids.numel())))
@@ -99,6 +104,7 @@ def test_plan_matches_transformers(backend, hf_backend):
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-3, rtol=0)
 
 
+@FULL
 def test_positions_reach_the_model(backend, hf_backend):
     ids = prompt_ids(hf_backend.tokenizer)
     kept = sparse(ids.numel(), seed=1)
@@ -107,6 +113,7 @@ def test_positions_reach_the_model(backend, hf_backend):
     assert original[0] != reindexed[0] or max(abs(a - b) for a, b in zip(original[1], reindexed[1], strict=True)) > 1e-2
 
 
+@FULL
 def test_concurrent_plans_equal_one_by_one(backend, hf_backend):
     plans = []
     for seed in range(8):
@@ -144,6 +151,7 @@ def block_size(server) -> int:
     return int(found.group(1))
 
 
+@FULL
 @pytest.mark.parametrize("salted", [True, False])
 def test_prefix_cache_shares_blocks_before_the_first_gap_and_no_other(server, hf_backend, salted):
     """Planned and full requests interleaved over one prefix: a plan reuses a full request's blocks up
@@ -189,6 +197,7 @@ BAD = [
 ]
 
 
+@FULL
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("xargs, message", BAD)
 def test_bad_plans_get_http_400(server, xargs, message, stream):
@@ -202,6 +211,7 @@ def test_bad_plans_get_http_400(server, xargs, message, stream):
     assert re.search(message, error["message"]), error["message"]
 
 
+@FULL
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_plan_in_a_chat_request_gets_http_400(server, stream):
     """Chat completions: the plan is checked against the rendered chat prompt before any stream."""
@@ -221,6 +231,7 @@ def test_bad_plan_in_a_chat_request_gets_http_400(server, stream):
                      error["message"]), error["message"]
 
 
+@FULL
 def test_beam_search_with_a_plan_is_refused(server):
     """vLLM's beam search rebuilds the sampling parameters without vllm_xargs: a plan there would be
     dropped (before the fix: HTTP 200 with the plan's proof, prefilled at contiguous positions)."""
@@ -247,6 +258,7 @@ def test_beam_search_with_a_plan_is_refused(server):
     assert json.loads(text)["error"]["message"].startswith("SpecPrefill plans are not supported with beam search")
 
 
+@FULL
 def test_parallel_sampling_keeps_the_plan(server, hf_backend):
     """``n`` > 1 fans the request out into children that copy its sampling parameters, extra_args
     included: each choice is prefilled at the plan's positions (top_k=1: each is the greedy answer)."""
@@ -267,6 +279,7 @@ def test_parallel_sampling_keeps_the_plan(server, hf_backend):
     assert [c["token_ids"][:len(ref_tokens)] for c in data["choices"]] == [ref_tokens, ref_tokens]
 
 
+@FULL
 def test_engine_serves_after_bad_plans(server, backend, hf_backend):
     post_json(server, {"model": str(server.model_dir), "prompt": [1, 2, 3], "max_tokens": 2,
                   "vllm_xargs": {"specprefill_positions": [0, 0, 0], "specprefill_next_position": 3}})
@@ -275,6 +288,7 @@ def test_engine_serves_after_bad_plans(server, backend, hf_backend):
     assert steps_of(backend, plan)[0] == reference(hf_backend, plan, GREEDY.max_new_tokens)[0]
 
 
+@FULL
 def test_plugin_check_passes(server):
     from specprefill_rag.wire import INVALID_PLAN, plan_to_xargs
 
@@ -285,6 +299,7 @@ def test_plugin_check_passes(server):
     assert status == 400 and INVALID_PLAN in json.loads(text)["error"]["message"]
 
 
+@FULL
 def test_reused_request_id_gets_its_own_plan(server, hf_backend):
     """Two requests, one after the other, under one request id: the second is run with its own plan."""
     from specprefill_rag.backends.vllm_server import request_body
@@ -310,6 +325,7 @@ def test_reused_request_id_gets_its_own_plan(server, hf_backend):
                                    atol=1e-3, rtol=0)
 
 
+@FULL
 def test_engine_with_draft_on_the_server(backend, hf_backend):
     """The engine runs unchanged on the server backend: same answer as on transformers."""
     from specprefill_rag.draft import DraftModel
@@ -332,6 +348,7 @@ TEXT_A = ("The lighthouse keeper logged the weather every hour. In March the fog
 TEXT_B = "The supply boat came on Tuesdays with flour, oil and letters from the mainland. " * 4
 
 
+@FULL
 def test_tenants_share_nothing_in_vllms_prefix_cache(server, hf_backend):
     """Through the gateway: each API key's requests reach vLLM under its tenant's salt, so a
     prompt one tenant sent is served from vLLM's prefix cache to that tenant and to no other, and

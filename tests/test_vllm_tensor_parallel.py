@@ -23,7 +23,7 @@ from specprefill_rag.config import GenerationConfig  # noqa: E402
 from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer  # noqa: E402
 from specprefill_rag.types import PrefillPlan  # noqa: E402
 
-pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real_model, pytest.mark.vllm, pytest.mark.full, pytest.mark.timeout(900)]
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
 GREEDY = GenerationConfig(max_new_tokens=8)

@@ -243,6 +243,7 @@ def broken_worker_server(request, tmp_path_factory):
 
 @pytest.mark.real_model
 @pytest.mark.vllm
+@pytest.mark.full
 @pytest.mark.timeout(900)
 def test_server_whose_worker_cannot_rewrite_refuses_plans(broken_worker_server):
     """Before the worker check, such a server answered a plan with HTTP 200 and a valid proof."""

@@ -12,7 +12,7 @@ from specprefill_rag.tools.retrieval import demo_documents, demo_questions, spli
 
 from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.full]  # the README block runs this face in `make test`
 
 # The fact appears in one document only.
 QUESTION = next(q for q in demo_questions() if q.answer == "14 March 1991")

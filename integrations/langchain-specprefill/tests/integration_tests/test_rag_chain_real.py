@@ -10,7 +10,7 @@ from specprefill_rag.tools.retrieval import demo_documents, demo_questions, spli
 
 from langchain_specprefill import ChatSpecPrefill, create_specprefill_rag_chain
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.full]  # the README block runs this face in `make test`
 
 # SmolLM2-135M answers this demo question reliably; the fact appears in one document only.
 QUESTION = next(q for q in demo_questions() if q.answer == "14 March 1991")

@@ -10,7 +10,7 @@ from lc_helpers import smollm_engine
 
 from langchain_specprefill import ChatSpecPrefill
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.full]
 
 
 class TestChatSpecPrefillIntegration(ChatModelIntegrationTests):
