@@ -300,7 +300,7 @@ def _loaded_dtypes(monkeypatch: pytest.MonkeyPatch, device: str = "auto") -> tup
 def test_auto_resolves_one_precision_for_draft_and_main_on_a_cpu(monkeypatch: pytest.MonkeyPatch,
                                                                  native_bf16: bool) -> None:
     """A speedup counts only against the main model at its best: ``"auto"`` never gives the draft
-    a faster precision than the main model (DESIGN.md, "The baseline is the main model at its best")."""
+    a faster precision than the main model (docs/configuration.md, ``SpecPrefillEngine``)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     want = torch.bfloat16 if native_bf16 else torch.float32
     for avx512_bf16, amx in ((native_bf16, False), (False, native_bf16)):  # the probes behind cpu_runs_bf16

@@ -65,7 +65,7 @@ def resolved_dtype(dtype: str, device: str = "auto") -> str:
 def best_dtype(device: str = "auto") -> str:
     """The fastest precision ``device`` offers here, what ``--dtype auto`` gives both models: a
     TTFT file records it so that the report can tell a baseline that ran slower than the machine
-    allows (DESIGN.md, "The baseline is the main model at its best")."""
+    allows (the baseline is the main model at its best: docs/configuration.md, ``SpecPrefillEngine``)."""
     return resolved_dtype("auto", device)
 
 

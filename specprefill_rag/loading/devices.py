@@ -46,9 +46,9 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device 
     A name of ``DTYPES`` or a ``torch.dtype`` is taken as given.
 
     One rule for both models, so that a speedup is measured against the main model at its best
-    (DESIGN.md, "The baseline is the main model at its best"): on the 2-core AVX512-BF16 EPYC the
-    main model runs ~4.8x faster in bf16 than in fp32, and the Qwen 0.5B draft scored 2k-token
-    prompts 2.8x faster with the same evidence kept (docs/benchmarks.md).
+    (docs/configuration.md, ``SpecPrefillEngine``): on the 2-core AVX512-BF16 EPYC the main model
+    runs ~4.8x faster in bf16 than in fp32, and the Qwen 0.5B draft scored 2k-token prompts 2.8x
+    faster with the same evidence kept (docs/benchmarks.md).
     """
     if isinstance(dtype, torch.dtype):
         return dtype
