@@ -181,7 +181,7 @@ def test_the_door_check_catches_a_module_imported_past_it(tmp_path):
 
 
 def test_the_wings_modules_and_classes_stay_small():
-    """A module over ~400 lines is usually two concepts (STYLE.md): the wing keeps each under
+    """A module over ~400 lines is usually two concepts (the house style): the wing keeps each under
     ``MAX_WING_MODULE_LINES`` and each class under ``MAX_WING_CLASS_LINES``."""
     long = []
     for module, path in MODULES.items():
@@ -232,14 +232,14 @@ def _too_many_parameters(module: str, path: Path) -> list[str]:
 
 
 def test_no_module_or_class_is_too_long():
-    """A module over ~400 lines is usually two concepts (STYLE.md): every module stays within
+    """A module over ~400 lines is usually two concepts (the house style): every module stays within
     ``MAX_MODULE_LINES`` and every class within ``MAX_CLASS_LINES``."""
     found = {entry for module, path in MODULES.items() for entry in _too_long(module, path)}
     assert not found, f"too long: {sorted(found)}"
 
 
 def test_no_function_takes_too_many_parameters():
-    """A function taking more than ``MAX_PARAMETERS`` wants a frozen spec object (DESIGN.md)."""
+    """A function taking more than ``MAX_PARAMETERS`` wants a frozen spec object (the house style)."""
     found = {entry for module, path in MODULES.items() for entry in _too_many_parameters(module, path)}
     assert not found, f"more than {MAX_PARAMETERS} parameters: {sorted(found)}"
 
@@ -250,3 +250,34 @@ def test_the_size_checks_catch_an_offender(tmp_path):
     path.write_text(f"class Big:\n{body}\n\n\ndef f(self, a, b, c, d, e, f, g, h, *rest, **more):\n    pass\n")
     assert _too_long("big", path) == [f"{PACKAGE}.big.Big ({MAX_CLASS_LINES + 1} lines)"]
     assert _too_many_parameters("big", path) == [f"{PACKAGE}.big.f (10 parameters)"]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle of ``graph`` (module → modules it imports), each once, as a path that
+    starts at its smallest name; a package and its own modules (``__init__`` re-exports) do not count."""
+    found: set[tuple[str, ...]] = set()
+
+    def walk(path: list[str]) -> None:
+        for name in sorted(graph.get(path[-1], ())):
+            if name == path[0]:
+                found.add(tuple(path))
+            elif name not in path and name > path[0]:
+                walk([*path, name])
+
+    for start in sorted(graph):
+        walk([start])
+    return [list(cycle) for cycle in sorted(found)]
+
+
+def test_no_import_circles_between_modules():
+    """Modules of one floor may import one another, but never round in a circle (``TYPE_CHECKING``
+    imports count: a type-only circle still ties two modules into one concept)."""
+    def related(a: str, b: str) -> bool:
+        return a == b or a.startswith(b + ".") or b.startswith(a + ".") or not a or not b
+
+    graph = {m: {n for n in _imports(m) if not related(m, n)} for m in MODULES}
+    assert _cycles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

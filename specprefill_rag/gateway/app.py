@@ -132,7 +132,7 @@ class Gateway:
                            code="invalid_api_key")
         return found
 
-    def _admit(self, request: Request, endpoint: str) -> Run:
+    def admit(self, request: Request, endpoint: str) -> Run:
         """Admission, before a byte of the body is read: the declared size (413), the media type
         (415), draining (503), the queue (429) and the bodies in flight (429). A refusal is counted."""
         limit = self.max_body_bytes
@@ -162,7 +162,7 @@ class Gateway:
             raise
         return Run(self, endpoint, size)
 
-    async def _body(self, request: Request) -> bytes:
+    async def read_body(self, request: Request) -> bytes:
         """The request body, refused with 413 once the bytes read pass ``max_body_bytes`` (reading
         stops there; a declared size over it was refused at admission)."""
         limit = self.max_body_bytes
@@ -199,11 +199,11 @@ class Gateway:
         except APIError as error:
             self.metrics.finished(endpoint, "none", error.status)
             raise
-        run = self._admit(request, endpoint)
+        run = self.admit(request, endpoint)
         first: str | None = None
         answer: JSONResponse | None = None
         try:
-            raw = await self._body(request)
+            raw = await self.read_body(request)
             run.parsed(await asyncio.to_thread(self._parse, raw, endpoint, tenant))
             req = run.request
             assert req is not None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -33,9 +33,25 @@ from .responses import APIError, to_api_error
 from .runs import ClientGone
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .metrics import GatewayMetrics
+    from .runs import Run
 
-__all__ = ["ENDPOINT", "WarmRequest", "check_reads_apart", "parse_warm", "warm_passages"]
+
+class PassageHost(Protocol):
+    """What a warm call takes from the gateway (``app.Gateway``): its engine, keys, admission and
+    body reading (the same as for a chat request) and its metrics."""
+
+    engine: SpecPrefillEngine
+    metrics: GatewayMetrics
+    cache_secret: bytes
+
+    def authorize(self, request: Request) -> str | None: ...
+
+    def admit(self, request: Request, endpoint: str) -> Run: ...
+
+    async def read_body(self, request: Request) -> bytes: ...
+
+__all__ = ["ENDPOINT", "PassageHost", "WarmRequest", "check_reads_apart", "parse_warm", "warm_passages"]
 
 ENDPOINT = "passages"  # the ``endpoint`` label of its requests in /metrics
 _FIELDS = {"passages", "instructions", "cache_salt"}
@@ -86,7 +102,7 @@ def _parse(raw: bytes) -> WarmRequest:
     return parse_warm(decode_body(raw))
 
 
-async def warm_passages(gateway: Gateway, request: Request) -> Response:
+async def warm_passages(gateway: PassageHost, request: Request) -> Response:
     """One ``POST /v1/passages``: admitted, its body read and parsed, its passages read into the
     draft's store under the request's namespace; ``{"found": n, "read": n}``. Counted in /metrics
     under ``endpoint="passages"``."""
@@ -96,10 +112,10 @@ async def warm_passages(gateway: Gateway, request: Request) -> Response:
     except APIError as error:
         gateway.metrics.finished(ENDPOINT, "none", error.status)
         raise
-    run = gateway._admit(request, ENDPOINT)
+    run = gateway.admit(request, ENDPOINT)
     status = 499  # unless it is answered or fails: cancelled (the server shutting down)
     try:
-        req = await asyncio.to_thread(_parse, await gateway._body(request))
+        req = await asyncio.to_thread(_parse, await gateway.read_body(request))
         run.release_body()
         engine = gateway.engine
         salt = cache_namespace(gateway.cache_secret, tenant, req.cache_salt or engine.config.generation.cache_salt)

@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 from fastapi import Request
@@ -33,9 +33,26 @@ from .responses import APIError
 from .text_mode import text_stream
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from ..engine import SpecPrefillEngine
+    from .metrics import GatewayMetrics
+    from .text_mode import TextMode
 
-__all__ = ["ClientGone", "EventStream", "Run", "sse", "sse_error", "unless_disconnected"]
+
+class RunHost(Protocol):
+    """What a run takes from the gateway that admitted it (``app.Gateway``): the engine, text
+    mode, and the load it shares with the other runs: requests admitted (reading a body, waiting for
+    a slot or running), bytes of bodies not parsed yet, generations running and their slots."""
+
+    engine: SpecPrefillEngine
+    text: TextMode
+    fallback_text_mode: bool
+    metrics: GatewayMetrics
+    slots: asyncio.Semaphore
+    admitted: int
+    body_bytes: int
+    running: int
+
+__all__ = ["ClientGone", "EventStream", "Run", "RunHost", "sse", "sse_error", "unless_disconnected"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +92,7 @@ class Run:
     """One admitted request: its queue slot (taken before its body is read), its share of the
     bodies in flight (until parsed), its generation slot and its engine stream."""
 
-    def __init__(self, gateway: Gateway, endpoint: str, body_bytes: int) -> None:
+    def __init__(self, gateway: RunHost, endpoint: str, body_bytes: int) -> None:
         self.gateway, self.endpoint = gateway, endpoint
         self.request: GatewayRequest | None = None  # once the body is parsed
         self.body_bytes = body_bytes  # of ``max_body_bytes_in_flight``, held until parsed
