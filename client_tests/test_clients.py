@@ -77,6 +77,26 @@ def test_langchain_chat_openai_unmodified(gateway, engine):
     assert llm.invoke([(m["role"], m["content"]) for m in MESSAGES]).content == want.text
 
 
+def test_the_responses_api_through_the_gateway(gateway, engine):
+    """``client.responses.create`` (streamed and not) and ``ChatOpenAI(use_responses_api=True)``:
+    the same messages as input items give the chat answer, pruned alike."""
+    ChatOpenAI = pytest.importorskip("langchain_openai").ChatOpenAI
+
+    want = expected(engine, MESSAGES)
+    client = gateway.client(api_key=KEY, timeout=300)
+    answer = client.responses.create(model="x", input=MESSAGES, temperature=0)
+    assert answer.status in ("completed", "incomplete") and answer.output_text == want.text
+    ext = answer.model_extra["specprefill"]
+    assert ext["speculated"] is True and ext["prefilled_tokens"] == want.prefilled_tokens
+    events = list(client.responses.create(model="x", input=MESSAGES, temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want.text
+    assert events[-1].response.output_text == want.text
+    llm = ChatOpenAI(base_url=URL.format(gateway.port), api_key=KEY, model="x", temperature=0, max_retries=0,
+                     timeout=300, use_responses_api=True)
+    assert llm.invoke([(m["role"], m["content"]) for m in MESSAGES]).text == want.text
+    assert "".join(c.text for c in llm.stream([(m["role"], m["content"]) for m in MESSAGES])) == want.text
+
+
 def test_llamaindex_openai_like_unmodified(gateway, engine):
     OpenAILike = pytest.importorskip("llama_index.llms.openai_like").OpenAILike
     CHAT_TEXT_QA_PROMPT = pytest.importorskip("llama_index.core.prompts.chat_prompts").CHAT_TEXT_QA_PROMPT

@@ -80,7 +80,15 @@ def check_answer(response: Any, seconds: float, where: str) -> None:
     if status >= 400:
         check_error(response.json().get("error"), f"{where}: {response.text[:500]}")
     elif response.headers.get("content-type", "").startswith("text/event-stream"):
-        events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e.strip()]
+        blocks = [e for e in response.text.split("\n\n") if e.strip()]
+        if blocks and blocks[0].startswith("event: "):  # a Responses stream: typed events, no [DONE]
+            typed = [json.loads(block.split("\ndata: ", 1)[1]) for block in blocks]
+            assert typed[-1]["type"] in ("response.completed", "response.incomplete", "error"), where
+            for data in (data for data in typed if data["type"] == "error"):  # OpenAI's error event
+                assert data["code"] != "internal_error" and data["message"], f"{where}: {data}"
+                assert len(data["message"]) <= 1000, where
+            return
+        events = [e.removeprefix("data: ") for e in blocks]
         assert events and events[-1] == "[DONE]", where
         for event in events[:-1]:
             data = json.loads(event)
@@ -102,7 +110,7 @@ def send(client: TestClient, case: Any) -> None:
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_no_generated_request_is_a_server_error(client, schema, path, mode):
     operation = schema[path]["POST"]
 

@@ -56,10 +56,11 @@ from . import GatewayMode, GatewayOptions, tools
 from .admission import cache_namespace, check_media_type, new_secret, too_large
 from .limits import check_totals, decode_body
 from .metrics import GatewayMetrics
-from .openapi import CHAT_REQUEST, COMPLETION_REQUEST, PASSAGES_REQUEST, request_body
+from .openapi import CHAT_REQUEST, COMPLETION_REQUEST, PASSAGES_REQUEST, RESPONSES_REQUEST, request_body
 from .passages import warm_passages
 from .protocol import GatewayRequest, parse_chat, parse_completion
 from .responses import RETRY_AFTER_S, APIError, StreamChunks, error_body, new_id, now, response, to_api_error
+from .responses_api import ResponsesCall, ResponseStore, stream_response, whole_response
 from .runs import ClientGone, EventStream, Run, sse, sse_error, unless_disconnected
 from .text_mode import TextMode, added_token_strings
 from .text_mode import warm_up as warm_up_text
@@ -97,6 +98,7 @@ class Gateway:
                              tokens=added_token_strings(engine.tokenizer))
         self.fallback_text_mode = options.fallback_text_mode
         self.metrics = GatewayMetrics()
+        self.conversations = ResponseStore()  # what /v1/responses' previous_response_id continues
         if engine.draft is not None:
             self.metrics.watch_passages(engine.draft.passages)
         self.slots = asyncio.Semaphore(self.max_concurrency)
@@ -177,23 +179,31 @@ class Gateway:
             raise ClientGone from None
         return b"".join(chunks)
 
-    def _parse(self, raw: bytes, endpoint: str, tenant: str | None) -> GatewayRequest:
+    def _parse(self, raw: bytes, endpoint: str, tenant: str | None) -> tuple[GatewayRequest, ResponsesCall | None]:
         """The body as a request (in a worker thread: JSON, prompt shapes and segments take time
         linear in the body, up to tens of milliseconds for megabytes); its cache salt replaced by
-        its namespace (``admission.cache_namespace``: the tenant's and the salt's HMAC)."""
+        its namespace (``admission.cache_namespace``: the tenant's and the salt's HMAC). A
+        Responses body is read as its chat body (``responses_api``), with what its answer needs."""
         body = decode_body(raw)  # its containers counted before any is built: the request's caps in all (limits)
+        call = None
+        if endpoint == "responses":
+            call = ResponsesCall.read(body, self.conversations, cache_namespace(self.cache_secret, tenant, None))
+            body = call.chat
         check_totals(body)
-        parse = parse_chat if endpoint == "chat" else parse_completion
+        parse = parse_completion if endpoint == "completions" else parse_chat
         try:
             req = parse(body, self.engine.config.generation, self.default_mode, self.shapes)
         except (InputError, ConfigError) as error:
-            raise APIError(400, str(error)) from None
+            raise APIError(400, str(error)) if call is None else call.renamed(APIError(400, str(error))) from None
+        except APIError as error:
+            raise error if call is None else call.renamed(error) from None
         req = dataclasses.replace(req, call_opener=tools.check_support(req.segments, self.engine.tokenizer))
         salt = cache_namespace(self.cache_secret, tenant, req.generation.cache_salt)  # every request's, keyed
-        return dataclasses.replace(req, generation=dataclasses.replace(req.generation, cache_salt=salt))
+        return dataclasses.replace(req, generation=dataclasses.replace(req.generation, cache_salt=salt)), call
 
     async def handle(self, request: Request, endpoint: str) -> Response:
-        """One ``/v1/chat/completions`` (``endpoint="chat"``) or ``/v1/completions`` request."""
+        """One ``/v1/chat/completions`` (``endpoint="chat"``), ``/v1/completions`` or ``/v1/responses``
+        request."""
         try:
             tenant = self.authorize(request)
         except APIError as error:
@@ -204,9 +214,8 @@ class Gateway:
         answer: JSONResponse | None = None
         try:
             raw = await self.read_body(request)
-            run.parsed(await asyncio.to_thread(self._parse, raw, endpoint, tenant))
-            req = run.request
-            assert req is not None
+            req, call = await asyncio.to_thread(self._parse, raw, endpoint, tenant)
+            run.parsed(req)
             if req.stream:  # wait for the first text: until then a failure is still an HTTP status
                 first = await unless_disconnected(request, run.start())
             else:
@@ -214,8 +223,11 @@ class Gateway:
                 result = run.result
                 assert result is not None
                 # Rendered here, so that text UTF-8 cannot carry is this request's error, counted as such.
-                answer = JSONResponse(response(req.kind, new_id(req.kind), now(), self.model_name, result,
-                                               req.prompt_shape))
+                answer = JSONResponse(
+                    response(req.kind, new_id(req.kind), now(), self.model_name, result, req.prompt_shape)
+                    if call is None else whole_response(call, self.model_name, result, req.prompt_shape))
+                if call is not None:
+                    call.remember(self.conversations, result)
         except ClientGone:
             await run.close(499)
             return Response(status_code=499)
@@ -227,6 +239,8 @@ class Gateway:
             await run.close(499)
             raise
         if req.stream:
+            if call is not None:
+                return EventStream(stream_response(run, first, call, self.model_name, self.conversations), run)
             return EventStream(self._events(run, first), run)
         await run.close(200)
         assert answer is not None
@@ -365,6 +379,10 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
     @app.post("/v1/completions", openapi_extra=request_body(COMPLETION_REQUEST))
     async def completions(request: Request) -> Response:
         return await gateway.handle(request, "completions")
+
+    @app.post("/v1/responses", openapi_extra=request_body(RESPONSES_REQUEST))
+    async def responses(request: Request) -> Response:
+        return await gateway.handle(request, "responses")
 
     @app.post("/v1/passages", openapi_extra=request_body(PASSAGES_REQUEST))
     async def passages(request: Request) -> Response:

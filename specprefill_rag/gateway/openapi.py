@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CHAT_REQUEST", "COMPLETION_REQUEST", "PASSAGES_REQUEST", "request_body"]
+__all__ = ["CHAT_REQUEST", "COMPLETION_REQUEST", "PASSAGES_REQUEST", "RESPONSES_REQUEST", "request_body"]
 
 _STRING: dict[str, Any] = {"type": "string"}
 _TEXT: dict[str, Any] = {"type": "string", "pattern": "\\S"}  # says something
@@ -87,6 +87,46 @@ CHAT_REQUEST: dict[str, Any] = {"type": "object", "required": ["messages"], "pro
 COMPLETION_REQUEST: dict[str, Any] = {"type": "object", "required": ["prompt"], "properties": {
     **_COMMON,
     "prompt": {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "maxItems": 1, "items": _TEXT}]},
+}}
+
+# ``POST /v1/responses`` (``responses_api``): OpenAI's Responses API, read as the chat request it is.
+_INPUT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text"]}, "text": _STRING}}
+_INPUT_CONTENT = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _INPUT_PART}]}
+_INPUT_ITEM = {"oneOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"const": "message"}, "role": {"enum": ["system", "developer", "user", "assistant"]},
+        "content": _INPUT_CONTENT}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": _CALL_ID, "name": _NAME,
+        "arguments": {"type": "string", "contentMediaType": "application/json"}}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": _CALL_ID, "output": _INPUT_CONTENT}}]}
+_FUNCTION_TOOL = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"const": "function"}, "name": _NAME, "description": _STRING, "parameters": _OBJECT,
+    "strict": _BOOLEAN}}
+_TEXT_FORMAT = {"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "name", "schema"], "properties": {
+        "type": {"const": "json_schema"}, "name": _STRING, "schema": _OBJECT, "strict": _BOOLEAN}}]}
+RESPONSES_REQUEST: dict[str, Any] = {"type": "object", "required": ["input"], "properties": {
+    "model": _STRING,
+    "input": {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _INPUT_ITEM}]},
+    "instructions": _STRING,
+    "max_output_tokens": {"type": "integer", "minimum": 1},
+    "temperature": _COMMON["temperature"],
+    "top_p": _COMMON["top_p"],
+    "tools": {"type": "array", "items": _FUNCTION_TOOL},
+    "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, {
+        "type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"}, "name": _NAME}}]},
+    "parallel_tool_calls": _BOOLEAN,
+    "text": {"type": "object", "properties": {"format": _TEXT_FORMAT}},
+    "stream": _BOOLEAN,
+    "store": _BOOLEAN,
+    "previous_response_id": _STRING,
+    "metadata": _OBJECT,
+    "cache_salt": _COMMON["cache_salt"],
+    "specprefill": _EXTENSION,
 }}
 
 # ``POST /v1/passages`` (``passages``): a corpus to read ahead, after a system part, in a namespace.
