@@ -276,7 +276,9 @@ def test_the_report_headlines_only_a_speedup_over_the_main_model_at_its_best(
     else:
         with pytest.raises(ValueError, match="a headline shows only a speedup over the main model"):
             report.headline_table(tmp_path, [row])  # a pinned row naming it fails loudly
-        assert f"### Backend `transformers` — {label}" in section and f"**Not headlined: {label}.**" in section
+        assert f"### Backend `transformers` — {label}" in section
+        assert f"**Not headlined: {label}** ([fair baselines](#fair-baselines))" in section  # the rule: once, above
+        assert "### Fair baselines" in "\n".join(report.HEADER) and "#fair-baselines" not in "\n".join(report.HEADER)
 
 
 def _quality_file(task: str, scores: list[tuple[float, float]], keep: float = 0.1) -> dict[str, object]:
