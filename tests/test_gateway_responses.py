@@ -164,6 +164,25 @@ def test_function_outputs_are_prunable_passages(engine):
     assert backend.plan.token_ids.numel() < ext["prompt_tokens"]
 
 
+def test_a_loop_that_sends_the_output_items_back(engine):
+    """How the Agents SDK runs a loop without ``previous_response_id``: each step sends the whole
+    conversation, the earlier response's ``output`` items as they came (ids, statuses and all), then
+    the tool's output; tools stay offered at the answer step."""
+    with gateway(engine, "Ready.", call(query="passkey"), "The passkey is 48213.") as (test_client, backend):
+        client = sdk(test_client)
+        asked = [{"role": "user", "content": "What is the passkey?"}]
+        first = client.responses.create(model="m", input=asked, tools=[SEARCH], max_output_tokens=200)
+        [made] = first.output
+        items = [*asked, *(item.model_dump(exclude_none=True) for item in first.output),
+                 {"type": "function_call_output", "call_id": made.call_id, "output": "\n\n".join(DOCS)}]
+        second = client.responses.create(model="m", input=items, tools=[SEARCH], max_output_tokens=200)
+        shown = prompt_text(backend)
+    assert made.type == "function_call" and second.output_text == "The passkey is 48213."
+    assert '"passkey"' in shown  # the earlier call, rendered in the prompt as the model wrote it
+    spans = second.model_extra["specprefill"]["kept_spans"]
+    assert len([s for s in spans if s["kind"] == "tool_result"]) == len(DOCS)  # its output: a passage a document
+
+
 def test_text_format_json_schema_decodes_under_the_grammar(engine):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
