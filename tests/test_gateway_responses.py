@@ -166,21 +166,30 @@ def test_function_outputs_are_prunable_passages(engine):
 
 def test_a_loop_that_sends_the_output_items_back(engine):
     """How the Agents SDK runs a loop without ``previous_response_id``: each step sends the whole
-    conversation, the earlier response's ``output`` items as they came (ids, statuses and all), then
-    the tool's output; tools stay offered at the answer step."""
-    with gateway(engine, "Ready.", call(query="passkey"), "The passkey is 48213.") as (test_client, backend):
+    conversation, the earlier responses' ``output`` items as they came (ids, statuses and all), then
+    each tool's output; tools stay offered at the answer step. Each output is read as a passage per
+    document, and a step's draft reads the conversation the step before it read from its prefix
+    store (here the third: the first step's short prompt is prefilled whole, no draft)."""
+    steps = (call(query="passkey"), call(query="door"), "The passkey is 48213.")
+    with gateway(engine, "Ready.", *steps) as (test_client, backend):
         client = sdk(test_client)
-        asked = [{"role": "user", "content": "What is the passkey?"}]
-        first = client.responses.create(model="m", input=asked, tools=[SEARCH], max_output_tokens=200)
-        [made] = first.output
-        items = [*asked, *(item.model_dump(exclude_none=True) for item in first.output),
-                 {"type": "function_call_output", "call_id": made.call_id, "output": "\n\n".join(DOCS)}]
-        second = client.responses.create(model="m", input=items, tools=[SEARCH], max_output_tokens=200)
+        items: list[dict] = [{"role": "user", "content": "What is the passkey, and which door does it open?"}]
+        answers = []
+        for _ in steps:
+            answer = client.responses.create(model="m", input=items, tools=[SEARCH], max_output_tokens=200,
+                                             extra_body={"specprefill": {"keep_rate": 0.3}})
+            answers.append(answer)
+            items += [item.model_dump(exclude_none=True) for item in answer.output]
+            items += [{"type": "function_call_output", "call_id": item.call_id, "output": "\n\n".join(DOCS)}
+                      for item in answer.output if item.type == "function_call"]
         shown = prompt_text(backend)
-    assert made.type == "function_call" and second.output_text == "The passkey is 48213."
-    assert '"passkey"' in shown  # the earlier call, rendered in the prompt as the model wrote it
-    spans = second.model_extra["specprefill"]["kept_spans"]
-    assert len([s for s in spans if s["kind"] == "tool_result"]) == len(DOCS)  # its output: a passage a document
+    assert [[item.type for item in a.output] for a in answers] == [["function_call"]] * 2 + [["message"]]
+    assert answers[-1].output_text == "The passkey is 48213."
+    assert '"passkey"' in shown and '"door"' in shown  # the earlier calls, rendered as the model wrote them
+    reports = [a.model_extra["specprefill"] for a in answers]
+    assert len([s for s in reports[-1]["kept_spans"] if s["kind"] == "tool_result"]) == 2 * len(DOCS)
+    assert reports[1]["speculated"] and reports[1]["draft_cached_tokens"] == 0
+    assert reports[2]["draft_cached_tokens"] > 0.9 * reports[1]["prompt_tokens"]  # step 2's prompt, read once
 
 
 def test_text_format_json_schema_decodes_under_the_grammar(engine):
