@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from .metrics import GatewayMetrics
     from .runs import Run
 
+__all__ = ["ENDPOINT", "PassageHost", "WarmRequest", "check_reads_apart", "parse_warm", "warm_passages"]
+
 
 class PassageHost(Protocol):
     """What a warm call takes from the gateway (``app.Gateway``): its engine, keys, admission and
@@ -51,7 +53,6 @@ class PassageHost(Protocol):
 
     async def read_body(self, request: Request) -> bytes: ...
 
-__all__ = ["ENDPOINT", "PassageHost", "WarmRequest", "check_reads_apart", "parse_warm", "warm_passages"]
 
 ENDPOINT = "passages"  # the ``endpoint`` label of its requests in /metrics
 _FIELDS = {"passages", "instructions", "cache_salt"}
