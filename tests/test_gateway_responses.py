@@ -302,3 +302,25 @@ def test_responses_are_counted_in_metrics(engine):
         assert post(test_client, {"model": "m", "input": "What is the passkey?"})[0] == 200
         text = test_client.get("/metrics").text
     assert 'specprefill_gateway_requests_total{endpoint="responses",mode="specprefill",status="200"} 1.0' in text
+
+
+def test_chat_params_become_the_responses_fields():
+    """What ``renamed`` does to any error of the chat path, the engine's after parsing included."""
+    body = {"input": [{"role": "user", "content": "Q?"},
+                      {"type": "function_call", "call_id": "c1", "name": "search", "arguments": "{}"},
+                      {"type": "function_call", "call_id": "c2", "name": "search", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "one"}],
+            "instructions": "Be brief."}
+    call = ResponsesCall.read(body, ResponseStore(), "ns")
+    assert [call.param(p) for p in ("messages[0].content", "messages[1].content", "messages[2].tool_calls[1].id",
+                                    "messages[2].tool_calls[0].function.arguments", "messages[3].tool_call_id",
+                                    "messages[3].content", "response_format.json_schema.schema.x", "max_tokens",
+                                    "tools[2].function.parameters", "stop")] == [
+        "instructions", "input[0].content", "input[2].call_id", "input[1].arguments", "input[3].call_id",
+        "input[3].output", "text.format.schema.x", "max_output_tokens", "tools[2].parameters", "stop"]
+    from specprefill_rag.gateway.responses import APIError
+
+    error = call.renamed(APIError(400, "response_format.json_schema.schema.x is refused; see messages[2].tool_calls[1]"
+                                  ".function.name", param="response_format"))
+    assert error.param == "text.format"
+    assert error.message == "text.format.schema.x is refused; see input[2].name"

@@ -212,6 +212,7 @@ class Gateway:
         run = self.admit(request, endpoint)
         first: str | None = None
         answer: JSONResponse | None = None
+        call: ResponsesCall | None = None
         try:
             raw = await self.read_body(request)
             req, call = await asyncio.to_thread(self._parse, raw, endpoint, tenant)
@@ -233,6 +234,7 @@ class Gateway:
             return Response(status_code=499)
         except Exception as exc:
             failure = to_api_error(exc)  # an unexpected failure too: OpenAI-shaped and counted
+            failure = failure if call is None else call.renamed(failure)  # a Responses request's own fields
             await run.close(failure.status)
             raise failure from exc
         except BaseException:  # cancelled (server shutdown)

@@ -39,6 +39,9 @@ _PASSED = ("temperature", "top_p", "parallel_tool_calls", "stream", "seed", "sto
            "specprefill")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\]")
+# A chat field as an error message quotes it (``messages[3].tool_calls[0].function.arguments``).
+_CHAT_FIELD = re.compile(r"messages\[\d+\](?:\.[A-Za-z_]+|\[\d+\])*|response_format(?:\.[A-Za-z_$]+|\[\d+\])*"
+                         r"|\bmax_tokens\b|tools\[\d+\]\.function")
 
 
 class ResponseStore:
@@ -261,6 +264,8 @@ class ResponsesCall:
         match = _MESSAGE_PARAM.match(param)
         if match and int(match.group(1)) < len(self.origins):
             origin, rest = self.origins[int(match.group(1))], param[match.end():]
+            if not origin[0].startswith("input"):  # the instructions, or a stored turn
+                return origin[0]
             call = re.match(r"^\.tool_calls\[(\d+)\](?:\.function)?", rest)
             if call:  # a call's name, arguments or id: its own function_call item
                 at = int(call.group(1)) + 1
@@ -277,14 +282,11 @@ class ResponsesCall:
         return re.sub(r"^tools\[(\d+)\]\.function", r"tools[\1]", param)
 
     def renamed(self, error: APIError) -> APIError:
-        """``error`` naming the Responses field: its ``param``, and in its message where quoted."""
-        param = self.param(error.param)
-        message = error.message if error.param is None or param is None else error.message.replace(error.param, param)
-        if param is None:  # a message that names a chat message without a param: the first one it names
-            match = re.search(r"messages\[(\d+)\]", message)
-            if match and (found := self.param(match.group(0))) is not None:
-                message = message.replace(match.group(0), found)
-        return APIError(error.status, message, type=error.type, param=param, code=error.code, headers=error.headers)
+        """``error`` naming the Responses fields: its ``param``, and every chat field its message
+        quotes."""
+        message = _CHAT_FIELD.sub(lambda match: self.param(match.group(0)) or match.group(0), error.message)
+        return APIError(error.status, message, type=error.type, param=self.param(error.param), code=error.code,
+                        headers=error.headers)
 
     def remember(self, store: ResponseStore, result: GenerationResult) -> None:
         """Keep this conversation, the answer included, for a later ``previous_response_id``."""
