@@ -105,6 +105,9 @@ def test_sampling_is_seeded_and_filters():
     nucleus = GenerationConfig(temperature=1.0, top_p=0.4)
     assert {sample_token(logits, nucleus, torch.Generator().manual_seed(s)) for s in range(40)} == {1}
     assert sample_token(logits, GenerationConfig(), None) == 1
+    # A top_p float32 reads as 0 (the gateway's fuzzer sent 1e-300: a 500 before) keeps the likeliest.
+    tiny = GenerationConfig(temperature=1.0, top_p=1e-300)
+    assert {sample_token(logits, tiny, torch.Generator().manual_seed(s)) for s in range(10)} == {1}
 
 
 def test_seeded_sampling_reproduces(backend):

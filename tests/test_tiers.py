@@ -18,18 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def recipe(target: str) -> list[str]:
     """The command lines of a Makefile target (tab-indented, continuations joined)."""
     lines = (ROOT / "Makefile").read_text(encoding="utf-8").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"{target}:"))
     out: list[str] = []
-    for line in lines[start + 1:]:
-        if not line.startswith("\t"):
-            break
-        line = line.strip()
-        if line.startswith("#"):
-            continue
-        if out and out[-1].endswith("\\"):
-            out[-1] = out[-1][:-1] + " " + line
-        else:
-            out.append(line)
+    for start in (i for i, line in enumerate(lines) if line.startswith(f"{target}:")):  # rules and variables
+        for line in lines[start + 1:]:
+            if not line.startswith("\t"):
+                break
+            line = line.strip()
+            if line.startswith("#"):
+                continue
+            if out and out[-1].endswith("\\"):
+                out[-1] = out[-1][:-1] + " " + line
+            else:
+                out.append(line)
     return out
 
 
@@ -37,9 +37,15 @@ def test_make_test_is_the_quick_tier_and_ci_runs_everything():
     quick = [line for line in recipe("test") if "pytest" in line]
     assert quick and all('-m "not full"' in line for line in quick), quick
     assert not any(".venv-client" in line or "CLIENT_VENV" in line for line in quick)
-    everything = [line for line in recipe("test-all") if "pytest" in line]
+    lanes = recipe("test-all")  # two lanes side by side, each a target of its own
+    assert len(lanes) == 1 and "-j2" in lanes[0] and lanes[0].endswith("test-all-main test-all-rest"), lanes
+    everything = [line for lane in ("test-all-main", "test-all-rest") for line in recipe(lane) if "pytest" in line]
     assert everything and not any("full" in line for line in everything), everything
     assert any("client_tests" in line for line in everything)
+    def path(line: str) -> str:  # what a pytest line runs: its last argument, else the main suite
+        return line.split()[-1] if "/" in line.split()[-1] else "tests"
+
+    assert {path(line) for line in quick} <= {path(line) for line in everything}  # each quick run, whole too
     ci = [line for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines() if line.startswith("make")]
     assert ci == ["make test-all"]
     readme = (ROOT / "README.md").read_text(encoding="utf-8")

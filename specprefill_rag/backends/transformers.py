@@ -74,8 +74,10 @@ def sample_token(logits: torch.Tensor, generation: GenerationConfig, generator: 
     probs = logits.softmax(-1)
     if generation.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # Drop tokens once the mass before them already reaches top_p (always keep the first).
+        # Drop tokens once the mass before them already reaches top_p, always keeping the first: a
+        # top_p below float32's smallest number (1e-300 is valid JSON and > 0) compares as 0 here.
         drop = sorted_probs.cumsum(0) - sorted_probs >= generation.top_p
+        drop[0] = False
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
