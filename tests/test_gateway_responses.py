@@ -67,17 +67,6 @@ def prompt_text(backend: ScriptedBackend) -> str:
     return backend.tokenizer.decode(backend.plan.token_ids.tolist())
 
 
-def sse(text: str) -> list[tuple[str, dict]]:
-    """A Responses stream as (event name, data) pairs."""
-    out = []
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        out.append((lines["event"], json.loads(lines["data"])))
-    return out
-
-
 def post(client: TestClient, body: dict, key: str | None = None) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     response = client.post(URL, content=json.dumps(body), headers=headers)
@@ -240,11 +229,14 @@ def test_a_tenant_never_continues_anothers_conversation(engine):
 
 
 def test_the_store_keeps_its_most_recent_conversations():
-    store = ResponseStore(max_entries=2)
+    store = ResponseStore(entries=2)
     for rid in ("a", "b", "c"):
-        store.put("ns", rid, [{"role": "user", "content": rid}])
+        store.put(("ns", rid), ({"role": "user", "content": rid},))
     assert store.get("ns", "a") is None and store.get("ns", "c") is not None and len(store) == 2
     assert store.get("other", "c") is None
+    small = ResponseStore(max_bytes=100)  # and at most so many bytes of them (their JSON)
+    small.put(("ns", "big"), ({"role": "user", "content": "x" * 200},))
+    assert small.get("ns", "big") is None and len(small) == 0
 
 
 # -- refusals name the Responses field ---------------------------------------------------------------

@@ -193,10 +193,9 @@ class Gateway:
         parse = parse_completion if endpoint == "completions" else parse_chat
         try:
             req = parse(body, self.engine.config.generation, self.default_mode, self.shapes)
-        except (InputError, ConfigError) as error:
-            raise APIError(400, str(error)) if call is None else call.renamed(APIError(400, str(error))) from None
-        except APIError as error:
-            raise error if call is None else call.renamed(error) from None
+        except (InputError, ConfigError, APIError) as error:
+            failure = error if isinstance(error, APIError) else APIError(400, str(error))
+            raise (failure if call is None else call.renamed(failure)) from None
         req = dataclasses.replace(req, call_opener=tools.check_support(req.segments, self.engine.tokenizer))
         salt = cache_namespace(self.cache_secret, tenant, req.generation.cache_salt)  # every request's, keyed
         return dataclasses.replace(req, generation=dataclasses.replace(req.generation, cache_salt=salt)), call

@@ -34,6 +34,7 @@ __all__ = [
     "APIError",
     "Kind",
     "StreamChunks",
+    "arguments_text",
     "error_body",
     "extension",
     "finish_reason",
@@ -148,7 +149,7 @@ def finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def _arguments(call: ToolCall) -> str:
+def arguments_text(call: ToolCall) -> str:
     return json.dumps(dict(call.arguments), ensure_ascii=False)  # OpenAI sends the arguments as JSON text
 
 
@@ -160,7 +161,7 @@ def message(result: GenerationResult) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "assistant", "content": result.content or (None if result.tool_calls else "")}
     if result.tool_calls:
         out["tool_calls"] = [{"id": call.id, "type": "function",
-                              "function": {"name": call.name, "arguments": _arguments(call)}}
+                              "function": {"name": call.name, "arguments": arguments_text(call)}}
                              for call in result.tool_calls]
     return out
 
@@ -220,7 +221,7 @@ class StreamChunks:
         for index, call in enumerate(result.tool_calls):
             head: dict[str, Any] = {"index": index, "id": call.id, "type": "function",
                                     "function": {"name": call.name, "arguments": ""}}
-            for part in (head, {"index": index, "function": {"arguments": _arguments(call)}}):
+            for part in (head, {"index": index, "function": {"arguments": arguments_text(call)}}):
                 choice = {"index": 0, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
                 chunks.append(self._chunk(choices=[choice]))
         return chunks

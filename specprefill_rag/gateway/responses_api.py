@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from ..caches import Bounded
 from ..types import GenerationResult
 from .fields import bad, shown, unsupported
-from .responses import APIError, extension, to_api_error
+from .responses import APIError, arguments_text, extension, message, to_api_error
 from .runs import Run
 
 __all__ = ["ResponseEvents", "ResponseStore", "ResponsesCall", "stream_response", "whole_response"]
@@ -44,33 +43,16 @@ _CHAT_FIELD = re.compile(r"messages\[\d+\](?:\.[A-Za-z_]+|\[\d+\])*|response_for
                          r"|\bmax_tokens\b|tools\[\d+\]\.function")
 
 
-class ResponseStore:
-    """The conversations ``previous_response_id`` continues: each stored response's messages (its
-    input and its output, without ``instructions``), per cache namespace, at most ``max_entries``
-    (least recently used out). Thread-safe."""
+class ResponseStore(Bounded[tuple[str, str], tuple[dict[str, Any], ...]]):
+    """The conversations ``previous_response_id`` continues, keyed by (cache namespace, response
+    id): each stored response's messages (its input and its output, without ``instructions``), at
+    most ``entries`` and ``max_bytes`` of them (their JSON), least recently used out."""
 
-    def __init__(self, max_entries: int = 1024) -> None:
-        self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, str], tuple[dict[str, Any], ...]] = OrderedDict()
-        self._lock = threading.Lock()
+    def __init__(self, entries: int = 1024, max_bytes: int = 256 << 20) -> None:
+        super().__init__(entries, max_bytes, lambda messages: len(json.dumps(messages)))
 
     def get(self, namespace: str, rid: str) -> tuple[dict[str, Any], ...] | None:
-        with self._lock:
-            messages = self._entries.get((namespace, rid))
-            if messages is not None:
-                self._entries.move_to_end((namespace, rid))
-            return messages
-
-    def put(self, namespace: str, rid: str, messages: Sequence[dict[str, Any]]) -> None:
-        with self._lock:
-            self._entries[(namespace, rid)] = tuple(messages)
-            self._entries.move_to_end((namespace, rid))
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
+        return self._get((namespace, rid))
 
 
 def _text_of(content: object, param: str) -> str | list[dict[str, Any]]:
@@ -204,7 +186,6 @@ class ResponsesCall:
     origins: list[list[str]]  # per chat message: the Responses field it came from (then one per call)
     store: bool
     namespace: str
-    calls: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def read(cls, body: Mapping[str, Any], store: ResponseStore, namespace: str) -> ResponsesCall:
@@ -272,7 +253,7 @@ class ResponsesCall:
                 item = origin[at] if at < len(origin) else origin[0]
                 tail = rest[call.end():]
                 return item + (".call_id" if tail == ".id" else tail)
-            if origin[0].startswith("input[") and self.kinds[int(match.group(1))] == "tool":
+            if self.kinds[int(match.group(1))] == "tool":
                 rest = ".call_id" if rest == ".tool_call_id" else rest.replace(".content", ".output")
             return origin[0] + rest
         for chat_name, name in (("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
@@ -290,18 +271,8 @@ class ResponsesCall:
 
     def remember(self, store: ResponseStore, result: GenerationResult) -> None:
         """Keep this conversation, the answer included, for a later ``previous_response_id``."""
-        if not self.store:
-            return
-        answer: dict[str, Any] = {"role": "assistant", "content": _content(result)}
-        if result.tool_calls:
-            answer["tool_calls"] = [{"id": call.id, "type": "function",
-                                     "function": {"name": call.name, "arguments": _arguments(call.arguments)}}
-                                    for call in result.tool_calls]
-        store.put(self.namespace, self.rid, [*self.history, answer])
-
-
-def _arguments(arguments: Mapping[str, Any]) -> str:
-    return json.dumps(dict(arguments), ensure_ascii=False)
+        if self.store:
+            store.put((self.namespace, self.rid), (*self.history, message(result)))  # the chat answer's message
 
 
 def _content(result: GenerationResult) -> str:
@@ -322,7 +293,7 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
 
 def _call_items(result: GenerationResult) -> list[dict[str, Any]]:
     return [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": call.name,
-             "arguments": _arguments(call.arguments), "status": "completed"} for call in result.tool_calls]
+             "arguments": arguments_text(call), "status": "completed"} for call in result.tool_calls]
 
 
 def _response(call: ResponsesCall, model: str, status: str, output: list[dict[str, Any]],
