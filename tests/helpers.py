@@ -28,7 +28,7 @@ from specprefill_rag import (
 )
 from specprefill_rag.backends.transformers import TransformersBackend
 from specprefill_rag.backends.vllm_server import ConnectionOptions, VLLMServerBackend
-from specprefill_rag.draft import LookaheadSpec
+from specprefill_rag.draft.probe import LookaheadSpec
 from specprefill_rag.testing import tiny_model, tiny_tokenizer
 from specprefill_rag.types import PrefillPlan
 

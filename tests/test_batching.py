@@ -12,7 +12,7 @@ import torch
 from helpers import PASSAGES, QUESTION, make_engine, make_tokenizer
 
 from specprefill_rag import ConfigError, SpecPrefillEngine
-from specprefill_rag.draft import MicroBatcher
+from specprefill_rag.draft.batching import MicroBatcher
 
 
 def test_concurrent_calls_form_one_batch_in_order():
@@ -98,7 +98,7 @@ def test_batching_settings_are_validated():
 
 
 def test_length_buckets_group_near_equal_lengths():
-    from specprefill_rag.draft import length_buckets
+    from specprefill_rag.draft.probe import length_buckets
 
     lengths = [2000, 500, 1900, 480, 1000]
     assert length_buckets(lengths, 0.1) == [[0, 2], [4], [1, 3]]
@@ -110,7 +110,7 @@ def test_length_buckets_group_near_equal_lengths():
 def test_length_buckets_cover_every_prompt_once_within_the_padding_limit():
     import random
 
-    from specprefill_rag.draft import length_buckets, padding_share
+    from specprefill_rag.draft.probe import length_buckets, padding_share
 
     rng = random.Random(0)
     for _ in range(200):
@@ -150,7 +150,7 @@ def test_bucketed_batches_give_each_prompt_its_own_scores_bit_for_bit():
 
 
 def test_turns_are_granted_in_arrival_order():
-    from specprefill_rag.draft import TurnLock
+    from specprefill_rag.draft.batching import TurnLock
 
     lock = TurnLock()
     order: list[int] = []

@@ -16,9 +16,10 @@ import torch
 from helpers import lookahead_spec, make_model
 
 from specprefill_rag.config import DraftConfig
-from specprefill_rag.draft import DraftModel, ExitedPrompts, LookaheadSpec, cuda_graphs
+from specprefill_rag.draft import DraftModel, cuda_graphs
 from specprefill_rag.draft.cuda_graphs import MIN_GRAPH_WIDTH, StepGraphs, graph_width
 from specprefill_rag.draft.early_exit import DecoderParts, LoopShape, StepLoop
+from specprefill_rag.draft.probe import ExitedPrompts, LookaheadSpec
 
 LAYERS = [1, 2]  # of 4: layer 3 is the upper part, read over the reading set only
 GREEDY = dict(layers=LAYERS, early_exit=True, tokens="greedy", upper_keep=0.3)

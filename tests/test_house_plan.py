@@ -4,9 +4,12 @@ points down a floor, the HTTP transport is the server backend's own, and no func
 Read with ``ast`` (imports inside functions and under ``TYPE_CHECKING`` count as well), nothing is
 imported. A module on no floor fails the test: place a new module before adding it.
 
-The draft wing (``specprefill_rag/draft/``) is one entry on its floor and has one door: outside
-it, the library, the benchmarks, the examples and the integrations import ``specprefill_rag.draft``
-itself, never a module inside it (the unit tests of a wing module may import that module).
+The draft wing (``specprefill_rag/draft/``) is one entry on its floor and has one narrow door:
+outside it, the library, the examples and the integrations import ``specprefill_rag.draft`` itself
+(a handful of names), never a module inside it; the benchmarks may use its research hooks too
+(``specprefill_rag.draft.probe``, unstable); the unit tests of a wing module may import that module.
+Nothing outside a wing (a top-level module or package of the library) but its unit tests uses a
+private name of it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ MAX_WING_MODULE_LINES = 500
 MAX_WING_CLASS_LINES = 300
 # Outside the package, what must enter the wing through its door (tests/ may reach inside).
 DOOR_USERS = ("benchmarks", "examples", "integrations", "client_tests")
+PROBE = f"{WING}.probe"  # the wing's research hooks: the benchmarks' second door
+PROBE_USERS = ("benchmarks",)
+MAX_DOOR_NAMES = 6
+REPO = ROOT.parent
 
 
 def _modules() -> dict[str, Path]:
@@ -166,12 +173,96 @@ def test_nothing_outside_the_wing_imports_a_module_inside_it():
         if module != WING and not module.startswith(WING + ".")
         and (found := _wing_submodules_imported(MODULES[module], module))
     )
-    repo = ROOT.parent
     outside = sorted(
-        f"{path.relative_to(repo)}: {sorted(found)}" for folder in DOOR_USERS for path in (repo / folder).rglob("*.py")
-        if ".venv" not in path.parts and (found := _wing_submodules_imported(path))
+        f"{path.relative_to(REPO)}: {sorted(found)}" for folder in DOOR_USERS for path in _python_files(folder)
+        if (found := _wing_submodules_imported(path) - ({PROBE} if folder in PROBE_USERS else set()))
     )
     assert not inside and not outside, f"wing modules imported past the door: {inside + outside}"
+
+
+def _python_files(folder: str) -> list[Path]:
+    return [path for path in sorted((REPO / folder).rglob("*.py")) if ".venv" not in path.parts]
+
+
+def test_the_wings_door_is_narrow():
+    """``specprefill_rag.draft`` exports what the engine and a user need, at most ``MAX_DOOR_NAMES``
+    names, and each is there; the research hooks are the probe's."""
+    import specprefill_rag.draft as door
+
+    tree = ast.parse(MODULES[WING].read_text())
+    exported = next(ast.literal_eval(node.value) for node in tree.body
+                    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__")
+    assert 0 < len(exported) <= MAX_DOOR_NAMES, exported
+    assert all(hasattr(door, name) for name in exported)
+    assert {"DraftModel", "DraftScorer"} <= set(exported)
+
+
+def _wing_of(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _resolve(node: ast.ImportFrom, module: str | None) -> str | None:
+    """The package module (dotted, without the package) an import names, or None if outside."""
+    if node.level:
+        if module is None:
+            return None
+        here = module.split(".") if module else []
+        package = here if _is_package(module) else here[:-1]
+        anchor = package[: len(package) - (node.level - 1)]
+        return ".".join(anchor + ([node.module] if node.module else []))
+    if node.module == PACKAGE or (node.module or "").startswith(PACKAGE + "."):
+        return (node.module or "")[len(PACKAGE) + 1:]
+    return None
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_uses(path: Path, module: str | None = None) -> list[str]:
+    """Private names of another wing the file at ``path`` uses: imported (``from m import _x``) or
+    read off an imported module (``m._x``). ``module``: the file's own name if it is in the package."""
+    mine = None if module is None else _wing_of(module)
+    tree = ast.parse(path.read_text())
+    modules: dict[str, str] = {}  # local name → package module it is bound to
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(PACKAGE + ".") and alias.asname:
+                    modules[alias.asname] = alias.name[len(PACKAGE) + 1:]
+        elif isinstance(node, ast.ImportFrom) and (base := _resolve(node, module)) is not None:
+            for alias in node.names:
+                target = f"{base}.{alias.name}".lstrip(".")
+                if target in MODULES:
+                    modules[alias.asname or alias.name] = target
+                elif _is_private(alias.name) and _wing_of(base) != mine:
+                    found.append(f"{base}.{alias.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _is_private(node.attr)
+                and (target := modules.get(node.value.id)) is not None and _wing_of(target) != mine):
+            found.append(f"{target}.{node.attr}")
+    return sorted(set(found))
+
+
+def test_nothing_outside_a_wing_uses_its_private_names():
+    """A leading underscore means "this wing's own": the library's other wings, the benchmarks, the
+    examples and the integrations reach a wing through its public names only (a wing's unit tests
+    may test its private helpers, as they may import its inner modules)."""
+    inside = [f"{PACKAGE}.{module}: {found}" for module, path in MODULES.items()
+              if (found := _private_uses(path, module))]
+    outside = [f"{path.relative_to(REPO)}: {found}" for folder in DOOR_USERS for path in _python_files(folder)
+               if (found := _private_uses(path))]
+    assert not inside + outside, f"private names used outside their wing: {inside + outside}"
+
+
+def test_the_private_name_check_catches_both_forms(tmp_path):
+    path = tmp_path / "bench.py"
+    path.write_text("from specprefill_rag.tools.cli import _parser\n"
+                    "from specprefill_rag.vllm_plugin import runner as plugin_runner\n"
+                    "from specprefill_rag.config.checks import check as _check\n"
+                    "plugin_runner._wrap(plugin_runner.MARK)\n")
+    assert _private_uses(path) == ["tools.cli._parser", "vllm_plugin.runner._wrap"]
 
 
 def test_the_door_check_catches_a_module_imported_past_it(tmp_path):

@@ -87,7 +87,7 @@ class SimulatedRunner:
         self.preempted: list[str] = []
         self.serial = 0
         self.misfits = 0  # ill-fitting plans sent
-        self.prepare = plugin_runner._wrap_prepare_inputs(self._contiguous)
+        self.prepare = plugin_runner.wrap_prepare_inputs(self._contiguous)
 
     def _contiguous(self, runner: Any, scheduler_output: Any, counts: Any) -> None:
         start = 0

@@ -33,7 +33,7 @@ def v2(monkeypatch):
     cls = model_runner.GPUModelRunner
     for name in runner_v2._WRAPPED:
         monkeypatch.setattr(cls, name, getattr(cls, name))  # restored after the test
-    runner_v2._patch_runner_v2(model_runner)
+    runner_v2.patch_runner_v2(model_runner)
     return cls
 
 
@@ -64,7 +64,7 @@ def test_plans_follow_the_requests_in_and_out(v2, caplog):
            request("bad", 4, plan_to_xargs([0, 5], 9))]
     with caplog.at_level(logging.ERROR, logger="specprefill_rag.vllm_plugin.runner"):
         add(runner, SimpleNamespace(scheduled_new_reqs=new))
-    plans = runner_v2._plans(runner).plans
+    plans = runner_v2.runner_plans(runner).plans
     assert list(plans) == ["a"] and plans["a"].kept.tolist() == check.PLANS["a"][0]
     assert any("request bad" in r.getMessage() for r in caplog.records)
     remove(runner, "a")
@@ -80,7 +80,7 @@ def test_the_v2_runner_is_patched_once_and_checked(v2):
 
     wrapped = {name: getattr(v2, name) for name in runner_v2._WRAPPED}
     assert all(getattr(method, MARK, False) for method in wrapped.values())
-    runner_v2._patch_runner_v2(model_runner)  # again: nothing changes
+    runner_v2.patch_runner_v2(model_runner)  # again: nothing changes
     assert all(getattr(v2, name) is method for name, method in wrapped.items())
     assert runner_patched(SimpleNamespace(model_runner=object.__new__(v2)))
 
@@ -95,5 +95,5 @@ def test_the_v2_runner_is_patched_once_and_checked(v2):
             pass
 
     with pytest.raises(RuntimeError, match=r"V2 GPUModelRunner.add_requests\('self', 'scheduler_output', 'extra'\)"):
-        runner_v2._patch_runner_v2(SimpleNamespace(GPUModelRunner=Moved))
+        runner_v2.patch_runner_v2(SimpleNamespace(GPUModelRunner=Moved))
     assert not getattr(Moved.prepare_attn, MARK, False)  # nothing patched when one method has moved

@@ -10,7 +10,8 @@ import torch
 from helpers import lookahead_spec, make_model
 
 from specprefill_rag.config import DraftConfig
-from specprefill_rag.draft import DraftModel, LookaheadSpec, Recorder, scoring
+from specprefill_rag.draft import DraftModel, scoring
+from specprefill_rag.draft.probe import LookaheadSpec, Recorder
 
 
 def eager_reference_rows(model, ids: torch.Tensor, lookahead_ids: tuple[int, ...]) -> list[torch.Tensor]:

@@ -599,7 +599,7 @@ class Runner:
         output = SimpleNamespace(finished_req_ids=set(finished),
                                  scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in self.sent])
         self.sent = []
-        plugin_runner._wrap_prepare_inputs(original)(self, output, np.array(counts, dtype=np.int32))
+        plugin_runner.wrap_prepare_inputs(original)(self, output, np.array(counts, dtype=np.int32))
         starts = self.query_start_loc.np
         return [self.positions[starts[i]:starts[i + 1]].tolist() for i in range(len(scheduled))]
 
@@ -759,7 +759,7 @@ def test_offline_backend_without_the_extension_sends_a_function(monkeypatch):
     assert calls == [plugin_runner.runner_patched]
     worker = SimpleNamespace(model_runner=SimpleNamespace())
     assert plugin_runner.runner_patched(worker) is False  # a runner class without the wrapper
-    runner_cls = type("Runner", (), {"_prepare_inputs": plugin_runner._wrap_prepare_inputs(lambda *a: None)})
+    runner_cls = type("Runner", (), {"_prepare_inputs": plugin_runner.wrap_prepare_inputs(lambda *a: None)})
     assert plugin_runner.runner_patched(SimpleNamespace(model_runner=runner_cls())) is True
 
 

@@ -157,7 +157,7 @@ def test_worker_base_gains_the_status_method():
     workers._patch_worker_base(module)
     workers._patch_worker_base(module)  # idempotent
     method = getattr(base, workers.WORKER_METHOD)
-    runner_cls = type("CPUModelRunner", (), {"_prepare_inputs": plugin_runner._wrap_prepare_inputs(lambda *a: None)})
+    runner_cls = type("CPUModelRunner", (), {"_prepare_inputs": plugin_runner.wrap_prepare_inputs(lambda *a: None)})
     worker = base()
     worker.model_runner = runner_cls()
     assert method(worker) == {"patched": True, "runner": "CPUModelRunner"}

@@ -16,7 +16,8 @@ import torch
 from helpers import PASSAGES, QUESTION, Calls, make_engine, make_model
 
 from specprefill_rag import DraftConfig, SpecPrefillEngine
-from specprefill_rag.draft import MIN_WINDOW_CONTEXT, DraftModel
+from specprefill_rag.draft import DraftModel
+from specprefill_rag.draft.windows import MIN_WINDOW_CONTEXT
 from specprefill_rag.errors import InputError
 
 CFG = DraftConfig(lookahead=4, layers=(1, 2), upper_keep=0.3, memo_entries=0, prefix_cache_entries=0)

@@ -62,7 +62,7 @@ def runner(cls: Any, device: torch.device) -> Any:
 def admit(model_runner: Any, *requests: str) -> None:
     """The plans of ``requests`` as ``add_requests`` admits them."""
     new = [SimpleRequest(r, len(PLANS[r][0]), plan_to_xargs(*PLANS[r])) for r in requests]
-    runner_v2._plans(model_runner).admit(new)
+    runner_v2.runner_plans(model_runner).admit(new)
 
 
 @dataclasses.dataclass
@@ -150,7 +150,7 @@ def gpu_check() -> dict[str, Any]:
     try:
         from vllm.v1.worker.gpu import model_runner
 
-        from specprefill_rag.vllm_plugin.runner_v2 import _patch_runner_v2
+        from specprefill_rag.vllm_plugin.runner_v2 import patch_runner_v2
     except Exception as error:  # noqa: BLE001 - any import failure means: not checkable here
         return {"status": "skipped", "why": f"vLLM's V2 runner cannot be imported: {error}"}
     if not torch.cuda.is_available():
@@ -159,7 +159,7 @@ def gpu_check() -> dict[str, Any]:
         import triton  # noqa: F401
     except ImportError:
         return {"status": "skipped", "why": "no Triton"}
-    _patch_runner_v2(model_runner)
+    patch_runner_v2(model_runner)
     try:
         return check(model_runner.GPUModelRunner, torch.device("cuda"), kernel=True)
     except Exception as error:  # noqa: BLE001 - reported in the results, not raised mid-run

@@ -36,7 +36,7 @@ from benchmarks.lib.machine import best_dtype, cold, command_line, machine_info,
 from benchmarks.lib.results import write_results
 from benchmarks.suites.gpu_ttft import LLAMA_3_2_1B, QWEN2_5_0_5B, TINY_DRAFT, build, synthetic_prompt
 from specprefill_rag import DraftConfig, DraftModel
-from specprefill_rag.draft import padding_share
+from specprefill_rag.draft.probe import padding_share
 from specprefill_rag.loading import DEFAULT_DRAFT
 
 SHAPES = {"llama-1b": ("llama", LLAMA_3_2_1B), "qwen-0.5b": ("qwen2", QWEN2_5_0_5B), "tiny": ("llama", TINY_DRAFT)}
@@ -110,7 +110,7 @@ def bucketed(draft: DraftModel, ids: Sequence[torch.Tensor], questions: Sequence
              contexts: Sequence[torch.Tensor], config: DraftConfig) -> list[Any]:
     """The scorer's batch rule (``DraftScorer._score_readings``) on bare token ids: one padded
     pass per length bucket, results in order."""
-    from specprefill_rag.draft import length_buckets
+    from specprefill_rag.draft.probe import length_buckets
 
     out: list[Any] = [None] * len(ids)
     for group in length_buckets([int(i.numel()) for i in ids], config.batch_pad_limit):

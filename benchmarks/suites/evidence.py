@@ -53,10 +53,10 @@ from benchmarks.lib.metrics import bootstrap_ci, share_ci
 from benchmarks.lib.results import RESULTS_DIR, ROOT, append_jsonl, prompt_digest, read_jsonl, same_example
 from benchmarks.suites import quality
 from specprefill_rag import DraftConfig, DraftModel, Passage, SelectionConfig
-from specprefill_rag import draft as draft_lib
 from specprefill_rag import prompt as prompt_lib
 from specprefill_rag import selection as selection_lib
 from specprefill_rag.config import LayerChoice
+from specprefill_rag.draft import probe as draft_lib
 from specprefill_rag.durable import atomic_open, write_atomic
 from specprefill_rag.errors import InputError
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, DTYPES, load_tokenizer, resolve_dtype
@@ -289,7 +289,7 @@ def _capture_all(draft: Any, ids: torch.Tensor, question: torch.Tensor, blocks: 
     blocks. ``tests/test_bench_evidence.py`` checks the variants against ``DraftModel.score``."""
     from transformers import DynamicCache
 
-    from specprefill_rag.draft import DecoderParts, Recorder, recording, tree_mask, upper_layer_logits
+    from specprefill_rag.draft.probe import DecoderParts, Recorder, recording, tree_mask, upper_layer_logits
 
     n, k = int(ids.numel()), MAX_LOOKAHEAD - 1
     device = draft.device
@@ -383,7 +383,7 @@ def _upper_greedy_steps(draft: Any, recorder: Any, cache: Any, prompt: torch.Ten
     and rows (tests/test_lookahead.py)."""
     from transformers import DynamicCache
 
-    from specprefill_rag.draft import DecoderParts, ExitedPrompts, LookaheadSpec, reading_sets, upper_greedy
+    from specprefill_rag.draft.probe import DecoderParts, ExitedPrompts, LookaheadSpec, reading_sets, upper_greedy
 
     parts = DecoderParts.of(draft.model)
     assert parts is not None

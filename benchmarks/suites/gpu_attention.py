@@ -90,7 +90,7 @@ def bf16_logits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
 
 @torch.inference_mode()
 def length_row(n: int, heads: int, kv_heads: int, dim: int, device: str) -> dict[str, Any]:
-    from specprefill_rag.draft import attend_short_queries
+    from specprefill_rag.draft.probe import attend_short_queries
 
     cuda, cols, scale = device == "cuda", n + EXTRA, dim**-0.5
     gen = torch.Generator(device=device).manual_seed(n)

@@ -226,7 +226,7 @@ def run_length(ctx: Context, target: int, args: argparse.Namespace, extras: bool
     draft = ctx.draft
 
     def capture_once() -> None:
-        from specprefill_rag.draft import LookaheadSpec
+        from specprefill_rag.draft.probe import LookaheadSpec
 
         draft.capture(ids, spec=LookaheadSpec(lookahead=1))
         sync(ctx.device)
@@ -473,7 +473,7 @@ def attention_rows(draft: Any, args: argparse.Namespace, vocab: int, lengths: Se
     through ``draft.attend_short_queries`` (the default since), side by side per length, the
     graphs captured anew for each path; with whether both picked the same look-ahead tokens and
     their largest score difference (bf16: within rounding, not zero)."""
-    from specprefill_rag.draft import SHORT_QUERY_TOKENS, short_query_limit
+    from specprefill_rag.draft.probe import SHORT_QUERY_TOKENS, short_query_limit
 
     graphs = draft.graphs
     one = argparse.Namespace(**{**vars(args), "concurrency": 0, "lengths": list(lengths)})

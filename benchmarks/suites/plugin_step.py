@@ -13,7 +13,7 @@ Per case and code path, the host time of a step (on CUDA the device is synchroni
 timer after every step: blocking copies count, queued kernels do not):
 
     base          the stand-in original: refills positions with contiguous slots (one tensor copy)
-    current       base + ``plugin_runner._wrap_prepare_inputs`` (the vectorised rewrite)
+    current       base + ``plugin_runner.wrap_prepare_inputs`` (the vectorised rewrite)
     legacy        base + the per-request rewrite it replaced (kept here only for this comparison)
     overhead      wrapper time = path − base, per step
     vllm_prepare  an emulation of vLLM 0.32's own ``_prepare_inputs`` host work for the batch (the
@@ -251,7 +251,7 @@ def legacy_wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATHS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "base": lambda original: original,
-    "current": plugin_runner._wrap_prepare_inputs,
+    "current": plugin_runner.wrap_prepare_inputs,
     "legacy": legacy_wrap,
 }
 
@@ -307,7 +307,7 @@ def run_case(case: Case, device: torch.device, *, steps: int, warmup: int, reps:
 def check_equal(case: Case, device: torch.device, steps: int = 4) -> None:
     """The current and the legacy rewrite write the same positions (a sanity check of the mock)."""
     got = []
-    for wrap in (plugin_runner._wrap_prepare_inputs, legacy_wrap):
+    for wrap in (plugin_runner.wrap_prepare_inputs, legacy_wrap):
         runner, step, out = MockRunner(case, device), wrap(base_original), []
         for _ in range(steps):
             counts = runner.schedule()

@@ -114,7 +114,7 @@ def plain_forward_s(model: Any, ids: torch.Tensor) -> float:
 
 def capture_only_s(draft: Any, ids: torch.Tensor) -> float:
     """Seconds of a draft prefill with capture on and no look-ahead (the hooks' own cost)."""
-    from specprefill_rag.draft import LookaheadSpec
+    from specprefill_rag.draft.probe import LookaheadSpec
 
     _sync(draft.device)
     start = time.perf_counter()

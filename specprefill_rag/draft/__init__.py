@@ -1,7 +1,12 @@
 """The draft wing: a small model reads the whole prompt and scores how much each token matters.
 
-The one door of the wing: the rest of the package, the benchmarks and the examples import these
-names from ``specprefill_rag.draft``, never from a module inside it. The rooms:
+The one door of the wing: the rest of the package, the examples and the integrations import
+these four names from ``specprefill_rag.draft``, never from a module inside it: ``DraftModel``
+(the draft loaded, ``DraftModel.from_pretrained``), ``DraftScorer`` and ``DraftReading`` (what the
+engine calls) and ``CAPTURE_ATTENTION`` (the attention implementation the draft reads through).
+Research hooks (the capture's recorder, the early exit's parts, the look-ahead's drivers, the
+scoring's pieces) are in ``specprefill_rag.draft.probe``: unstable, for the benchmarks, changed
+whenever the wing's rooms change. The rooms:
 
 - ``scorer``: ``DraftScorer``, what the engine calls: the draft's reading of a prompt (its own
   rendering; overflow and windows decided once), the score memo, micro-batching and the
@@ -21,46 +26,12 @@ names from ``specprefill_rag.draft``, never from a module inside it. The rooms:
 - ``scoring``: pure torch, attention rows → per-token importance.
 - ``token_mapping``: a draft of another family's scores mapped onto the main prompt's tokens.
 - ``batching``: concurrent score requests run as one batch.
+- ``passage_reading``, ``passage_kv``, ``passage_store``: passages read apart, once, and kept.
+- ``probe``: the research hooks above, for the benchmarks (unstable).
 """
 
-from .batching import MicroBatcher, TurnLock, length_buckets, padding_share
-from .capture import CAPTURE_ATTENTION, DraftCapture, Recorder, recording
-from .early_exit import DecoderParts, ExitedPrompts, tree_mask, upper_greedy
-from .lookahead import reading_sets, upper_layer_logits
-from .lookahead_spec import LookaheadSpec
+from .capture import CAPTURE_ATTENTION
 from .model import DraftModel
 from .scorer import DraftReading, DraftScorer
-from .scoring import importance, layer_rows, query_weights
-from .short_query_attention import SHORT_QUERY_TOKENS, attend_short_queries, short_query_limit
-from .token_mapping import map_scores, needs_mapping
-from .windows import MIN_WINDOW_CONTEXT
 
-__all__ = [
-    "CAPTURE_ATTENTION",
-    "MIN_WINDOW_CONTEXT",
-    "SHORT_QUERY_TOKENS",
-    "DecoderParts",
-    "DraftCapture",
-    "DraftModel",
-    "DraftReading",
-    "DraftScorer",
-    "ExitedPrompts",
-    "LookaheadSpec",
-    "MicroBatcher",
-    "Recorder",
-    "TurnLock",
-    "attend_short_queries",
-    "importance",
-    "layer_rows",
-    "length_buckets",
-    "map_scores",
-    "needs_mapping",
-    "padding_share",
-    "query_weights",
-    "reading_sets",
-    "recording",
-    "short_query_limit",
-    "tree_mask",
-    "upper_greedy",
-    "upper_layer_logits",
-]
+__all__ = ["CAPTURE_ATTENTION", "DraftModel", "DraftReading", "DraftScorer"]

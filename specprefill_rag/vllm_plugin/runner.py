@@ -25,7 +25,7 @@ from ..wire import NEXT_POSITION_KEY, POSITIONS_KEY, parse_plan
 
 __all__ = [
     "PATCHES", "RUNNER_MODULE", "WORKER_EXTENSION", "RequestPlan", "SpecPrefillWorkerExtension", "add_offsets",
-    "planned_offsets", "remap_positions", "request_plan", "runner_patched",
+    "planned_offsets", "remap_positions", "request_plan", "runner_patched", "wrap_prepare_inputs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ def _prompt_len(state: Any) -> int:
     return int(n) if isinstance(n, int) else len(getattr(state, "prompt_token_ids", None) or ())
 
 
-def _wrap_prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
         result = original(self, scheduler_output, num_scheduled_tokens)
@@ -331,7 +331,7 @@ def _patch_runner(module: ModuleType) -> None:
             f"specprefill-rag: vLLM's SchedulerOutput has no {sorted(missing)}, which this plugin (written for "
             "vLLM 0.32) reads to keep its plans current; refusing to patch"
         )
-    runner._prepare_inputs = _wrap_prepare_inputs(original)
+    runner._prepare_inputs = wrap_prepare_inputs(original)
 
 
 # vLLM module → the patch applied to it once vLLM imports it (``vllm_plugin.apply_patches``).

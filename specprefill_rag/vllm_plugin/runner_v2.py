@@ -33,7 +33,7 @@ import torch
 
 from .runner import MARK, RequestPlan, _layout, add_offsets, planned_offsets, request_plan
 
-__all__ = ["PATCHES", "RUNNER_V2_MODULE", "V2Plans"]
+__all__ = ["PATCHES", "RUNNER_V2_MODULE", "V2Plans", "patch_runner_v2", "runner_plans"]
 
 RUNNER_V2_MODULE = "vllm.v1.worker.gpu.model_runner"
 _ATTR = "_specprefill_v2_plans"
@@ -82,7 +82,7 @@ class V2Plans:
         add_offsets(positions, both[: index.size], both[index.size :])
 
 
-def _plans(runner: Any) -> V2Plans:
+def runner_plans(runner: Any) -> V2Plans:
     plans = runner.__dict__.get(_ATTR)
     if plans is None:
         plans = runner.__dict__.setdefault(_ATTR, V2Plans())
@@ -93,7 +93,7 @@ def _wrap_add_requests(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def add_requests(self: Any, scheduler_output: Any) -> Any:
         result = original(self, scheduler_output)
-        _plans(self).admit(scheduler_output.scheduled_new_reqs)
+        runner_plans(self).admit(scheduler_output.scheduled_new_reqs)
         return result
 
     setattr(add_requests, MARK, True)
@@ -103,7 +103,7 @@ def _wrap_add_requests(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_remove_request(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _remove_request(self: Any, req_id: str) -> Any:
-        _plans(self).drop(req_id)
+        runner_plans(self).drop(req_id)
         return original(self, req_id)
 
     setattr(_remove_request, MARK, True)
@@ -114,7 +114,7 @@ def _wrap_prepare_attn(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def prepare_attn(self: Any, input_batch: Any) -> Any:
         result = original(self, input_batch)  # the slot mapping, from the contiguous positions
-        _plans(self).rewrite(input_batch)
+        runner_plans(self).rewrite(input_batch)
         return result
 
     setattr(prepare_attn, MARK, True)
@@ -129,7 +129,7 @@ _WRAPPED: dict[str, tuple[list[str], Callable[[Callable[..., Any]], Callable[...
 }
 
 
-def _patch_runner_v2(module: ModuleType) -> None:
+def patch_runner_v2(module: ModuleType) -> None:
     runner = module.GPUModelRunner
     originals = {name: getattr(runner, name, None) for name in _WRAPPED}
     if all(getattr(method, MARK, False) for method in originals.values()):
@@ -146,4 +146,4 @@ def _patch_runner_v2(module: ModuleType) -> None:
         setattr(runner, name, _WRAPPED[name][1](method))
 
 
-PATCHES: dict[str, Callable[[ModuleType], None]] = {RUNNER_V2_MODULE: _patch_runner_v2}
+PATCHES: dict[str, Callable[[ModuleType], None]] = {RUNNER_V2_MODULE: patch_runner_v2}
