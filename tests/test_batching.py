@@ -98,7 +98,7 @@ def test_batching_settings_are_validated():
 
 
 def test_length_buckets_group_near_equal_lengths():
-    from specprefill_rag.draft.probe import length_buckets
+    from specprefill_rag.draft.batching import length_buckets
 
     lengths = [2000, 500, 1900, 480, 1000]
     assert length_buckets(lengths, 0.1) == [[0, 2], [4], [1, 3]]
@@ -110,7 +110,7 @@ def test_length_buckets_group_near_equal_lengths():
 def test_length_buckets_cover_every_prompt_once_within_the_padding_limit():
     import random
 
-    from specprefill_rag.draft.probe import length_buckets, padding_share
+    from specprefill_rag.draft.batching import length_buckets, padding_share
 
     rng = random.Random(0)
     for _ in range(200):
@@ -119,6 +119,22 @@ def test_length_buckets_cover_every_prompt_once_within_the_padding_limit():
         groups = length_buckets(lengths, limit)
         assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
         assert all(len(g) == 1 or padding_share([lengths[i] for i in g]) <= limit for g in groups)
+
+
+def test_in_buckets_runs_once_per_bucket_and_answers_in_input_order():
+    from specprefill_rag.draft.batching import in_buckets
+
+    calls: list[list[int]] = []
+
+    def run(group: list[int]) -> list[str]:
+        calls.append(group)
+        return [f"prompt {i}" for i in group]
+
+    lengths = [2000, 500, 1900, 480, 1000]
+    assert in_buckets(lengths, 0.1, run) == [f"prompt {i}" for i in range(5)]
+    assert calls == [[0, 2], [4], [1, 3]]
+    with pytest.raises(ValueError):  # a run that answers fewer results than its group
+        in_buckets(lengths, 1.0, lambda group: group[:-1])
 
 
 def test_bucketed_batches_give_each_prompt_its_own_scores_bit_for_bit():

@@ -108,17 +108,13 @@ def row(draft: DraftModel, length: int, batch: int, spread: float, args: argpars
 
 def bucketed(draft: DraftModel, ids: Sequence[torch.Tensor], questions: Sequence[torch.Tensor],
              contexts: Sequence[torch.Tensor], config: DraftConfig) -> list[Any]:
-    """The scorer's batch rule (``DraftScorer._score_readings``) on bare token ids: one padded
-    pass per length bucket, results in order."""
-    from specprefill_rag.draft.probe import length_buckets
+    """The scorer's batch rule (``DraftScorer``: one padded pass per length bucket, ``in_buckets``)
+    on bare token ids, results in order."""
+    from specprefill_rag.draft.probe import in_buckets
 
-    out: list[Any] = [None] * len(ids)
-    for group in length_buckets([int(i.numel()) for i in ids], config.batch_pad_limit):
-        scored = draft.score_batch([ids[i] for i in group], questions=[questions[i] for i in group],
-                                   contexts=[contexts[i] for i in group], config=config)
-        for i, s in zip(group, scored, strict=True):
-            out[i] = s
-    return out
+    return in_buckets([int(i.numel()) for i in ids], config.batch_pad_limit, lambda group: draft.score_batch(
+        [ids[i] for i in group], questions=[questions[i] for i in group], contexts=[contexts[i] for i in group],
+        config=config))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

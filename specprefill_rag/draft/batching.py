@@ -19,10 +19,11 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
-__all__ = ["MicroBatcher", "TurnLock", "length_buckets", "padding_share"]
+__all__ = ["MicroBatcher", "TurnLock", "in_buckets", "length_buckets", "padding_share"]
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+R = TypeVar("R")
 
 
 def padding_share(lengths: Sequence[int]) -> float:
@@ -46,6 +47,16 @@ def length_buckets(lengths: Sequence[int], pad_limit: float) -> list[list[int]]:
         else:
             groups.append([i])
     return [sorted(group) for group in groups]
+
+
+def in_buckets(lengths: Sequence[int], pad_limit: float, run: Callable[[list[int]], Sequence[R]]) -> list[R]:
+    """``run`` once per group of ``length_buckets(lengths, pad_limit)`` (it gets the group's
+    indices, returns one result per index, in that order), the results back in input order."""
+    out: list[R | None] = [None] * len(lengths)
+    for group in length_buckets(lengths, pad_limit):
+        for i, result in zip(group, run(group), strict=True):
+            out[i] = result
+    return out  # type: ignore[return-value]  # every index is in exactly one group
 
 
 class TurnLock:

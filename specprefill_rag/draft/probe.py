@@ -10,7 +10,7 @@ whenever the room behind it changes. Applications use ``specprefill_rag.draft`` 
 
 from __future__ import annotations
 
-from .batching import length_buckets, padding_share
+from .batching import in_buckets, length_buckets, padding_share
 from .capture import Recorder, recording
 from .early_exit import DecoderParts, ExitedPrompts, tree_mask, upper_greedy
 from .lookahead import reading_sets, upper_layer_logits
@@ -26,6 +26,7 @@ __all__ = [
     "Recorder",
     "attend_short_queries",
     "importance",
+    "in_buckets",
     "layer_rows",
     "length_buckets",
     "padding_share",

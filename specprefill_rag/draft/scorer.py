@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -29,7 +29,7 @@ from ..config import DraftConfig
 from ..errors import InputError
 from ..payoff import PrefillCosts
 from ..types import AssembledPrompt, PathChoice, Segment, SegmentKind, TokenScores
-from .batching import MicroBatcher, TurnLock, length_buckets
+from .batching import MicroBatcher, TurnLock, in_buckets
 from .model import DraftModel
 from .passage_reading import ANCHOR_KINDS, PromptLayout, canonical_anchor, prompt_layout
 from .token_mapping import map_scores, needs_mapping
@@ -301,11 +301,8 @@ class DraftScorer:
         lengths (``length_buckets``, ``DraftConfig.batch_pad_limit``)."""
         if len(readings) == 1:
             return self._score_pass(readings, config)
-        scores: list[TokenScores | None] = [None] * len(readings)
-        for group in length_buckets([r.read.n_tokens for r in readings], config.batch_pad_limit):
-            for i, result in zip(group, self._score_pass([readings[i] for i in group], config), strict=True):
-                scores[i] = result
-        return cast(list[TokenScores], scores)  # every index is in exactly one group
+        return in_buckets([r.read.n_tokens for r in readings], config.batch_pad_limit,
+                          lambda group: self._score_pass([readings[i] for i in group], config))
 
     def _score_pass(self, readings: Sequence[DraftReading], config: DraftConfig) -> list[TokenScores]:
         """The draft's scores of each reading (one batched run), mapped onto the main tokens when
