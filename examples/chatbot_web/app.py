@@ -160,9 +160,23 @@ def index_upload(files: list[str] | None, max_mb: float) -> Iterator[tuple[Any, 
     yield retriever, f"Indexed {len(retriever.passages)} passages from {names}.", gr.update(value=DOCS_UPLOADED)
 
 
+@dataclass(frozen=True)
+class TurnSettings:
+    """The settings a question is answered with, as the page's controls hold them (one control
+    each, ``SettingsColumn.settings``); the defaults are the command line's."""
+
+    keep_rate: float = 0.2  # fraction of the prompt's tokens prefilled
+    top_k: float = 6  # passages retrieved (a slider's value: a float)
+    compare_full: bool = True  # also measure the full-prefill TTFT
+    pair_key: str = "smollm2"  # a MODEL_PAIRS key
+    backend_label: str = "Local (transformers)"  # a BACKENDS key
+    server_url: str = "http://127.0.0.1:8000"  # vLLM server URL (vLLM backend only)
+    docs_mode: str = DOCS_BUNDLED  # DOCS_BUNDLED or DOCS_UPLOADED
+
+
 def answer_turn(
-    models: Models, message: str, history: list[dict[str, Any]], rate: float, k: float, full: bool, pair_key: str,
-    backend_label: str, server_url: str, mode: str, upload_retriever: Retriever | None,
+    models: Models, message: str, history: list[dict[str, Any]], settings: TurnSettings,
+    upload_retriever: Retriever | None,
 ) -> Iterator[tuple[Any, ...]]:
     """Ask handler: (chat, question box, status, timing, kept text, passages) as the answer streams."""
     history = list(history or [])
@@ -171,17 +185,19 @@ def answer_turn(
         yield history, message, "⚠️ The question is empty: type a question first.", *[unchanged] * 3
         return
     try:
-        if mode == DOCS_UPLOADED:
+        if settings.docs_mode == DOCS_UPLOADED:
             if upload_retriever is None:
                 raise ValueError("no documents: upload .txt, .md or .pdf files first, or choose the bundled handbook")
             retriever = upload_retriever
         else:
             retriever = models.bundled_retriever()
-        if models.engine_key is None or models.engine_key[:2] != (pair_key, BACKENDS[backend_label]):
+        pair_key, backend = settings.pair_key, BACKENDS[settings.backend_label]
+        if models.engine_key is None or models.engine_key[:2] != (pair_key, backend):
             yield history, "", "Loading models …", *[unchanged] * 3
-        engine = models.get_engine(pair_key, BACKENDS[backend_label], server_url or "")
+        engine = models.get_engine(pair_key, backend, settings.server_url or "")
         session = ChatSession(
-            engine, retriever, keep_rate=float(rate), top_k=int(k), max_new_tokens=models.args.max_new_tokens
+            engine, retriever, keep_rate=float(settings.keep_rate), top_k=int(settings.top_k),
+            max_new_tokens=models.args.max_new_tokens,
         )
         stream, pending = session.ask(message, _turns(history))
         history += [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
@@ -189,9 +205,9 @@ def answer_turn(
         for _ in stream:
             history[-1] = {"role": "assistant", "content": stream.text}
             yield history, "", "Answering …", *[unchanged] * 3
-        if full:
+        if settings.compare_full:
             yield history, "", "Measuring the full-prefill TTFT for comparison …", *[unchanged] * 3
-        answer = session.finish(stream, pending, compare_full=full)
+        answer = session.finish(stream, pending, compare_full=settings.compare_full)
         if not answer.result.text.strip():
             history[-1] = {"role": "assistant", "content": "(the model gave an empty answer)"}
         logger.info("answer: %s", format_timing(answer))
@@ -203,9 +219,45 @@ def answer_turn(
         yield history, message, f"⚠️ Unexpected error ({type(error).__name__}): {error}", *[unchanged] * 3
 
 
+@dataclass(frozen=True)
+class SettingsColumn:
+    """The page's right-hand column: the documents (choice, upload, its status line) and the
+    controls a question is answered with."""
+
+    docs_mode: Any  # gr.Radio: DOCS_BUNDLED or DOCS_UPLOADED
+    upload: Any  # gr.File
+    upload_status: Any  # gr.Markdown
+    settings: dict[str, Any]  # ``TurnSettings`` field name → the control that holds it
+
+
+def settings_column(args: argparse.Namespace) -> SettingsColumn:
+    """The right-hand column's controls (call inside a ``gr.Column``), set to the command line's values."""
+    docs_mode = gr.Radio([DOCS_BUNDLED, DOCS_UPLOADED], value=DOCS_BUNDLED, label="Documents")
+    upload = gr.File(
+        label=f"Upload .txt / .md / .pdf (≤ {args.max_upload_mb:g} MB in all)",
+        file_count="multiple", file_types=[".txt", ".md", ".pdf"], elem_id="upload",
+    )
+    upload_status = gr.Markdown(elem_id="upload-status")
+    keep_rate = gr.Slider(0.05, 1.0, value=args.keep_rate, step=0.05, label="Keep rate", elem_id="keep")
+    compare = gr.Checkbox(
+        value=args.compare_full, label="Also measure full-prefill TTFT", elem_id="compare"
+    )
+    with gr.Accordion("Models and backend", open=False):
+        pair = gr.Dropdown(
+            [(p.label, p.key) for p in MODEL_PAIRS.values()], value=args.models, label="Draft → main"
+        )
+        backend = gr.Radio(list(BACKENDS), value=args.backend_label, label="Main model backend")
+        url = gr.Textbox(value=args.server_url, label="vLLM server URL (vLLM backend only)")
+        top_k = gr.Slider(1, max(16, args.top_k), value=args.top_k, step=1, label="Passages retrieved")
+    settings = {"keep_rate": keep_rate, "top_k": top_k, "compare_full": compare, "pair_key": pair,
+                "backend_label": backend, "server_url": url, "docs_mode": docs_mode}
+    return SettingsColumn(docs_mode, upload, upload_status, settings)
+
+
 def build_app(models: Models) -> gr.Blocks:
-    """The page: chat and answer stats on the left, documents and settings on the right, the
-    kept/dropped context below; handlers are ``index_upload`` and ``answer_turn``."""
+    """The page: chat and answer stats on the left, documents and settings on the right
+    (``settings_column``), the kept/dropped context below; handlers are ``index_upload`` and
+    ``answer_turn``."""
     args = models.args
     example = demo_questions()[0].question
     with gr.Blocks(title="SpecPrefill RAG chat") as app:
@@ -227,23 +279,7 @@ def build_app(models: Models) -> gr.Blocks:
                 status = gr.Markdown(elem_id="status")
                 timing = gr.Markdown(elem_id="timing")
             with gr.Column(scale=2):
-                docs_mode = gr.Radio([DOCS_BUNDLED, DOCS_UPLOADED], value=DOCS_BUNDLED, label="Documents")
-                upload = gr.File(
-                    label=f"Upload .txt / .md / .pdf (≤ {args.max_upload_mb:g} MB in all)",
-                    file_count="multiple", file_types=[".txt", ".md", ".pdf"], elem_id="upload",
-                )
-                upload_status = gr.Markdown(elem_id="upload-status")
-                keep_rate = gr.Slider(0.05, 1.0, value=args.keep_rate, step=0.05, label="Keep rate", elem_id="keep")
-                compare = gr.Checkbox(
-                    value=args.compare_full, label="Also measure full-prefill TTFT", elem_id="compare"
-                )
-                with gr.Accordion("Models and backend", open=False):
-                    pair = gr.Dropdown(
-                        [(p.label, p.key) for p in MODEL_PAIRS.values()], value=args.models, label="Draft → main"
-                    )
-                    backend = gr.Radio(list(BACKENDS), value=args.backend_label, label="Main model backend")
-                    url = gr.Textbox(value=args.server_url, label="vLLM server URL (vLLM backend only)")
-                    top_k = gr.Slider(1, max(16, args.top_k), value=args.top_k, step=1, label="Passages retrieved")
+                side = settings_column(args)
         kept = gr.HighlightedText(
             label="Retrieved context: kept vs dropped tokens", elem_id="kept", color_map=KEPT_COLORS,
             show_legend=True, show_inline_category=False,
@@ -253,11 +289,13 @@ def build_app(models: Models) -> gr.Blocks:
         def on_upload(files: list[str] | None) -> Iterator[tuple[Any, ...]]:
             yield from index_upload(files, args.max_upload_mb)
 
-        def respond(*values: Any) -> Iterator[tuple[Any, ...]]:
-            yield from answer_turn(models, *values)
+        def respond(message: str, history: list[dict[str, Any]], upload_retriever: Retriever | None,
+                    *values: Any) -> Iterator[tuple[Any, ...]]:
+            settings = TurnSettings(**dict(zip(side.settings, values, strict=True)))
+            yield from answer_turn(models, message, history, settings, upload_retriever)
 
-        upload.change(on_upload, [upload], [uploaded, upload_status, docs_mode])
-        inputs = [question, chat, keep_rate, top_k, compare, pair, backend, url, docs_mode, uploaded]
+        side.upload.change(on_upload, [side.upload], [uploaded, side.upload_status, side.docs_mode])
+        inputs = [question, chat, uploaded, *side.settings.values()]
         outputs = [chat, question, status, timing, kept, passages]
         ask.click(respond, inputs, outputs)
         question.submit(respond, inputs, outputs)
@@ -267,12 +305,14 @@ def build_app(models: Models) -> gr.Blocks:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m examples.chatbot_web", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--models", choices=sorted(MODEL_PAIRS), default="smollm2",
+    add("--models", choices=sorted(MODEL_PAIRS), default=TurnSettings.pair_key,
         help="smollm2: SmolLM2-135M as draft and main (fast); qwen: Qwen2.5-Coder 0.5B → 1.5B (default: %(default)s)")
     add("--backend", choices=sorted(set(BACKENDS.values())), default="transformers", help="main-model backend")
-    add("--server-url", default="http://127.0.0.1:8000", help="vLLM server URL for --backend vllm_server")
-    add("--keep-rate", type=float, default=0.2, help="fraction of prompt tokens prefilled (default: %(default)s)")
-    add("--top-k", type=int, default=6, help="passages retrieved per question (default: %(default)s)")
+    add("--server-url", default=TurnSettings.server_url, help="vLLM server URL for --backend vllm_server")
+    add("--keep-rate", type=float, default=TurnSettings.keep_rate,
+        help="fraction of prompt tokens prefilled (default: %(default)s)")
+    add("--top-k", type=int, default=TurnSettings.top_k,
+        help="passages retrieved per question (default: %(default)s)")
     add("--max-new-tokens", type=int, default=96, help="answer length limit (default: %(default)s)")
     add("--no-compare-full", dest="compare_full", action="store_false",
         help="do not measure the full-prefill TTFT by default")

@@ -18,7 +18,8 @@ metadata. How messages map to segments (see docs/integrations.md):
 
 ``read_documents`` reads documents into the draft's passage store ahead of the calls that will
 send them as passages (beside ``vector_store.add_documents``), when the engine's draft reads
-passages apart (``DraftConfig(passages=PassageReading())``).
+passages apart (``DraftConfig(passages=PassageReading())``). ``bind_tools`` and
+``with_structured_output`` are ``tool_calling.ToolCallingMixin``'s.
 """
 
 from __future__ import annotations
@@ -26,21 +27,16 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from operator import itemgetter
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
-from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
-from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
-from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from specprefill_rag import (
     GenerationResult,
     InputTypeError,
@@ -51,9 +47,10 @@ from specprefill_rag import (
 )
 from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
 from specprefill_rag.engine import LazyEngine, Mode
-from specprefill_rag.grammar import json_grammar
 from specprefill_rag.prompt import message_segments
 from specprefill_rag.toolcalls import content_filter
+
+from .tool_calling import ToolCallingMixin
 
 __all__ = ["ChatSpecPrefill", "messages_to_segments"]
 
@@ -102,26 +99,7 @@ def messages_to_segments(
     return list(message_segments(chat, tools, items, instructions=default_instructions))
 
 
-ToolLike: TypeAlias = Mapping[str, Any] | type | Callable[..., Any] | BaseTool
-
-
-def _tool_choice(choice: object, names: Sequence[str]) -> str:
-    """LangChain's ``tool_choice`` as the engine's: "auto", "required", "none" or a tool's name."""
-    if choice is None or choice == "auto":
-        return "auto"
-    if choice in ("any", "required", True):
-        return "required" if len(names) != 1 else names[0]
-    if choice == "none":
-        return "none"
-    if isinstance(choice, Mapping):
-        choice = (choice.get("function") or {}).get("name") or choice.get("name")
-    if isinstance(choice, str) and choice in names:
-        return choice
-    raise ValueError(f"tool_choice must be 'auto', 'any', 'required', 'none', True or one of the tools "
-                     f"({', '.join(names)}), got {choice!r:.80}")
-
-
-class ChatSpecPrefill(BaseChatModel):
+class ChatSpecPrefill(ToolCallingMixin, BaseChatModel):
     """Chat model whose prompts are prefilled with Speculative Prefill.
 
     Pass a ready ``engine`` (shares loaded models), or ``model`` (and optionally
@@ -290,62 +268,6 @@ class ChatSpecPrefill(BaseChatModel):
                               instructions: str | None = None) -> PassagesRead:
         """``read_documents`` in a worker thread (the event loop is never blocked)."""
         return await asyncio.to_thread(self.read_documents, documents, instructions=instructions)
-
-    # -- tools ------------------------------------------------------------------------------
-
-    def bind_tools(
-        self,
-        tools: Sequence[ToolLike],
-        *,
-        tool_choice: str | bool | Mapping[str, Any] | Literal["auto", "any", "required", "none"] | None = None,
-        **kwargs: Any,
-    ) -> Runnable[LanguageModelInput, AIMessage]:
-        """Offer ``tools`` (pydantic classes, functions, ``BaseTool``s or OpenAI dicts) to the model.
-
-        ``tool_choice``: "auto" (default), "any"/"required"/True (at least one call; one tool: that
-        tool), "none", or a tool's name; ``parallel_tool_calls=False``: at most one call. On a
-        backend that decodes under a grammar (transformers, vLLM) the answer is constrained to
-        text and calls that fit their tools' schemas; on any backend it is checked, and one that
-        breaks the choice (or calls a tool wrongly) raises ``ToolCallError``.
-        """
-        formatted = [convert_to_openai_tool(tool) for tool in tools]
-        names = [tool["function"]["name"] for tool in formatted]
-        if "ls_structured_output_format" in kwargs:  # with_structured_output: one object, one call
-            kwargs.setdefault("parallel_tool_calls", False)
-        return super().bind(tools=formatted, tool_choice=_tool_choice(tool_choice, names), **kwargs)
-
-    def with_structured_output(
-        self,
-        schema: dict[str, Any] | type,
-        *,
-        include_raw: bool = False,
-        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
-        **kwargs: Any,
-    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
-        """Answers as ``schema`` (a pydantic class, TypedDict, JSON schema or OpenAI tool).
-
-        ``method="function_calling"`` (default): a forced call of the schema as a tool (LangChain's
-        own ``with_structured_output``); ``"json_schema"``: the answer itself is JSON decoded under
-        the schema's grammar; ``"json_mode"``: any JSON object (say the shape in the prompt).
-        """
-        if method == "function_calling":
-            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
-        if method not in ("json_schema", "json_mode"):
-            raise ValueError(f"method must be 'function_calling', 'json_schema' or 'json_mode', got {method!r:.40}")
-        kwargs.pop("strict", None)
-        if kwargs:
-            raise ValueError(f"Received unsupported arguments {kwargs}")
-        wanted = convert_to_json_schema(schema) if method == "json_schema" else {"type": "object"}
-        llm = self.bind(grammar=json_grammar(wanted), ls_structured_output_format={
-            "kwargs": {"method": method}, "schema": wanted})
-        parser: Runnable = JsonOutputParser()
-        if isinstance(schema, type) and issubclass(schema, BaseModel):
-            parser = PydanticOutputParser(pydantic_object=schema)
-        if not include_raw:
-            return llm | parser
-        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
-        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
-        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
     # -- LangChain entry points -----------------------------------------------------------
 

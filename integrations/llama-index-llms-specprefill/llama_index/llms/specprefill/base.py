@@ -11,13 +11,14 @@ prunable context segment whose last tokens are protected.
 Chats go through ``chat.messages_to_segments``; with tools (``chat_with_tools``, ``FunctionAgent``)
 the template renders the tool schemas and calls (protected) and each tool result is one prunable
 passage per document (docs/tools.md). Tool calling needs a main model whose chat template renders
-tools (``metadata.is_function_calling_model``).
+tools (``metadata.is_function_calling_model``); the ``FunctionCallingLLM`` hooks
+(``_prepare_chat_with_tools``, ``structured_predict``, ...) are ``function_calling.FunctionCallingMixin``'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llama_index.core.instrumentation as instrument
 from llama_index.core.base.llms.types import (
@@ -29,35 +30,31 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
-    MessageRole,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.instrumentation.events.llm import LLMPredictEndEvent, LLMPredictStartEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
-from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import TokenAsyncGen, TokenGen
-from specprefill_rag import GenerationResult, InputError, Segment, SegmentKind, SpecPrefillEngine
+from specprefill_rag import GenerationResult, Segment, SegmentKind, SpecPrefillEngine
 from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
 from specprefill_rag.engine import LazyEngine, Mode
 from specprefill_rag.prompt import build_segments
 from specprefill_rag.toolcalls import content_filter
 
 from .chat import assistant_message, messages_to_segments
+from .function_calling import FunctionCallingMixin
 from .passages import DEFAULT_PASSAGE_ID_KEY, split_context
 from .streaming import achat_chunks, acompletion_chunks, chat_chunks, completion_chunks
-from .tools import engine_tool_choice, first_call_only, openai_tools, tool_calling_problem, tool_selections
-
-if TYPE_CHECKING:
-    from llama_index.core.tools.types import BaseTool
+from .tools import tool_calling_problem
 
 __all__ = ["SpecPrefillLLM", "rag_instructions"]
 
 dispatcher = instrument.get_dispatcher(__name__)
 
 
-class SpecPrefillLLM(FunctionCallingLLM):
+class SpecPrefillLLM(FunctionCallingMixin, FunctionCallingLLM):
     """LlamaIndex LLM whose prompts are prefilled with Speculative Prefill.
 
     Pass a ready ``engine`` (shares loaded models), or ``model_name`` (and optionally
@@ -266,65 +263,6 @@ class SpecPrefillLLM(FunctionCallingLLM):
         stream = await self.engine.astream(**request)
         return achat_chunks(stream, content_filter(request["question"], self.engine.tokenizer), self._chat_response)
 
-    # -- tools (FunctionCallingLLM) -------------------------------------------------------
-
-    def _prepare_chat_with_tools(
-        self,
-        tools: Sequence[BaseTool],
-        user_msg: str | ChatMessage | None = None,
-        chat_history: list[ChatMessage] | None = None,
-        verbose: bool = False,
-        allow_parallel_tool_calls: bool = False,
-        tool_required: bool = False,
-        tool_choice: str | dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> dict[str, Any]:
-        """``chat`` arguments offering ``tools`` (OpenAI schemas) with the engine's ``tool_choice``
-        (``tools.engine_tool_choice``) and, without ``allow_parallel_tool_calls``, at most one call
-        (decoded under that grammar where the backend can); a model that cannot call tools is an
-        ``InputError`` here."""
-        schemas = openai_tools(tools)
-        if schemas and (problem := tool_calling_problem(self.engine.tokenizer)) is not None:
-            raise InputError(problem)
-        messages = list(chat_history or [])
-        if user_msg is not None:
-            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
-                            else user_msg)
-        names = [schema["function"]["name"] for schema in schemas]
-        choice = engine_tool_choice(tool_choice, tool_required, names) if schemas else None
-        return {"messages": messages, "tools": schemas, "tool_choice": choice,
-                "parallel_tool_calls": allow_parallel_tool_calls if schemas else None, **kwargs}
-
-    def _validate_chat_with_tools_response(
-        self, response: ChatResponse, tools: Sequence[BaseTool], allow_parallel_tool_calls: bool = False,
-        **kwargs: Any,
-    ) -> ChatResponse:
-        """Without ``allow_parallel_tool_calls``, only the first call is kept (as LlamaIndex's OpenAI LLM)."""
-        return response if allow_parallel_tool_calls else first_call_only(response)
-
-    # As LlamaIndex's OpenAI LLM: structured output by function calling forces the call.
-    def structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
-                           **prompt_args: Any) -> Any:
-        return super().structured_predict(output_cls, prompt, _forced(llm_kwargs), **prompt_args)
-
-    async def astructured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
-                                  **prompt_args: Any) -> Any:
-        return await super().astructured_predict(output_cls, prompt, _forced(llm_kwargs), **prompt_args)
-
-    def stream_structured_predict(self, output_cls: Any, prompt: Any, llm_kwargs: dict[str, Any] | None = None,
-                                  **prompt_args: Any) -> Any:
-        return super().stream_structured_predict(output_cls, prompt, _forced(llm_kwargs), **prompt_args)
-
-    async def astream_structured_predict(self, output_cls: Any, prompt: Any,
-                                         llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Any:
-        return await super().astream_structured_predict(output_cls, prompt, _forced(llm_kwargs), **prompt_args)
-
-    def get_tool_calls_from_response(
-        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
-    ) -> list[ToolSelection]:
-        """The calls the model wrote (validated against the tools when it answered), as ``ToolSelection``s."""
-        return tool_selections(response, error_on_no_tool_call)
-
     # -- query-engine templates (predict / stream) ----------------------------------------
 
     @dispatcher.span
@@ -377,10 +315,3 @@ def rag_instructions(llm: SpecPrefillLLM) -> str | None:
     else ``instructions``, else the engine's; ``SpecPrefillPassageReader`` reads passages after them."""
     return llm.system_prompt or llm.instructions or llm.engine.config.instructions
 
-
-def _forced(llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """``llm_kwargs`` of a structured prediction: the schema's call is required unless said otherwise."""
-    llm_kwargs = dict(llm_kwargs or {})
-    if "tool_choice" not in llm_kwargs:
-        llm_kwargs.setdefault("tool_required", True)
-    return llm_kwargs
