@@ -82,7 +82,8 @@ def test_bench_runs_each_suite_as_its_module(monkeypatch: pytest.MonkeyPatch) ->
     for suite, (cmd, cwd) in zip(BENCH_SUITES, calls, strict=True):
         assert cmd[0] == sys.executable and cmd[1] == "-m" and cmd[3:] == ["--n", "1"]
         assert cwd == REPO
-        assert (REPO / Path(*cmd[2].split("."))).with_suffix(".py").is_file(), cmd[2]
+        module = REPO / Path(*cmd[2].split("."))  # a module, or a package with a __main__.py (report)
+        assert module.with_suffix(".py").is_file() or (module / "__main__.py").is_file(), cmd[2]
         assert cmd[2] == ("benchmarks.report" if suite == "report" else f"benchmarks.suites.{suite}")
 
 

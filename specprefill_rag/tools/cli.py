@@ -235,7 +235,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     root = Path(__file__).resolve().parents[2]
     module = "benchmarks.report" if args.suite == "report" else f"benchmarks.suites.{args.suite}"
-    if not (root / Path(*module.split("."))).with_suffix(".py").is_file():
+    path = root / Path(*module.split("."))  # a module, or a package run by its __main__.py (report)
+    if not (path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()):
         print(
             "error: the benchmarks live in the source tree (benchmarks/): clone the repository and "
             "`pip install -e '.[bench]'` there",
