@@ -340,7 +340,7 @@ def test_the_rendered_page_opens_with_the_pinned_rows_and_refuses_an_unfair_one(
     text = report.render(results, tmp_path / "benchmarks.md", tmp_path / "images", readme, rows).read_text()
     head = text[text.index("## Headline"):text.index("## How these runs are made")]
     assert head.count("**2.50×**") == 1 and "(`ttft.json`)" in head and "unfair" not in head
-    assert "[findings.md](findings.md)" in head and "[lab-notes.md](lab-notes.md)" in head
+    assert "[findings.md](findings.md)" in head and "lab-notes.md" not in head
     assert text.index("## Headline") < text.index("## Time to first token")
     assert readme.read_text() == ("# x\n\n" + report.README_MARKERS[0] + "\n"
                                   + "\n".join(report.headline_table(results, rows)) + "\n"

@@ -13,7 +13,7 @@ skipped. ``CURRENT`` pins that list: results/ holds these files (and what later 
 results/archive/ the runs the docs cite but the page does not render. Writes docs/benchmarks.md
 and docs/images/bench_*.png, and the README's results table between its markers: both open with
 the cells pinned in ``HEADLINE_ROWS``. The page is generated: edit this package, not it; what the
-runs taught is docs/findings.md (its dated notes docs/lab-notes.md).
+runs taught is docs/findings.md.
 
 One module per section of the page: ``headline`` (the pinned table, also the README's),
 ``fairness`` (the fair-baseline rule), ``ttft`` and ``gpu`` (time to first token), ``length``

@@ -137,8 +137,7 @@ HEADLINE_KEY = (
 def headline(results: Path, rows: Sequence[HeadlineRow] = HEADLINE_ROWS) -> list[str]:
     """The page's opening section: the pinned table, its key, and where the prose lives."""
     return ["## Headline", "", *headline_table(results, rows), "", HEADLINE_KEY, "",
-            "What the runs taught: [findings.md](findings.md); the dated lab notes behind it: "
-            "[lab-notes.md](lab-notes.md).", ""]
+            "What the runs taught, and why each default is what it is: [findings.md](findings.md).", ""]
 
 
 def readme_results(results: Path, rows: Sequence[HeadlineRow] = HEADLINE_ROWS) -> list[str]:

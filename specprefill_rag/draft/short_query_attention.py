@@ -12,8 +12,8 @@ split over blocks of ``VALUE_BLOCK`` keys (as one product it ran on 8 blocks of 
 key/value head, each reading every value: 145 µs at 8k, 861 µs at 32k). One layer's attention
 of a 7-token forward on an H200 (Llama-3.2-1B shapes, replayed from a CUDA graph): SDPA 178 /
 332 / 641 / 1257 µs at 4k / 8k / 16k / 32k keys, this path 64 / 100 / 155 / 273 µs; the whole
-default scoring 0.74–0.94× its time through SDPA over two runs (2026-12-04,
-``docs/lab-notes.md``). It serves CUDA calls of at most ``SHORT_QUERY_TOKENS`` queries
+default scoring 0.74–0.94× its time through SDPA over two runs (2026-12-04, ``gpu_attention.json``
+and ``gpu_ttft.json``; ``docs/algorithm.md``). It serves CUDA calls of at most ``SHORT_QUERY_TOKENS`` queries
 with a 4-d mask (``applies``); everything else, and every call on a CPU, goes to SDPA unchanged.
 """
 
