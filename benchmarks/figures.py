@@ -2,8 +2,9 @@
 
 Self-contained: the functions take result dicts as the benchmark files hold them (already
 loaded) and a path to write a PNG to, and return the series they drew (``Series``) so that a
-caller can caption what is there and a test can check what was left out. ``benchmarks/report.py``
-calls them; the fairness rule for a TTFT baseline stays there (``unfair_baseline``) and is passed in.
+caller can caption what is there and a test can check what was left out. ``benchmarks/report/``
+calls them; the fairness rule for a TTFT baseline stays there (``unfair_baseline`` in
+``report/fairness.py``) and is passed in.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 DPI = 120
 KEEPS = (0.1, 0.3)  # keep rates drawn, where a file holds them
-# (data, run) -> why the run's baseline is unfair, None when fair: report.unfair_baseline.
+# (data, run) -> why the run's baseline is unfair, None when fair: report.unfair_baseline (report/fairness.py).
 UnfairRule = Callable[[dict[str, Any], dict[str, Any]], "str | None"]
 
 
@@ -239,10 +240,22 @@ def quality_vs_length(
     ax.set_ylabel("score relative to the full prompt (95% CI)")
     ax.grid(alpha=0.25)
     ax.set_title(title or "SpecPrefill answer quality vs prompt length", fontsize=9)
-    # Legend: colours say the keep rate, markers the task with n per length (n at 10% | 30% where they differ).
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
+    fig.legend(handles=_quality_legend(plt, points, keeps, markers), loc="lower center", ncol=3, fontsize=7.5,
+               frameon=False)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return drawn
+
+
+def _quality_legend(plt: Any, points: Sequence[dict[str, Any]], keeps: Sequence[float], markers: dict[str, str]
+                    ) -> list[Any]:
+    """The quality figure's legend: colours say the keep rate, markers the task (``markers``: one
+    per task family) with n per length (n at 10% | 30% where they differ)."""
     handles = [plt.Line2D([], [], color=f"C{i}", lw=2, label=f"keep {k:.0%}") for i, k in enumerate(keeps)]
     handles.append(plt.Line2D([], [], color="black", lw=1.2, label="full prompt (= 1)"))
-    for family in families:
+    for family in markers:
         sizes = []
         for task in dict.fromkeys(p["task"] for p in points if p["family"] == family):
             mine = [p for p in points if p["task"] == task]
@@ -251,12 +264,7 @@ def quality_vs_length(
             sizes.append(f"{ns} @{_tokens(mine[0]['tokens'])}")
         handles.append(plt.Line2D([], [], color="grey", marker=markers[family], ls="none",
                                   label=f"{family}: n={', '.join(sizes)}"))
-    fig.tight_layout(rect=(0, 0.13, 1, 1))
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=7.5, frameon=False)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return drawn
+    return handles
 
 
 def quality_caption(series: Sequence[Series], sources: Sequence[str]) -> str:

@@ -103,6 +103,36 @@ def load_draft(main_backend: Backend, main: str, draft: str | None, config: Draf
     return DraftModel.from_pretrained(draft, config, dtype=dtype, device=device) if draft else None
 
 
+# -- the planning pipeline's stages, each a function of the engine's scorer ----------------------
+
+
+def _required(scorer: DraftScorer | None) -> DraftScorer:
+    """``scorer``; a ``ConfigError`` for an engine without a draft (SpecPrefill asked of it)."""
+    if scorer is None:
+        raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
+    return scorer
+
+
+def _choose(scorer: DraftScorer | None, prompt: AssembledPrompt, mode: str, sel: SelectionConfig, salt: str | None,
+            weigh_cost: bool = True) -> tuple[DraftReading | None, PathChoice | None]:
+    """What ``scorer``'s draft reads of ``prompt``, or None and why it is prefilled whole (``payoff``;
+    ``weigh_cost``: ``DraftScorer.choose``'s); no draft for SpecPrefill is a ``ConfigError``."""
+    if (whole := unpruned(prompt, mode, sel)) is not None:
+        return None, whole
+    n_context = prompt.n_context
+    return _required(scorer).choose(prompt, n_context - sel.budget(n_context), salt, weigh_cost=weigh_cost)
+
+
+def _plan(scorer: DraftScorer | None, prompt: AssembledPrompt, sel: SelectionConfig, reading: DraftReading | None,
+          whole: PathChoice | None) -> PlannedPrompt:
+    """The plan of a prompt the draft reads as ``reading``, scored by ``scorer`` and selected;
+    prefilled whole for the reason ``whole`` gives when there is nothing to read (``reading`` None)."""
+    if reading is None:
+        assert whole is not None
+        return selection_lib.prefilled_whole(prompt, whole)
+    return selection_lib.plan_scored(prompt, sel, _required(scorer).score(reading))
+
+
 class SpecPrefillEngine:
     """Answers RAG questions with a draft-selected prefill on a main-model backend.
 
@@ -227,7 +257,7 @@ class SpecPrefillEngine:
                    ) -> list[TokenScores]:
         """``score`` for several prompts in one batched draft run (each result equals the
         prompt's own within floating-point tolerance); what concurrent requests share."""
-        return self._require_scorer().score_many(prompts, draft)
+        return _required(self.scorer).score_many(prompts, draft)
 
     def draft_fits(self, prompt: AssembledPrompt, *, draft: DraftConfig | None = None) -> bool:
         """Whether the draft can read ``prompt`` (its own rendering, look-ahead included)."""
@@ -254,34 +284,11 @@ class SpecPrefillEngine:
         ``cache_salt``: the request's cache namespace (``GenerationConfig.cache_salt``)."""
         sel = request_selection(self.config, mode, None, selection)
         if scores is None:
-            return self._plan(prompt, sel, *self._choose(prompt, mode, sel, cache_salt))
+            return _plan(self.scorer, prompt, sel, *_choose(self.scorer, prompt, mode, sel, cache_salt))
         whole = unpruned(prompt, mode, sel)
         if whole is not None:
             return selection_lib.prefilled_whole(prompt, whole, scores)
         return selection_lib.plan_scored(prompt, sel, scores)
-
-    def _require_scorer(self) -> DraftScorer:
-        if self.scorer is None:
-            raise ConfigError("this engine has no draft model: pass draft=... or use mode='full'")
-        return self.scorer
-
-    def _choose(self, prompt: AssembledPrompt, mode: str, sel: SelectionConfig, salt: str | None,
-                weigh_cost: bool = True) -> tuple[DraftReading | None, PathChoice | None]:
-        """What the draft reads of ``prompt``, or None and why it is prefilled whole (``payoff``;
-        ``weigh_cost``: ``DraftScorer.choose``'s); no draft for SpecPrefill is a ``ConfigError``."""
-        if (whole := unpruned(prompt, mode, sel)) is not None:
-            return None, whole
-        n_context = prompt.n_context
-        return self._require_scorer().choose(prompt, n_context - sel.budget(n_context), salt, weigh_cost=weigh_cost)
-
-    def _plan(self, prompt: AssembledPrompt, sel: SelectionConfig, reading: DraftReading | None,
-              whole: PathChoice | None) -> PlannedPrompt:
-        """The plan of a prompt the draft reads as ``reading``, scored and selected; prefilled whole
-        for the reason ``whole`` gives when there is nothing to read (``reading`` None)."""
-        if reading is None:
-            assert whole is not None
-            return selection_lib.prefilled_whole(prompt, whole)
-        return selection_lib.plan_scored(prompt, sel, self._require_scorer().score(reading))
 
     def compress(self, question: str, passages: Passages, *, keep_rate: float | None = None,
                  selection: SelectionConfig | None = None, instructions: str | None = None,
@@ -292,7 +299,8 @@ class SpecPrefillEngine:
         items = compress_lib.check_request(question, passages, marker)
         sel = request_selection(self.config, "specprefill", keep_rate, selection)
         prompt = self.assemble(question, items, instructions=instructions, selection=sel, cache_salt=cache_salt)
-        planned = self._plan(prompt, sel, *self._choose(prompt, "specprefill", sel, cache_salt, weigh_cost=False))
+        reading, whole = _choose(self.scorer, prompt, "specprefill", sel, cache_salt, weigh_cost=False)
+        planned = _plan(self.scorer, prompt, sel, reading, whole)
         return compress_lib.compression(planned, items, marker, time.perf_counter() - started)
 
     def read_passages(self, passages: Passages, *, instructions: str | None = None, cache_salt: str | None = None
@@ -302,7 +310,7 @@ class SpecPrefillEngine:
         passage never read before is read on first sight anyway). ``instructions`` (default the
         engine's) and ``cache_salt`` must be those of the later requests: a passage's reading
         belongs to the system part it was read after and to its namespace (``read_ahead``)."""
-        return read_ahead(self, self._require_scorer(), prompt_lib.as_passages(passages), instructions, cache_salt)
+        return read_ahead(self, _required(self.scorer), prompt_lib.as_passages(passages), instructions, cache_salt)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -348,11 +356,12 @@ class SpecPrefillEngine:
         gen = generation or self.config.generation
         prompt = self.assemble(question, passages, instructions=instructions, selection=sel, cache_salt=gen.cache_salt)
         gen, read_calls = toolcalls.answer_setup(prompt.segments, self.tokenizer, gen, self.backend)
-        reading, whole = self._choose(prompt, mode, sel, gen.cache_salt)
+        reading, whole = _choose(self.scorer, prompt, mode, sel, gen.cache_salt)
 
         def run() -> Generator[str, None, GenerationResult]:
             assembled = time.perf_counter()
-            planned = dataclasses.replace(self._plan(prompt, sel, reading, whole), assemble_s=assembled - started)
+            plan = _plan(self.scorer, prompt, sel, reading, whole)
+            planned = dataclasses.replace(plan, assemble_s=assembled - started)
             result = yield from prefill_and_decode(self.backend, planned, gen, started=started, stop=stop)
             self.costs.observe_prefill(result.prefilled_tokens, result.timings.prefill_s)
             return result if read_calls is None else read_calls(result)

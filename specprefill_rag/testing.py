@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from .draft import DraftModel
 from .engine import SpecPrefillEngine
 
 __all__ = [
-    "CHATML", "CHATML_TOOLS", "INST_TEMPLATE", "LoopTicks", "ScriptedBackend", "counting_loop_ticks",
+    "CHATML", "CHATML_TOOLS", "INST_TEMPLATE", "LoopTicks", "ScriptedBackend", "TinySizes", "counting_loop_ticks",
     "recording_score_maps", "small_real_engine", "tiny_engine", "tiny_inst_tokenizer", "tiny_model",
     "tiny_reading_engine", "tiny_tokenizer",
 ]
@@ -107,28 +108,44 @@ def tiny_inst_tokenizer(corpus: Sequence[str] = _CORPUS, *, vocab_size: int = 26
     return tokenizer
 
 
+@dataclass(frozen=True)
+class TinySizes:
+    """How big a tiny model is (``tiny_model``): every head count is fixed (4 query heads, 2 KV
+    heads: GQA), so these sizes are all a test chooses."""
+
+    layers: int = 3  # decoder layers
+    hidden_size: int = 64  # the model width; the MLP is twice as wide
+    max_position_embeddings: int = 2048  # the window, in tokens
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
 def tiny_model(
     family: str,
     vocab_size: int,
     *,
     seed: int = 0,
-    layers: int = 3,
-    hidden_size: int = 64,
-    max_position_embeddings: int = 2048,
     qk_scale: float = 1.0,
     eos_token_id: int | None = None,
+    **sizes: int,
 ) -> Any:
     """A random ``"llama"`` or ``"qwen2"`` causal LM (4 query heads, 2 KV heads: GQA) in eval mode.
 
+    ``sizes``: the fields of ``TinySizes`` (``layers``, ``hidden_size``,
+    ``max_position_embeddings``), by keyword; an unknown one is a ``TypeError``.
     ``qk_scale`` multiplies the q/k projections: above 1 the attention is sharper than the
     default init's nearly uniform rows, which makes scoring tests meaningful.
     """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    size = TinySizes(**sizes)
     common: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_position_embeddings, eos_token_id=eos_token_id,
+        vocab_size=vocab_size, hidden_size=size.hidden_size, intermediate_size=2 * size.hidden_size,
+        num_hidden_layers=size.layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=size.max_position_embeddings, eos_token_id=eos_token_id,
         tie_word_embeddings=False, rope_theta=10000.0,
     )
     torch.manual_seed(seed)

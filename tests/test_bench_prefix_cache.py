@@ -82,7 +82,7 @@ def test_prefix_cache_chat_sends_each_turn_three_ways_and_keeps_full_answers_as_
 
     monkeypatch.setattr(prefix_cache, "measure_segments", fake_measure)
     turns = [(f"Question {t}?", [f"Passage {t}."]) for t in range(3)]
-    row = prefix_cache.run_chat(None, "http://x", "c", turns, "System.", 0, 0.1, answer_tokens=160)
+    row = prefix_cache.run_chat(None, "http://x", prefix_cache.Chat("c", turns, "System.", 0), 0.1, answer_tokens=160)
     assert [t["same_as_cold"] for t in row["turns"]] == [True] * 3
     per_turn = [sent[4 * t: 4 * t + 4] for t in range(3)]
     assert [[mode for mode, *_ in turn] for turn in per_turn] == [

@@ -79,20 +79,21 @@ def test_ttft_bench_tiny_smoke(tmp_path: Path) -> None:
 
 @needs_data
 def test_ttft_memory_child_measures_a_peak() -> None:
+    from benchmarks.lib import peak_memory
     from benchmarks.suites import ttft
 
     row = ttft.memory_child("score", "unused", 128, tiny=True, device="cpu")
     assert row["peak_bytes"] >= row["baseline_bytes"] > 0
-    assert row["source"] == ("heap" if ttft._heap_reader() else "rss") and row["rss_peak_bytes"] > 0
+    assert row["source"] == ("heap" if peak_memory.heap_reader() else "rss") and row["rss_peak_bytes"] > 0
 
 
 def test_peak_memory_sees_a_short_lived_tensor() -> None:
-    from benchmarks.suites import ttft
+    from benchmarks.lib import peak_memory
 
-    if ttft._heap_reader() is None:
+    if peak_memory.heap_reader() is None:
         pytest.skip("no glibc mallinfo2 here: the CPU memory figure falls back to RSS")
     size = 64 * 2**20
-    with ttft._PeakMemory() as mem:
+    with peak_memory.PeakMemory() as mem:
         block = torch.ones(size // 4)
         time.sleep(0.05)
         del block

@@ -190,11 +190,13 @@ def test_the_phase_marks_leave_the_draft_as_it_was(tokenizer):
 
 def test_runtime_call_names_match_with_or_without_cupti_suffixes():
     """The profile tables find launches and waits under the names CUPTI versions give them."""
+    from benchmarks.lib import gpu_profile
+
     for name in ("cudaLaunchKernel", "cudaLaunchKernel_v7000", "cudaLaunchKernelExC_v11060", "cudaLaunchKernel_ptsz"):
-        assert gpu_ttft.runtime_name(name) in gpu_ttft._LAUNCHES
-    assert gpu_ttft.runtime_name("cudaStreamSynchronize_v3020") in gpu_ttft._SYNC_CALLS
-    assert gpu_ttft.runtime_name("cudaMemcpyAsync_ptsz") == "cudaMemcpyAsync"
-    assert gpu_ttft.runtime_name("aten::_local_scalar_dense") == "aten::_local_scalar_dense"
+        assert gpu_profile.runtime_name(name) in gpu_profile.LAUNCHES
+    assert gpu_profile.runtime_name("cudaStreamSynchronize_v3020") in gpu_profile.SYNC_CALLS
+    assert gpu_profile.runtime_name("cudaMemcpyAsync_ptsz") == "cudaMemcpyAsync"
+    assert gpu_profile.runtime_name("aten::_local_scalar_dense") == "aten::_local_scalar_dense"
 
 
 def test_a_failed_measurement_beside_the_tables_is_recorded_on_a_gpu_run_and_raised_in_a_dry_run():

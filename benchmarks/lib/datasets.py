@@ -7,10 +7,11 @@ long tasks (``long_context``), which pad these examples to 4k–32k tokens.
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ __all__ = [
     "Example",
     "data_file",
     "essay_text",
+    "interleave",
     "load_hotpotqa",
     "load_near_miss",
     "load_squad",
@@ -250,3 +252,12 @@ def needle_examples(
                 )
             )
     return out
+
+
+def interleave(examples: Sequence[Example], key: Callable[[Example], Any] = lambda ex: ex.task) -> list[Example]:
+    """Round-robin over tasks (or another ``key``), so an interrupted run still covers every one."""
+    by_key: dict[Any, list[Example]] = collections.defaultdict(list)
+    for ex in examples:
+        by_key[key(ex)].append(ex)
+    queues = list(by_key.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]

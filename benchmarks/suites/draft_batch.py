@@ -2,7 +2,7 @@
 share draft passes (``DraftConfig.max_batch``), and what padding costs when their lengths differ.
 
 For each prompt length L and batch size B, B prompts shaped like assembled RAG prompts (random
-token ids, a protected head and question tail, ``gpu_ttft.synthetic_prompt``) are scored three ways,
+token ids, a protected head and question tail, ``gpu_pair.synthetic_prompt``) are scored three ways,
 interleaved per repetition, nothing reused between repetitions (``cold``):
 
     alone    one ``score`` call per prompt, one after another (batch 1)
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.lib.gpu_pair import LLAMA_3_2_1B, QWEN2_5_0_5B, TINY_DRAFT, build, synthetic_prompt
 from benchmarks.lib.machine import best_dtype, cold, command_line, machine_info, model_dtype_name, offline
 from benchmarks.lib.results import write_results
-from benchmarks.suites.gpu_ttft import LLAMA_3_2_1B, QWEN2_5_0_5B, TINY_DRAFT, build, synthetic_prompt
 from specprefill_rag import DraftConfig, DraftModel
 from specprefill_rag.draft.probe import padding_share
 from specprefill_rag.loading import DEFAULT_DRAFT

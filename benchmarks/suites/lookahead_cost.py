@@ -31,8 +31,8 @@ from benchmarks.lib.lookahead import lookahead_label
 from benchmarks.lib.machine import cold
 from benchmarks.lib.metrics import bootstrap_ci
 from benchmarks.lib.results import append_jsonl
+from benchmarks.lib.ttft_timing import plain_forward_s
 from benchmarks.suites import evidence, guesses
-from benchmarks.suites.ttft import plain_forward_s
 from specprefill_rag import DraftConfig, DraftModel
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, load_model, load_tokenizer
 

@@ -3,8 +3,8 @@
 The cheap proxy of issue 51's end-to-end comparison (``bench quality --methods text llmlingua
 ragcompress``), on many more examples: per example and keep rate, SpecPrefill's text mode
 (``engine.compress``), LongLLMLingua and ragcompress compress the passages, all scoring with the
-same draft LM, the peers under ``bench quality``'s budget (``_Case.peer_budget``: the passage
-tokens SpecPrefill keeps at that rate). Each compressed context, the text an LLM behind the
+same draft LM, the peers under ``bench quality``'s budget (``quality_methods.Case.peer_budget``: the
+passage tokens SpecPrefill keeps at that rate). Each compressed context, the text an LLM behind the
 compressor would read, is then checked against the gold:
 
 - ``answer``: an accepted answer appears in it (whole words, SQuAD-normalised, digit separators
@@ -39,6 +39,7 @@ from typing import Any
 
 from benchmarks.lib.machine import add_dtype_arg
 from benchmarks.lib.metrics import bootstrap_ci, share_ci
+from benchmarks.lib.quality_methods import Case
 from benchmarks.lib.results import append_jsonl, prompt_digest, read_jsonl, result_name, same_example
 from benchmarks.suites import evidence, quality
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN
@@ -91,8 +92,8 @@ def measure_example(engine: Any, ex: quality.Example, index: int, args: argparse
                     count_tokens: Callable[[str], int]) -> dict[str, Any]:
     """One example's row: every method at every keep rate (``COLUMNS`` per ``method@keep``)."""
     passages = _passages(ex)
-    case = quality._Case(engine, ex, index, args, peers.get("llmlingua"), engine.assemble(ex.question, passages),
-                         passages, ragcompress=peers.get("ragcompress"))
+    case = Case(engine, ex, index, args, peers.get("llmlingua"), engine.assemble(ex.question, passages),
+                passages, ragcompress=peers.get("ragcompress"))
     results: dict[str, list[Any]] = {}
     for keep in args.keep_rates:
         sel = dataclasses.replace(engine.config.selection, keep_rate=keep, token_budget=None)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import random
 import re
@@ -42,16 +41,28 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.machine import add_dtype_arg, model_dtype_name, resolved_dtype, served_dtype
-from benchmarks.lib.metrics import bootstrap_ci, paired_ratio_ci
+from benchmarks.lib.prefix_cache_summary import (
+    SCENARIOS,
+    chat_lines,
+    print_summary,
+    summarize,
+    summarize_chat,
+    summary_lines,
+)
 from benchmarks.lib.results import RESULTS_DIR, ROOT, append_jsonl
 from benchmarks.suites import quality
 from benchmarks.suites.evidence import load_rows
 from benchmarks.suites.gateway_load import free_port
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN, DTYPES
+
+# The tables of the results files live in benchmarks/lib/prefix_cache_summary.py; the report and
+# the tests read them through this module too.
+__all__ = ["chat_lines", "main", "run_chat", "summarize", "summarize_chat", "summary_lines"]
 
 READY_TIMEOUT_S = 900.0
 INSTRUCTIONS = (
@@ -69,7 +80,6 @@ LONG_INSTRUCTIONS = (
     "they do contain. Later questions may refer to your earlier answers. "
     "Here are worked examples of the facts such answers rest on."
 )
-SCENARIOS = ("sys_full", "sys_spec", "retry", "nosys_full", "nosys_spec")
 CHAT_MODES = ("full", "spec", "spec_pruned")  # warm, per turn; then "spec_cold" checks the warm answer
 
 
@@ -158,19 +168,30 @@ def run_example(engines: dict[str, Any], url: str, ex: quality.Example, passages
     return {"id": ex.id, "keep": keep, **out}
 
 
-def run_chat(engine: Any, url: str, conversation: str, turns: Sequence[tuple[str, list[str]]], system: str,
-             index: int, keep: float, answer_tokens: int | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Chat:
+    """One RAG chat to measure: its id, its turns (the question, that turn's passages), its system
+    prompt, and its index in the run (which rotates the order of the modes)."""
+
+    id: str
+    turns: Sequence[tuple[str, list[str]]]
+    system: str
+    index: int = 0
+
+
+def run_chat(engine: Any, url: str, chat: Chat, keep: float, answer_tokens: int | None = None) -> dict[str, Any]:
     """A RAG chat, new passages each turn: full prefill, SpecPrefill with the history whole (the
     default) and SpecPrefill with it prunable, of every turn's prompt (all with the prefix cache;
     order rotating), and SpecPrefill of it cold (a salt of its own) to check the warm answer.
     History: the full-prefill answers (``answer_tokens`` long at most), as the chat's earlier turns."""
     from specprefill_rag.prompt import chat_segments
 
-    history: list[tuple[str, str]] = [("system", system)]
+    conversation = chat.id
+    history: list[tuple[str, str]] = [("system", chat.system)]
     out = []
-    for t, (question, passages) in enumerate(turns):
+    for t, (question, passages) in enumerate(chat.turns):
         segments = list(chat_segments([*history, ("user", question)], passages))
-        shift = (index + t) % len(CHAT_MODES)
+        shift = (chat.index + t) % len(CHAT_MODES)
         order = [*CHAT_MODES[shift:], *CHAT_MODES[:shift]]
         got = {mode: measure_segments(engine, url, segments, None, mode, keep,
                                       answer_tokens if mode == "full" else None) for mode in order}
@@ -179,103 +200,6 @@ def run_chat(engine: Any, url: str, conversation: str, turns: Sequence[tuple[str
         out.append({"turn": t + 1, **got, "same_as_cold": got["spec"]["text"] == got["spec_cold"]["text"]})
         history += [("user", question), ("assistant", got["full"]["text"])]
     return {"id": conversation, "keep": keep, "turns": out}
-
-
-def summarize_chat(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
-    """Per turn: TTFT speedup of SpecPrefill over full prefill (both warm), cached tokens, answers."""
-    out = []
-    for turn in sorted({t["turn"] for r in rows for t in r["turns"]}):
-        cells = [t for r in rows for t in r["turns"] if t["turn"] == turn]
-        out.append({
-            "turn": turn, "n": len(cells),
-            "full_ttft_s": bootstrap_ci([c["full"]["ttft_s"] for c in cells], seed=seed),
-            "spec_ttft_s": bootstrap_ci([c["spec"]["ttft_s"] for c in cells], seed=seed),
-            "speedup": paired_ratio_ci([c["full"]["ttft_s"] for c in cells], [c["spec"]["ttft_s"] for c in cells],
-                                       seed=seed),
-            "full_cached": bootstrap_ci([c["full"]["cached_tokens"] for c in cells], seed=seed),
-            "spec_cached": bootstrap_ci([c["spec"]["cached_tokens"] for c in cells], seed=seed),
-            # Rows from before the pruned-history arm lack it: counted over the turns that have it.
-            "pruned_speedup": paired_ratio_ci([c["full"]["ttft_s"] for c in cells if "spec_pruned" in c],
-                                              [c["spec_pruned"]["ttft_s"] for c in cells if "spec_pruned" in c],
-                                              seed=seed),
-            "pruned_cached": bootstrap_ci([c["spec_pruned"]["cached_tokens"] for c in cells if "spec_pruned" in c],
-                                          seed=seed),
-            "pruned_n": sum("spec_pruned" in c for c in cells),
-            # The first chat run did not record answer lengths: NaN ("not recorded"), not 0.
-            "answer_tokens": bootstrap_ci([c["full"]["answer_tokens"] for c in cells if "answer_tokens" in c["full"]],
-                                          seed=seed),
-            "prompt_tokens": bootstrap_ci([c["full"]["prompt_tokens"] for c in cells], seed=seed),
-            "spec_faster": sum(c["spec"]["ttft_s"] <= c["full"]["ttft_s"] for c in cells),
-            "same_as_cold": sum(bool(c["same_as_cold"]) for c in cells),
-        })
-    return out
-
-
-def chat_lines(summary: list[dict[str, Any]]) -> list[str]:
-    if not summary:
-        return []
-    lines = ["| turn | n | prompt tokens | answer tokens | cached: full / SpecPrefill | TTFT full | TTFT SpecPrefill "
-             "| speedup | SpecPrefill faster | answer = cold | history pruned: n, cached, speedup |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for s in summary:
-        v, p = s["speedup"], s["pruned_speedup"]
-        pruned = (f"{s['pruned_n']}, {s['pruned_cached'][0]:.0f}, {p[0]:.2f}× [{p[1]:.2f}, {p[2]:.2f}]"
-                  if s["pruned_n"] and p[0] is not None else "not measured")
-        answer = "not recorded" if math.isnan(s["answer_tokens"][0]) else f"{s['answer_tokens'][0]:.0f}"
-        lines.append(f"| {s['turn']} | {s['n']} | {s['prompt_tokens'][0]:.0f} | {answer} | "
-                     f"{s['full_cached'][0]:.0f} / {s['spec_cached'][0]:.0f} | {s['full_ttft_s'][0]:.1f} s | "
-                     f"{s['spec_ttft_s'][0]:.1f} s | {v[0]:.2f}× [{v[1]:.2f}, {v[2]:.2f}] | "
-                     f"{s['spec_faster']}/{s['n']} | {s['same_as_cold']}/{s['n']} | {pruned} |")
-    return lines
-
-
-def summarize(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
-    """Means and 95% CIs: cached tokens, speedups over warm full prefill, the retry's draft cost."""
-    def column(name: str, field: str) -> list[float]:
-        return [float(r[name][field]) for r in rows]
-
-    out: dict[str, Any] = {"n": len(rows)}
-    for name in SCENARIOS:
-        mean, low, high = bootstrap_ci(column(name, "cached_tokens"), seed=seed)
-        out[f"{name}_cached"] = (mean, low, high)
-        out[f"{name}_new_tokens"] = bootstrap_ci(
-            [r[name]["sent_tokens"] - r[name]["cached_tokens"] for r in rows], seed=seed)
-    out["speedup_sys"] = paired_ratio_ci(column("sys_full", "ttft_s"), column("sys_spec", "ttft_s"), seed=seed)
-    out["speedup_nosys"] = paired_ratio_ci(column("nosys_full", "ttft_s"), column("nosys_spec", "ttft_s"), seed=seed)
-    out["retry_over_prefill"] = paired_ratio_ci(column("retry", "ttft_s"), column("retry", "prefill_s"), seed=seed)
-    out["retry_over_first_prefill"] = paired_ratio_ci(column("retry", "ttft_s"), column("sys_spec", "prefill_s"),
-                                                      seed=seed)
-    out["retry_memo_hits"] = sum(1 for r in rows if r["retry"]["memo_hit"])
-    # Rows measured before the draft had a prefix store carry no draft_cached_tokens: 0.
-    out["sys_spec_draft_cached"] = bootstrap_ci([r["sys_spec"].get("draft_cached_tokens", 0) for r in rows], seed=seed)
-    out["system_tokens"] = rows[0].get("system_tokens") if rows else None
-    return out
-
-
-def summary_lines(s: dict[str, Any]) -> list[str]:
-    """The summary as Markdown: one table row per request kind, then the ratios."""
-    if not s["n"]:
-        return ["Not measured yet: run `specprefill-rag bench prefix_cache`."]
-    lines = [f"n = {s['n']} questions; system prompt {s['system_tokens']} tokens; means with 95% bootstrap CIs.", "",
-             "| request | prompt tokens served from vLLM's cache | tokens vLLM prefilled |", "|---|---|---|"]
-    for name in SCENARIOS:
-        c, p = s[f"{name}_cached"], s[f"{name}_new_tokens"]
-        lines.append(f"| {name} | {c[0]:.0f} [{c[1]:.0f}, {c[2]:.0f}] | {p[0]:.0f} [{p[1]:.0f}, {p[2]:.0f}] |")
-    lines.append("")
-    for key, label in (("speedup_sys", "TTFT speedup, shared system prompt, both warm"),
-                       ("speedup_nosys", "TTFT speedup, no system prompt, both cold"),
-                       ("retry_over_prefill", "retry TTFT / its own main prefill time"),
-                       ("retry_over_first_prefill", "retry TTFT / the first send's main prefill time")):
-        v = s[key]
-        lines.append(f"- {label} (ratio of mean TTFTs): {v[0]:.2f}× [{v[1]:.2f}, {v[2]:.2f}]")
-    lines.append(f"- retries served from the score memo: {s['retry_memo_hits']}/{s['n']}")
-    d = s["sys_spec_draft_cached"]
-    lines.append(f"- sys_spec draft tokens read from the draft's prefix store: {d[0]:.0f} [{d[1]:.0f}, {d[2]:.0f}]")
-    return lines
-
-
-def print_summary(s: dict[str, Any]) -> None:
-    print("\n".join(summary_lines(s)))
 
 
 def build_engines(args: argparse.Namespace, url: str) -> dict[str, Any]:
@@ -321,17 +245,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_chats(args: argparse.Namespace, engine: Any, url: str, path: Path, chat_pool: Sequence[quality.Example],
-              pad: Sequence[quality.Example], tokenizer: Any, system: str, main_dtype: str | None = None) -> None:
+@dataclass(frozen=True)
+class ChatSource:
+    """What a run's chats are drawn from: their questions (``--chat-turns`` per chat, in order),
+    the other questions' paragraphs that pad each turn's passages, the tokenizer that counts them,
+    and the chats' system prompt."""
+
+    questions: Sequence[quality.Example]
+    pad: Sequence[quality.Example]
+    tokenizer: Any
+    system: str
+
+
+def run_chats(args: argparse.Namespace, engine: Any, url: str, path: Path, source: ChatSource,
+              main_dtype: str | None = None) -> None:
     """``args.chats`` conversations of ``args.chat_turns`` HotpotQA questions each (resumable)."""
     done = {r["id"] for r in load_rows(path)}
     for c in range(args.chats):
-        exs = chat_pool[c * args.chat_turns: (c + 1) * args.chat_turns]
+        exs = source.questions[c * args.chat_turns: (c + 1) * args.chat_turns]
         conversation = "+".join(ex.id for ex in exs)
         if conversation in done:
             continue
-        turns = [(ex.question, passages_of(ex, pad, tokenizer, args.passage_tokens, args.seed + 100 + c)) for ex in exs]
-        row = run_chat(engine, url, conversation, turns, system, c, args.keep,
+        turns = [(ex.question, passages_of(ex, source.pad, source.tokenizer, args.passage_tokens, args.seed + 100 + c))
+                 for ex in exs]
+        row = run_chat(engine, url, Chat(conversation, turns, source.system, c), args.keep,
                        args.chat_answer_tokens if args.chat_answers == "long" else None)
         row["draft_dtype"], row["main_dtype"] = model_dtype_name(engine.draft.model), main_dtype
         append_jsonl(path, row)
@@ -340,11 +277,25 @@ def run_chats(args: argparse.Namespace, engine: Any, url: str, path: Path, chat_
             flush=True)
 
 
+def start_server(args: argparse.Namespace) -> Any:
+    """A vLLM server of the main model with prefix caching on, started here (no --vllm-url)."""
+    from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
+
+    logs = ROOT / "benchmarks" / ".cache" / "prefix_cache"
+    logs.mkdir(parents=True, exist_ok=True)
+    launch = LaunchOptions(port=free_port(), log_path=logs / "vllm.log",
+                           env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    server = VLLMServer(args.main, launch=launch, max_model_len=4096, extra_args=["--enable-prefix-caching"],
+                        dtype=args.dtype)
+    print("starting vLLM ...", flush=True)
+    server.start(timeout=READY_TIMEOUT_S)
+    return server
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from specprefill_rag.loading import load_tokenizer, resolve_model_dir
-    from specprefill_rag.tools.vllm_process import LaunchOptions, VLLMServer
 
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -362,16 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     system = system_prompt(tokenizer, args.system_tokens, pool[:40])
     system_tokens = count(tokenizer, system)
     done = {r["id"] for r in load_rows(path)}
-    server = None
-    if args.vllm_url is None:
-        logs = ROOT / "benchmarks" / ".cache" / "prefix_cache"
-        logs.mkdir(parents=True, exist_ok=True)
-        launch = LaunchOptions(port=free_port(), log_path=logs / "vllm.log",
-                               env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
-        server = VLLMServer(args.main, launch=launch, max_model_len=4096, extra_args=["--enable-prefix-caching"],
-                            dtype=args.dtype)
-        print("starting vLLM ...", flush=True)
-        server.start(timeout=READY_TIMEOUT_S)
+    server = start_server(args) if args.vllm_url is None else None
     url = server.url if server else args.vllm_url.rstrip("/")
     asked = served_dtype(server) if server else args.server_dtype  # as vLLM logs it, or as declared
     main_dtype = resolved_dtype(asked) if asked else None
@@ -392,7 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True)
         chat_system = system if args.chat_answers == "short" else system_prompt(
             tokenizer, args.system_tokens, pool[:40], LONG_INSTRUCTIONS)
-        run_chats(args, engines["off"], url, chat_path, chat_pool, pool[40:], tokenizer, chat_system, main_dtype)
+        run_chats(args, engines["off"], url, chat_path, ChatSource(chat_pool, pool[40:], tokenizer, chat_system),
+                  main_dtype)
     finally:
         if server is not None:
             server.stop()

@@ -38,10 +38,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.lib.essay_prompts import build_passages, essay_passages
 from benchmarks.lib.machine import add_dtype_arg, model_dtypes, offline
 from benchmarks.lib.metrics import bootstrap_ci
 from benchmarks.lib.results import RESULTS_DIR, append_jsonl, read_jsonl
-from benchmarks.suites.ttft import build_passages, essay_passages
 from specprefill_rag import PassageReading
 from specprefill_rag.loading import DEFAULT_DRAFT, DEFAULT_MAIN
 

@@ -7,7 +7,8 @@ queries of the question's tokens and of the last prompt token (at prefill) and t
 look-ahead token. No N×N matrix is ever built: scoring needs only those query rows per layer and
 head. ``hooked`` and ``leaving`` stop a forward after a given layer for the calling context only.
 
-Public for benchmarks that drive the draft's forwards themselves (``benchmarks/suites/evidence.py``).
+Public, through ``draft.probe``, for benchmarks that drive the draft's forwards themselves
+(``benchmarks/lib/evidence_capture.py``).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +29,21 @@ from .passage_reading import PromptLayout, ReadingPlan, read_prompts, with_head
 from .passage_store import PassageStore
 from .prefix_store import MIN_PREFIX_TOKENS, PrefixEntry, PrefixStore
 
-__all__ = ["DraftForward", "LocalRead", "prompt_heads"]
+__all__ = ["DraftForward", "LocalRead", "PaddedBatch", "prompt_heads"]
 
 LocalRead = Callable[[], tuple[Any, torch.Tensor]]  # a forward reading passages apart: (cache, hidden states)
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """A batch of prompts laid out for one forward (``DraftForward._right_padded``): what the
+    prompt's forward and the look-ahead drivers read together."""
+
+    ids: torch.Tensor  # (batch, longest prompt) int64 token ids, zeros after each prompt, on the device
+    mask: torch.Tensor  # (batch, longest prompt) int64 attention mask, 1 = a prompt token
+    last: torch.Tensor  # (batch,) int64 each prompt's last token index
 
 
 def prompt_heads(contexts: Sequence[torch.Tensor | None]) -> list[int]:
@@ -216,15 +227,14 @@ class DraftForward:
             return head.start(a)
         return self._read_head(layout.anchor, exit_layer, namespace, keep)
 
-    def _read_prompt(self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, *,
-                     stop_after: int | None, leave: Any, head: PrefixEntry | None, local: LocalRead | None
-                     ) -> tuple[Any, torch.Tensor | None]:
+    def _read_prompt(self, recorder: Recorder, batch: PaddedBatch, *, stop_after: int | None, leave: Any,
+                     head: PrefixEntry | None, local: LocalRead | None) -> tuple[Any, torch.Tensor | None]:
         """(the KV cache, ``_prompt_forward``'s result) of the prompts' forward: joint, or with
         their passages read apart (``local``: the hidden states leaving the exit layer)."""
         if local is not None:
             return local()
-        cache = self._cache(head, len(last))
-        return cache, self._prompt_forward(recorder, ids, mask, last, stop_after=stop_after, cache=cache, leave=leave,
+        cache = self._cache(head, len(batch.last))
+        return cache, self._prompt_forward(recorder, batch, stop_after=stop_after, cache=cache, leave=leave,
                                            head=head)
 
     def _cache(self, head: PrefixEntry | None, batch: int) -> Any:
@@ -287,17 +297,19 @@ class DraftForward:
             if question is not None and question.numel() and (int(question.min()) < 0 or int(question.max()) >= n):
                 raise InputError(f"question token indices must lie in [0, {n})")
 
-    def _right_padded(self, token_ids: Sequence[torch.Tensor], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, attention mask), each (batch, longest prompt), padded after each prompt, on the device."""
+    def _right_padded(self, token_ids: Sequence[torch.Tensor], lengths: list[int]) -> PaddedBatch:
+        """The prompts padded after each one (ids and attention mask, each (batch, longest prompt)),
+        with each prompt's last token index, on the device."""
         ids = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
         mask = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
         for b, row in enumerate(token_ids):
             ids[b, : lengths[b]] = row.to(torch.int64).cpu()
             mask[b, : lengths[b]] = 1
-        return ids.to(self.device), mask.to(self.device)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        return PaddedBatch(ids, mask, torch.tensor(lengths, device=self.device) - 1)
 
     def _prompt_forward(
-        self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, *,
+        self, recorder: Recorder, batch: PaddedBatch, *,
         stop_after: int | None, cache: Any = None, leave: Any = None, head: PrefixEntry | None = None,
     ) -> torch.Tensor | None:
         """The prompt's forward: (batch, vocab) logits at each prompt's last token; or None when it
@@ -306,6 +318,7 @@ class DraftForward:
 
         ``head``: the prompts' shared first tokens, already in ``cache``: the forward reads the
         tokens after them, and the hidden states returned begin with the head's."""
+        ids, mask, last = batch.ids, batch.mask, batch.last
         start = 0 if head is None else head.n_tokens
         recorder.stop_after, recorder.offset = stop_after, start
         keep = torch.unique(last)  # logits only where some prompt ends

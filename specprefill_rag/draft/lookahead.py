@@ -25,7 +25,7 @@ from . import scoring
 from .capture import EarlyExit, Recorder, current_recorder, recording
 from .cuda_graphs import MIN_GRAPH_WIDTH, StepGraphs
 from .early_exit import DecoderParts, ExitedPrompts, LoopShape, reading_set, tree_mask, upper_greedy, upper_logits
-from .forward import DraftForward, LocalRead
+from .forward import DraftForward, LocalRead, PaddedBatch
 from .lookahead_spec import LookaheadSpec
 from .prefix_store import PrefixEntry
 
@@ -37,9 +37,8 @@ logger = logging.getLogger(__name__)
 class LookaheadDrivers(DraftForward):
     """The look-ahead of a draft (``DraftModel``): siblings, greedy steps, and their CUDA graphs."""
 
-    def _siblings(self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
-                  spec: LookaheadSpec, head: PrefixEntry | None = None, local: LocalRead | None = None
-                  ) -> torch.Tensor:
+    def _siblings(self, recorder: Recorder, batch: PaddedBatch, spec: LookaheadSpec, head: PrefixEntry | None = None,
+                  local: LocalRead | None = None) -> torch.Tensor:
         """Two forwards: the prompt's, then the ``spec.steps`` likeliest next tokens of each prompt
         together, each at position n_b seeing its prompt and itself (``early_exit.tree_mask``).
         (batch, spec.steps).
@@ -52,15 +51,15 @@ class LookaheadDrivers(DraftForward):
         apart (``passage_reading``; with early exit only).
         """
         k, top = spec.steps, spec.top(self.n_layers)
+        mask, last = batch.mask, batch.last
         parts = DecoderParts.of(self.model) if spec.early_exit and top < self.n_layers - 1 else None
         if parts is None:
-            cache, logits = self._read_prompt(recorder, ids, mask, last, stop_after=None, leave=None, head=head,
-                                              local=None)
+            cache, logits = self._read_prompt(recorder, batch, stop_after=None, leave=None, head=head, local=None)
         else:
-            cache, leaving = self._read_prompt(recorder, ids, mask, last, stop_after=None, leave=parts.layers[top],
-                                               head=head, local=local)
+            cache, leaving = self._read_prompt(recorder, batch, stop_after=None, leave=parts.layers[top], head=head,
+                                               local=local)
             assert leaving is not None
-            logits = upper_layer_logits(self, recorder, parts, leaving, last, top, spec.upper_keep)
+            logits = upper_layer_logits(parts, leaving, last, top, reading_sets(self, recorder, spec.upper_keep))
         assert logits is not None
         siblings = logits.topk(k, dim=-1).indices  # (batch, k), likeliest first
         recorder.stop_after = top
@@ -71,9 +70,8 @@ class LookaheadDrivers(DraftForward):
             )
         return siblings
 
-    def _greedy(self, recorder: Recorder, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
-                spec: LookaheadSpec, head: PrefixEntry | None = None, local: LocalRead | None = None
-                ) -> list[list[int]]:
+    def _greedy(self, recorder: Recorder, batch: PaddedBatch, spec: LookaheadSpec, head: PrefixEntry | None = None,
+                local: LocalRead | None = None) -> list[list[int]]:
         """The reference's look-ahead: ``spec.steps`` greedy decode steps after the prompt's
         forward, with no host synchronisation inside the loop (verified guesses, or
         ``spec.stop_at_eos``: one per forward). Each prompt's tokens fed: ``spec.steps``, or with
@@ -91,10 +89,11 @@ class LookaheadDrivers(DraftForward):
         from transformers import DynamicCache
 
         top = spec.top(self.n_layers)
+        ids, mask = batch.ids, batch.mask
         parts = DecoderParts.of(self.model) if spec.early_exit and top < self.n_layers - 1 else None
         if parts is not None and self._embeds_plainly(parts, ids):
-            cache, leaving = self._read_prompt(recorder, ids, mask, last, stop_after=None, leave=parts.layers[top],
-                                               head=head, local=local)
+            cache, leaving = self._read_prompt(recorder, batch, stop_after=None, leave=parts.layers[top], head=head,
+                                               local=local)
             assert leaving is not None
             # Only the steps' queries are recorded: the layers above ``top`` never are.
             upper = DynamicCache(config=self.model.config)
@@ -104,10 +103,9 @@ class LookaheadDrivers(DraftForward):
                                        end_ids=sorted(self._end_ids(spec)))
             recorder.keep_lookahead(kept)
             return [row[:n] for row, n in zip(found.tolist(), kept.sum(1).tolist(), strict=True)]
-        cache, logits = self._read_prompt(recorder, ids, mask, last, stop_after=None, leave=None, head=head,
-                                          local=None)
+        cache, logits = self._read_prompt(recorder, batch, stop_after=None, leave=None, head=head, local=None)
         assert logits is not None
-        return self._decode_steps(recorder, cache, logits, mask, last, spec)
+        return self._decode_steps(recorder, cache, logits, mask, batch.last, spec)
 
     def _decode_steps(self, recorder: Recorder, cache: Any, logits: torch.Tensor, mask: torch.Tensor,
                       last: torch.Tensor, spec: LookaheadSpec) -> list[list[int]]:
@@ -196,15 +194,12 @@ class LookaheadDrivers(DraftForward):
         return [dataclasses.replace(shape, batch=b) for b in sorted(set(batches)) for shape in one]
 
 
-def upper_layer_logits(
-    draft: DraftForward, recorder: Recorder, parts: DecoderParts, leaving: torch.Tensor, last: torch.Tensor, top: int,
-    share: float, layers: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """(batch, vocab): each prompt's next-token logits from ``draft``'s layers above ``top`` over
-    its reading set (``leaving`` (batch, width, d_model): the hidden states leaving ``top``),
-    chosen by the rows of ``layers`` (default: every recorded layer)."""
+def upper_layer_logits(parts: DecoderParts, leaving: torch.Tensor, last: torch.Tensor, top: int,
+                       keeps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(batch, vocab): each prompt's next-token logits from the draft's layers above ``top`` (of
+    ``parts``) over its reading set ``keeps[b]`` (``reading_sets``; ``leaving`` (batch, width,
+    d_model): the hidden states leaving ``top``; ``last`` (batch,): each prompt's last token)."""
     with recording(None):  # the upper layers' rows are not the prompt's
-        keeps = reading_sets(draft, recorder, share, layers)
         return torch.stack([
             upper_logits(parts, leaving[b, : end + 1], keep, top + 1)
             for b, (keep, end) in enumerate(zip(keeps, last.tolist(), strict=True))

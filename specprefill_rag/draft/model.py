@@ -153,13 +153,12 @@ class DraftModel(LookaheadDrivers):
         top = spec.top(self.n_layers)  # the highest recorded layer
         recorder = Recorder(lengths, [None if q is None else q.to(torch.int64).cpu() for q in questions],
                             spec.recorded())
-        ids, mask = self._right_padded(token_ids, lengths)
-        last = torch.tensor(lengths, device=self.device) - 1  # (batch,) each prompt's last token
-        plan = self._reads_apart(spec, ids, layouts, self.config.pool_kernel)
+        batch = self._right_padded(token_ids, lengths)  # ids, mask and each prompt's last token
+        plan = self._reads_apart(spec, batch.ids, layouts, self.config.pool_kernel)
         local = None if plan is None else self._local_read(recorder, token_ids, layouts or (), plan, namespace,
                                                            keep=heads is not None)
         shared = 0 if plan is not None else self._shared_head(token_ids, lengths, recorder.questions, heads)
-        exit_layer = self._exit_layer(lookahead, tokens, spec.early_exit, top, ids)
+        exit_layer = self._exit_layer(lookahead, tokens, spec.early_exit, top, batch.ids)
         stored = self.prefixes.longest(token_ids[0][:shared], exit_layer, namespace) if shared else None
         cached = 0 if stored is None else stored.n_tokens  # what the store held before this call
         head = self._read_head(token_ids[0][:shared], exit_layer, namespace) if shared else None
@@ -169,12 +168,12 @@ class DraftModel(LookaheadDrivers):
                     local()
                 else:
                     cache = self._cache(head, len(lengths)) if head is not None else None
-                    self._prompt_forward(recorder, ids, mask, last, stop_after=top if spec.early_exit else None,
+                    self._prompt_forward(recorder, batch, stop_after=top if spec.early_exit else None,
                                          cache=cache, head=head)
                 return recorder.captures([[] for _ in lengths], cached)
             if tokens == "siblings":
-                return recorder.captures(self._siblings(recorder, ids, mask, last, spec, head, local).tolist(), cached)
-            return recorder.captures(self._greedy(recorder, ids, mask, last, spec, head, local), cached)
+                return recorder.captures(self._siblings(recorder, batch, spec, head, local).tolist(), cached)
+            return recorder.captures(self._greedy(recorder, batch, spec, head, local), cached)
 
     def score(
         self,

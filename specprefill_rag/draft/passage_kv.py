@@ -5,7 +5,7 @@ reading after the anchor.
 RoPE is a rotation by position, so a key computed at position p becomes the key at p + d by a
 rotation by d (``rerotate``; ``rotates_plainly`` checks a draft's keys move so). ``PromptKV`` holds
 a prompt's keys and values per layer in prompt order; a decoder layer writes the tokens it runs
-over at their prompt indices and attends the whole buffer under a mask (``run_layers``).
+over at their prompt indices (``TokenPlaces``) and attends the whole buffer under a mask (``run_layers``).
 ``read_units`` reads passages, each after the anchor and itself only, batched and right-padded.
 """
 
@@ -22,7 +22,7 @@ from .capture import recording
 from .early_exit import DecoderParts
 from .passage_store import PassageEntry
 
-__all__ = ["PromptKV", "UnitReading", "read_units", "rerotate", "rotates_plainly", "run_layers"]
+__all__ = ["PromptKV", "TokenPlaces", "UnitReading", "read_units", "rerotate", "rotates_plainly", "run_layers"]
 
 UNIT_PAD_LIMIT = 0.25  # padding share a batch of passages read together may hold (``batching.length_buckets``)
 
@@ -96,22 +96,31 @@ class PromptKV:
         return self.keys[layer_idx], self.values[layer_idx]
 
 
-def run_layers(parts: DecoderParts, kv: PromptKV, layers: range, h: torch.Tensor, tokens: torch.Tensor,
-               mask: torch.Tensor, positions: torch.Tensor, keep: Sequence[int] = ()
-               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """``h`` (batch, q, d_model) of the prompt tokens at ``positions`` (batch, q) through decoder
-    ``layers``, their keys and values written at ``tokens`` (q,) of ``kv``, each query reading the
-    columns ``mask`` (batch, 1, q, width) allows. Returns the hidden states leaving the last layer
-    and those entering each layer of ``keep`` that the run passes (the one after the last layer:
-    what leaves it)."""
-    kv.slots = tokens
-    embeddings = parts.rotary(h, positions)
+@dataclass(frozen=True)
+class TokenPlaces:
+    """Where the q tokens a run of decoder layers reads sit (``run_layers``): their indices in the
+    ``PromptKV`` buffers, their positions, and the buffer columns each of them may read."""
+
+    tokens: torch.Tensor  # (q,) int64 buffer indices, where their keys and values are written
+    positions: torch.Tensor  # (batch, q) int64 positions, what the rotary embedding rotates by
+    mask: torch.Tensor  # (batch, 1, q, width) bool, the columns each query reads
+
+
+def run_layers(parts: DecoderParts, kv: PromptKV, layers: range, h: torch.Tensor, places: TokenPlaces,
+               keep: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """``h`` (batch, q, d_model) of the prompt tokens at ``places.positions`` through decoder
+    ``layers``, their keys and values written at ``places.tokens`` of ``kv``, each query reading
+    the columns ``places.mask`` allows. Returns the hidden states leaving the last layer and those
+    entering each layer of ``keep`` that the run passes (the one after the last layer: what
+    leaves it)."""
+    kv.slots = places.tokens
+    embeddings = parts.rotary(h, places.positions)
     kept: dict[int, torch.Tensor] = {}
     for i in layers:
         if i in keep:
             kept[i] = h
-        out = parts.layers[i](h, attention_mask=mask, position_ids=positions, past_key_values=kv, use_cache=True,
-                              position_embeddings=embeddings)
+        out = parts.layers[i](h, attention_mask=places.mask, position_ids=places.positions, past_key_values=kv,
+                              use_cache=True, position_embeddings=embeddings)
         h = out[0] if isinstance(out, tuple) else out
     if layers.stop in keep:
         kept[layers.stop] = h
@@ -165,10 +174,10 @@ def _read_group(parts: DecoderParts, reading: UnitReading,
     own |= torch.eye(width, dtype=torch.bool, device=device)  # a padding row reads itself: no empty row
     mask = torch.cat([torch.ones(batch, width, a, dtype=torch.bool, device=device), own], dim=2).unsqueeze(1)
     positions = (a + torch.arange(width, device=device)).unsqueeze(0).expand(batch, -1)
+    places = TokenPlaces(a + torch.arange(width, device=device), positions, mask)
     keep = [reading.start, reading.start + 1] if reading.following else [reading.start]
     with recording(None):
-        h, kept = run_layers(parts, kv, range(depth), parts.embed(ids), a + torch.arange(width, device=device), mask,
-                             positions, keep=keep)
+        h, kept = run_layers(parts, kv, range(depth), parts.embed(ids), places, keep=keep)
     leaving = h if depth > reading.exit_layer else None
 
     def rows(t: torch.Tensor | None, b: int, m: int) -> torch.Tensor | None:

@@ -36,7 +36,7 @@ from ..types import SegmentKind
 from . import scoring
 from .capture import Recorder, recording
 from .early_exit import DecoderParts
-from .passage_kv import PromptKV, UnitReading, read_units, rerotate, run_layers
+from .passage_kv import PromptKV, TokenPlaces, UnitReading, read_units, rerotate, run_layers
 from .passage_store import PassageEntry, PassageStore, passage_key
 from .prefix_store import MIN_PREFIX_TOKENS, PrefixEntry
 
@@ -230,7 +230,7 @@ def _forward(parts: DecoderParts, prompt: _Prompt, tokens: torch.Tensor, h: torc
     recorder.query_index = [torch.searchsorted(tokens, recorder.rows[0].to(tokens.device))]
     mask = (torch.arange(n, device=tokens.device).unsqueeze(0) <= tokens.unsqueeze(1)).reshape(1, 1, -1, n)
     with recording(recorder):
-        out, _ = run_layers(parts, prompt.kv, layers, h, tokens, mask, tokens.unsqueeze(0))
+        out, _ = run_layers(parts, prompt.kv, layers, h, TokenPlaces(tokens, tokens.unsqueeze(0), mask))
     return out
 
 
@@ -280,18 +280,17 @@ def _recomputed(parts: DecoderParts, plan: ReadingPlan, prompt: _Prompt, layout:
     return tokens, _joined(prompt, tokens, h), start
 
 
-def read_prompt(parts: DecoderParts, plan: ReadingPlan, ids: torch.Tensor, question: torch.Tensor | None,
-                layout: PromptLayout, states: tuple[PrefixEntry, PrefixEntry], namespace: str,
-                layers: frozenset[int] | None) -> tuple[Recorder, PromptKV, torch.Tensor]:
-    """One prompt read with its passages apart: (its recorder, with the rows a joint reading
-    records and in ``stores`` the passages found and read; its keys and values of layers 0 …
-    exit in prompt order; the hidden states (n, d_model) leaving the exit layer). ``states``: the
-    prefix store's entries of its first ``layout.head`` tokens and of ``layout.anchor``;
-    ``layers``: the recorded layers."""
-    n, (head, anchor) = ids.numel(), states
+def read_prompt(parts: DecoderParts, plan: ReadingPlan, ids: torch.Tensor, layout: PromptLayout,
+                states: tuple[PrefixEntry, PrefixEntry], namespace: str, recorder: Recorder
+                ) -> tuple[PromptKV, torch.Tensor]:
+    """One prompt read with its passages apart: (its keys and values of layers 0 … exit in prompt
+    order; the hidden states (n, d_model) leaving the exit layer). ``states``: the prefix store's
+    entries of its first ``layout.head`` tokens and of ``layout.anchor``; ``recorder``: the
+    prompt's own (its question, the recorded layers), which receives the rows a joint reading
+    records and in ``stores`` the passages found and read."""
+    head, anchor = states
     entries, read = _entries(parts, plan, ids, layout, _anchor_kv(anchor), namespace)
     prompt = _assemble(plan, ids, layout, head, entries)
-    recorder = Recorder([n], [question], layers)
     recorder.stores[0] = (0, len(layout.units) - read, read)
     fresh = prompt.fresh
     if not bool(torch.isin(recorder.rows[0].to(fresh.device), fresh).all()):
@@ -300,7 +299,7 @@ def read_prompt(parts: DecoderParts, plan: ReadingPlan, ids: torch.Tensor, quest
     tokens, entering, first = _recomputed(parts, plan, prompt, layout, h, recorder)
     out = _forward(parts, prompt, tokens, entering, range(first, plan.exit_layer + 1), recorder)
     prompt.hidden[tokens] = out[0]
-    return recorder, prompt.kv, prompt.hidden
+    return prompt.kv, prompt.hidden
 
 
 def _first_scores(recorder: Recorder, pool_kernel: int) -> torch.Tensor:
@@ -341,8 +340,8 @@ def read_prompts(parts: DecoderParts, plan: ReadingPlan, batch: Recorder, token_
     for b, (ids, layout, (head, anchor, cached)) in enumerate(zip(token_ids, layouts, heads, strict=True)):
         question = batch.questions[b] if batch.questions[b].numel() else None
         ids = ids.to(head.hidden.device)
-        recorder, kv, hidden = read_prompt(parts, plan, ids, question, layout, (head, anchor), namespace,
-                                           batch.layers)
+        recorder = Recorder([ids.numel()], [question], batch.layers)
+        kv, hidden = read_prompt(parts, plan, ids, layout, (head, anchor), namespace, recorder)
         batch.adopt(b, recorder)
         _, found, read = recorder.stores[0] or (0, 0, 0)
         batch.stores[b] = (cached, found, read)

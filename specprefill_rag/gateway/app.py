@@ -41,7 +41,7 @@ import dataclasses
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -59,9 +59,9 @@ from .metrics import GatewayMetrics
 from .openapi import CHAT_REQUEST, COMPLETION_REQUEST, PASSAGES_REQUEST, RESPONSES_REQUEST, request_body
 from .passages import warm_passages
 from .protocol import GatewayRequest, parse_chat, parse_completion
-from .responses import RETRY_AFTER_S, APIError, StreamChunks, error_body, new_id, now, response, to_api_error
+from .responses import RETRY_AFTER_S, APIError, error_body, new_id, now, response, to_api_error
 from .responses_api import ResponsesCall, ResponseStore, stream_response, whole_response
-from .runs import ClientGone, EventStream, Run, sse, sse_error, unless_disconnected
+from .runs import ClientGone, EventStream, Run, stream_completion, unless_disconnected
 from .text_mode import TextMode, added_token_strings
 from .text_mode import warm_up as warm_up_text
 
@@ -242,42 +242,10 @@ class Gateway:
         if req.stream:
             if call is not None:
                 return EventStream(stream_response(run, first, call, self.model_name, self.conversations), run)
-            return EventStream(self._events(run, first), run)
+            return EventStream(stream_completion(run, first, self.model_name), run)
         await run.close(200)
         assert answer is not None
         return answer
-
-    async def _events(self, run: Run, first: str | None) -> AsyncGenerator[bytes, None]:
-        """The stream's events; whatever fails after the first token (the engine, or encoding an
-        event) ends it with an error event, counted with the error's status, then ``[DONE]``."""
-        req = run.request
-        assert req is not None
-        chunks = StreamChunks(req.kind, new_id(req.kind), now(), self.model_name, req.prompt_shape)
-        status = 499  # unless the stream ends or fails: the client went away (cancelled, closed)
-        try:
-            for chunk in chunks.first():
-                yield sse(chunk)
-            delta = first
-            while delta is not None:
-                yield sse(chunks.delta(delta))
-                delta = await run.next()
-            result = run.result
-            assert result is not None
-            rest = run.calls.finish(result) if run.calls is not None else ""  # content after the tool calls
-            tail = [sse(chunks.delta(rest))] if rest else []
-            tail += [sse(chunk) for chunk in chunks.calls(result)]
-            tail += [sse(chunks.last(result))] + ([sse(chunks.usage(result))] if req.include_usage else [])
-            status = 200
-        except Exception as exc:  # after the first token: an error event ends the stream
-            error = to_api_error(exc)
-            status = error.status
-            tail = [sse_error(error)]
-        finally:
-            # Free the slots before the last event: a client may send its next request at once.
-            await run.close(status)
-        for event in tail:
-            yield event
-        yield b"data: [DONE]\n\n"
 
     # -- other endpoints -------------------------------------------------------------------
 
@@ -389,6 +357,13 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
     async def passages(request: Request) -> Response:
         return await warm_passages(gateway, request)
 
+    _other_routes(app, gateway)
+    return app
+
+
+def _other_routes(app: FastAPI, gateway: Gateway) -> None:
+    """The endpoints besides generation and warming: the models, health, readiness and metrics."""
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         gateway.authorize(request)
@@ -415,8 +390,6 @@ def create_app(engine: SpecPrefillEngine, options: GatewayOptions | None = None,
     async def metrics() -> Response:
         body, content_type = gateway.metrics.render()
         return Response(body, media_type=content_type)
-
-    return app
 
 
 def _lifespan(gateway: Gateway) -> Any:

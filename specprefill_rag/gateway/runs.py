@@ -29,7 +29,7 @@ from ..streams import AsyncTextStream
 from ..toolcalls import CallText
 from ..types import GenerationResult
 from .protocol import GatewayRequest
-from .responses import APIError
+from .responses import APIError, StreamChunks, new_id, now, to_api_error
 from .text_mode import text_stream
 
 if TYPE_CHECKING:
@@ -52,7 +52,9 @@ class RunHost(Protocol):
     body_bytes: int
     running: int
 
-__all__ = ["ClientGone", "EventStream", "Run", "RunHost", "sse", "sse_error", "unless_disconnected"]
+__all__ = [
+    "ClientGone", "EventStream", "Run", "RunHost", "sse", "sse_error", "stream_completion", "unless_disconnected",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -231,3 +233,38 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 def sse_error(error: APIError) -> bytes:
     return f"data: {json.dumps(error.body())}\n\n".encode()  # ASCII: always encodable
+
+
+async def stream_completion(run: Run, first: str | None, model: str) -> AsyncGenerator[bytes, None]:
+    """A streamed chat or text completion's events (``StreamChunks``) as the run yields its text;
+    whatever fails after the first token (the engine, or encoding an event) ends it with an error
+    event, counted with the error's status, then ``[DONE]``. (A Responses stream:
+    ``responses_api.stream_response``.)"""
+    req = run.request
+    assert req is not None
+    chunks = StreamChunks(req.kind, new_id(req.kind), now(), model, req.prompt_shape)
+    status = 499  # unless the stream ends or fails: the client went away (cancelled, closed)
+    try:
+        for chunk in chunks.first():
+            yield sse(chunk)
+        delta = first
+        while delta is not None:
+            yield sse(chunks.delta(delta))
+            delta = await run.next()
+        result = run.result
+        assert result is not None
+        rest = run.calls.finish(result) if run.calls is not None else ""  # content after the tool calls
+        tail = [sse(chunks.delta(rest))] if rest else []
+        tail += [sse(chunk) for chunk in chunks.calls(result)]
+        tail += [sse(chunks.last(result))] + ([sse(chunks.usage(result))] if req.include_usage else [])
+        status = 200
+    except Exception as exc:  # after the first token: an error event ends the stream
+        error = to_api_error(exc)
+        status = error.status
+        tail = [sse_error(error)]
+    finally:
+        # Free the slots before the last event: a client may send its next request at once.
+        await run.close(status)
+    for event in tail:
+        yield event
+    yield b"data: [DONE]\n\n"

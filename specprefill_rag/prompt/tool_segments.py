@@ -295,12 +295,26 @@ def message_segments(
     if joined:
         segments.append(Segment(SegmentKind.INSTRUCTIONS, joined))
     segments.extend(tool_schema_segments(tools))
+    segments.extend(_turn_segments(messages, users[-1], passages, max_segments, len(segments)))
+    if max_segments is not None and len(segments) > max_segments:
+        raise _over(max_segments, len(messages) - 1)
+    return tuple(segments)
+
+
+def _turn_segments(messages: Sequence[Mapping[str, Any]], asked: int, passages: Passages,
+                   max_segments: int | None, used: int) -> list[Segment]:
+    """The segments of an agent chat's messages after its head (``message_segments``), oldest
+    first, system messages left out: user and assistant turns, an assistant's tool calls, the
+    tools' results, and at message ``asked`` (the last user turn) ``passages`` then the question.
+    ``used``: the head's segments; once a message's calls or documents would take the chat past
+    ``max_segments``, an ``InputError`` names that message, before they are built."""
+    segments: list[Segment] = []
     for n, message in enumerate(messages):
         role, text = message["role"], _content(message, n)
-        left = None if max_segments is None else max_segments - len(segments)
+        left = None if max_segments is None else max_segments - used - len(segments)
         if role == "system":
             continue
-        if n == users[-1]:
+        if n == asked:
             segments.extend(passage_segments(passages))
             segments.append(Segment(SegmentKind.QUESTION, _question(text, "the last user message")))
         elif role in ("user", "human"):
@@ -323,9 +337,7 @@ def message_segments(
         else:
             raise InputError(f"message {n} has the role {role!r:.40}; an agent chat takes system, user, "
                              "assistant and tool messages")
-    if max_segments is not None and len(segments) > max_segments:
-        raise _over(max_segments, len(messages) - 1)
-    return tuple(segments)
+    return segments
 
 
 def _over(limit: int | None, n: int) -> InputError:

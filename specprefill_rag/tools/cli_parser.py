@@ -115,25 +115,10 @@ def _engine_args(parser: argparse.ArgumentParser, *, keep_rate: float, top_k: in
     _passage_args(parser)
 
 
-def _gateway_args(group: Any) -> None:
+def _draft_runtime_args(group: Any) -> None:
+    """How the gateway's draft serves concurrent requests (``DraftRuntime``): batching, the order of
+    its passes, its caches, and skipping it when it would not pay."""
     add = group.add_argument
-    add("--api-key", default=os.environ.get("SPECPREFILL_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECPREFILL_API_KEY; unset: open)")
-    add("--api-keys-file", default=os.environ.get("SPECPREFILL_API_KEYS_FILE"),
-        help="a JSON object of tenant name -> API key (or list of keys): each tenant's requests share cached "
-        "work only with the same tenant's (default: $SPECPREFILL_API_KEYS_FILE; unset: none)")
-    add("--cache-secret-file", default=os.environ.get("SPECPREFILL_CACHE_SECRET_FILE"),
-        help="a file holding the secret (16 bytes or more) every request's cache namespace is keyed with; give "
-        "gateways behind one router the same file so a tenant shares vLLM's prefix cache across them (default: "
-        "$SPECPREFILL_CACHE_SECRET_FILE; unset: a random secret at each start)")
-    add("--keep-rate", type=float, default=None, help="default share of the context prefilled (default: the engine's)")
-    add("--max-new-tokens", type=int, default=None,
-        help="answer length when a request sets no max_tokens (default: the engine's)")
-    add("--max-queue", type=int, default=64, help="requests in flight (running or waiting) before HTTP 429 "
-        "(%(default)s)")
-    add("--max-concurrency", type=int, default=None,
-        help="requests generating at once (default: max(4, --draft-batch))")
-    _lookahead_args(group)
     add("--draft-batch", type=int, default=None,
         help="concurrent requests scored in one draft batch, DraftConfig.max_batch (default: the engine's; "
         "worth raising on a GPU)")
@@ -154,6 +139,28 @@ def _gateway_args(group: Any) -> None:
         help="prompt heads (system prompt, a chat's earlier turns) whose draft keys and values are kept, so a "
         "request that begins with one is read from where it ends, DraftConfig.prefix_cache_entries "
         "(default: the engine's, 8; 0: off)")
+
+
+def _gateway_args(group: Any) -> None:
+    add = group.add_argument
+    add("--api-key", default=os.environ.get("SPECPREFILL_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECPREFILL_API_KEY; unset: open)")
+    add("--api-keys-file", default=os.environ.get("SPECPREFILL_API_KEYS_FILE"),
+        help="a JSON object of tenant name -> API key (or list of keys): each tenant's requests share cached "
+        "work only with the same tenant's (default: $SPECPREFILL_API_KEYS_FILE; unset: none)")
+    add("--cache-secret-file", default=os.environ.get("SPECPREFILL_CACHE_SECRET_FILE"),
+        help="a file holding the secret (16 bytes or more) every request's cache namespace is keyed with; give "
+        "gateways behind one router the same file so a tenant shares vLLM's prefix cache across them (default: "
+        "$SPECPREFILL_CACHE_SECRET_FILE; unset: a random secret at each start)")
+    add("--keep-rate", type=float, default=None, help="default share of the context prefilled (default: the engine's)")
+    add("--max-new-tokens", type=int, default=None,
+        help="answer length when a request sets no max_tokens (default: the engine's)")
+    add("--max-queue", type=int, default=64, help="requests in flight (running or waiting) before HTTP 429 "
+        "(%(default)s)")
+    add("--max-concurrency", type=int, default=None,
+        help="requests generating at once (default: max(4, --draft-batch))")
+    _lookahead_args(group)
+    _draft_runtime_args(group)
     _passage_args(group)
     add("--default-mode", default=None, choices=["specprefill", "full", "text"],
         help="mode of a request whose specprefill.mode is unset: specprefill (the kept tokens at their original "
