@@ -26,29 +26,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from langchain_core.documents import Document  # noqa: E402
-from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.language_models import BaseChatModel  # noqa: E402
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import BaseTool, create_retriever_tool  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
-from langchain_specprefill import ChatSpecPrefill  # noqa: E402
+from langchain_specprefill import ChatSpecPrefill, MiniLMEmbeddings  # noqa: E402
 
 from specprefill_rag import ToolCallError  # noqa: E402
 from specprefill_rag.loading import MODEL_PAIRS  # noqa: E402
-from specprefill_rag.tools.retrieval import demo_documents, load_embedder, split_passages  # noqa: E402
+from specprefill_rag.tools.retrieval import demo_documents, split_passages  # noqa: E402
 
 SYSTEM = ("You answer questions about the Tindra Point Research Station. Call the search tool first, "
           "then answer in one sentence from what it returns.")
 
-
-class MiniLMEmbeddings(Embeddings):
-    """The packaged all-MiniLM-L6-v2 as LangChain embeddings (offline, CPU)."""
-
-    def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return load_embedder().encode(texts, normalize_embeddings=True, show_progress_bar=False).tolist()
-
-    def embed_query(self, text: str) -> list[float]:
-        return self.embed_documents([text])[0]
 
 
 def search_tool(store: InMemoryVectorStore, top_k: int = 4) -> BaseTool:

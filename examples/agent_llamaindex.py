@@ -30,36 +30,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from llama_index.core import Document, VectorStoreIndex  # noqa: E402
 from llama_index.core.agent.workflow import AgentStream, FunctionAgent, ToolCall  # noqa: E402
-from llama_index.core.base.embeddings.base import BaseEmbedding  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.query_engine import RetrieverQueryEngine  # noqa: E402
 from llama_index.core.response_synthesizers.no_text import NoText  # noqa: E402
 from llama_index.core.tools import QueryEngineTool  # noqa: E402
-from llama_index.llms.specprefill import DocumentsTool, SpecPrefillLLM  # noqa: E402
+from llama_index.llms.specprefill import DocumentsTool, MiniLMEmbedding, SpecPrefillLLM  # noqa: E402
 
 from specprefill_rag import ToolCallError  # noqa: E402
 from specprefill_rag.loading import MODEL_PAIRS  # noqa: E402
-from specprefill_rag.tools.retrieval import demo_documents, load_embedder  # noqa: E402
+from specprefill_rag.tools.retrieval import demo_documents  # noqa: E402
 
 SYSTEM = ("You answer questions about the Tindra Point Research Station. Call the search tool once. When its "
           "passages arrive, write the answer itself in one sentence, taken from them; never call search again.")
 
 
-
-class MiniLMEmbedding(BaseEmbedding):
-    """The packaged all-MiniLM-L6-v2 as a LlamaIndex embedding (offline, CPU)."""
-
-    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        return load_embedder().encode(texts, normalize_embeddings=True, show_progress_bar=False).tolist()
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return self._get_text_embeddings([text])[0]
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return self._get_text_embeddings([query])[0]
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._get_query_embedding(query)
 
 
 def build_agent(llm: SpecPrefillLLM, index: VectorStoreIndex, top_k: int = 4) -> FunctionAgent:

@@ -20,22 +20,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from langchain_core.documents import Document  # noqa: E402
-from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
-from langchain_specprefill import ChatSpecPrefill, create_specprefill_rag_chain  # noqa: E402
+from langchain_specprefill import ChatSpecPrefill, MiniLMEmbeddings, create_specprefill_rag_chain  # noqa: E402
 
 from specprefill_rag.loading import MODEL_PAIRS  # noqa: E402
-from specprefill_rag.tools.retrieval import demo_documents, load_embedder, split_passages  # noqa: E402
-
-
-class MiniLMEmbeddings(Embeddings):
-    """The packaged all-MiniLM-L6-v2 as LangChain embeddings (offline, CPU)."""
-
-    def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return load_embedder().encode(texts, normalize_embeddings=True, show_progress_bar=False).tolist()
-
-    def embed_query(self, text: str) -> list[float]:
-        return self.embed_documents([text])[0]
+from specprefill_rag.tools.retrieval import demo_documents, split_passages  # noqa: E402
 
 
 def main() -> None:

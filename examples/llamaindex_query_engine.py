@@ -21,31 +21,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from llama_index.core import Document, VectorStoreIndex  # noqa: E402
 from llama_index.core.base.response.schema import StreamingResponse  # noqa: E402
-from llama_index.core.embeddings import BaseEmbedding  # noqa: E402
 from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
 from llama_index.core.instrumentation.events.llm import LLMCompletionEndEvent  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
-from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM  # noqa: E402
+from llama_index.llms.specprefill import MiniLMEmbedding, PassageIdPostprocessor, SpecPrefillLLM  # noqa: E402
 
 from specprefill_rag.loading import MODEL_PAIRS  # noqa: E402
-from specprefill_rag.tools.retrieval import demo_documents, load_embedder  # noqa: E402
-
-
-class MiniLMEmbedding(BaseEmbedding):
-    """The packaged all-MiniLM-L6-v2 as a LlamaIndex embedding (offline, CPU)."""
-
-    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        return load_embedder().encode(texts, normalize_embeddings=True, show_progress_bar=False).tolist()
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return self._get_text_embeddings([text])[0]
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return self._get_text_embeddings([query])[0]
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._get_query_embedding(query)
+from specprefill_rag.tools.retrieval import demo_documents  # noqa: E402
 
 
 class LastCompletion(BaseEventHandler):

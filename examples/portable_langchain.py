@@ -31,9 +31,8 @@ from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel, RunnablePassthrough  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
-from langchain_specprefill import SpecPrefillCompressor  # noqa: E402
+from langchain_specprefill import MiniLMEmbeddings, SpecPrefillCompressor  # noqa: E402
 
-from examples.langchain_rag_chain import MiniLMEmbeddings  # noqa: E402
 from examples.portable_args import parse_args  # noqa: E402
 from specprefill_rag.tools.retrieval import demo_documents, split_passages  # noqa: E402
 

@@ -26,9 +26,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from llama_index.core import Document, VectorStoreIndex  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.llms.openai_like import OpenAILike  # noqa: E402
+from llama_index.llms.specprefill import MiniLMEmbedding  # noqa: E402
 from llama_index.postprocessor.specprefill import SpecPrefillNodePostprocessor  # noqa: E402
 
-from examples.llamaindex_query_engine import MiniLMEmbedding  # noqa: E402
 from examples.portable_args import parse_args  # noqa: E402
 from specprefill_rag.tools.retrieval import demo_documents  # noqa: E402
 

@@ -31,7 +31,7 @@ FLOORS: list[set[str]] = [
     {"backends"},
     {"engine", "decoding", ""},  # "": the package's __init__, the public face over the engine
     {"gateway", "testing"},
-    {"tools"},
+    {"tools", "adapters"},  # adapters: the integrations' one door into the core (a leaf, as tools is)
 ]
 MAX_FUNCTION_LINES = 60
 WING = "draft"
@@ -131,7 +131,7 @@ def test_backends_reach_the_plugin_only_to_host_vllm_in_process():
 
 def test_nothing_in_the_library_imports_tools_gateway_or_testing():
     for leaf in ("tools", "gateway", "testing"):
-        users = sorted(m for m in MODULES if not m.startswith(leaf) and m.split(".")[0] != "tools"
+        users = sorted(m for m in MODULES if not m.startswith(leaf) and m.split(".")[0] not in ("tools", "adapters")
                        and any(name.split(".")[0] == leaf for name in _imports(m)))
         assert users == [], f"{leaf} is imported by {users}"
 
@@ -269,6 +269,35 @@ def test_the_door_check_catches_a_module_imported_past_it(tmp_path):
     path = tmp_path / "bench.py"
     path.write_text("from specprefill_rag.draft import DraftModel, scoring\nimport specprefill_rag.draft.capture\n")
     assert _wing_submodules_imported(path) == {"draft.scoring", "draft.capture"}
+
+
+ADAPTERS = "adapters"  # the integrations' one door into the core
+
+
+def _core_modules_imported(path: Path) -> set[str]:
+    """The ``specprefill_rag`` modules a file outside the package imports (``""``: the package)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        found.update(name[len(PACKAGE) + 1:] for name in names if name == PACKAGE or name.startswith(PACKAGE + "."))
+    return found
+
+
+def test_the_integrations_enter_the_core_through_the_adapters_only():
+    """The integration packages' code (not their tests) imports ``specprefill_rag.adapters`` and
+    nothing else of the core: what they share is said there once."""
+    found = {f"{path.relative_to(REPO)}: {sorted(used)}" for path in _python_files("integrations")
+             if "tests" not in path.relative_to(REPO).parts
+             and (used := _core_modules_imported(path) - {ADAPTERS})}
+    assert not found, f"integrations past the adapters: {sorted(found)}"
+
+
+def test_the_adapters_check_catches_a_core_import(tmp_path):
+    path = tmp_path / "chat.py"
+    path.write_text("from specprefill_rag import Passage\nimport specprefill_rag.engine\n"
+                    "from specprefill_rag.adapters import option\n")
+    assert _core_modules_imported(path) == {"", "engine", ADAPTERS}
 
 
 def test_the_wings_modules_and_classes_stay_small():

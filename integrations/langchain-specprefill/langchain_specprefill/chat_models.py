@@ -37,18 +37,22 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
-from specprefill_rag import (
+from specprefill_rag.adapters import (
+    OPTIONS,
     GenerationResult,
     InputTypeError,
+    LazyEngine,
+    Mode,
     Passage,
     PassagesRead,
     Segment,
     SpecPrefillEngine,
+    answer_report,
+    content_filter,
+    message_segments,
+    option,
+    to_passage,
 )
-from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
-from specprefill_rag.engine import LazyEngine, Mode
-from specprefill_rag.prompt import message_segments
-from specprefill_rag.toolcalls import content_filter
 
 from .tool_calling import ToolCallingMixin
 
@@ -61,7 +65,7 @@ PassageLike: TypeAlias = Document | Passage | str
 def _to_passage(item: PassageLike, number: int) -> Passage | str:
     """A Document as a Passage (its id, else the core numbers it); Passages and str as they are."""
     if isinstance(item, Document):
-        return Passage(text=item.page_content, id=item.id, metadata=dict(item.metadata))
+        return to_passage(item.page_content, item.id, item.metadata)
     if isinstance(item, (Passage, str)):
         return item
     raise InputTypeError(f"passage {number - 1} must be a Document, Passage or str, got {type(item).__name__}")
@@ -77,7 +81,7 @@ def _openai_message(message: BaseMessage) -> dict[str, Any]:
         out["role"], out["tool_call_id"] = "tool", message.tool_call_id
         artifact = message.artifact
         if isinstance(artifact, list) and artifact and all(isinstance(d, Document) for d in artifact):
-            out["documents"] = [Passage(d.page_content, d.id, dict(d.metadata)) for d in artifact]
+            out["documents"] = [to_passage(d.page_content, d.id, d.metadata) for d in artifact]
     return out
 
 
@@ -116,30 +120,21 @@ class ChatSpecPrefill(ToolCallingMixin, BaseChatModel):
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
 
-    engine: SpecPrefillEngine | None = Field(default=None, exclude=True, description="A ready engine.")
-    model_name: str | None = Field(default=None, alias="model", description="Main model (name, dir or GGUF).")
-    draft_model: str | None = Field(default=None, description="Draft model; None serves mode='full' only.")
-    backend: str = Field(default="transformers", description="Main-model backend, by registry name.")
-    mode: Mode = Field(default="specprefill", description="'full' = baseline.")
-    keep_rate: float | None = Field(
-        default=None,
-        description="Fraction of the context (retrieved passages, history) prefilled; the question always is.",
-    )
+    engine: SpecPrefillEngine | None = option("engine", exclude=True)
+    # The alias stays a literal Field argument: type checkers read the constructor's names from it.
+    model_name: str | None = Field(default=None, alias="model", description=OPTIONS["model_name"].description)
+    draft_model: str | None = option("draft_model")
+    backend: str = option("backend")
+    mode: Mode = option("mode")
+    keep_rate: float | None = option("keep_rate")
     instructions: str | None = Field(default=None, description="System text used when no system message.")
-    temperature: float | None = Field(default=None, description="0 = greedy; None = engine default.")
-    max_tokens: int | None = Field(default=None, description="Max generated tokens; None = engine default.")
+    temperature: float | None = option("temperature")
+    max_tokens: int | None = option("max_tokens")
     top_p: float | None = Field(default=None, description="Nucleus sampling mass; None = engine default.")
     seed: int | None = Field(default=None, description="Sampling seed.")
     stop: list[str] | None = Field(default=None, description="Stop strings (text is cut before them).")
-    timeout: float | None = Field(
-        default=None,
-        description="Seconds for the whole call (draft, prefill, every token, retries); then BackendTimeoutError.",
-    )
-    max_retries: int = Field(
-        default=DEFAULT_MAX_RETRIES,
-        description="Retries of a failed connection or a 502/503/504 before the first token, by the "
-        "vllm_server backend this model builds (never a 4xx; the draft's plan is re-sent, not recomputed).",
-    )
+    timeout: float | None = option("timeout")
+    max_retries: int = option("max_retries")
     streaming: bool = Field(default=False, description="invoke() streams internally (callbacks see tokens).")
 
     _lazy: LazyEngine = PrivateAttr(default_factory=LazyEngine)
@@ -237,7 +232,7 @@ class ChatSpecPrefill(ToolCallingMixin, BaseChatModel):
             output_tokens=result.generated_tokens,
             total_tokens=result.prompt_tokens + result.generated_tokens,
         )
-        metadata = {"model_name": self.model_name, **result.to_dict()}  # counts, keep ratio, timings, spans
+        metadata = answer_report(self.model_name, result)  # counts, keep ratio, timings, spans
         calls = [tool_call_chunk(name=c.name, args=json.dumps(dict(c.arguments)), id=c.id, index=n)
                  for n, c in enumerate(result.tool_calls)]
         message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last",

@@ -17,10 +17,15 @@ from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
-from specprefill_rag import CompressedPassage, InputTypeError, Passage, SelectionConfig, SpecPrefillEngine
-from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
-from specprefill_rag.compress import DEFAULT_MARKER
-from specprefill_rag.engine import LazyEngine
+from specprefill_rag.adapters import (
+    InputTypeError,
+    LazyEngine,
+    SelectionConfig,
+    SpecPrefillEngine,
+    compress_passages,
+    option,
+    to_passage,
+)
 
 __all__ = ["SpecPrefillCompressor"]
 
@@ -49,22 +54,22 @@ class SpecPrefillCompressor(BaseDocumentCompressor, RunnableSerializable[Compres
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
 
-    engine: SpecPrefillEngine | None = Field(default=None, exclude=True, description="A ready engine.")
-    model_name: str | None = Field(
+    engine: SpecPrefillEngine | None = option("engine", exclude=True)
+    model_name: str | None = Field(  # the alias a literal Field argument, for type checkers
         default=None, alias="model", description="Main model (name, dir or GGUF): its tokenizer renders the prompt."
     )
-    draft_model: str | None = Field(default=None, description="Draft model that scores the prompt (default: model).")
-    backend: str = Field(default="transformers", description="Main-model backend, by registry name.")
-    keep_rate: float | None = Field(
-        default=None, description="Fraction of the documents' tokens kept; None = the engine's selection."
+    draft_model: str | None = option("draft_model", description="Draft model that scores the prompt (default: model).")
+    backend: str = option("backend")
+    keep_rate: float | None = option(
+        "keep_rate", description="Fraction of the documents' tokens kept; None = the engine's selection."
     )
-    selection: SelectionConfig | None = Field(default=None, description="Selection settings; None = the engine's.")
+    selection: SelectionConfig | None = option("selection")
     instructions: str | None = Field(default=None, description="System text of the scored prompt; None = engine's.")
-    marker: str = Field(default=DEFAULT_MARKER, description="Text that stands for each dropped run of a document.")
+    marker: str = option("marker")
     if_nothing_kept: Literal["drop", "keep"] = Field(
         default="drop", description="A document of which nothing is kept: dropped, or kept with empty text."
     )
-    max_retries: int = Field(default=DEFAULT_MAX_RETRIES, description="Retries of the vllm_server backend.")
+    max_retries: int = option("max_retries")
 
     _lazy: LazyEngine = PrivateAttr(default_factory=LazyEngine)
 
@@ -89,14 +94,10 @@ class SpecPrefillCompressor(BaseDocumentCompressor, RunnableSerializable[Compres
         for number, document in enumerate(documents):
             if not isinstance(document, Document):
                 raise InputTypeError(f"document {number} must be a Document, got {type(document).__name__}")
-        if not any(d.page_content.strip() for d in documents):
-            compressed = [CompressedPassage(i, d.id, "", (), 0, 0, (), None) for i, d in enumerate(documents)]
-        else:
-            passages = [Passage(d.page_content, id=d.id, metadata=dict(d.metadata)) for d in documents]
-            compressed = list(self._engine().compress(
-                query, passages, keep_rate=self.keep_rate, selection=self.selection, instructions=self.instructions,
-                marker=self.marker,
-            ).passages)
+        passages = [to_passage(d.page_content, d.id, d.metadata) for d in documents]
+        engine = self._engine() if any(p.text.strip() for p in passages) else None  # nothing to score: no load
+        compressed = compress_passages(engine, query, passages, keep_rate=self.keep_rate, selection=self.selection,
+                                       instructions=self.instructions, marker=self.marker)
         return [
             Document(page_content=kept.text, id=document.id, metadata={**document.metadata, **kept.to_metadata()})
             for document, kept in zip(documents, compressed, strict=True)

@@ -19,7 +19,7 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from pydantic import BaseModel
-from specprefill_rag.grammar import json_grammar
+from specprefill_rag.adapters import json_grammar
 
 if TYPE_CHECKING:
     _Base = BaseChatModel  # what the mixin is mixed into, for the type checker

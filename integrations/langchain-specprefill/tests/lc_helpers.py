@@ -10,7 +10,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from langchain_core.callbacks import CallbackManagerForRetrieverRun  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
-from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from specprefill_rag import (  # noqa: E402
     SpecPrefillEngine,
@@ -36,17 +35,6 @@ def smollm_engine() -> SpecPrefillEngine:
     return testing.small_real_engine()
 
 
-class MiniLMEmbeddings(Embeddings):
-    """LangChain embeddings over the packaged all-MiniLM-L6-v2 (``load_embedder()``), offline."""
-
-    def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        from specprefill_rag.tools.retrieval import load_embedder
-
-        vectors = load_embedder().encode(texts, normalize_embeddings=True, show_progress_bar=False)
-        return [v.tolist() for v in vectors]
-
-    def embed_query(self, text: str) -> list[float]:
-        return self.embed_documents([text])[0]
 
 
 

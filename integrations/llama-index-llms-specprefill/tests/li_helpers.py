@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMCompletionEndEvent
 from specprefill_rag import (
@@ -32,30 +31,6 @@ def smollm_engine() -> SpecPrefillEngine:
     return testing.small_real_engine(max_new_tokens=48)
 
 
-class MiniLMEmbedding(BaseEmbedding):
-    """LlamaIndex embedding over the packaged all-MiniLM-L6-v2 (``load_embedder()``), offline."""
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "MiniLMEmbedding"
-
-    def _embed(self, texts: list[str]) -> list[list[float]]:
-        from specprefill_rag.tools.retrieval import load_embedder
-
-        vectors = load_embedder().encode(texts, normalize_embeddings=True, show_progress_bar=False)
-        return [v.tolist() for v in vectors]
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return self._embed([query])[0]
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return self._embed([text])[0]
-
-    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        return self._embed(texts)
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._get_query_embedding(query)
 
 
 class CompletionRecorder(BaseEventHandler):

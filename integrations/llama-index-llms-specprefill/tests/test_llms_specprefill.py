@@ -23,8 +23,9 @@ CONTEXT = "The sky is blue. " * 20 + "\n\n" + "The passkey is 48213. " * 8
 
 
 def test_public_api():
-    assert package.__all__ == ["DocumentsTool", "PassageIdPostprocessor", "SpecPrefillLLM", "SpecPrefillPassageReader",
-                               "messages_to_segments", "split_context", "tool_result_message"]
+    assert package.__all__ == ["DocumentsTool", "MiniLMEmbedding", "PassageIdPostprocessor", "SpecPrefillLLM",
+                               "SpecPrefillPassageReader", "messages_to_segments", "split_context",
+                               "tool_result_message"]
     assert issubclass(SpecPrefillLLM, FunctionCallingLLM)
 
 

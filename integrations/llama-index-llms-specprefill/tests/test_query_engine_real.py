@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from li_helpers import CompletionRecorder, MiniLMEmbedding, smollm_engine
+from li_helpers import CompletionRecorder, smollm_engine
 from llama_index.core import VectorStoreIndex
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.schema import TextNode
 from specprefill_rag.prompt import kept_runs
 from specprefill_rag.tools.retrieval import demo_documents, demo_questions, split_passages
 
-from llama_index.llms.specprefill import PassageIdPostprocessor, SpecPrefillLLM
+from llama_index.llms.specprefill import MiniLMEmbedding, PassageIdPostprocessor, SpecPrefillLLM
 
 pytestmark = [pytest.mark.real_model, pytest.mark.full]  # the README block runs this face in `make test`
 

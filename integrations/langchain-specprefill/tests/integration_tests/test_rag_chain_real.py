@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
-from lc_helpers import MiniLMEmbeddings, smollm_engine
+from lc_helpers import smollm_engine
 from specprefill_rag.tools.retrieval import demo_documents, demo_questions, split_passages
 
-from langchain_specprefill import ChatSpecPrefill, create_specprefill_rag_chain
+from langchain_specprefill import ChatSpecPrefill, MiniLMEmbeddings, create_specprefill_rag_chain
 
 pytestmark = [pytest.mark.real_model, pytest.mark.full]  # the README block runs this face in `make test`
 

@@ -37,11 +37,18 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import TokenAsyncGen, TokenGen
-from specprefill_rag import GenerationResult, Segment, SegmentKind, SpecPrefillEngine
-from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
-from specprefill_rag.engine import LazyEngine, Mode
-from specprefill_rag.prompt import build_segments
-from specprefill_rag.toolcalls import content_filter
+from specprefill_rag.adapters import (
+    GenerationResult,
+    LazyEngine,
+    Mode,
+    Segment,
+    SegmentKind,
+    SpecPrefillEngine,
+    answer_report,
+    build_segments,
+    content_filter,
+    option,
+)
 
 from .chat import assistant_message, messages_to_segments
 from .function_calling import FunctionCallingMixin
@@ -62,28 +69,18 @@ class SpecPrefillLLM(FunctionCallingMixin, FunctionCallingLLM):
     ``CompletionResponse.additional_kwargs`` holds timings, keep ratio and kept spans.
     """
 
-    model_name: str | None = Field(default=None, description="Main model (packaged name, HF dir or GGUF).")
-    draft_model: str | None = Field(default=None, description="Draft model; None serves mode='full' only.")
-    backend: str = Field(default="transformers", description="Main-model backend, by registry name.")
-    mode: Mode = Field(default="specprefill", description="'full' = the baseline.")
-    keep_rate: float | None = Field(
-        default=None,
-        description="Fraction of the context (retrieved passages, history) prefilled; the question always is.",
-    )
+    model_name: str | None = option("model_name")
+    draft_model: str | None = option("draft_model")
+    backend: str = option("backend")
+    mode: Mode = option("mode")
+    keep_rate: float | None = option("keep_rate")
     instructions: str | None = Field(
         default=None, description="Instructions for query-engine calls without system_prompt; None = engine's."
     )
-    max_new_tokens: int | None = Field(default=None, description="Max generated tokens; None = engine default.")
-    temperature: float | None = Field(default=None, description="0 = greedy; None = engine default.")
-    timeout: float | None = Field(
-        default=None,
-        description="Seconds for the whole call (draft, prefill, every token, retries); then BackendTimeoutError.",
-    )
-    max_retries: int = Field(
-        default=DEFAULT_MAX_RETRIES,
-        description="Retries of a failed connection or a 502/503/504 before the first token, by the "
-        "vllm_server backend this LLM builds (never a 4xx; the draft's plan is re-sent, not recomputed).",
-    )
+    max_new_tokens: int | None = option("max_tokens")
+    temperature: float | None = option("temperature")
+    timeout: float | None = option("timeout")
+    max_retries: int = option("max_retries")
     passage_id_key: str = Field(
         default=DEFAULT_PASSAGE_ID_KEY, description="Metadata key marking node starts in context_str."
     )
@@ -175,7 +172,7 @@ class SpecPrefillLLM(FunctionCallingMixin, FunctionCallingLLM):
 
     def _facts(self, result: GenerationResult) -> dict[str, Any]:
         """Counts, keep ratio, timings, kept spans (and tool calls): ``additional_kwargs`` and ``raw``."""
-        return {"model_name": str(self.model_name), **result.to_dict()}
+        return answer_report(str(self.model_name), result)
 
     def _response(self, result: GenerationResult) -> CompletionResponse:
         facts = self._facts(result)

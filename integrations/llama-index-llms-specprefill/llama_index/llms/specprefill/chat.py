@@ -24,8 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
-from specprefill_rag import GenerationResult, InputTypeError, Segment
-from specprefill_rag.prompt import message_segments
+from specprefill_rag.adapters import GenerationResult, InputTypeError, Segment, message_segments
 
 from .passages import DEFAULT_PASSAGE_ID_KEY, node_passages, split_context
 

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
-from specprefill_rag import InputError
+from specprefill_rag.adapters import InputError
 
 from .tools import engine_tool_choice, first_call_only, openai_tools, tool_calling_problem, tool_selections
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
-    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.adapters import SpecPrefillEngine
 
     _Base = FunctionCallingLLM  # what the mixin is mixed into, for the type checker
 else:

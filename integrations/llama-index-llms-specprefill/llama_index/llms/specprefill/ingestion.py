@@ -17,7 +17,7 @@ from typing import Any
 
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, TransformComponent
-from specprefill_rag import Passage, PassagesRead
+from specprefill_rag.adapters import Passage, PassagesRead
 
 from .base import SpecPrefillLLM, rag_instructions
 from .passages import PassageIdPostprocessor, split_context

@@ -19,9 +19,7 @@ from typing import Any
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
-from specprefill_rag import InputTypeError, Passage
-from specprefill_rag.prompt import split_documents
-from specprefill_rag.types import RETRIEVER_SCORE_KEY
+from specprefill_rag.adapters import RETRIEVER_SCORE_KEY, InputTypeError, Passage, split_documents
 
 __all__ = ["DEFAULT_PASSAGE_ID_KEY", "PassageIdPostprocessor", "node_passages", "split_context"]
 

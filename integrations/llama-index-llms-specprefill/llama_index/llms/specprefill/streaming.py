@@ -17,8 +17,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     MessageRole,
 )
-from specprefill_rag import GenerationResult
-from specprefill_rag.streams import AsyncTextStream, TextStream
+from specprefill_rag.adapters import AsyncTextStream, GenerationResult, TextStream
 
 __all__ = ["achat_chunks", "acompletion_chunks", "chat_chunks", "completion_chunks"]
 

@@ -22,9 +22,7 @@ from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageR
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.schema import BaseNode, NodeWithScore
 from llama_index.core.tools import AsyncBaseTool, BaseTool, ToolMetadata, ToolOutput, adapt_to_async_tool
-from specprefill_rag import InputError, Passage
-from specprefill_rag.toolcalls import parser_for
-from specprefill_rag.types import RETRIEVER_SCORE_KEY
+from specprefill_rag.adapters import RETRIEVER_SCORE_KEY, InputError, Passage, parser_for
 
 from .chat import tool_call
 from .passages import DEFAULT_PASSAGE_ID_KEY, DEFAULT_PASSAGE_SCORE_KEY, node_passages

@@ -16,10 +16,17 @@ from typing import Any, Literal
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
-from specprefill_rag import CompressedPassage, InputError, InputTypeError, Passage, SelectionConfig, SpecPrefillEngine
-from specprefill_rag.backends.vllm_server import DEFAULT_MAX_RETRIES
-from specprefill_rag.compress import DEFAULT_MARKER
-from specprefill_rag.engine import LazyEngine
+from specprefill_rag.adapters import (
+    CompressedPassage,
+    InputError,
+    InputTypeError,
+    LazyEngine,
+    SelectionConfig,
+    SpecPrefillEngine,
+    compress_passages,
+    option,
+    to_passage,
+)
 
 __all__ = ["SpecPrefillNodePostprocessor"]
 
@@ -44,21 +51,21 @@ class SpecPrefillNodePostprocessor(BaseNodePostprocessor):
         ```
     """
 
-    model_name: str | None = Field(
-        default=None, description="Main model (name, dir or GGUF): its tokenizer renders the scored prompt."
+    model_name: str | None = option(
+        "model_name", description="Main model (name, dir or GGUF): its tokenizer renders the scored prompt."
     )
-    draft_model: str | None = Field(default=None, description="Draft model that scores the prompt (default: model).")
-    backend: str = Field(default="transformers", description="Main-model backend, by registry name.")
-    keep_rate: float | None = Field(
-        default=None, description="Fraction of the nodes' tokens kept; None = the engine's selection."
+    draft_model: str | None = option("draft_model", description="Draft model that scores the prompt (default: model).")
+    backend: str = option("backend")
+    keep_rate: float | None = option(
+        "keep_rate", description="Fraction of the nodes' tokens kept; None = the engine's selection."
     )
-    selection: SelectionConfig | None = Field(default=None, description="Selection settings; None = the engine's.")
+    selection: SelectionConfig | None = option("selection")
     instructions: str | None = Field(default=None, description="System text of the scored prompt; None = engine's.")
-    marker: str = Field(default=DEFAULT_MARKER, description="Text that stands for each dropped run of a node.")
+    marker: str = option("marker")
     if_nothing_kept: Literal["keep", "drop"] = Field(
         default="keep", description="A node of which nothing is kept: kept with empty text, or dropped."
     )
-    max_retries: int = Field(default=DEFAULT_MAX_RETRIES, description="Retries of the vllm_server backend.")
+    max_retries: int = option("max_retries")
 
     _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
     _lazy: LazyEngine = PrivateAttr(default_factory=LazyEngine)
@@ -111,13 +118,11 @@ class SpecPrefillNodePostprocessor(BaseNodePostprocessor):
 
     def _compress(self, nodes: list[NodeWithScore], query: str) -> list[CompressedPassage]:
         """What the engine keeps of each node's text (without its metadata), in order."""
-        texts = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in nodes]
-        if not any(text.strip() for text in texts):  # the engine needs some context: nothing to keep
-            return [CompressedPassage(i, n.node.node_id, "", (), 0, 0, (), None) for i, n in enumerate(nodes)]
-        passages = [Passage(text, id=n.node.node_id, metadata=dict(n.node.metadata)) for text, n in zip(
-            texts, nodes, strict=True)]
-        return list(self.engine.compress(query, passages, keep_rate=self.keep_rate, selection=self.selection,
-                                         instructions=self.instructions, marker=self.marker).passages)
+        passages = [to_passage(n.node.get_content(metadata_mode=MetadataMode.NONE), n.node.node_id, n.node.metadata)
+                    for n in nodes]
+        engine = self.engine if any(p.text.strip() for p in passages) else None  # nothing to score: no load
+        return compress_passages(engine, query, passages, keep_rate=self.keep_rate, selection=self.selection,
+                                 instructions=self.instructions, marker=self.marker)
 
 
 def _with_text(node: TextNode, compressed: CompressedPassage) -> TextNode:
