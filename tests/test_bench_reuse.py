@@ -27,3 +27,18 @@ def test_the_workloads_record_each_reading_and_what_served_it(tmp_path, monkeypa
     assert all(e["speedup"] > 0 and e["r"] > 0 for e in summary)
     assert reuse.main(args) == 0  # a rerun finds every cell done
     assert len(read_jsonl(tmp_path / "reuse.jsonl")) == 4
+
+
+def test_a_resumed_follow_up_finds_the_stores_warm(tmp_path, monkeypatch):
+    """Cut after the first question (one row kept), a rerun measures the second as warm as an
+    unbroken run does: the first question is read again, untimed, by the readings with stores."""
+    monkeypatch.setattr(reuse, "RESULTS_DIR", tmp_path)
+    args = ["--tiny", "--lengths", "384", "--questions", "2", "--workloads", "follow_up", "--out", "reuse.jsonl"]
+    assert reuse.main(args) == 0
+    path = tmp_path / "reuse.jsonl"
+    first = path.read_text().splitlines()[0]
+    path.write_text(first + "\n")
+    assert reuse.main(args) == 0
+    rows = read_jsonl(path)
+    assert [r["question"] for r in rows] == [0, 1]
+    assert rows[1]["prefix"]["draft_cached_tokens"] > 0 and rows[1]["apart"]["draft_cached_tokens"] > 0

@@ -35,7 +35,7 @@ import dataclasses
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from benchmarks.lib.essay_prompts import build_passages, essay_passages
@@ -109,13 +109,14 @@ def workload_prompts(engine: Any, workload: str, length: int, questions: int, se
 
 
 def run_workload(engine: Any, readers: dict[str, Any], workload: str, length: int, args: argparse.Namespace,
-                 done: set[tuple[str, int, int]]) -> list[dict[str, Any]]:
-    """Every question of one workload at one length: rows for the questions not in ``done``."""
+                 done: set[tuple[str, int, int]]) -> Iterator[dict[str, Any]]:
+    """Every question of one workload at one length: a row for each question not in ``done``, as it
+    finishes. A question done before is read again untimed by the readings with stores when a later
+    one is still to come, so that a resumed run finds them as warm as an unbroken one would."""
     corpus, sets = workload_prompts(engine, workload, length, args.questions, args.seed)
     for reader in readers.values():
         reader.draft.prefixes.clear()
         reader.draft.passages.clear()
-    rows: list[dict[str, Any]] = []
     salt = {name: f"bench-reuse-{name}" for name in READINGS}  # the readings never share an entry
     read_ahead = {}
     if corpus:
@@ -124,9 +125,12 @@ def run_workload(engine: Any, readers: dict[str, Any], workload: str, length: in
         read_ahead = {"read_ahead_s": time.perf_counter() - started, "corpus": len(corpus), "read": read.read}
     items = ["full", *READINGS]
     for i, passages in enumerate(sets):
-        if (workload, length, i) in done:
-            continue
         question = QUESTIONS[i % len(QUESTIONS)]
+        if (workload, length, i) in done:
+            if any((workload, length, later) not in done for later in range(i + 1, len(sets))):
+                for what in ("prefix", "apart"):
+                    _measure(readers[what], question, passages, "specprefill", args.keep_rate, salt[what])
+            continue
         row: dict[str, Any] = {"workload": workload, "length": length, "question": i, "warm": i > 0 or bool(corpus),
                                **read_ahead}
         for what in items[i % len(items):] + items[: i % len(items)]:
@@ -134,9 +138,8 @@ def run_workload(engine: Any, readers: dict[str, Any], workload: str, length: in
             reader = readers["joint" if what == "full" else what]
             row[what] = _measure(reader, question, passages, mode, args.keep_rate, f"{salt.get(what, 'full')}-{i}"
                                  if what in ("full", "joint") else salt[what])
-        rows.append(row)
         print(_line(row), flush=True)
-    return rows
+        yield row
 
 
 def _line(row: dict[str, Any]) -> str:
