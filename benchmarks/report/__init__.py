@@ -1,4 +1,5 @@
-"""Render docs/benchmarks.md and its plots from the JSON files in benchmarks/results/.
+"""Render benchmarks/REPORT.md (every table), docs/benchmarks.md (its summary) and the plots
+from the JSON files in benchmarks/results/.
 
     specprefill-rag bench report          # or: python -m benchmarks.report
 
@@ -10,10 +11,11 @@ against its peers (quality_text*.json end to end, peer_evidence*.jsonl as text),
 gateway_load.json, serving.json, and for the evidence-vs-length table the evidence files in
 ``LENGTH_SOURCES`` and windows.jsonl; the ``*_tiny.json`` files of ``--tiny`` smoke runs are
 skipped. ``CURRENT`` pins that list: results/ holds these files (and what later runs add),
-results/archive/ the runs the docs cite but the page does not render. Writes docs/benchmarks.md
-and docs/images/bench_*.png, and the README's results table between its markers: both open with
-the cells pinned in ``HEADLINE_ROWS``. The page is generated: edit this package, not it; what the
-runs taught is docs/findings.md.
+results/archive/ the runs the docs cite but the page does not render. Writes benchmarks/REPORT.md,
+its summary docs/benchmarks.md (``summary``: the fair TTFT, quality and serving sections cut to
+their lead, the rest listed with links) and docs/images/bench_*.png, and the README's results
+table between its markers: all open with the cells pinned in ``HEADLINE_ROWS``. The pages are
+generated: edit this package, not them; what the runs taught is docs/findings.md.
 
 One module per section of the page: ``headline`` (the pinned table, also the README's),
 ``fairness`` (the fair-baseline rule), ``ttft`` and ``gpu`` (time to first token), ``length``
@@ -65,7 +67,7 @@ from benchmarks.report.length import (
     length_summary,
     plot_length,
 )
-from benchmarks.report.page import CURRENT, DOC, HEADER, IMAGES, INSTALL, TITLE, main, render
+from benchmarks.report.page import CURRENT, DOC, FULL, HEADER, IMAGES, INSTALL, TITLE, main, render
 from benchmarks.report.portable import (
     TEXT_RETENTION_AT_30,
     compression_time_table,
@@ -87,6 +89,7 @@ __all__ = [
     "BF16_GAIN",
     "CURRENT",
     "DOC",
+    "FULL",
     "DTYPE_NAMES",
     "EAGER_NOTE",
     "EVIDENCE_DEFAULT",

@@ -5,6 +5,7 @@ sections together in their order and writes the page and the README's results ta
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from benchmarks.report.length import length_part
 from benchmarks.report.portable import peer_evidence_section, portable_section
 from benchmarks.report.quality import QUALITY_KEY, cross_draft_section, long_quality_section, quality_part
 from benchmarks.report.serving import gateway_section, prefix_cache_section, serving_section
+from benchmarks.report.summary import relink, summary
 from benchmarks.report.ttft import DRAFT_COST_KEY, TTFT_KEY, ttft_part
 from specprefill_rag.durable import write_atomic
 
@@ -63,7 +65,8 @@ CURRENT = (
     "ttft_vllm_server.json",
     "windows.jsonl",
 )
-DOC = ROOT / "docs" / "benchmarks.md"
+DOC = ROOT / "docs" / "benchmarks.md"  # the summary a person reads (benchmarks/report/summary.py)
+FULL = ROOT / "benchmarks" / "REPORT.md"  # every table
 IMAGES = ROOT / "docs" / "images"
 
 TITLE = [
@@ -103,7 +106,7 @@ COMMANDS = [
     "python -m benchmarks.suites.gpu_attention  # one GPU: one layer's look-ahead attention, SDPA vs the short path",
     "specprefill-rag bench gateway_load  # 16 concurrent streaming clients → benchmarks/results/gateway_load.json",
     "specprefill-rag bench prefix_cache  # vLLM's prefix cache: shared system prompt, retry → prefix_cache.jsonl",
-    "specprefill-rag bench report    # regenerates this page and docs/images/bench_*.png",
+    "specprefill-rag bench report    # regenerates docs/benchmarks.md, benchmarks/REPORT.md, docs/images/bench_*.png",
     "```",
     "",
 ]
@@ -177,9 +180,10 @@ def _quality_sections(results: Path, images: Path) -> list[str]:
 
 
 def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES, readme: Path | None = None,
-           rows: Sequence[HeadlineRow] = HEADLINE_ROWS) -> Path:
+           rows: Sequence[HeadlineRow] = HEADLINE_ROWS, full: Path | None = None) -> Path:
     """Write ``doc`` (and its plots into ``images``) from the result files in ``results``, and the
-    results table of ``readme`` where one is given, both headed by ``rows``."""
+    results table of ``readme`` where one is given, both headed by ``rows``. With ``full``, every
+    table goes there and ``doc`` is the summary (``summary.summary``); without, ``doc`` has them all."""
     ttfts = load_all(results, "ttft")
     gpu = load(results, "gpu_ttft")
     # The TTFT runs whose baseline is not the main model at its best: listed once, under the rule.
@@ -198,7 +202,14 @@ def render(results: Path = RESULTS_DIR, doc: Path = DOC, images: Path = IMAGES, 
     if serving:
         lines += serving_section(serving, images)
     lines += prefix_cache_section(results)
-    write_atomic(doc, "\n".join(lines + INSTALL))
+    page = lines + INSTALL  # its links written for a page beside ``images``
+    if full is None:
+        write_atomic(doc, "\n".join(relink(page, images.parent, doc.parent)))
+    else:
+        full.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(full, "\n".join(relink(page, images.parent, full.parent)))
+        link = Path(os.path.relpath(full, doc.parent)).as_posix()
+        write_atomic(doc, "\n".join(relink(summary(page, link), images.parent, doc.parent)))
     if readme is not None:
         write_readme(results, readme, rows)
     return doc
@@ -211,10 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="specprefill-rag bench report", description=report.__doc__)
     p.add_argument("--results", default=str(RESULTS_DIR))
-    p.add_argument("--doc", default=str(DOC))
+    p.add_argument("--doc", default=str(DOC), help="the summary page")
+    p.add_argument("--full", default=str(FULL), help="the page with every table")
     p.add_argument("--images", default=str(IMAGES))
     p.add_argument("--readme", default=str(README), help="whose results table to rewrite between its markers")
     args = p.parse_args(argv)
-    path = render(Path(args.results), Path(args.doc), Path(args.images), Path(args.readme))
-    print(f"wrote {path} and the results table of {args.readme}")
+    path = render(Path(args.results), Path(args.doc), Path(args.images), Path(args.readme), full=Path(args.full))
+    print(f"wrote {path}, {args.full} and the results table of {args.readme}")
     return 0
