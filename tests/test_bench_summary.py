@@ -35,6 +35,8 @@ def test_the_summary_keeps_the_fair_sections_lead_and_lists_the_rest():
     assert f"The rest of this section: [the full report]({full}#time-to-first-token-d--m-cpu-ttft_fairjson)" in text
     assert f"- [Evidence recall (draft only)]({full}#evidence-recall-draft-only)" in text
     assert f"- [Time to first token: d → m (CPU, `ttft.json`)]({full}#time-to-first-token-d--m-cpu-ttftjson)" in text
+    assert summary.label("Time to first token: d → m (CPU, `benchmarks/results/ttft_x.json`)") == (
+        "Time to first token, `ttft_x.json`")
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert headings == ["## Headline", "## How these runs are made",
                         "## Time to first token: d → m (CPU, `ttft_fair.json`)",

@@ -12,6 +12,7 @@ import fnmatch
 import functools
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,43 @@ def test_a_missing_path_is_found():
 def test_no_page_cites_a_file_outside_the_repository(page: Path):
     text = page.read_text(encoding="utf-8")
     assert not re.search(r"\b(DESIGN|STYLE)\.md\b", text), page.name
+
+
+MAX_DOCS_WORDS = 25_000  # docs/ in all: pages a person reads (tables beyond them: benchmarks/REPORT.md)
+MAX_SUMMARY_WORDS = 5_000  # docs/benchmarks.md, the generated summary
+
+
+def test_the_docs_stay_a_size_a_person_reads():
+    words = {page.name: len(page.read_text(encoding="utf-8").split()) for page in (REPO / "docs").glob("*.md")}
+    assert sum(words.values()) <= MAX_DOCS_WORDS, sorted(words.items(), key=lambda kv: -kv[1])
+    assert words["benchmarks.md"] <= MAX_SUMMARY_WORDS
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> Iterator[str]:
+    """The GitHub anchors of a page's headings (code fences skipped; repeats get -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        fenced ^= line.startswith("```")
+        heading = re.match(r"#{1,6}\s+(.*)$", line)
+        if heading and not fenced:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).replace("`", "").strip().lower()).replace(" ", "-")
+            seen[slug] = seen.get(slug, -1) + 1
+            yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+@pytest.mark.parametrize("page", [*DOCS, REPO / "benchmarks" / "REPORT.md"], ids=lambda p: p.name)
+def test_every_relative_link_reaches_its_file_and_heading(page: Path):
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    broken = []
+    for target in _LINK.findall(text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page.resolve()
+        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in set(_anchors(dest))):
+            broken.append(target)
+    assert broken == [], f"{page.name}: {broken}"

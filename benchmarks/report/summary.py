@@ -63,6 +63,13 @@ def lead(body: Sequence[str]) -> list[str]:
     return list(body[:after]) + [line for figure in figures for line in ("", figure)] + [""]
 
 
+def label(title: str) -> str:
+    """How the index names a section: a TTFT section by its results file (their titles differ in
+    it alone), any other by its title."""
+    found = re.search(r"`benchmarks/results/([^`]+)`", title)
+    return f"{TTFT}, `{found.group(1)}`" if title.startswith(TTFT) and found else title
+
+
 def anchor(title: str) -> str:
     """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
     return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
@@ -77,7 +84,7 @@ def summary(lines: Sequence[str], full: str) -> list[str]:
     pointer = [f"The tables a reader needs. Every other table (each run, task, keep rate and draft) is in "
                f"[the full report]({full}), generated from the same files by the same command.", ""]
     index = [f"## Every other table ([the full report]({full}))", ""]
-    index += [f"- [{title}]({full}#{anchor(title)})" for title in left] + [""]
+    index += [f"- [{label(title)}]({full}#{anchor(title)})" for title in left] + [""]
     body = []
     for title, part in kept:
         if title in WHOLE:
