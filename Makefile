@@ -15,7 +15,7 @@ CLIENT_STAMP := $(CLIENT_VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-all test-all-main test-all-rest test-fast lint web web-setup client-setup chat bench-ttft bench-quality bench-report clean-venv
+.PHONY: setup demo test test-main test-rest test-all test-all-main test-all-rest test-fast lint web web-setup client-setup chat bench-ttft bench-quality bench-report clean-venv
 BENCH_ARGS ?=
 
 setup: $(STAMP)
@@ -53,8 +53,19 @@ $(CHROMIUM):
 # runs: the unit tests, every face once with real weights, one real vLLM server case and the
 # install check. `make test-all` (what CI runs) adds the rest and the client side's own venv.
 # Each integration runs with its own pytest config (one path per run).
+# The quick tier in two lanes side by side, as test-all runs: the main suite, and beside it, with
+# one torch thread, the install check (wheels and a fresh venv: mostly pip), the README's blocks
+# on the Qwen pair and the integrations' quick tiers. One after another: ~20 min on 2 cores.
 test: lint $(WEB_STAMP) $(CHROMIUM)
-	$(PY) -m pytest -q -ra -m "not full"
+	$(MAKE) --no-print-directory -k -j2 --output-sync=target test-main test-rest
+
+test-main:
+	$(PY) -m pytest -q -ra -m "not full and not install" --ignore=tests/test_readme.py
+
+test-rest: export OMP_NUM_THREADS := 1
+test-rest:
+	$(PY) -m pytest -q -ra -m "not full and install"
+	$(PY) -m pytest -q -ra -m "not full" tests/test_readme.py
 	$(PY) -m pytest -q -ra -m "not full" integrations/llama-index-llms-specprefill
 	$(PY) -m pytest -q -ra -m "not full" integrations/llama-index-postprocessor-specprefill
 	$(PY) -m pytest -q -ra -m "not full" integrations/langchain-specprefill

@@ -34,8 +34,13 @@ def recipe(target: str) -> list[str]:
 
 
 def test_make_test_is_the_quick_tier_and_ci_runs_everything():
-    quick = [line for line in recipe("test") if "pytest" in line]
-    assert quick and all('-m "not full"' in line for line in quick), quick
+    quick_lanes = recipe("test")  # two lanes too: the main suite, and the install check with the integrations
+    assert len(quick_lanes) == 1 and "-j2" in quick_lanes[0] and quick_lanes[0].endswith("test-main test-rest")
+    quick = [line for lane in ("test-main", "test-rest") for line in recipe(lane) if "pytest" in line]
+    assert quick and all('-m "not full' in line for line in quick), quick
+    main = sorted(line.rsplit("-m ", 1)[1] for line in quick if "integrations/" not in line)  # split, whole
+    assert main == ['"not full and install"', '"not full and not install" --ignore=tests/test_readme.py',
+                    '"not full" tests/test_readme.py'], main
     assert not any(".venv-client" in line or "CLIENT_VENV" in line for line in quick)
     lanes = recipe("test-all")  # two lanes side by side, each a target of its own
     assert len(lanes) == 1 and "-j2" in lanes[0] and lanes[0].endswith("test-all-main test-all-rest"), lanes
@@ -43,7 +48,8 @@ def test_make_test_is_the_quick_tier_and_ci_runs_everything():
     assert everything and not any("full" in line for line in everything), everything
     assert any("client_tests" in line for line in everything)
     def path(line: str) -> str:  # what a pytest line runs: its last argument, else the main suite
-        return line.split()[-1] if "/" in line.split()[-1] else "tests"
+        last = line.split()[-1]
+        return last if "/" in last and not last.startswith(("tests/", "--ignore=tests/")) else "tests"
 
     assert {path(line) for line in quick} <= {path(line) for line in everything}  # each quick run, whole too
     ci = [line for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines() if line.startswith("make")]
