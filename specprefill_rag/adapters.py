@@ -18,7 +18,7 @@ classes share:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,17 +112,16 @@ def to_passage(text: str, id: str | None = None, metadata: Mapping[str, Any] | N
 
 
 def compress_passages(
-    engine: SpecPrefillEngine | None, query: str, passages: Sequence[Passage], *, keep_rate: float | None = None,
-    selection: SelectionConfig | None = None, instructions: str | None = None, marker: str = DEFAULT_MARKER,
+    engine: Callable[[], SpecPrefillEngine], query: str, passages: Sequence[Passage], *,
+    keep_rate: float | None = None, selection: SelectionConfig | None = None, instructions: str | None = None,
+    marker: str = DEFAULT_MARKER,
 ) -> list[CompressedPassage]:
     """What the engine keeps of each passage for ``query``, in order (``SpecPrefillEngine.compress``).
-    Passages with no text at all leave nothing to score: each comes back empty, the draft unrun (and
-    ``engine`` may be None then, so that a lazily built one is not loaded for nothing)."""
+    ``engine`` gives the engine when there is something to score, so that a lazily built one is not
+    loaded for nothing: passages with no text at all each come back empty, the draft unrun."""
     if not any(p.text.strip() for p in passages):
         return [CompressedPassage(i, p.id, "", (), 0, 0, (), None) for i, p in enumerate(passages)]
-    if engine is None:
-        raise ValueError("passages with text need an engine to score them")
-    return list(engine.compress(query, list(passages), keep_rate=keep_rate, selection=selection,
+    return list(engine().compress(query, list(passages), keep_rate=keep_rate, selection=selection,
                                 instructions=instructions, marker=marker).passages)
 
 

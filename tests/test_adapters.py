@@ -43,18 +43,25 @@ def test_to_passage_copies_the_metadata():
 def test_compress_passages_is_the_engines_compression():
     engine = testing.tiny_engine()
     passages = [adapters.to_passage(text, f"p{i}") for i, text in enumerate(PASSAGES)]
-    got = adapters.compress_passages(engine, "Where is the lantern festival?", passages, keep_rate=0.5)
+    got = adapters.compress_passages(lambda: engine, "Where is the lantern festival?", passages, keep_rate=0.5)
     want = engine.compress("Where is the lantern festival?", passages, keep_rate=0.5).passages
     assert [(c.id, c.text, c.spans) for c in got] == [(c.id, c.text, c.spans) for c in want]
     assert [c.id for c in got] == ["p0", "p1"]
 
 
 def test_compress_passages_without_text_leaves_the_engine_unbuilt():
+    asked: list[str] = []
+
+    def engine():
+        asked.append("engine")
+        return testing.tiny_engine()
+
     passages = [adapters.to_passage("", "a"), adapters.to_passage("  \n", "b")]
-    empty = adapters.compress_passages(None, "question?", passages)
+    empty = adapters.compress_passages(engine, "question?", passages)
     assert [(c.index, c.id, c.text, c.kept_nothing) for c in empty] == [(0, "a", "", True), (1, "b", "", True)]
-    with pytest.raises(ValueError, match="need an engine"):
-        adapters.compress_passages(None, "question?", [adapters.to_passage("some text", "a")])
+    assert asked == []  # nothing to score: the engine was never asked for
+    adapters.compress_passages(engine, "Where is the lantern festival?", [adapters.to_passage(PASSAGES[0], "a")])
+    assert asked == ["engine"]
 
 
 def test_answer_report_leads_with_the_model_and_carries_the_results_facts():

@@ -95,9 +95,8 @@ class SpecPrefillCompressor(BaseDocumentCompressor, RunnableSerializable[Compres
             if not isinstance(document, Document):
                 raise InputTypeError(f"document {number} must be a Document, got {type(document).__name__}")
         passages = [to_passage(d.page_content, d.id, d.metadata) for d in documents]
-        engine = self._engine() if any(p.text.strip() for p in passages) else None  # nothing to score: no load
-        compressed = compress_passages(engine, query, passages, keep_rate=self.keep_rate, selection=self.selection,
-                                       instructions=self.instructions, marker=self.marker)
+        compressed = compress_passages(self._engine, query, passages, keep_rate=self.keep_rate,
+                                       selection=self.selection, instructions=self.instructions, marker=self.marker)
         return [
             Document(page_content=kept.text, id=document.id, metadata={**document.metadata, **kept.to_metadata()})
             for document, kept in zip(documents, compressed, strict=True)

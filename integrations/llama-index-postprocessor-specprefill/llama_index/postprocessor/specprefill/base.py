@@ -120,9 +120,8 @@ class SpecPrefillNodePostprocessor(BaseNodePostprocessor):
         """What the engine keeps of each node's text (without its metadata), in order."""
         passages = [to_passage(n.node.get_content(metadata_mode=MetadataMode.NONE), n.node.node_id, n.node.metadata)
                     for n in nodes]
-        engine = self.engine if any(p.text.strip() for p in passages) else None  # nothing to score: no load
-        return compress_passages(engine, query, passages, keep_rate=self.keep_rate, selection=self.selection,
-                                 instructions=self.instructions, marker=self.marker)
+        return compress_passages(lambda: self.engine, query, passages, keep_rate=self.keep_rate,
+                                 selection=self.selection, instructions=self.instructions, marker=self.marker)
 
 
 def _with_text(node: TextNode, compressed: CompressedPassage) -> TextNode:
