@@ -12,10 +12,11 @@ import fnmatch
 import functools
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from benchmarks.report.summary import anchor
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
@@ -77,17 +78,19 @@ def test_the_docs_stay_a_size_a_person_reads():
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
-def _anchors(page: Path) -> Iterator[str]:
-    """The GitHub anchors of a page's headings (code fences skipped; repeats get -1, -2, ...)."""
+@functools.cache
+def _anchors(page: Path) -> frozenset[str]:
+    """The GitHub anchors of a page's headings (``bench report``'s rule; code fences skipped,
+    repeats get -1, -2, ...)."""
     seen: dict[str, int] = {}
     fenced = False
     for line in page.read_text(encoding="utf-8").splitlines():
         fenced ^= line.startswith("```")
         heading = re.match(r"#{1,6}\s+(.*)$", line)
         if heading and not fenced:
-            slug = re.sub(r"[^\w\- ]", "", heading.group(1).replace("`", "").strip().lower()).replace(" ", "-")
+            slug = anchor(heading.group(1))
             seen[slug] = seen.get(slug, -1) + 1
-            yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+    return frozenset(f"{slug}-{i}" if i else slug for slug, count in seen.items() for i in range(count + 1))
 
 
 @pytest.mark.parametrize("page", [*DOCS, REPO / "benchmarks" / "REPORT.md"], ids=lambda p: p.name)
@@ -99,6 +102,6 @@ def test_every_relative_link_reaches_its_file_and_heading(page: Path):
             continue
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page.resolve()
-        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in set(_anchors(dest))):
+        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
             broken.append(target)
     assert broken == [], f"{page.name}: {broken}"

@@ -16,16 +16,11 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-# Top-level sections (their "## " titles) the summary keeps whole, besides the fair TTFT ones.
-KEEP = (
-    "Headline",
-    "How these runs are made",
-    "Answer quality",
-    "The gateway under concurrent load",
-    "Request rate under a TTFT SLO (open-loop arrivals)",
-    "Install and reproduce",
-)
-WHOLE = KEEP[:2]  # kept as they are; the other kept sections are cut to their lead
+# Top-level sections (their "## " titles) the summary keeps: these as they are, ...
+WHOLE = ("Headline", "How these runs are made")
+# ... these (and the fair TTFT sections) cut to their lead, ...
+LEAD = ("Answer quality", "The gateway under concurrent load", "Request rate under a TTFT SLO (open-loop arrivals)")
+INSTALL = "Install and reproduce"  # ... and this one last, after the index of the rest.
 TTFT = "Time to first token"
 _LINK = re.compile(r"\]\(([^)#\s][^)\s]*)\)")
 
@@ -72,28 +67,31 @@ def label(title: str) -> str:
 
 def anchor(title: str) -> str:
     """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
-    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
 
 
 def summary(lines: Sequence[str], full: str) -> list[str]:
     """The summary page of the full page's ``lines``; ``full``: the full page's path as a link
     from the summary."""
     head, sections = split_sections(lines)
-    kept = [(t, body) for t, body in sections if t in KEEP or fair_ttft(t, body)]
-    left = [t for t, body in sections if (t, body) not in kept]
+    body: list[str] = []
+    install: list[str] = []
+    left: list[str] = []
+    for title, part in sections:
+        if title in WHOLE:
+            body += part
+        elif title == INSTALL:
+            install += part
+        elif title in LEAD or fair_ttft(title, part):
+            cut = lead(part)
+            more = [f"The rest of this section: [the full report]({full}#{anchor(title)}).", ""]
+            body += cut + (more if len(cut) < len(part) else [])
+        else:
+            left.append(title)
     pointer = [f"The tables a reader needs. Every other table (each run, task, keep rate and draft) is in "
                f"[the full report]({full}), generated from the same files by the same command.", ""]
     index = [f"## Every other table ([the full report]({full}))", ""]
     index += [f"- [{label(title)}]({full}#{anchor(title)})" for title in left] + [""]
-    body = []
-    for title, part in kept:
-        if title in WHOLE:
-            body += part
-        elif title != KEEP[-1]:
-            cut = lead(part)
-            more = [f"The rest of this section: [the full report]({full}#{anchor(title)}).", ""]
-            body += cut + (more if len(cut) < len(part) else [])
-    install = [line for t, part in kept if t == KEEP[-1] for line in part]
     return head + pointer + body + index + install
 
 
